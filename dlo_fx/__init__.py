@@ -1,0 +1,12 @@
+"""dlo-fx: run Diffusion Transformers larger than one accelerator's memory.
+
+``torch.compile(model, backend="dlo")`` streams the model's weights from host memory
+through ``num_slots`` device slots, block by block, the next block's transfer overlapping
+the current block's compute.
+"""
+
+from .config import DLOConfig
+from .memory import MemoryReport, memory_report
+
+__all__ = ["DLOConfig", "MemoryReport", "memory_report"]
+__version__ = "0.1.0"

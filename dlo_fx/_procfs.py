@@ -1,0 +1,72 @@
+"""Host memory figures read from /proc and the cgroup (None where not readable)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    """Fields of ``/proc/PID/smaps_rollup`` in bytes (empty when unreadable)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "kB":
+                    out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def process_memory(pid: int | str = "self") -> dict[str, Optional[int]]:
+    roll = smaps_rollup(pid)
+    private = None
+    shared = None
+    if roll:
+        private = roll.get("Private_Clean", 0) + roll.get("Private_Dirty", 0)
+        shared = roll.get("Shared_Clean", 0) + roll.get("Shared_Dirty", 0)
+    return {"rss": roll.get("Rss"), "pss": roll.get("Pss"), "private": private, "shared": shared}
+
+
+def _cgroup_dir() -> Optional[str]:
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    path = "/sys/fs/cgroup" + line.strip()[3:]
+                    return path if os.path.isdir(path) else "/sys/fs/cgroup"
+    except OSError:
+        return None
+    return None
+
+
+def cgroup_memory() -> dict[str, Optional[int]]:
+    """``memory.current`` and ``memory.peak`` of this process's cgroup (v2)."""
+    out: dict[str, Optional[int]] = {"current": None, "peak": None}
+    base = _cgroup_dir()
+    if base is None:
+        return out
+    for key in out:
+        try:
+            with open(os.path.join(base, f"memory.{key}")) as f:
+                out[key] = int(f.read().strip())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def tree_pss(root_pid: int) -> int:
+    """PSS summed over ``root_pid`` and all its descendants (bytes)."""
+    total = 0
+    stack = [root_pid]
+    while stack:
+        pid = stack.pop()
+        total += smaps_rollup(pid).get("Pss", 0)
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                stack.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return total

@@ -1,0 +1,208 @@
+"""`DLOConfig`: every option of the `dlo` backend, frozen and validated.
+
+`torch.compile(model, backend="dlo", options={...})` maps the options dict onto this
+dataclass through `DLOConfig.from_options`; an unknown key or a bad value raises
+`ValueError` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+
+import torch
+
+Mode = Literal["auto", "allgather", "rank_local"]
+Compiler = Literal["eager", "inductor"]
+
+_MODES = ("auto", "allgather", "rank_local")
+_COMPILERS = ("eager", "inductor")
+
+
+@dataclass(frozen=True)
+class DLOConfig:
+    """Options of the `dlo` torch.compile backend."""
+
+    mode: Mode = "auto"
+    """How a block reaches the device. ``"allgather"``: each rank of the shard group keeps
+    1/dp of every block in host memory; the block is completed on the device by an
+    AllGather. ``"rank_local"``: every rank keeps whole blocks, no collective. ``"auto"``
+    picks allgather when the shard group has more than one rank, rank-local otherwise.
+    Default: ``"auto"``."""
+
+    num_slots: int = 2
+    """Number of device slot buffers a block is streamed into (prefetch depth + 1).
+    Default: ``2``."""
+
+    block_bytes: Optional[int] = None
+    """Block budget in bytes: blocks are closed once adding the next parameters would
+    exceed it. ``None`` uses the largest natural layer (e.g. one transformer block).
+    Default: ``None``."""
+
+    resident_bytes: int = 0
+    """Parameters smaller than this many bytes stay on the device for the whole run;
+    ``0`` streams every parameter that can be streamed. Parameters used far apart
+    (shared tables, tied weights) stay resident whatever the setting. Default: ``0``."""
+
+    device: Optional[str] = None
+    """Device the slots live on and the graph computes on, e.g. ``"cpu"``, ``"cuda:0"``.
+    ``None`` uses the device of the model's parameters. Default: ``None``."""
+
+    pin_memory: bool = True
+    """Pin host shards where the platform supports it (ignored on CPU-only runs).
+    Default: ``True``."""
+
+    alignment: int = 256
+    """Byte alignment of every tensor inside a flattened block, and of shard sizes.
+    A power of two of at least 16. Default: ``256``."""
+
+    shard_group: Any = None
+    """Ranks a block is gathered over: a ``ProcessGroup``, a list of global ranks, or
+    ``None`` for the WORLD group when ``torch.distributed`` is initialised (dp = 1
+    otherwise). Default: ``None``."""
+
+    collective_timeout_s: float = 300.0
+    """Timeout of the weight-gather process group; a rank that dies or raises makes the
+    others raise within it. Default: ``300.0``."""
+
+    dump_dir: Optional[str] = None
+    """Folder to write schedule dumps into (``DLO_FX_DUMP_DIR`` sets it too).
+    Default: ``None``."""
+
+    trace: bool = False
+    """Record measured spans of every schedule node (for ``trace.json``).
+    Default: ``False``."""
+
+    debug_passes: bool = False
+    """Log the graph before and after every pass at DEBUG level on the ``dlo_fx.passes``
+    logger (``DLO_FX_DEBUG_PASSES=1`` sets it too). Default: ``False``."""
+
+    user_passes: tuple[Callable, ...] = field(default=())
+    """Extra FX passes ``(gm, ctx) -> gm`` run after scheduling; they see
+    ``node.meta["dlo"]``. Default: ``()``."""
+
+    compiler: Compiler = "eager"
+    """How the compute between schedule nodes runs. Default: ``"eager"``."""
+
+    fault_delay_s: float = 0.0
+    """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``
+    to prove that ``wait`` orders the slot. Default: ``0.0``."""
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, _MODES)
+        _check_choice("compiler", self.compiler, _COMPILERS)
+        _check_int("num_slots", self.num_slots, minimum=2)
+        if self.block_bytes is not None:
+            _check_int("block_bytes", self.block_bytes, minimum=1)
+        _check_int("resident_bytes", self.resident_bytes, minimum=0)
+        _check_int("alignment", self.alignment, minimum=16)
+        if self.alignment & (self.alignment - 1):
+            raise ValueError(
+                f"DLOConfig option 'alignment'={self.alignment!r} is not allowed: "
+                "it must be a power of two >= 16"
+            )
+        for name in ("pin_memory", "trace", "debug_passes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"DLOConfig option {name!r}={getattr(self, name)!r} is not allowed: "
+                    "expected True or False"
+                )
+        for name in ("collective_timeout_s", "fault_delay_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(
+                    f"DLOConfig option {name!r}={value!r} is not allowed: "
+                    "expected a number of seconds >= 0"
+                )
+        if self.collective_timeout_s == 0:
+            raise ValueError(
+                "DLOConfig option 'collective_timeout_s'=0 is not allowed: expected > 0"
+            )
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(
+                    f"DLOConfig option 'device'={self.device!r} is not allowed: {exc}; "
+                    "expected a torch device string such as 'cpu' or 'cuda:0'"
+                ) from None
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise ValueError(
+                f"DLOConfig option 'dump_dir'={self.dump_dir!r} is not allowed: expected a path"
+            )
+        if not isinstance(self.user_passes, tuple) or not all(
+            callable(p) for p in self.user_passes
+        ):
+            raise ValueError(
+                f"DLOConfig option 'user_passes'={self.user_passes!r} is not allowed: "
+                "expected a sequence of callables (gm, ctx) -> gm"
+            )
+        group = self.shard_group
+        if group is not None and not _is_process_group(group):
+            if isinstance(group, (str, bytes)) or not isinstance(group, Sequence) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in group
+            ) or len(set(group)) != len(group) or not group:
+                raise ValueError(
+                    f"DLOConfig option 'shard_group'={group!r} is not allowed: expected "
+                    "None, a ProcessGroup, or a non-empty list of distinct global ranks"
+                )
+
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]] = None) -> "DLOConfig":
+        """Build a config from a ``torch.compile(..., options=...)`` dict.
+
+        Environment variables fill what the dict leaves unset: ``DLO_FX_DUMP_DIR`` and
+        ``DLO_FX_DEBUG_PASSES``.
+        """
+        if isinstance(options, DLOConfig):
+            return options
+        options = dict(options or {})
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        for key in options:
+            if key not in allowed:
+                raise ValueError(
+                    f"unknown dlo option {key!r} (value {options[key]!r}); "
+                    f"allowed options: {', '.join(sorted(allowed))}"
+                )
+        if "dump_dir" not in options and os.environ.get("DLO_FX_DUMP_DIR"):
+            options["dump_dir"] = os.environ["DLO_FX_DUMP_DIR"]
+        if "debug_passes" not in options and os.environ.get("DLO_FX_DEBUG_PASSES"):
+            options["debug_passes"] = os.environ["DLO_FX_DEBUG_PASSES"] not in ("", "0")
+        if "user_passes" in options and not isinstance(options["user_passes"], tuple):
+            passes = options["user_passes"]
+            options["user_passes"] = tuple(passes) if isinstance(passes, (list, tuple)) else passes
+        if isinstance(options.get("shard_group"), list):
+            options["shard_group"] = tuple(options["shard_group"])
+        return cls(**options)
+
+    def key(self) -> tuple:
+        """What makes two configs share one runtime (slots, host store, streams)."""
+        group = self.shard_group
+        group_key = id(group) if _is_process_group(group) else group
+        return (self.mode, self.num_slots, self.device, self.pin_memory, self.alignment,
+                group_key, self.collective_timeout_s, self.fault_delay_s, self.trace)
+
+
+def _is_process_group(obj: Any) -> bool:
+    try:
+        from torch.distributed import ProcessGroup
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(obj, ProcessGroup)
+
+
+def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"DLOConfig option {name!r}={value!r} is not allowed: expected one of "
+            f"{', '.join(repr(a) for a in allowed)}"
+        )
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"DLOConfig option {name!r}={value!r} is not allowed: expected an integer >= {minimum}"
+        )

@@ -1,0 +1,89 @@
+"""`memory_report(model)`: where a model's weights live, measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from ._procfs import cgroup_memory, process_memory
+from .runtime.host_store import is_hollow
+from .runtime.layout import span_bytes
+from .runtime.runtime import runtimes_holding
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Weight memory of one model under dlo. Host figures are of this process."""
+
+    num_blocks: int
+    max_block_bytes: int
+    num_slots: int
+    slot_bytes: int
+    resident_bytes: int
+    host_shard_bytes: int
+    buffer_bytes: int
+    rss_bytes: Optional[int]
+    pss_bytes: Optional[int]
+    private_bytes: Optional[int]
+    shared_bytes: Optional[int]
+    cgroup_current_bytes: Optional[int]
+    cgroup_peak_bytes: Optional[int]
+    device_peak_bytes: Optional[int]
+
+    def __str__(self) -> str:
+        rows = [(f.name, getattr(self, f.name)) for f in fields(self)]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'figure':<{width}}  value", f"{'-' * width}  {'-' * 16}"]
+        for name, value in rows:
+            lines.append(f"{name:<{width}}  {_fmt(name, value)}")
+        return "\n".join(lines)
+
+
+def _fmt(name: str, value: Optional[int]) -> str:
+    if value is None:
+        return "n/a"
+    if name.endswith("_bytes"):
+        return f"{value:,} B ({value / 2**20:.1f} MiB)"
+    return str(value)
+
+
+def device_peak_bytes(device: torch.device) -> Optional[int]:
+    if device.type == "cpu":
+        return None
+    try:
+        return int(torch.get_device_module(device).max_memory_allocated(device))
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def memory_report(model: torch.nn.Module) -> MemoryReport:
+    """Measure ``model``'s weight placement: blocks, slots, resident and host bytes."""
+    params = list(dict.fromkeys(model.parameters()))
+    runtimes = runtimes_holding(params)
+    blocks = []
+    slot_bytes = num_slots = 0
+    resident = sum(span_bytes(p) for p in params if not is_hollow(p))
+    device = params[0].device if params else torch.device("cpu")
+    for rt in runtimes:
+        ids = {rt.store.entry(p).block for p in params if p in rt.store}
+        blocks += [rt.store.blocks[i] for i in sorted(ids)]
+        slot_bytes += rt.slots.total_bytes
+        num_slots = max(num_slots, rt.slots.num_slots)
+        resident += rt.resident_copy_bytes
+        device = rt.device
+    host = process_memory()
+    cgroup = cgroup_memory()
+    return MemoryReport(
+        num_blocks=len(blocks),
+        max_block_bytes=max((b.slot_bytes for b in blocks), default=0),
+        num_slots=num_slots,
+        slot_bytes=slot_bytes,
+        resident_bytes=resident,
+        host_shard_bytes=sum(b.shard.numel() for b in blocks),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        rss_bytes=host["rss"], pss_bytes=host["pss"], private_bytes=host["private"],
+        shared_bytes=host["shared"], cgroup_current_bytes=cgroup["current"],
+        cgroup_peak_bytes=cgroup["peak"], device_peak_bytes=device_peak_bytes(device),
+    )

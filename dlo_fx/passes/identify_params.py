@@ -1,0 +1,54 @@
+"""Pass 1: find the placeholders that carry parameters, and their FQNs.
+
+Dynamo lifts parameters as graph inputs; ``node.meta["grapharg"].source`` names where the
+value came from (``L['self']._modules['blocks']._modules['0']._parameters['weight']``) and
+the example input *is* the ``nn.Parameter``. A parameter already in the host store keeps
+the FQN it was stored under.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import fx
+
+from ..runtime.layout import span_bytes
+from .context import ParamInfo, PassContext
+
+_KEY = re.compile(r"\.?(?:_modules|_parameters|_buffers)\['([^']*)'\]|\.([A-Za-z_]\w*)|\['?([^'\]]*)'?\]")
+
+
+def fqn_from_source(name: str) -> str:
+    """``L['self']._modules['blocks']._modules['0']._parameters['w']`` -> ``blocks.0.w``."""
+    root = name.split("]", 1)[1] if name.startswith(("L[", "G[")) else name
+    parts = []
+    for m in _KEY.finditer(root):
+        part = m.group(1) or m.group(2) or m.group(3)
+        if part not in ("_modules", "_parameters", "_buffers"):
+            parts.append(part)
+    return ".".join(parts) or name
+
+
+def is_param_placeholder(node: fx.Node, value: object) -> bool:
+    return node.op == "placeholder" and isinstance(value, torch.nn.Parameter)
+
+
+def identify_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        value = ctx.example_inputs[i] if i < len(ctx.example_inputs) else None
+        grapharg = node.meta.get("grapharg")
+        if value is None and grapharg is not None:
+            value = grapharg.example
+        if not is_param_placeholder(node, value):
+            continue
+        entry = ctx.runtime.store.entry(value) if ctx.runtime is not None else None
+        if entry is not None:
+            fqn = entry.fqn
+        elif grapharg is not None:
+            fqn = fqn_from_source(grapharg.source.name)
+        else:
+            fqn = node.name
+        ctx.params.append(ParamInfo(node=node, param=value, fqn=fqn, nbytes=span_bytes(value)))
+    return gm

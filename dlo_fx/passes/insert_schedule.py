@@ -1,0 +1,98 @@
+"""Pass 5: insert the schedule nodes and read streamed parameters from their slots.
+
+For graph block ``g`` in slot ``s = g % num_slots``::
+
+    prefetch_b{g}(_dlo, g, *params)     # after swap_slot_b{g-num_slots}, or at the start
+    wait_b{g}(_dlo, g)                  # before the first read of any of its parameters
+    <fqn> = slot_view(_dlo, g, wait_b{g}, param)   # every use of param now reads this
+    swap_slot_b{g}(_dlo, g)             # after the last read of any view of its params
+
+plus ``prefetch_b0_wrap`` once slot 0 is free for the last time, so the next call (the
+next denoising step) starts warm. Stored parameters this graph keeps resident read
+``resident(_dlo, param)``. Every inserted node carries ``node.meta["dlo"]``.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from ..runtime import ops
+from ..runtime.ops import GraphSchedule
+from .context import GraphBlock, PassContext
+
+SCHEDULE_ATTR = "_dlo"
+
+
+def _meta(kind: str, block: GraphBlock, slot: int, **extra) -> dict:
+    return {"kind": kind, "block": block.index, "slot": slot, "bytes": block.nbytes,
+            "fqns": [p.fqn for p in block.params], **extra}
+
+
+def _name(fqn: str) -> str:
+    return fqn.replace(".", "_")
+
+
+def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    k = ctx.config.num_slots
+    blocks = ctx.blocks
+    sched = GraphSchedule(runtime=ctx.runtime, slot_of=[b.index % k for b in blocks],
+                          fqns=[[p.fqn for p in b.params] for b in blocks])
+    ctx.schedule = sched
+    gm.add_submodule(SCHEDULE_ATTR, sched)
+    stored_resident = [p for p in ctx.resident if ctx.in_store(p.param) and p.first >= 0]
+    if not blocks and not stored_resident:
+        return gm
+    dlo_nodes: set[fx.Node] = set()
+
+    def make(target, args, name, meta):
+        node = graph.create_node("call_function", target, args, name=name)
+        node.meta["dlo"] = meta
+        dlo_nodes.add(node)
+        return node
+
+    def redirect(info, new):
+        info.node.replace_all_uses_with(new, delete_user_cb=lambda u: u not in dlo_nodes)
+
+    last_placeholder = [n for n in nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_placeholder):
+        sched_node = graph.get_attr(SCHEDULE_ATTR)
+    cursor = sched_node
+
+    def prefetch(block: GraphBlock, after: fx.Node, name: str) -> fx.Node:
+        with graph.inserting_after(after):
+            return make(ops.prefetch, (sched_node, block.index, *[p.node for p in block.params]),
+                        name, _meta("prefetch", block, block.index % k))
+
+    for block in blocks[:k]:
+        cursor = prefetch(block, cursor, f"prefetch_b{block.index}")
+
+    for info in stored_resident:
+        with graph.inserting_before(nodes[info.first]):
+            node = make(ops.resident, (sched_node, info.node), _name(info.fqn),
+                        {"kind": "resident", "fqn": info.fqn, "bytes": info.nbytes})
+        redirect(info, node)
+
+    last_in_slot0 = max((b.index for b in blocks if b.index % k == 0), default=None)
+    for block in blocks:
+        slot = block.index % k
+        with graph.inserting_before(nodes[block.first]):
+            token = make(ops.wait, (sched_node, block.index), f"wait_b{block.index}",
+                         _meta("wait", block, slot))
+            for info in block.params:
+                view = make(ops.slot_view, (sched_node, block.index, token, info.node),
+                            _name(info.fqn), {"kind": "slot_view", "block": block.index,
+                                              "slot": slot, "fqn": info.fqn,
+                                              "bytes": info.nbytes})
+                redirect(info, view)
+        with graph.inserting_after(nodes[block.last]):
+            swap = make(ops.swap_slot, (sched_node, block.index), f"swap_slot_b{block.index}",
+                        _meta("swap_slot", block, slot))
+        after = swap
+        if block.index + k < len(blocks):
+            after = prefetch(blocks[block.index + k], after, f"prefetch_b{block.index + k}")
+        if block.index == last_in_slot0 and len(blocks) > k:
+            wrap = prefetch(blocks[0], after, "prefetch_b0_wrap")
+            wrap.meta["dlo"]["wrap"] = True
+    return gm

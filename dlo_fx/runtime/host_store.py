@@ -1,0 +1,132 @@
+"""`HostStore`: every streamed block's bytes in host memory (this rank's shard of them).
+
+Parameters handed to the store end *hollow*: real shape, dtype, device and strides over a
+zero-byte storage, so Dynamo's guards keep holding while the module holds no weight memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .layout import Entry, ShardSpec, copy_into_shard, plan_offsets, span_as_bytes, span_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostBlock:
+    """One block: its layout, shard geometry and this rank's host bytes."""
+
+    index: int
+    entries: list[Entry]
+    spec: ShardSpec
+    shard: torch.Tensor  # uint8, this rank's bytes (the whole padded block when dp == 1)
+    params: list[torch.nn.Parameter] = field(repr=False, default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes the block needs in a slot once gathered (padded to ``dp`` shards)."""
+        return self.spec.padded_bytes
+
+    @property
+    def fqns(self) -> list[str]:
+        return [e.fqn for e in self.entries]
+
+
+def is_hollow(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def hollow(params: Sequence[torch.Tensor]) -> None:
+    """Drop the storage of ``params``, keeping their metadata."""
+    for p in params:
+        p.data.untyped_storage().resize_(0)
+
+
+class HostStore:
+    """Blocks in registration order; parameters looked up by identity."""
+
+    def __init__(self, *, alignment: int, rank: int = 0, dp: int = 1,
+                 pin: bool = False) -> None:
+        self.alignment = alignment
+        self.rank = rank
+        self.dp = dp
+        self.pin = pin
+        self.blocks: list[HostBlock] = []
+        self._entries: dict[int, Entry] = {}
+        self._next_uid = 0
+
+    # -- lookup -------------------------------------------------------------------------
+    def entry(self, param: torch.Tensor) -> Optional[Entry]:
+        return self._entries.get(id(param))
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return id(param) in self._entries
+
+    @property
+    def max_slot_bytes(self) -> int:
+        return max((b.slot_bytes for b in self.blocks), default=0)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.shard.numel() for b in self.blocks)
+
+    # -- building -----------------------------------------------------------------------
+    def layout(self, params: Sequence[torch.Tensor], fqns: Sequence[str]) -> tuple[list[Entry], ShardSpec]:
+        """Entries and shard geometry a block of ``params`` would get (no copy)."""
+        sizes = [span_bytes(p) for p in params]
+        offsets, total = plan_offsets(sizes, self.alignment)
+        index = len(self.blocks)
+        entries = []
+        for p, fqn, off, size in zip(params, fqns, offsets, sizes):
+            entries.append(Entry(uid=self._next_uid + len(entries), fqn=fqn, block=index,
+                                 offset=off, nbytes=size, shape=tuple(p.shape),
+                                 stride=tuple(p.stride()), dtype=p.dtype))
+        return entries, ShardSpec.of(total, self.dp, self.alignment)
+
+    def add_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
+                  sources: Optional[Sequence[torch.Tensor]] = None) -> HostBlock:
+        """Lay ``params`` out as a new block and copy this rank's shard of their bytes.
+
+        ``sources`` are flat uint8 images of each parameter's storage span (the loader
+        passes mmap views); by default the parameters' own bytes are read. The parameters
+        are hollowed afterwards.
+        """
+        for p, fqn in zip(params, fqns):
+            if id(p) in self._entries:
+                raise RuntimeError(f"parameter {fqn!r} is already in host block "
+                                   f"{self._entries[id(p)].block}")
+        entries, spec = self.layout(params, fqns)
+        shard = self._allocate(spec.shard_bytes if self.dp > 1 else spec.padded_bytes)
+        start, _ = spec.rank_range(self.rank) if self.dp > 1 else (0, 0)
+        if sources is None:
+            sources = [span_as_bytes(p) if e.nbytes else None for p, e in zip(params, entries)]
+        copy_into_shard(shard, entries, sources, start)
+        block = HostBlock(index=len(self.blocks), entries=entries, spec=spec, shard=shard,
+                          params=list(params))
+        self.blocks.append(block)
+        for p, e in zip(params, entries):
+            self._entries[id(p)] = e
+        self._next_uid += len(entries)
+        hollow([p for p in params if p.numel()])
+        return block
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.pin:
+            try:
+                return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as exc:
+                warnings.warn(f"dlo: pinning a {nbytes}-byte host shard failed ({exc}); "
+                              "falling back to pageable memory (set pin_memory=False to "
+                              "silence this)", RuntimeWarning, stacklevel=3)
+                self.pin = False
+        return torch.zeros(nbytes, dtype=torch.uint8)
