@@ -14,7 +14,7 @@ from torch import fx
 from ..config import DLOConfig
 
 
-@dataclass
+@dataclass(eq=False)
 class ParamInfo:
     """A placeholder that carries an ``nn.Parameter``."""
 
@@ -27,7 +27,7 @@ class ParamInfo:
     reason: Optional[str] = None  # why it is resident, if it is
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphBlock:
     """A graph block: parameters streamed together, in first-use order."""
 

@@ -27,7 +27,10 @@ def fqn_from_source(name: str) -> str:
         part = m.group(1) or m.group(2) or m.group(3)
         if part not in ("_modules", "_parameters", "_buffers"):
             parts.append(part)
-    return ".".join(parts) or name
+    if parts:
+        return ".".join(parts)
+    local = re.match(r"[LG]\['([^']*)'\]", name)
+    return local.group(1) if local else name
 
 
 def is_param_placeholder(node: fx.Node, value: object) -> bool:

@@ -57,11 +57,24 @@ class Runtime:
             self.slot_block = [None] * self.slots.num_slots
 
     def resolve(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str]) -> int:
-        """Store block holding ``params`` (registering them when first seen)."""
-        entry = self.store.entry(params[0])
-        if entry is None:
-            return self.register_block(params, fqns)
-        return entry.block
+        """Host block a graph block is bound to for this call.
+
+        Parameters never seen are registered as a new block (a graph Dynamo reuses for
+        the next layer passes that layer's parameters). Otherwise the host block holding
+        most of ``params`` wins; a parameter held elsewhere (a table shared by every
+        layer and passed in as an argument) is read from a resident copy by ``view``.
+        """
+        entries = [self.store.entry(p) for p in params]
+        if None in entries:
+            fresh = [(p, f) for p, f, e in zip(params, fqns, entries) if e is None]
+            return self.register_block([p for p, _ in fresh], [f for _, f in fresh])
+        first = entries[0].block
+        if all(e.block == first for e in entries):
+            return first
+        counts: dict[int, int] = {}
+        for e in entries:
+            counts[e.block] = counts.get(e.block, 0) + e.nbytes
+        return max(counts, key=counts.__getitem__)
 
     def resident_tensor(self, param: torch.Tensor) -> torch.Tensor:
         """A device copy of a stored (hollow) parameter that a graph keeps resident."""
@@ -101,13 +114,8 @@ class Runtime:
 
     def view(self, slot: int, block: int, param: torch.Tensor) -> torch.Tensor:
         entry = self.store.entry(param)
-        if entry is None or entry.block != block:
-            raise RuntimeError(
-                f"dlo: parameter {'?' if entry is None else entry.fqn!r} passed at run time "
-                f"is not in host block {block} that this graph block was bound to; the "
-                "compiled graph was reused for parameters laid out differently. Recompile "
-                "with a block_bytes that gives repeated layers identical blocks."
-            )
+        if entry.block != block:  # held by another host block: see `resolve`
+            return self.resident_tensor(param)
         return self.slots.view(slot, entry)
 
     def drain(self) -> None:

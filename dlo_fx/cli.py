@@ -1,0 +1,50 @@
+"""The ``dlo-fx`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dlo-fx", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the reference DiT resident and through dlo")
+    demo.add_argument("--width", type=int, default=1024)
+    demo.add_argument("--layers", type=int, default=12)
+    demo.add_argument("--heads", type=int, default=16)
+    demo.add_argument("--size", type=int, default=16, help="latent height and width")
+    demo.add_argument("--runs", type=int, default=3, help="timed runs (median)")
+
+    try:
+        from .policy.cli import add_plan_arguments
+    except ImportError:
+        add_plan_arguments = None
+    if add_plan_arguments is not None:
+        plan = sub.add_parser("plan", help="predict memory and time of both modes")
+        add_plan_arguments(plan)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(width=args.width, depth=args.layers, heads=args.heads,
+                        size=args.size, runs=args.runs)
+    if args.command == "plan":
+        from .policy.cli import run_plan
+
+        return run_plan(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Bit-identity of `backend="dlo"` against the resident model, across models and options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dlo_fx
+from dlo_fx.passes.partition_blocks import layer_key
+from dlo_fx.runtime.layout import span_bytes
+from dlo_fx.runtime.runtime import runtimes_holding
+
+from models import MODELS, call, tiny_dit
+
+
+def largest_layer_bytes(model: torch.nn.Module) -> int:
+    sizes: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        sizes[layer_key(name)] = sizes.get(layer_key(name), 0) + span_bytes(p)
+    return max(sizes.values())
+
+
+def run_dlo(factory, options=None, *, calls=2, fullgraph=True, **kw):
+    """Reference output of a resident model, and `calls` outputs of a dlo-compiled twin."""
+    ref_model, inputs = factory(**kw)
+    with torch.no_grad():
+        ref = call(ref_model, inputs)
+    model, _ = factory(**kw)
+    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
+    with torch.no_grad():
+        outs = [call(compiled, inputs) for _ in range(calls)]
+    return ref, outs, model
+
+
+BUDGETS = ["default", "half", "three"]
+
+
+def budget_options(factory, budget: str, num_slots: int) -> dict:
+    options = {"num_slots": num_slots}
+    if budget != "default":
+        layer = largest_layer_bytes(factory()[0])
+        options["block_bytes"] = layer // 2 if budget == "half" else 3 * layer
+    return options
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("num_slots", [2, 3])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_bit_identical_fullgraph(name, num_slots, budget):
+    factory = MODELS[name]
+    ref, outs, model = run_dlo(factory, budget_options(factory, budget, num_slots))
+    for out in outs:
+        assert torch.equal(out, ref)
+    report = dlo_fx.memory_report(model)
+    assert report.num_blocks >= 1
+    assert report.slot_bytes == num_slots * report.max_block_bytes
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_bit_identical_with_graph_break(num_slots, budget):
+    """A graph break inside every layer: Dynamo compiles each half of DiTBlock.forward once
+    and reuses it for every layer, passing that layer's parameters. The schedule must
+    follow the parameters passed at run time."""
+    options = budget_options(tiny_dit, budget, num_slots)
+    ref, outs, model = run_dlo(tiny_dit, options, calls=3, fullgraph=False, depth=4,
+                               graph_break=True)
+    for out in outs:
+        assert torch.equal(out, ref)
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    stored = {id(p) for b in runtime.store.blocks for p in b.params}
+    for i in range(4):  # every layer's weights were streamed, not just layer 0's
+        assert id(model.blocks[i].qkv.weight) in stored
+
+
+@pytest.mark.parametrize("name", ["wan", "flux"])
+def test_diffusers_with_graph_break(name):
+    ref, outs, _ = run_dlo(MODELS[name], {"num_slots": 2}, fullgraph=False)
+    for out in outs:
+        assert torch.equal(out, ref)
+
+
+def test_fault_injection_keeps_bit_identity():
+    """Random delays on every copy: `wait` alone must order each slot."""
+    ref, outs, _ = run_dlo(tiny_dit, {"fault_delay_s": 0.01, "block_bytes": 20_000}, calls=3)
+    for out in outs:
+        assert torch.equal(out, ref)
+
+
+def test_wrap_around_prefetch_starts_next_call_warm():
+    ref, outs, model = run_dlo(tiny_dit, {"num_slots": 2}, calls=1)
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    blocks = dlo_fx.memory_report(model).num_blocks
+    assert blocks > 2 and runtime.copies == blocks + 1  # every block, then the wrap-around
+    before = runtime.copies
+    with torch.no_grad():
+        out = call(compiled, tiny_dit()[1])
+    assert torch.equal(out, ref)
+    # block 0 was prefetched by the previous call's wrap-around: it is not copied again.
+    assert runtime.copies - before == (blocks - 1) + 1
+
+
+def test_parameters_end_hollow_and_eager_call_says_how_to_fix():
+    _, _, model = run_dlo(tiny_dit, None, calls=1)
+    streamed = [p for p in model.parameters() if p.untyped_storage().nbytes() == 0]
+    assert streamed and all(p.numel() > 0 for p in streamed)
+    with pytest.raises(RuntimeError, match='backend="dlo"'):
+        with torch.no_grad():
+            model(*tiny_dit()[1])
+
+
+def test_grad_mode_with_trainable_parameters_is_refused():
+    model, inputs = tiny_dit()
+    model.requires_grad_(True)
+    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    with pytest.raises(Exception, match="inference only"):
+        compiled(*inputs)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def test_entry_point_registers_backend():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="torch_dynamo_backends")}
+    assert names.get("dlo") == "dlo_fx.backend:dlo_backend"
+    assert "dlo" in torch._dynamo.list_backends(exclude_tags=())

@@ -1,0 +1,185 @@
+"""The passes one by one: intervals through aliases, resident set, partition, schedule."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import dlo_fx.backend as backend
+from dlo_fx.passes import PassContext
+from dlo_fx.passes.partition_blocks import layer_key
+
+from models import call, tiny_dit
+
+
+def compile_capture(model, inputs, options=None, fullgraph=True):
+    """Compile with dlo, run once, return (output, [PassContext], [GraphModule])."""
+    ctxs, gms = [], []
+    real = backend.run_passes
+
+    def spy(gm, ctx, extra=()):
+        out = real(gm, ctx, extra)
+        ctxs.append(ctx)
+        gms.append(out)
+        return out
+
+    backend.run_passes = spy
+    try:
+        compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
+        with torch.no_grad():
+            out = call(compiled, inputs)
+    finally:
+        backend.run_passes = real
+    return out, ctxs, gms
+
+
+def test_layer_key():
+    assert layer_key("blocks.3.attn.qkv.weight") == "blocks.3"
+    assert layer_key("blocks.3.ffn.net.0.proj.weight") == "blocks.3"
+    assert layer_key("time_embed.0.weight") == "time_embed.0"
+    assert layer_key("patch_embed.weight") == "patch_embed"
+    assert layer_key("modulation_table") == "modulation_table"
+
+
+def test_default_budget_gives_one_block_per_layer():
+    model, inputs = tiny_dit(depth=4)
+    _, (ctx,), _ = compile_capture(model, inputs)
+    layer_blocks = [b for b in ctx.blocks if b.params[0].fqn.startswith("blocks.")]
+    assert [{layer_key(p.fqn) for p in b.params} for b in layer_blocks] == [
+        {f"blocks.{i}"} for i in range(4)]
+
+
+def test_shared_table_is_resident_far_apart():
+    model, inputs = tiny_dit(depth=4)
+    _, (ctx,), _ = compile_capture(model, inputs, {"block_bytes": 10**9})
+    reasons = {p.fqn: p.reason for p in ctx.resident}
+    assert reasons == {"modulation_table": "used far apart"} or "modulation_table" not in reasons
+    _, (ctx,), _ = compile_capture(*tiny_dit(depth=4))
+    assert {p.fqn: p.reason for p in ctx.resident}["modulation_table"] == "used far apart"
+
+
+def test_parameter_larger_than_budget_gets_its_own_block():
+    model, inputs = tiny_dit(depth=2)
+    ref = call(tiny_dit(depth=2)[0], inputs)
+    big = model.blocks[0].adaLN.weight
+    budget = big.numel() * big.element_size() // 3
+    out, (ctx,), _ = compile_capture(model, inputs, {"block_bytes": budget})
+    assert torch.equal(out, ref)
+    (own,) = [b for b in ctx.blocks if any(p.param is big for p in b.params)]
+    assert [p.fqn for p in own.params] == ["blocks.0.adaLN.weight"]
+    assert own.nbytes > budget
+    assert all(b.nbytes <= budget for b in ctx.blocks if len(b.params) > 1)
+
+
+def test_half_layer_budget_splits_at_module_boundaries():
+    budget = 30_000
+    _, (ctx,), _ = compile_capture(*tiny_dit(depth=2), {"block_bytes": budget})
+    size = {p.fqn: p.nbytes for b in ctx.blocks for p in b.params}
+    assert any(len({layer_key(p.fqn) for p in b.params}) == 1 and len(b.params) < 10
+               for b in ctx.blocks)  # layers were split
+    for block in ctx.blocks:
+        fqns = [p.fqn for p in block.params]
+        # a Linear's weight and bias that fit the budget together are never split apart
+        for fqn in fqns:
+            bias = fqn.replace("weight", "bias")
+            if fqn.endswith("weight") and bias in size and size[fqn] + size[bias] <= budget:
+                assert bias in fqns
+
+
+class NoStreamable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0), requires_grad=False)
+        self.register_buffer("offset", torch.ones(4))
+
+    def forward(self, x):
+        return x * self.scale + self.offset
+
+
+def test_model_with_no_streamable_parameters():
+    model = NoStreamable()
+    x = torch.randn(4)
+    ref = model(x)
+    out, (ctx,), (gm,) = compile_capture(model, (x,), {"resident_bytes": 1024})
+    assert torch.equal(out, ref)
+    assert not ctx.blocks and [p.reason for p in ctx.resident] == ["smaller than resident_bytes=1024"]
+    assert not [n for n in gm.graph.nodes if "dlo" in n.meta]
+
+
+class AliasLate(nn.Module):
+    """A view of `a.weight` is read after `b` runs: a's slot must stay until then."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        wt = self.a.weight.t()
+        h = x @ wt
+        h = self.b(h)
+        return h @ wt
+
+
+def test_alias_extends_last_use_and_is_bit_identical():
+    model = AliasLate().requires_grad_(False)
+    x = torch.randn(2, 16)
+    ref = model(x)
+    out, (ctx,), (gm,) = compile_capture(model, (x,), {"block_bytes": 1200})
+    assert torch.equal(out, ref)
+    a_weight = next(p for p in ctx.params if p.fqn == "a.weight")
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last_matmul = [n for n in gm.graph.nodes if n.op == "output"][0].args[0][0]
+    swaps = {n.meta["dlo"]["block"]: n for n in gm.graph.nodes
+             if n.meta.get("dlo", {}).get("kind") == "swap_slot"}
+    block_of_a = next(b.index for b in ctx.blocks if a_weight in b.params)
+    assert order[swaps[block_of_a]] > order[last_matmul.args[0]] or a_weight.reason
+
+
+def test_schedule_nodes_survive_dead_code_elimination_and_carry_meta():
+    _, _, (gm,) = compile_capture(*tiny_dit(depth=3))
+    kinds = [n.meta["dlo"]["kind"] for n in gm.graph.nodes if "dlo" in n.meta]
+    assert {"prefetch", "wait", "swap_slot", "slot_view"} <= set(kinds)
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    assert len(gm.graph.nodes) == before
+    wraps = [n for n in gm.graph.nodes if n.meta.get("dlo", {}).get("wrap")]
+    assert len(wraps) == 1 and wraps[0].meta["dlo"]["block"] == 0
+
+
+def test_debug_switch_logs_graph_around_every_pass(caplog):
+    with caplog.at_level(logging.DEBUG, logger="dlo_fx.passes"):
+        compile_capture(*tiny_dit(depth=1), {"debug_passes": True})
+    text = caplog.text
+    for name in ("identify_params", "use_intervals", "resident_set", "partition_blocks",
+                 "insert_schedule"):
+        assert f"graph before pass {name}" in text and f"graph after pass {name}" in text
+
+
+def test_failing_pass_names_itself_and_what_ran_before():
+    def broken(gm, ctx):
+        raise RuntimeError("boom")
+
+    model, inputs = tiny_dit(depth=1)
+    with pytest.raises(Exception) as info:
+        compile_capture(model, inputs, {"user_passes": (broken,)})
+    notes = "".join(getattr(info.value, "__notes__", [])) + str(info.value)
+    assert "boom" in notes
+    # a failed compile leaves the model materialised
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def test_user_pass_sees_schedule_meta():
+    seen = []
+
+    def count(gm, ctx: PassContext):
+        seen.extend(n.meta["dlo"]["kind"] for n in gm.graph.nodes if "dlo" in n.meta)
+        return gm
+
+    model, inputs = tiny_dit(depth=2)
+    ref = call(tiny_dit(depth=2)[0], inputs)
+    out, _, _ = compile_capture(model, inputs, {"user_passes": (count,)})
+    assert torch.equal(out, ref) and "prefetch" in seen
