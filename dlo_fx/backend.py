@@ -17,6 +17,7 @@ from torch import fx
 
 from .config import DLOConfig
 from .passes import PassContext, run_passes
+from .runtime.collectives import check_same_plan
 from .runtime.host_store import is_hollow
 from .runtime.runtime import Runtime, runtime_for
 
@@ -37,6 +38,14 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     gm = run_passes(gm, ctx, extra=config.user_passes)
     commit(ctx, runtime)
     _guard_eager_calls()
+    if config.dump_dir:
+        from .dump import write_dump
+
+        write_dump(gm, ctx, runtime, config.dump_dir)
+    if config.compiler == "inductor":
+        from .inductor import compile_pieces
+
+        return compile_pieces(gm, example_inputs, ctx)
     return gm.forward
 
 
@@ -81,6 +90,9 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
                 f"resident parameter {p.fqn!r} ({p.reason}) is on {p.param.device} but dlo "
                 f"computes on {runtime.device}; load the model with dlo_fx.load(...) so resident "
                 "parameters are placed on the device")
+    if runtime.mode == "allgather":
+        rows = [(len(b.params), b.nbytes, b.params[0].fqn) for b in ctx.blocks]
+        check_same_plan(rows, runtime.group, f"a graph of {len(ctx.params)} parameters")
     for block in ctx.blocks:
         if block.host_block is None:
             runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params])

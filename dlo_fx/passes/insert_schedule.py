@@ -3,6 +3,7 @@
 For graph block ``g`` in slot ``s = g % num_slots``::
 
     prefetch_b{g}(_dlo, g, *params)     # after swap_slot_b{g-num_slots}, or at the start
+    allgather_b{g}(_dlo, g)             # right after it, in allgather mode only
     wait_b{g}(_dlo, g)                  # before the first read of any of its parameters
     <fqn> = slot_view(_dlo, g, wait_b{g}, param)   # every use of param now reads this
     swap_slot_b{g}(_dlo, g)             # after the last read of any view of its params
@@ -60,10 +61,19 @@ def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         sched_node = graph.get_attr(SCHEDULE_ATTR)
     cursor = sched_node
 
+    gather = ctx.runtime is not None and ctx.runtime.mode == "allgather"
+
     def prefetch(block: GraphBlock, after: fx.Node, name: str) -> fx.Node:
+        """prefetch (and, when sharded, allgather) of ``block``; returns the last node."""
+        slot = block.index % k
         with graph.inserting_after(after):
-            return make(ops.prefetch, (sched_node, block.index, *[p.node for p in block.params]),
-                        name, _meta("prefetch", block, block.index % k))
+            node = make(ops.prefetch, (sched_node, block.index, *[p.node for p in block.params]),
+                        name, _meta("prefetch", block, slot))
+        if gather:
+            with graph.inserting_after(node):
+                node = make(ops.allgather, (sched_node, block.index),
+                            name.replace("prefetch", "allgather"), _meta("allgather", block, slot))
+        return node
 
     for block in blocks[:k]:
         cursor = prefetch(block, cursor, f"prefetch_b{block.index}")
@@ -95,4 +105,6 @@ def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if block.index == last_in_slot0 and len(blocks) > k:
             wrap = prefetch(blocks[0], after, "prefetch_b0_wrap")
             wrap.meta["dlo"]["wrap"] = True
+            if gather:
+                wrap.prev.meta["dlo"]["wrap"] = True
     return gm

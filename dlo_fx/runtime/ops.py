@@ -40,6 +40,11 @@ def prefetch(sched: GraphSchedule, block: int, *params: torch.nn.Parameter) -> N
     sched.runtime.prefetch(host_block, sched.slot_of[block])
 
 
+def allgather(sched: GraphSchedule, block: int) -> None:
+    """Complete graph block ``block`` in its slot from every rank's shard (in place)."""
+    sched.runtime.allgather(sched.bound[block], sched.slot_of[block])
+
+
 def wait(sched: GraphSchedule, block: int) -> None:
     """Block until graph block ``block`` is complete in its slot."""
     sched.runtime.wait(sched.bound[block], sched.slot_of[block])
@@ -60,8 +65,8 @@ def resident(sched: GraphSchedule, param: torch.nn.Parameter) -> torch.Tensor:
     return sched.runtime.resident_tensor(param)
 
 
-for _fn in (prefetch, wait, swap_slot):
+for _fn in (prefetch, allgather, wait, swap_slot):
     has_side_effect(_fn)
 
-SCHEDULE_OPS = {prefetch: "prefetch", wait: "wait", swap_slot: "swap_slot",
+SCHEDULE_OPS = {prefetch: "prefetch", allgather: "allgather", wait: "wait", swap_slot: "swap_slot",
                 slot_view: "slot_view", resident: "resident"}

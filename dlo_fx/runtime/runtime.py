@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from typing import Optional, Sequence
 
 import torch
 
 from ..config import DLOConfig
+from .collectives import ShardGroup, gather_in_place, resolve_shard_group
 from .executor import CpuExecutor
 from .host_store import HostStore
 from .slots import SlotPool
+from .trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +38,30 @@ class Runtime:
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
+        self.group: ShardGroup = resolve_shard_group(config.shard_group,
+                                                     config.collective_timeout_s)
+        if config.mode == "auto":
+            self.mode = "allgather" if self.group.dp > 1 else "rank_local"
+        elif config.mode == "allgather" and self.group.dp == 1:
+            log.info("dlo: mode='allgather' with a one-rank shard group runs rank-local")
+            self.mode = "rank_local"
+        else:
+            self.mode = config.mode
+        sharded = self.mode == "allgather"
         pin = config.pin_memory and device.type != "cpu"
-        self.store = HostStore(alignment=config.alignment, pin=pin)
+        self.store = HostStore(alignment=config.alignment, pin=pin,
+                               rank=self.group.rank if sharded else 0,
+                               dp=self.group.dp if sharded else 1)
         self.slots = SlotPool(config.num_slots, device)
         self.executor = CpuExecutor(fault_delay_s=config.fault_delay_s)
         self.slot_block: list[Optional[int]] = [None] * config.num_slots
         self._pending: list = [None] * config.num_slots
+        self._gathered: list[bool] = [True] * config.num_slots
         self._resident: dict[int, torch.Tensor] = {}
         self.copies = 0  # number of block copies issued (for tests and reports)
+        self.broken: Optional[str] = None  # set when a copy or gather failed
+        self.tracer: Optional[Tracer] = Tracer() if config.trace else None
+        self._ready_ns: list[int] = [0] * config.num_slots  # when each slot's wait returned
 
     # -- registration (compile time, or first call of a reused graph) --------------------
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str]) -> int:
@@ -83,7 +102,10 @@ class Runtime:
             entry = self.store.entry(param)
             block = self.store.blocks[entry.block]
             flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
-            flat[: block.shard.numel()].copy_(block.shard)
+            self._fill(flat, entry.block)
+            if self.store.dp > 1:
+                gather_in_place(flat, block.spec.shard_bytes, self.group,
+                                f"host block {entry.block} (resident copy of {entry.fqn!r})")
             tensor = self._resident[id(param)] = entry.view_of(flat).clone()
         return tensor
 
@@ -92,25 +114,70 @@ class Runtime:
         return sum(t.untyped_storage().nbytes() for t in self._resident.values())
 
     # -- the schedule -------------------------------------------------------------------
+    def _fill(self, flat: torch.Tensor, block: int) -> None:
+        """Copy this rank's host shard of ``block`` to its place in ``flat``."""
+        host = self.store.blocks[block]
+        start = host.spec.rank_range(self.store.rank)[0] if self.store.dp > 1 else 0
+        flat[start : start + host.shard.numel()].copy_(host.shard)
+
     def prefetch(self, block: int, slot: int) -> None:
+        """H2D of this rank's shard of ``block`` into its slice of ``slot``."""
         if self.slot_block[slot] == block:
-            return
+            return  # already there, or on its way (the wrap-around prefetch)
         self.slot_block[slot] = block
-        host = self.store.blocks[block].shard
-        dst = self.slots.buffers[slot][: host.numel()]
-        self._pending[slot] = self.executor.submit(lambda: dst.copy_(host))
+        flat = self.slots.buffers[slot]
+        task = lambda: self._fill(flat, block)  # noqa: E731
+        if self.tracer is not None:
+            task = self.tracer.timed("prefetch", block, slot, task)
+        self._pending[slot] = self.executor.submit(task)
+        self._gathered[slot] = self.mode != "allgather"
         self.copies += 1
 
+    def allgather(self, block: int, slot: int) -> None:
+        """Complete ``block`` in ``slot`` from every rank's slice, in place. Queued behind
+        its copy on the same worker, so every rank issues its gathers in one order."""
+        if self._gathered[slot] or self.slot_block[slot] != block:
+            return
+        self._gathered[slot] = True
+        flat = self.slots.buffers[slot]
+        spec = self.store.blocks[block].spec
+        what = f"host block {block} into slot {slot}"
+        task = lambda: gather_in_place(flat, spec.shard_bytes, self.group, what)  # noqa: E731
+        if self.tracer is not None:
+            task = self.tracer.timed("allgather", block, slot, task)
+        self._pending[slot] = self.executor.submit(task)
+
     def wait(self, block: int, slot: int) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"dlo: this runtime failed earlier and is closed ({self.broken}); "
+                               "start a fresh process group and recompile")
         if self.slot_block[slot] != block:
             self.prefetch(block, slot)
+        if not self._gathered[slot]:
+            self.allgather(block, slot)
         pending = self._pending[slot]
+        tracer = self.tracer
+        start = time.perf_counter_ns() if tracer is not None else 0
         if pending is not None:
-            self.executor.wait(pending)
             self._pending[slot] = None
+            try:
+                self.executor.wait(pending)
+            except BaseException as exc:
+                # Fail closed: after a failed collective the group is unusable, and a
+                # slot may hold half a block. Nothing reads a slot of this runtime again.
+                self.broken = str(exc)
+                self.slot_block = [None] * self.slots.num_slots
+                raise
+        if tracer is not None:
+            end = time.perf_counter_ns()
+            tracer.add("wait", block, slot, start, end)
+            self._ready_ns[slot] = end
 
     def swap(self, slot: int) -> None:
         """The block in ``slot`` has been read for the last time in this graph."""
+        if self.tracer is not None:
+            self.tracer.add("compute", self.slot_block[slot], slot, self._ready_ns[slot],
+                            time.perf_counter_ns())
 
     def view(self, slot: int, block: int, param: torch.Tensor) -> torch.Tensor:
         entry = self.store.entry(param)
@@ -118,10 +185,14 @@ class Runtime:
             return self.resident_tensor(param)
         return self.slots.view(slot, entry)
 
-    def drain(self) -> None:
+    def drain(self, *, raise_errors: bool = True) -> None:
         for slot, pending in enumerate(self._pending):
-            self.executor.wait(pending)
             self._pending[slot] = None
+            try:
+                self.executor.wait(pending)
+            except BaseException:
+                if raise_errors:
+                    raise
 
 
 # -- one runtime per configuration ------------------------------------------------------
@@ -144,7 +215,7 @@ def reset_runtimes() -> None:
         runtimes = list(_RUNTIMES.values())
         _RUNTIMES.clear()
     for rt in runtimes:
-        rt.drain()
+        rt.drain(raise_errors=False)
         rt.executor.shutdown()
 
 

@@ -1,0 +1,62 @@
+"""`Tracer`: measured spans of the schedule, on the lanes they really ran on.
+
+Kinds: ``prefetch`` (the copy of a host shard into a slot), ``allgather`` (the gather
+that completes it), ``wait`` (time compute was blocked waiting for a block: a stall) and
+``compute`` (from a block's wait returning to its swap_slot). Lanes are thread names on
+CPU and stream names on a device. Times are ``time.perf_counter_ns()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Span:
+    kind: str
+    block: int  # host block index
+    slot: int
+    lane: str
+    start_ns: int
+    end_ns: int
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+class Tracer:
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, block: int, slot: int, start_ns: int, end_ns: int,
+            lane: str | None = None) -> None:
+        span = Span(kind, block, slot, lane or threading.current_thread().name, start_ns, end_ns)
+        with self._lock:
+            self.spans.append(span)
+
+    def timed(self, kind: str, block: int, slot: int, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` wrapped to record a span of ``kind`` on the thread that runs it."""
+        def run() -> None:
+            start = time.perf_counter_ns()
+            try:
+                fn()
+            finally:
+                self.add(kind, block, slot, start, time.perf_counter_ns())
+        return run
+
+    def clear(self) -> None:
+        with self._lock:
+            self.spans.clear()
+
+    def stall_by_block(self) -> dict[int, int]:
+        """Total nanoseconds compute waited on each host block."""
+        out: dict[int, int] = {}
+        for s in self.spans:
+            if s.kind == "wait":
+                out[s.block] = out.get(s.block, 0) + s.duration_ns
+        return out

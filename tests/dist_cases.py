@@ -1,0 +1,116 @@
+"""Case functions run on every rank by `distributed.spawn` (many sub-cases per spawn)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.fx.node import has_side_effect
+
+import dlo_fx
+from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
+
+from models import MODELS, call, tiny_dit
+
+
+def _fresh() -> None:
+    torch._dynamo.reset()
+    reset_runtimes()
+
+
+def run_model(name: str, options: dict, fullgraph: bool = True, calls: int = 2, **kw):
+    """(bit-identical?, host shard bytes, expected shard bytes, total block bytes, blocks)."""
+    _fresh()
+    factory = MODELS[name]
+    ref_model, inputs = factory(**kw)
+    with torch.no_grad():
+        ref = call(ref_model, inputs)
+    model, _ = factory(**kw)
+    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
+    with torch.no_grad():
+        same = all(torch.equal(call(compiled, inputs), ref) for _ in range(calls))
+    report = dlo_fx.memory_report(model)
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    blocks = runtime.store.blocks
+    return {
+        "equal": same,
+        "mode": runtime.mode,
+        "dp": runtime.store.dp,
+        "host_shard_bytes": report.host_shard_bytes,
+        "sum_shard": sum(b.spec.shard_bytes if runtime.store.dp > 1 else b.spec.padded_bytes
+                         for b in blocks),
+        "total": sum(b.nbytes for b in blocks),
+        "blocks": len(blocks),
+        "slot_bytes": report.slot_bytes,
+        "max_block_bytes": report.max_block_bytes,
+    }
+
+
+def sharding_cases(rank: int, world: int, models: tuple[str, ...]) -> dict:
+    out = {}
+    for name in models:
+        for mode in ("allgather", "rank_local"):
+            out[(name, mode)] = run_model(name, {"mode": mode})
+    out[("dit-break", "allgather")] = run_model("dit", {"mode": "allgather", "num_slots": 3},
+                                                fullgraph=False, calls=3, graph_break=True)
+    # Ranks that schedule different plans must all raise, naming the block, not hang.
+    _fresh()
+    model, inputs = tiny_dit()
+    budget = 20_000 if rank == 0 else 60_000
+    compiled = torch.compile(model, backend="dlo", fullgraph=True,
+                             options={"block_bytes": budget, "collective_timeout_s": 30})
+    try:
+        with torch.no_grad():
+            call(compiled, inputs)
+        out["mismatch"] = None
+    except Exception as exc:  # BackendCompilerFailed wrapping the ValueError
+        inner = getattr(exc, "inner_exception", exc)
+        out["mismatch"] = (type(inner).__name__, str(inner))
+    return out
+
+
+def group_cases(rank: int, world: int) -> dict:
+    """World 4 gathering over two 2-rank groups (DP replicas each hold their own copy)."""
+    group = [0, 1] if rank < 2 else [2, 3]
+    return {name: run_model(name, {"shard_group": group}) for name in ("dit", "wan")}
+
+
+# -- failures ----------------------------------------------------------------------------
+def _fail_here(how: str, rank: int) -> None:
+    if dist.get_rank() != rank:
+        return
+    if how == "die":
+        os._exit(17)
+    raise RuntimeError(f"injected failure on rank {rank}")
+
+
+has_side_effect(_fail_here)
+
+
+def _inject(how: str, rank: int):
+    def fail_after_second_wait(gm, ctx):
+        waits = [n for n in gm.graph.nodes if n.meta.get("dlo", {}).get("kind") == "wait"]
+        with gm.graph.inserting_after(waits[1]):
+            gm.graph.call_function(_fail_here, (how, rank))
+        return gm
+    return fail_after_second_wait
+
+
+def failure_cases(rank: int, world: int, timeout_s: float) -> dict:
+    out = {}
+    for how in ("raise", "die"):
+        _fresh()
+        model, inputs = tiny_dit(depth=6)
+        options = {"collective_timeout_s": timeout_s, "user_passes": [_inject(how, 1)],
+                   "block_bytes": 40_000}
+        compiled = torch.compile(model, backend="dlo", fullgraph=True, options=options)
+        start = time.monotonic()
+        try:
+            with torch.no_grad():
+                call(compiled, inputs)
+            out[how] = None
+        except Exception as exc:
+            out[how] = (time.monotonic() - start, str(exc))
+    return out  # rank 1 never gets here: it died in the second case

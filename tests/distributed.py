@@ -1,0 +1,71 @@
+"""Spawn N ranks with a file rendezvous and run one case function on each, bounded in time.
+
+A case function ``fn(rank, world_size, *args) -> object`` runs many sub-cases in one
+process group (spawning is the slow part). Its return value, or the traceback it raised,
+comes back per rank; a rank that exits without answering is reported as dead, and the
+whole spawn is killed at ``timeout`` so a hang fails the test instead of CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+
+def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        result = ("ok", fn(rank, world, *args))
+    except BaseException:  # report, never hang the parent
+        result = ("error", traceback.format_exc())
+    out.put((rank, result))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240.0,
+          allow_dead: tuple[int, ...] = ()) -> dict[int, Any]:
+    """Run ``fn`` on ``world`` ranks; return ``{rank: value}`` or raise with the failures."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = "file://" + os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_entry, args=(r, world, init, fn, args, out), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, result = out.get(timeout=0.5)
+                results[rank] = result
+                continue
+            except queue.Empty:
+                pass
+            if all(r in results or not procs[r].is_alive() for r in range(world)):
+                break  # the rest died without answering
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()) if len(results) == world else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world) if r not in results and r not in allow_dead]
+    errors = {r: v for r, (k, v) in results.items() if k == "error"}
+    if missing or errors:
+        text = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items())
+        raise AssertionError(f"ranks without an answer: {missing}; failures:{text}")
+    return {r: v for r, (_, v) in results.items()}

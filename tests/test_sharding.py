@@ -1,0 +1,71 @@
+"""Ranks share the weights: gloo, several processes, many sub-cases per spawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_cases
+from distributed import spawn
+from models import tiny_dit
+
+
+def check(results: dict, dp: int, alignment: int = 256) -> None:
+    for key, r in results.items():
+        if not isinstance(key, tuple) or key[0] == "mismatch":
+            continue
+        name, mode = key
+        assert r["equal"], key
+        assert r["slot_bytes"] == 2 * r["max_block_bytes"] or "break" in name
+        if mode == "allgather":
+            assert r["mode"] == "allgather" and r["dp"] == dp
+            assert r["host_shard_bytes"] == r["sum_shard"], key
+            assert r["host_shard_bytes"] <= r["total"] / dp + r["blocks"] * alignment, key
+        else:
+            assert r["mode"] == "rank_local" and r["dp"] == 1
+            assert r["host_shard_bytes"] >= r["total"], key
+
+
+def test_two_ranks_allgather_and_rank_local_and_plan_mismatch():
+    results = spawn(2, dist_cases.sharding_cases, ("dit", "wan", "flux"))
+    for rank in (0, 1):
+        check(results[rank], dp=2)
+        kind, message = results[rank]["mismatch"]
+        assert kind == "ValueError", message
+        assert "block 0" in message or "block" in message
+        assert "global rank" in message
+
+
+def test_three_ranks_allgather():
+    results = spawn(3, dist_cases.sharding_cases, ("dit", "wan", "flux"))
+    for rank in range(3):
+        check(results[rank], dp=3)
+
+
+def test_world_four_gathers_over_two_groups():
+    results = spawn(4, dist_cases.group_cases)
+    for rank in range(4):
+        for name, r in results[rank].items():
+            assert r["equal"] and r["dp"] == 2 and r["mode"] == "allgather", (rank, name)
+            assert r["host_shard_bytes"] == r["sum_shard"]
+
+
+def test_failed_or_dead_rank_makes_the_other_raise_within_timeout():
+    timeout_s = 5.0
+    results = spawn(2, dist_cases.failure_cases, timeout_s, allow_dead=(1,))
+    raised = results[0]
+    for how in ("raise", "die"):
+        elapsed, message = raised[how]
+        assert elapsed < timeout_s + 15, (how, elapsed)
+        assert "AllGather of host block" in message and "weight group" in message, message
+    assert 1 not in results  # rank 1 raised in the first case, then died in the second
+
+
+def test_dp_above_one_without_process_group_is_a_value_error():
+    model, inputs = tiny_dit()
+    compiled = torch.compile(model, backend="dlo", options={"shard_group": [0, 1]})
+    with pytest.raises(Exception) as info:
+        with torch.no_grad():
+            compiled(*inputs)
+    inner = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(inner, ValueError) and "init_process_group" in str(inner)
