@@ -10,6 +10,7 @@ import torch
 from ._procfs import cgroup_memory, process_memory
 from .runtime.host_store import is_hollow
 from .runtime.layout import span_bytes
+from .runtime.platform import max_memory_allocated
 from .runtime.runtime import runtimes_holding
 
 
@@ -49,15 +50,6 @@ def _fmt(name: str, value: Optional[int]) -> str:
     return str(value)
 
 
-def device_peak_bytes(device: torch.device) -> Optional[int]:
-    if device.type == "cpu":
-        return None
-    try:
-        return int(torch.get_device_module(device).max_memory_allocated(device))
-    except (AttributeError, RuntimeError):
-        return None
-
-
 def memory_report(model: torch.nn.Module) -> MemoryReport:
     """Measure ``model``'s weight placement: blocks, slots, resident and host bytes."""
     params = list(dict.fromkeys(model.parameters()))
@@ -85,5 +77,5 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         rss_bytes=host["rss"], pss_bytes=host["pss"], private_bytes=host["private"],
         shared_bytes=host["shared"], cgroup_current_bytes=cgroup["current"],
-        cgroup_peak_bytes=cgroup["peak"], device_peak_bytes=device_peak_bytes(device),
+        cgroup_peak_bytes=cgroup["peak"], device_peak_bytes=max_memory_allocated(device),
     )

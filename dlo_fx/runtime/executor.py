@@ -1,9 +1,22 @@
-"""Executors run the copies (and, with ranks, the gathers) that fill slots.
+"""Executors run the copies and gathers that fill slots.
 
-`CpuExecutor` is the CPU contract: one background worker thread does every copy in the
-order prefetches were issued, so every rank issues its collectives in one order; ``wait``
-blocks the compute thread on the copy's completion. ``fault_delay_s`` delays every task by
-a random time to prove that ``wait`` is what orders a slot.
+Both keep one contract, driven by `Runtime` (see [Note: slot reuse and stream ordering]):
+
+- ``copy(slot, task, nbytes)``: run ``task`` (the H2D of a host shard into ``slot``) once every
+  earlier read of the slot is done; returns a handle;
+- ``gather(slot, task, after)``: run ``task`` (the in-place AllGather) after ``after``;
+- ``wait(handle)``: compute may read what ``handle`` produced;
+- ``release(slot)``: compute has issued its last read of ``slot``;
+- ``sync()``: everything issued has finished (compile time only).
+
+`CpuExecutor`: one background worker thread runs every task in issue order, so every rank
+issues its collectives in one order; ``wait`` blocks on the task. ``fault_delay_s`` delays
+each copy randomly, which proves that ``wait`` is what orders a slot.
+
+`DeviceExecutor`: a copy stream for H2D and a comm stream for the AllGather; compute
+waits on an event per block, and ``release`` records the event the next copy into that
+slot waits on. Nothing blocks the host. Slots and pinned shards live for the runtime's
+lifetime (slots are only reallocated after ``sync()``), so no buffer is reused early.
 """
 
 from __future__ import annotations
@@ -12,11 +25,22 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import platform
 
 
 class CpuExecutor:
-    """One worker thread; tasks run in submission order."""
+    """One worker thread; tasks run in submission order.
+
+    A copy smaller than ``inline_bytes`` runs on the calling thread instead: waking the
+    worker costs tens of microseconds, more than copying a few hundred KiB. Gathers always
+    go to the worker, so collectives keep one issue order.
+    """
+
+    inline_bytes = 256 * 1024
 
     def __init__(self, *, fault_delay_s: float = 0.0, seed: int = 0) -> None:
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -31,23 +55,89 @@ class CpuExecutor:
                     self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-copy")
         return self._pool
 
-    def submit(self, fn: Callable[[], None]) -> Future:
+    def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0) -> Optional[Future]:
+        if nbytes < self.inline_bytes and not self.fault_delay_s:
+            task()
+            return None
         if self.fault_delay_s:
             delay = self._rng.uniform(0.0, self.fault_delay_s)
+            inner = task
 
-            def delayed() -> None:
+            def task() -> None:
                 time.sleep(delay)
-                fn()
+                inner()
 
-            return self._worker().submit(delayed)
-        return self._worker().submit(fn)
+        return self._worker().submit(task)
+
+    def gather(self, slot: int, task: Callable[[], Any], after: Any) -> Future:
+        return self._worker().submit(task)  # FIFO: runs after the copy it follows
 
     @staticmethod
-    def wait(handle: Optional[Future], timeout: Optional[float] = None) -> None:
+    def wait(handle: Optional[Future]) -> None:
         if handle is not None:
-            handle.result(timeout)
+            handle.result()
+
+    def release(self, slot: int) -> None:
+        """Compute on CPU is synchronous: the slot's reads are already done."""
+
+    def sync(self) -> None:
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+class DeviceExecutor:
+    """Copy and comm streams ordered against the compute stream by events."""
+
+    def __init__(self, device: torch.device, num_slots: int) -> None:
+        self.device = device
+        self.copy_stream = platform.new_stream(device)
+        self.comm_stream = platform.new_stream(device)
+        self._released: list[Optional[torch.Event]] = [None] * num_slots
+
+    def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0) -> torch.Event:
+        with platform.on_stream(self.copy_stream):
+            released = self._released[slot]
+            if released is not None:
+                self.copy_stream.wait_event(released)
+            task()
+            done = platform.new_event(self.device)
+            done.record(self.copy_stream)
+        return done
+
+    def gather(self, slot: int, task: Callable[[], Any], after: Optional[torch.Event]) -> torch.Event:
+        with platform.on_stream(self.comm_stream):
+            if after is not None:
+                self.comm_stream.wait_event(after)
+            task()
+            done = platform.new_event(self.device)
+            done.record(self.comm_stream)
+        return done
+
+    def wait(self, handle: Optional[torch.Event]) -> None:
+        if handle is not None:
+            platform.current_stream(self.device).wait_event(handle)
+
+    def release(self, slot: int) -> None:
+        event = platform.new_event(self.device)
+        event.record(platform.current_stream(self.device))
+        self._released[slot] = event
+
+    def sync(self) -> None:
+        platform.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        self.sync()
+
+
+def make_executor(device: torch.device, num_slots: int, fault_delay_s: float):
+    if device.type == "cpu":
+        return CpuExecutor(fault_delay_s=fault_delay_s)
+    if fault_delay_s:
+        raise NotImplementedError("fault_delay_s is a CPU-runtime option; on a device the "
+                                  "streams order the slots")
+    return DeviceExecutor(device, num_slots)

@@ -26,7 +26,8 @@ import torch
 
 from ..config import DLOConfig
 from .collectives import ShardGroup, gather_in_place, resolve_shard_group
-from .executor import CpuExecutor
+from . import platform
+from .executor import make_executor
 from .host_store import HostStore
 from .slots import SlotPool
 from .trace import Tracer
@@ -48,12 +49,12 @@ class Runtime:
         else:
             self.mode = config.mode
         sharded = self.mode == "allgather"
-        pin = config.pin_memory and device.type != "cpu"
+        pin = config.pin_memory and platform.can_pin(device)
         self.store = HostStore(alignment=config.alignment, pin=pin,
                                rank=self.group.rank if sharded else 0,
                                dp=self.group.dp if sharded else 1)
         self.slots = SlotPool(config.num_slots, device)
-        self.executor = CpuExecutor(fault_delay_s=config.fault_delay_s)
+        self.executor = make_executor(device, config.num_slots, config.fault_delay_s)
         self.slot_block: list[Optional[int]] = [None] * config.num_slots
         self._pending: list = [None] * config.num_slots
         self._gathered: list[bool] = [True] * config.num_slots
@@ -72,6 +73,7 @@ class Runtime:
     def _fit_slots(self, nbytes: int) -> None:
         if nbytes > self.slots.slot_bytes:
             self.drain()
+            self.executor.sync()  # no copy or gather may still touch the old slots
             self.slots.ensure(nbytes)
             self.slot_block = [None] * self.slots.num_slots
 
@@ -118,7 +120,7 @@ class Runtime:
         """Copy this rank's host shard of ``block`` to its place in ``flat``."""
         host = self.store.blocks[block]
         start = host.spec.rank_range(self.store.rank)[0] if self.store.dp > 1 else 0
-        flat[start : start + host.shard.numel()].copy_(host.shard)
+        flat[start : start + host.shard.numel()].copy_(host.shard, non_blocking=True)
 
     def prefetch(self, block: int, slot: int) -> None:
         """H2D of this rank's shard of ``block`` into its slice of ``slot``."""
@@ -129,7 +131,7 @@ class Runtime:
         task = lambda: self._fill(flat, block)  # noqa: E731
         if self.tracer is not None:
             task = self.tracer.timed("prefetch", block, slot, task)
-        self._pending[slot] = self.executor.submit(task)
+        self._pending[slot] = self.executor.copy(slot, task, self.store.blocks[block].shard.numel())
         self._gathered[slot] = self.mode != "allgather"
         self.copies += 1
 
@@ -145,7 +147,7 @@ class Runtime:
         task = lambda: gather_in_place(flat, spec.shard_bytes, self.group, what)  # noqa: E731
         if self.tracer is not None:
             task = self.tracer.timed("allgather", block, slot, task)
-        self._pending[slot] = self.executor.submit(task)
+        self._pending[slot] = self.executor.gather(slot, task, self._pending[slot])
 
     def wait(self, block: int, slot: int) -> None:
         if self.broken is not None:
@@ -175,6 +177,7 @@ class Runtime:
 
     def swap(self, slot: int) -> None:
         """The block in ``slot`` has been read for the last time in this graph."""
+        self.executor.release(slot)
         if self.tracer is not None:
             self.tracer.add("compute", self.slot_block[slot], slot, self._ready_ns[slot],
                             time.perf_counter_ns())

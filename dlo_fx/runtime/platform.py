@@ -1,0 +1,91 @@
+"""The platform layer: the one module that knows accelerator names.
+
+Everything else goes through the generic accelerator API (`torch.accelerator`,
+`torch.Stream`, `torch.Event`, `torch.get_device_module`) or through the functions here.
+CUDA (and ROCm, which PyTorch exposes as CUDA) uses NCCL, Ascend NPUs (torch_npu) HCCL,
+Intel XPUs XCCL; the CPU uses gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+_COLLECTIVE_BACKENDS = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl", "cpu": "gloo"}
+
+
+def accelerator() -> Optional[torch.device]:
+    """The accelerator this build can use, or None (CPU only)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return acc.current_accelerator()
+    return None
+
+
+def default_device() -> torch.device:
+    return accelerator() or torch.device("cpu")
+
+
+def collective_backend(device: torch.device) -> str:
+    """Process-group backend for weight gathers on ``device``."""
+    try:
+        return _COLLECTIVE_BACKENDS[device.type]
+    except KeyError:
+        raise NotImplementedError(f"dlo has no collective backend for device type "
+                                  f"{device.type!r}; supported: {sorted(_COLLECTIVE_BACKENDS)}")
+
+
+def can_pin(device: torch.device) -> bool:
+    """Whether host shards for ``device`` should be page-locked."""
+    return device.type != "cpu" and accelerator() is not None
+
+
+def new_stream(device: torch.device) -> torch.Stream:
+    return torch.Stream(device=device)
+
+
+def current_stream(device: torch.device) -> torch.Stream:
+    return torch.accelerator.current_stream(device)
+
+
+def new_event(device: torch.device, timing: bool = False) -> torch.Event:
+    return torch.Event(device=device, enable_timing=timing)
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.Stream) -> Iterator[None]:
+    """Make ``stream`` current for the work issued inside."""
+    with stream:
+        yield
+
+
+def synchronize(device: torch.device) -> None:
+    """Host-blocking: only at compile time (slot growth), never in steady state."""
+    torch.accelerator.synchronize(device)
+
+
+def max_memory_allocated(device: torch.device) -> Optional[int]:
+    if device.type == "cpu":
+        return None
+    try:
+        return int(torch.get_device_module(device).max_memory_allocated(device))
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@contextlib.contextmanager
+def sync_debug(device: torch.device, mode: str = "error") -> Iterator[None]:
+    """Raise on any host-blocking synchronisation inside (where the platform can tell)."""
+    module = torch.get_device_module(device)
+    setter = getattr(module, "set_sync_debug_mode", None)
+    getter = getattr(module, "get_sync_debug_mode", None)
+    if setter is None or getter is None:
+        raise NotImplementedError(f"{device.type} has no sync debug mode")
+    previous = getter()
+    setter(mode)
+    try:
+        yield
+    finally:
+        setter(previous)

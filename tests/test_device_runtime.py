@@ -1,0 +1,86 @@
+"""The executor contract on CPU, pinning, the platform boundary and the GPU check script."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+import warnings
+
+import torch
+
+from dlo_fx.runtime import platform
+from dlo_fx.runtime.executor import CpuExecutor, make_executor
+from dlo_fx.runtime.host_store import HostStore
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_cpu_executor_runs_tasks_in_issue_order_and_inlines_small_copies():
+    ex = CpuExecutor()
+    seen: list[tuple[str, str]] = []
+    big = ex.inline_bytes
+    handles = [ex.copy(0, lambda: seen.append(("copy", threading.current_thread().name)), big),
+               ex.gather(0, lambda: seen.append(("gather", threading.current_thread().name)),
+                         None)]
+    for h in handles:
+        ex.wait(h)
+    assert [k for k, _ in seen] == ["copy", "gather"]
+    assert all(name.startswith("dlo-copy") for _, name in seen)
+    assert ex.copy(1, lambda: seen.append(("small", threading.current_thread().name)), 16) is None
+    assert seen[-1][1] == threading.current_thread().name
+    ex.shutdown()
+
+
+def test_fault_delay_always_goes_through_the_worker():
+    ex = make_executor(torch.device("cpu"), 2, fault_delay_s=0.001)
+    handle = ex.copy(0, lambda: None, 1)
+    assert handle is not None
+    ex.wait(handle)
+    ex.shutdown()
+
+
+def test_pinning_failure_warns_and_falls_back():
+    store = HostStore(alignment=256, pin=True)
+    param = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    expected = param.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        block = store.add_block([param], ["w"])
+    if platform.accelerator() is None:  # CPU-only build: pinning cannot work
+        assert any("pinning" in str(w.message) for w in caught)
+        assert not block.shard.is_pinned() and not store.pin
+    entry = block.entries[0]
+    assert torch.equal(entry.view_of(block.shard), expected)
+
+
+def test_cpu_runtime_pins_nothing():
+    assert not platform.can_pin(torch.device("cpu"))
+
+
+def test_no_module_outside_the_platform_layer_calls_cuda():
+    pattern = re.compile(r"torch\.cuda|\.cuda\(|torch_npu|torch\.xpu|torch\.npu")
+    offenders = []
+    for path in (ROOT / "dlo_fx").rglob("*.py"):
+        if path.name == "platform.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_gpu_check_runs_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    result = json.loads(out.read_text())
+    assert all(v is True for v in result["identity"].values() if not isinstance(v, str))
+    assert result["memory"]["weights_flat_in_depth"] is True
+    assert result["latency"]["compute_bound"]["dlo_over_resident"] > 0
