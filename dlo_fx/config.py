@@ -14,10 +14,10 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import torch
 
-Mode = Literal["auto", "allgather", "rank_local"]
+Mode = Optional[Literal["auto", "allgather", "rank_local"]]
 Compiler = Literal["eager", "inductor"]
 
-_MODES = ("auto", "allgather", "rank_local")
+_MODES = (None, "auto", "allgather", "rank_local")
 _COMPILERS = ("eager", "inductor")
 
 
@@ -25,12 +25,14 @@ _COMPILERS = ("eager", "inductor")
 class DLOConfig:
     """Options of the `dlo` torch.compile backend."""
 
-    mode: Mode = "auto"
+    mode: Mode = None
     """How a block reaches the device. ``"allgather"``: each rank of the shard group keeps
     1/dp of every block in host memory; the block is completed on the device by an
-    AllGather. ``"rank_local"``: every rank keeps whole blocks, no collective. ``"auto"``
-    picks allgather when the shard group has more than one rank, rank-local otherwise.
-    Default: ``"auto"``."""
+    AllGather. ``"rank_local"``: every rank keeps whole blocks, no collective. ``"auto"``:
+    measure H2D and AllGather bandwidth on the shard group when the first graph is
+    scheduled and choose through the policy model (`dlo_fx.policy`). ``None`` picks
+    allgather when the shard group has more than one rank, rank-local otherwise.
+    Default: ``None``."""
 
     num_slots: int = 2
     """Number of device slot buffers a block is streamed into (prefetch depth + 1).

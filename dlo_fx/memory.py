@@ -32,13 +32,20 @@ class MemoryReport:
     cgroup_current_bytes: Optional[int]
     cgroup_peak_bytes: Optional[int]
     device_peak_bytes: Optional[int]
+    predicted: Optional[dict] = None
+    """The policy model's figures for this run's plan (``host_shard_bytes``,
+    ``slot_bytes``), printed beside the measured ones; None before anything streams."""
 
     def __str__(self) -> str:
-        rows = [(f.name, getattr(self, f.name)) for f in fields(self)]
+        rows = [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "predicted"]
         width = max(len(name) for name, _ in rows)
         lines = [f"{'figure':<{width}}  value", f"{'-' * width}  {'-' * 16}"]
         for name, value in rows:
-            lines.append(f"{name:<{width}}  {_fmt(name, value)}")
+            line = f"{name:<{width}}  {_fmt(name, value)}"
+            if self.predicted and name in self.predicted:
+                model = self.predicted[name]
+                line += f"   model {model / 2**20:.1f} MiB ({(value - model) / max(model, 1):+.1%})"
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -58,9 +65,17 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
     slot_bytes = num_slots = 0
     resident = sum(span_bytes(p) for p in params if not is_hollow(p))
     device = params[0].device if params else torch.device("cpu")
+    predicted: Optional[dict] = None
     for rt in runtimes:
         ids = {rt.store.entry(p).block for p in params if p in rt.store}
-        blocks += [rt.store.blocks[i] for i in sorted(ids)]
+        mine = [rt.store.blocks[i] for i in sorted(ids)]
+        blocks += mine
+        if mine and rt.mode is not None:
+            from .policy.measured import predicted_weight_bytes
+
+            figures = predicted_weight_bytes(rt.mode, [b.nbytes for b in mine],
+                                             rt.group.dp, rt.slots.num_slots)
+            predicted = {k: (predicted or {}).get(k, 0) + v for k, v in figures.items()}
         slot_bytes += rt.slots.total_bytes
         num_slots = max(num_slots, rt.slots.num_slots)
         resident += rt.resident_copy_bytes
@@ -78,4 +93,5 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         rss_bytes=host["rss"], pss_bytes=host["pss"], private_bytes=host["private"],
         shared_bytes=host["shared"], cgroup_current_bytes=cgroup["current"],
         cgroup_peak_bytes=cgroup["peak"], device_peak_bytes=max_memory_allocated(device),
+        predicted=predicted,
     )

@@ -45,6 +45,8 @@ def run_model(name: str, options: dict, fullgraph: bool = True, calls: int = 2, 
         "blocks": len(blocks),
         "slot_bytes": report.slot_bytes,
         "max_block_bytes": report.max_block_bytes,
+        "reason": runtime.mode_reason,
+        "predicted": report.predicted,
     }
 
 
@@ -74,7 +76,10 @@ def sharding_cases(rank: int, world: int, models: tuple[str, ...]) -> dict:
 def group_cases(rank: int, world: int) -> dict:
     """World 4 gathering over two 2-rank groups (DP replicas each hold their own copy)."""
     group = [0, 1] if rank < 2 else [2, 3]
-    return {name: run_model(name, {"shard_group": group}) for name in ("dit", "wan")}
+    out = {name: run_model(name, {"shard_group": group}) for name in ("dit", "wan")}
+    auto = run_model("dit", {"shard_group": group, "mode": "auto"})
+    runtime_reason = auto.pop("reason")
+    return {**out, "auto": auto, "auto_reason": runtime_reason}
 
 
 # -- failures ----------------------------------------------------------------------------

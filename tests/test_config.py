@@ -7,7 +7,7 @@ from models import tiny_dit
 
 def test_defaults_and_mapping():
     config = DLOConfig.from_options({"num_slots": 3, "block_bytes": 1024})
-    assert config.num_slots == 3 and config.block_bytes == 1024 and config.mode == "auto"
+    assert config.num_slots == 3 and config.block_bytes == 1024 and config.mode is None
     assert DLOConfig.from_options(None) == DLOConfig()
 
 

@@ -46,3 +46,11 @@ def test_uncompiled_model_reports_everything_resident():
     report = dlo_fx.memory_report(model)
     assert report.num_blocks == 0 and report.slot_bytes == 0
     assert report.resident_bytes == sum(span_bytes(p) for p in model.parameters())
+
+
+def test_report_compares_with_the_policy_model_within_ten_percent():
+    report, _ = compiled_report(12)
+    for figure in ("host_shard_bytes", "slot_bytes"):
+        measured, model = getattr(report, figure), report.predicted[figure]
+        assert abs(measured - model) <= 0.1 * measured, (figure, measured, model)
+    assert "model" in str(report)

@@ -112,7 +112,9 @@ def test_minimax_wave_times_match_published():
 
 
 def test_device_peak_decides_when_allgather_does_not_fit():
-    inputs = PlanInputs(model_gb=100.0, blocks=10, dp=2, activation_gb=0.0, hbm_gb=25.0)
+    # gather input buffers as the reference implementation kept them (dlo-fx: in place)
+    inputs = PlanInputs(model_gb=100.0, blocks=10, dp=2, activation_gb=0.0, hbm_gb=25.0,
+                        gather_buffers=2)
     pred = predict(inputs)
     assert pred.rank_local.device_peak_gb == pytest.approx(20.0)
     assert pred.allgather.device_peak_gb == pytest.approx(30.0)
@@ -236,7 +238,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument(changes, name):
 
 
 def test_single_rank_tie_goes_to_the_smaller_device_peak():
-    pred = predict(PlanInputs(model_gb=33.0, blocks=72, dp=1, sp=1))
+    pred = predict(PlanInputs(model_gb=33.0, blocks=72, dp=1, sp=1, gather_buffers=2))
     assert pred.allgather.host_physical_peak_gb == pytest.approx(pred.rank_local.host_physical_peak_gb)
     assert pred.mode == "rank_local"
     assert "device peak decides" in pred.reason

@@ -16,6 +16,8 @@ def check(results: dict, dp: int, alignment: int = 256) -> None:
             continue
         name, mode = key
         assert r["equal"], key
+        for figure in ("host_shard_bytes", "slot_bytes"):  # the policy model, within 10%
+            assert abs(r[figure] - r["predicted"][figure]) <= 0.1 * r[figure], (key, figure)
         assert r["slot_bytes"] == 2 * r["max_block_bytes"] or "break" in name
         if mode == "allgather":
             assert r["mode"] == "allgather" and r["dp"] == dp
@@ -45,9 +47,15 @@ def test_three_ranks_allgather():
 def test_world_four_gathers_over_two_groups():
     results = spawn(4, dist_cases.group_cases)
     for rank in range(4):
+        reason = results[rank].pop("auto_reason")
+        auto = results[rank].pop("auto")
         for name, r in results[rank].items():
             assert r["equal"] and r["dp"] == 2 and r["mode"] == "allgather", (rank, name)
             assert r["host_shard_bytes"] == r["sum_shard"]
+        # mode="auto": measured on the real group, decided through the policy model
+        assert auto["equal"] and auto["mode"] in ("allgather", "rank_local")
+        assert "measured H2D" in reason and "AllGather" in reason
+    assert len({results[r]["dit"]["mode"] for r in range(4)}) == 1
 
 
 def test_failed_or_dead_rank_makes_the_other_raise_within_timeout():

@@ -10,6 +10,7 @@ before and after each pass on the ``dlo_fx.passes`` logger.
 | use_intervals.py | first/last use of each parameter, through its aliases |
 | resident_set.py | which parameters stay on the device; the block budget |
 | partition_blocks.py | blocks in first-use order, closed at the budget |
+| choose_mode.py | settles mode="auto" from measured bandwidths and the plan |
 | insert_schedule.py | prefetch / wait / slot_view / swap_slot nodes, wrap-around prefetch |
 """
 
@@ -21,6 +22,7 @@ from typing import Callable
 from torch import fx
 
 from .context import GraphBlock, ParamInfo, PassContext
+from .choose_mode import choose_mode
 from .identify_params import identify_params
 from .insert_schedule import insert_schedule
 from .partition_blocks import partition_blocks
@@ -36,6 +38,7 @@ PIPELINE: tuple[Pass, ...] = (
     use_intervals,
     resident_set,
     partition_blocks,
+    choose_mode,
     insert_schedule,
 )
 

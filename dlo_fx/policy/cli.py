@@ -38,6 +38,8 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--max-block-gb", "max_block_gb", float, "GB of the largest block (default: model/blocks)"),
     ("--resident-gb", "resident_gb", float, "GB of weights resident on the device outside blocks"),
     ("--activation-gb", "activation_gb", float, "GB of activations/workspace per device"),
+    ("--num-slots", "num_slots", int, "device slots a block streams into"),
+    ("--gather-buffers", "gather_buffers", int, "gather input buffers per rank (0: in place)"),
     ("--overhead-gb", "overhead_gb", float, "host framework overhead per rank, GB"),
     ("--page-cache-fraction", "page_cache_fraction", float, "checkpoint share in page cache at load"),
     ("--staging-fraction", "staging_fraction", float, "private staging at load per host copy"),

@@ -57,6 +57,11 @@ class PlanInputs:
     activation_gb: float = 20.0
     """GB of activations, workspaces and framework memory per device (default: the order
     of the DLO write-up's 720p 10 s peaks, 23.1-28.1 GB, less the weight slots)."""
+    num_slots: int = 2
+    """Device slots a block streams into (the ``num_slots`` option)."""
+    gather_buffers: int = 0
+    """Shard-sized gather input buffers per rank: 0 for dlo-fx, which gathers in place
+    into the slot; the reference implementation kept 2."""
     overhead_gb: float = c.value("overhead_gb")
     """Host framework overhead per rank process, GB."""
     page_cache_fraction: float = c.value("page_cache_fraction")
@@ -101,6 +106,10 @@ class PlanInputs:
         _check_count("blocks", self.blocks, "pass the number of streamed blocks")
         _check_count("dp", self.dp)
         _check_count("sp", self.sp)
+        _check_count("num_slots", self.num_slots)
+        if isinstance(self.gather_buffers, bool) or not isinstance(self.gather_buffers, int) \
+                or self.gather_buffers < 0:
+            raise ValueError(f"gather_buffers must be a whole number >= 0, got {self.gather_buffers!r}")
         if self.world is not None:
             _check_count("world", self.world)
             if self.world % self.dp:

@@ -77,7 +77,7 @@ def _mode_definitions(mode: str) -> list[Definition]:
         t_lock = _out("t_lock^ag")
         copies_rhs = s.W / s.g
         pinned_rhs = s.M / s.g
-        device_rhs = s.R + s.A + 2 * s.B + 2 * s.B / s.g
+        device_rhs = s.R + s.A + s.S * s.B + s.G * s.B / s.g
         h2d_rhs = s.B / (s.g * s.b_rank)
         timing = [
             Definition(p + "h2d_time", t_h2d, h2d_rhs, "H2D time of one block's shard per rank", "s"),
@@ -106,7 +106,7 @@ def _mode_definitions(mode: str) -> list[Definition]:
     else:
         copies_rhs = s.W
         pinned_rhs = s.M
-        device_rhs = s.R + s.A + 2 * s.B
+        device_rhs = s.R + s.A + s.S * s.B
         timing = [
             Definition(p + "h2d_time", t_h2d, s.B / s.b_rank, "H2D time of one whole block per rank", "s"),
             Definition(

@@ -34,6 +34,8 @@ R = _sym("R")
 A = _sym("A")
 dp = _sym("dp")
 sp = _sym("sp")
+S = _sym("S")
+G = _sym("G")
 
 # Host memory behaviour at load time.
 O_rank = _sym("O_rank")
@@ -66,6 +68,8 @@ SYMBOLS: Mapping[str, SymbolInfo] = {
     "B_max": SymbolInfo(B, "size of the largest block (sizes each device slot)", "GB"),
     "R": SymbolInfo(R, "weights kept resident on the device outside the blocks", "GB"),
     "A": SymbolInfo(A, "activations, workspaces and framework memory per device", "GB"),
+    "S": SymbolInfo(S, "device slots a block streams into (num_slots)", "1"),
+    "G": SymbolInfo(G, "shard-sized gather input buffers per rank (0: dlo-fx gathers in place)", "1"),
     "dp": SymbolInfo(dp, "data-parallel degree (independent requests in flight)", "1"),
     "sp": SymbolInfo(sp, "sequence-parallel degree (ranks sharing one request)", "1"),
     "O_rank": SymbolInfo(O_rank, "host framework overhead per rank process", "GB"),
@@ -102,6 +106,8 @@ INPUT_SYMBOLS: Mapping[str, sympy.Symbol] = {
     "max_block_gb": B,
     "resident_gb": R,
     "activation_gb": A,
+    "num_slots": S,
+    "gather_buffers": G,
     "dp": dp,
     "sp": sp,
     "overhead_gb": O_rank,

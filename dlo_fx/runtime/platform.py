@@ -75,6 +75,16 @@ def max_memory_allocated(device: torch.device) -> Optional[int]:
         return None
 
 
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """Total memory of one device (None on CPU)."""
+    if device.type == "cpu":
+        return None
+    try:
+        return int(torch.get_device_module(device).get_device_properties(device).total_memory)
+    except (AttributeError, RuntimeError):
+        return None
+
+
 @contextlib.contextmanager
 def sync_debug(device: torch.device, mode: str = "error") -> Iterator[None]:
     """Raise on any host-blocking synchronisation inside (where the platform can tell)."""

@@ -41,18 +41,13 @@ class Runtime:
         self.device = device
         self.group: ShardGroup = resolve_shard_group(config.shard_group,
                                                      config.collective_timeout_s)
-        if config.mode == "auto":
-            self.mode = "allgather" if self.group.dp > 1 else "rank_local"
-        elif config.mode == "allgather" and self.group.dp == 1:
-            log.info("dlo: mode='allgather' with a one-rank shard group runs rank-local")
-            self.mode = "rank_local"
-        else:
-            self.mode = config.mode
-        sharded = self.mode == "allgather"
-        pin = config.pin_memory and platform.can_pin(device)
-        self.store = HostStore(alignment=config.alignment, pin=pin,
-                               rank=self.group.rank if sharded else 0,
-                               dp=self.group.dp if sharded else 1)
+        self.mode: Optional[str] = None  # decided before the first block is stored
+        self.mode_reason = ""
+        self.store = HostStore(alignment=config.alignment)  # replaced by `decide_mode`
+        if self.group.dp == 1:
+            self._set_mode("rank_local", "one rank in the shard group: nothing to gather")
+        elif config.mode in (None, "allgather", "rank_local"):
+            self._set_mode(config.mode or "allgather", f"mode={config.mode!r} option")
         self.slots = SlotPool(config.num_slots, device)
         self.executor = make_executor(device, config.num_slots, config.fault_delay_s)
         self.slot_block: list[Optional[int]] = [None] * config.num_slots
@@ -64,8 +59,32 @@ class Runtime:
         self.tracer: Optional[Tracer] = Tracer() if config.trace else None
         self._ready_ns: list[int] = [0] * config.num_slots  # when each slot's wait returned
 
+    # -- the mode and the store it implies ---------------------------------------------
+    def _set_mode(self, mode: str, reason: str) -> None:
+        sharded = mode == "allgather"
+        self.mode, self.mode_reason = mode, reason
+        self.store = HostStore(alignment=self.config.alignment,
+                               pin=self.config.pin_memory and platform.can_pin(self.device),
+                               rank=self.group.rank if sharded else 0,
+                               dp=self.group.dp if sharded else 1)
+        log.info("dlo: %s mode over the %s (%s)", mode, self.group.describe(), reason)
+
+    def decide_mode(self, block_bytes: Sequence[int]) -> str:
+        """Settle ``mode="auto"`` from the first plan's block sizes (a collective probe:
+        every rank of the shard group calls it at the same point)."""
+        if self.mode is None:
+            from ..policy.measured import choose_mode
+
+            self._set_mode(*choose_mode(self.device, self.group, block_bytes,
+                                        self.slots.num_slots))
+        return self.mode
+
     # -- registration (compile time, or first call of a reused graph) --------------------
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str]) -> int:
+        if self.mode is None:
+            from .layout import span_bytes
+
+            self.decide_mode([sum(span_bytes(p) for p in params)])
         block = self.store.add_block(params, fqns)
         self._fit_slots(block.slot_bytes)
         return block.index

@@ -1,0 +1,114 @@
+"""The policy applied to a real run: probe bandwidths, choose the mode, predict bytes.
+
+`choose_mode` is what ``mode="auto"`` runs when a graph is first scheduled: it measures
+the H2D (on CPU: copy) bandwidth and the AllGather bandwidth on the real shard group with
+a short probe, agrees on one set of figures across the group (so every rank decides the
+same), and evaluates the same symbolic model as ``dlo-fx plan`` with the block sizes of
+the plan. `predicted_weight_bytes` gives the model's host-shard and slot bytes for a
+runtime, which `memory_report` prints beside the measured ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import platform
+from ..runtime.collectives import ShardGroup, gather_in_place
+from .inputs import PlanInputs
+from .prediction import predict
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+PROBE_BYTES = 16 * 2**20
+
+
+def _median_seconds(fn, device: torch.device, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        if device.type != "cpu":
+            platform.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type != "cpu":
+            platform.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def probe_bandwidths(device: torch.device, group: ShardGroup,
+                     nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(H2D GB/s, AllGather GB/s per rank) measured here, agreed over the group."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=platform.can_pin(device))
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = nbytes / _median_seconds(lambda: dev.copy_(host, non_blocking=True), device) / GB
+    gather = float("inf")
+    if group.dp > 1:
+        shard = -(-nbytes // group.dp)
+        flat = torch.zeros(shard * group.dp, dtype=torch.uint8, device=device)
+        seconds = _median_seconds(lambda: gather_in_place(flat, shard, group, "the probe"),
+                                  device)
+        gather = shard * (group.dp - 1) / seconds / GB
+        figures: list = [None] * group.dp
+        dist.all_gather_object(figures, (h2d, gather), group=group.pg)
+        h2d = statistics.median(f[0] for f in figures)
+        gather = min(f[1] for f in figures)
+    return h2d, gather
+
+
+def host_ram_bytes() -> int:
+    limit = None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+            limit = None if text == "max" else int(text)
+    except (OSError, ValueError):
+        pass
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(total, limit) if limit else total
+
+
+def plan_inputs(block_bytes: Sequence[int], *, dp: int, num_slots: int, h2d_gbps: float,
+                gather_gbps: float, resident_bytes: int = 0, block_compute_ms: float = 0.0,
+                hbm_bytes: Optional[int] = None) -> PlanInputs:
+    total = max(sum(block_bytes), 1)
+    ram = host_ram_bytes()
+    return PlanInputs(
+        model_gb=total / GB, blocks=max(len(block_bytes), 1),
+        max_block_gb=max(max(block_bytes, default=1), total / max(len(block_bytes), 1)) / GB,
+        dp=dp, num_slots=num_slots, resident_gb=resident_bytes / GB, activation_gb=0.0,
+        h2d_gbps=h2d_gbps, gather_gbps=min(gather_gbps, 1e6), block_compute_ms=block_compute_ms,
+        host_ram_gb=ram / GB, hbm_gb=(hbm_bytes or ram) / GB,
+        copy_overhead_ms=0.0, collective_overhead_ms=0.0,
+    )
+
+
+def choose_mode(device: torch.device, group: ShardGroup, block_bytes: Sequence[int],
+                num_slots: int) -> tuple[str, str]:
+    """The mode ``mode="auto"`` runs, and why."""
+    if group.dp == 1:
+        return "rank_local", "one rank in the shard group: nothing to gather"
+    h2d, gather = probe_bandwidths(device, group)
+    inputs = plan_inputs(block_bytes, dp=group.dp, num_slots=num_slots, h2d_gbps=h2d,
+                         gather_gbps=gather, hbm_bytes=platform.device_memory_bytes(device))
+    pred = predict(inputs)
+    mode = pred.mode if pred.mode in ("allgather", "rank_local") else "allgather"
+    reason = (f"{pred.reason} [measured H2D {h2d:.2f} GB/s, AllGather {gather:.2f} GB/s per "
+              f"rank; {len(block_bytes)} blocks, {sum(block_bytes) / GB:.3f} GB, dp={group.dp}]")
+    return mode, reason
+
+
+def predicted_weight_bytes(mode: str, block_bytes: Sequence[int], dp: int,
+                           num_slots: int) -> dict[str, int]:
+    """The model's host bytes per rank and slot bytes for this run's plan."""
+    inputs = plan_inputs(block_bytes, dp=dp, num_slots=num_slots, h2d_gbps=1.0, gather_gbps=1.0)
+    pred = predict(inputs).for_mode(mode)
+    return {"host_shard_bytes": round(pred.pinned_per_rank_gb * GB),
+            "slot_bytes": round(pred.device_peak_gb * GB)}  # no activations, no residents
