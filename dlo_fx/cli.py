@@ -13,12 +13,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the reference DiT resident and through dlo")
+    demo = sub.add_parser("demo", help="the showcase: 2 CPU ranks load the reference DiT "
+                          "checkpoint with dlo_fx.load and serve a wave of 2 requests")
+    demo.add_argument("--single-process", action="store_true",
+                      help="instead: one process, resident vs dlo, latency ratio")
     demo.add_argument("--width", type=int, default=1024)
     demo.add_argument("--layers", type=int, default=12)
     demo.add_argument("--heads", type=int, default=16)
     demo.add_argument("--size", type=int, default=16, help="latent height and width")
     demo.add_argument("--runs", type=int, default=3, help="timed runs (median)")
+
+    from .dump.cli import add_dump_arguments
+    from .engine.cli import add_generate_arguments
+
+    generate = sub.add_parser("generate", help="run a JSONL file of requests through the "
+                              "DP wave engine")
+    add_generate_arguments(generate)
+
+    dump = sub.add_parser("dump", help="compile a model with dlo and write its schedule dumps")
+    add_dump_arguments(dump)
 
     try:
         from .policy.cli import add_plan_arguments
@@ -34,11 +47,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "demo" and not args.single_process:
+        from .engine.showcase import run_showcase
+
+        return run_showcase()
     if args.command == "demo":
         from .demo import run_demo
 
         return run_demo(width=args.width, depth=args.layers, heads=args.heads,
                         size=args.size, runs=args.runs)
+    if args.command == "generate":
+        from .engine.cli import run_generate
+
+        return run_generate(args)
+    if args.command == "dump":
+        from .dump.cli import run_dump
+
+        return run_dump(args)
     if args.command == "plan":
         from .policy.cli import run_plan
 

@@ -228,6 +228,7 @@ h_1 = gelu(linear_12)
 getitem_43 = getitem(gate2_1, (slice(None, None, None), None, slice(None, None, None)))
 linear_13 = linear(h_1, blocks_1_fc2_weight, blocks_1_fc2_bias)
 swap_slot_b3  # swap_slot block=3 slot=1 bytes=37824
+prefetch_b1_wrap  # prefetch block=1 slot=1 bytes=8384 wrap-around
 mul_27 = mul(getitem_43, linear_13)
 x_5 = add(x_4, mul_27)
 x_6 = getitem(x_5, (slice(None, None, None), slice(8, None, None)))
@@ -377,6 +378,7 @@ h = gelu(linear_7)
 getitem_22 = getitem(gate2, (slice(None, None, None), None, slice(None, None, None)))
 linear_8 = linear(h, blocks_0_fc2_weight, blocks_0_fc2_bias)
 swap_slot_b2  # swap_slot block=2 slot=2 bytes=25152
+prefetch_b2_wrap  # prefetch block=2 slot=2 bytes=25152 wrap-around
 mul_14 = mul(getitem_22, linear_8)
 x_3 = add(x_2, mul_14)
 wait_b3  # wait block=3 slot=0 bytes=37824 covers blocks.1.adaLN.weight, blocks.1.adaLN.bias, blocks.1.qkv.weight, blocks.1.qkv.bias, blocks.1.proj.weight, blocks.1.proj.bias, blocks.1.fc1.weight, blocks.1.fc1.bias, blocks.1.fc2_weight, blocks.1.fc2_bias
@@ -482,6 +484,7 @@ getitem_48 = getitem(shift, (slice(None, None, None), None, slice(None, None, No
 add_19 = add(mul_28, getitem_48)
 x_7 = linear(add_19, proj_out_weight, proj_out_bias)
 swap_slot_b4  # swap_slot block=4 slot=1 bytes=5280
+prefetch_b1_wrap  # prefetch block=1 slot=1 bytes=21440 wrap-around
 x_8 = .reshape(x_7)
 permute_3 = .permute(x_8)
 reshape_5 = .reshape(permute_3)

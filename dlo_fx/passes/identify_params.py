@@ -25,7 +25,7 @@ def fqn_from_source(name: str) -> str:
     parts = []
     for m in _KEY.finditer(root):
         part = m.group(1) or m.group(2) or m.group(3)
-        if part not in ("_modules", "_parameters", "_buffers"):
+        if part not in ("_modules", "_parameters", "_buffers", "__dict__"):
             parts.append(part)
     if parts:
         return ".".join(parts)

@@ -8,8 +8,9 @@ For graph block ``g`` in slot ``s = g % num_slots``::
     <fqn> = slot_view(_dlo, g, wait_b{g}, param)   # every use of param now reads this
     swap_slot_b{g}(_dlo, g)             # after the last read of any view of its params
 
-plus ``prefetch_b0_wrap`` once slot 0 is free for the last time, so the next call (the
-next denoising step) starts warm. Stored parameters this graph keeps resident read
+plus the ring: ``prefetch_b{s}_wrap`` for each of the first ``num_slots`` blocks once slot
+``s`` is free for the last time, so the next call (the next denoising step) starts with
+every slot warm. Stored parameters this graph keeps resident read
 ``resident(_dlo, param)``. Every inserted node carries ``node.meta["dlo"]``.
 """
 
@@ -84,7 +85,7 @@ def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                         {"kind": "resident", "fqn": info.fqn, "bytes": info.nbytes})
         redirect(info, node)
 
-    last_in_slot0 = max((b.index for b in blocks if b.index % k == 0), default=None)
+    last_in_slot = {b.index % k: b.index for b in blocks}  # last block using each slot
     for block in blocks:
         slot = block.index % k
         with graph.inserting_before(nodes[block.first]):
@@ -102,8 +103,9 @@ def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         after = swap
         if block.index + k < len(blocks):
             after = prefetch(blocks[block.index + k], after, f"prefetch_b{block.index + k}")
-        if block.index == last_in_slot0 and len(blocks) > k:
-            wrap = prefetch(blocks[0], after, "prefetch_b0_wrap")
+        if len(blocks) > k and last_in_slot[slot] == block.index:
+            first = blocks[slot]  # the block that opens the next call in this slot
+            wrap = prefetch(first, after, f"prefetch_b{first.index}_wrap")
             wrap.meta["dlo"]["wrap"] = True
             if gather:
                 wrap.prev.meta["dlo"]["wrap"] = True

@@ -1,0 +1,64 @@
+"""``blocks.md``: the blocks of one graph, its resident set, and measured stalls."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .record import GraphDump
+from .stalls import StallSummary
+
+NO_TRACE = ("No traced run yet. Compile with `options={\"trace\": True}`, run the model,\n"
+            "then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).")
+
+
+def _b(n: int) -> str:
+    return f"{n:,}"
+
+
+def blocks_markdown(dump: GraphDump, stalls: Optional[StallSummary] = None) -> str:
+    """The text of ``blocks.md``; ``stalls`` (per graph block) after a traced run."""
+    blocks, resident = dump.blocks, dump.resident
+    slot_bytes = max((b.slot_bytes for b in blocks), default=0)
+    sharded = dump.mode == "allgather"
+    lines = [
+        f"# Graph {dump.index}: blocks and resident set",
+        "",
+        f"- mode: {dump.mode}" + (f", rank {dump.rank} of a {dump.dp}-rank shard group"
+                                   if sharded else ""),
+        f"- slots: {dump.num_slots} x {_b(slot_bytes)} B = {_b(dump.num_slots * slot_bytes)} B "
+        "on the device (block b lives in slot b % slots)",
+        f"- block budget: {_b(dump.budget)} B",
+        "",
+        "## Blocks",
+        "",
+        "`bytes`: the block's parameters; `shard bytes`: what this rank keeps in host",
+        "memory and copies to the device" + (" (the AllGather completes the rest)." if sharded
+                                             else "."),
+        "",
+        "| block | first FQN | last FQN | params | bytes | slot | shard bytes |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    if not blocks:
+        lines.append("| | (this graph reads no streamed parameter) | | | | | |")
+    for b in blocks:
+        lines.append(f"| {b.index} | {b.fqns[0]} | {b.fqns[-1]} | {len(b.fqns)} | "
+                     f"{_b(b.nbytes)} | {b.slot} | {_b(b.shard_bytes)} |")
+    lines.append(f"| total | | | {sum(len(b.fqns) for b in blocks)} | "
+                 f"{_b(sum(b.nbytes for b in blocks))} | | "
+                 f"{_b(sum(b.shard_bytes for b in blocks))} |")
+    lines += ["", "## Resident set", ""]
+    if resident:
+        lines += ["| FQN | bytes | reason |", "| --- | ---: | --- |"]
+        lines += [f"| {r.fqn} | {_b(r.nbytes)} | {r.reason} |" for r in resident]
+        lines.append(f"| total ({len(resident)}) | {_b(sum(r.nbytes for r in resident))} | |")
+    else:
+        lines.append("Every parameter of this graph is streamed.")
+    lines += ["", "## Measured stalls", ""]
+    if stalls is None or not stalls.waits:
+        lines.append(NO_TRACE)
+    else:
+        lines.append("Time compute waited for each block (its `wait` spans in `trace.json`),")
+        lines.append("summed over every traced call, largest first.")
+        lines.append("")
+        lines += stalls.lines()
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""Render a `timeline.Prediction` as a standalone SVG (no dependencies).
+
+One lane each for compute, H2D and AllGather; a bar per block per lane (``<rect
+class="bar" data-lane=... data-block=...>``, with a ``<title>`` tooltip); stalls are red
+bars in the compute lane, grey ones compute outside every block. A block keeps one
+colour on every lane, so its copy, gather and compute line up by eye. The wrap-around prefetch (the next call's block 0) is drawn
+faded.
+"""
+
+from __future__ import annotations
+
+import math
+from xml.sax.saxutils import escape
+
+from .record import GraphDump
+from .timeline import Prediction, Timing
+
+WIDTH = 1100
+LEFT = 110
+RIGHT = 24
+TOP = 78
+LANE_H = 34
+LANE_GAP = 10
+STALL = "#d62728"
+RESIDENT = "#bbbbbb"
+LANES = (("compute", "compute"), ("h2d", "H2D copy"), ("allgather", "AllGather"))
+
+
+def _colour(block: int) -> str:
+    hue = 35 + (block * 137.508) % 290  # golden angle: neighbours differ; red is for stalls
+    return f"hsl({hue:.0f},50%,66%)"
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g} ms" if ms >= 0.01 else f"{seconds * 1e6:.3g} us"
+
+
+def _ticks(total: float) -> list[float]:
+    if total <= 0:
+        return [0.0]
+    mag = 10 ** math.floor(math.log10(total / 8))
+    for step in (mag, 2 * mag, 5 * mag, 10 * mag):
+        if total / step <= 10:
+            break
+    n = int(total / step) + 1
+    return [i * step for i in range(n)]
+
+
+def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: str) -> str:
+    """The SVG text of ``prediction`` (``title`` heads the picture and its ``<title>``)."""
+    gathered = dump.mode == "allgather"
+    plot_w = WIDTH - LEFT - RIGHT
+    total = prediction.total_s or 1e-9
+    x = lambda t: LEFT + t / total * plot_w  # noqa: E731
+    lanes_y = {name: TOP + i * (LANE_H + LANE_GAP) for i, (name, _) in enumerate(LANES)}
+    height = TOP + len(LANES) * (LANE_H + LANE_GAP) + 56
+    call = "steady call (block 0 prefetched by the previous call)" if prediction.steady \
+        else "first call"
+    subtitle = (f"predicted {call}: {_ms(prediction.total_s)}, stalls "
+                f"{_ms(prediction.stall_s)}")
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+        f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
+        f"<title>{escape(title)}. {escape(subtitle)}. {escape(timing.source)}</title>",
+        f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="white"/>',
+        f'<text x="10" y="20" font-size="14" font-weight="bold">{escape(title)}</text>',
+        f'<text x="10" y="38">{escape(subtitle)}</text>',
+        f'<text x="10" y="54" fill="#555">{escape(timing.source)}</text>',
+    ]
+    for name, label in LANES:
+        y = lanes_y[name]
+        out.append(f'<rect x="{LEFT}" y="{y}" width="{plot_w}" height="{LANE_H}" fill="#f4f4f4"/>')
+        out.append(f'<text x="10" y="{y + LANE_H / 2 + 4}">{label}</text>')
+        if name == "allgather" and not gathered:
+            out.append(f'<text x="{LEFT + 8}" y="{y + LANE_H / 2 + 4}" fill="#777">'
+                       f"none: rank-local mode, every rank holds whole blocks</text>")
+    rows = {row.index: row for row in dump.blocks}
+    for bar in prediction.bars:
+        y = lanes_y[bar.lane]
+        x0, x1 = x(bar.start), x(bar.end)
+        w = max(x1 - x0, 1.0)
+        opacity = ' fill-opacity="0.45"' if bar.wrap else ""
+        if bar.block < 0:
+            fill, label, cls = RESIDENT, "r", "resident"
+            tip = f"compute on resident parameters only: {_ms(bar.end - bar.start)}"
+        else:
+            row = rows[bar.block]
+            fill = STALL if bar.kind == "stall" else _colour(bar.block)
+            label = "stall" if bar.kind == "stall" else f"b{bar.block}"
+            cls = "stall" if bar.kind == "stall" else "bar"
+            what = {"compute": "compute", "stall": "stall waiting for", "h2d": "H2D copy of",
+                    "allgather": "AllGather of"}[bar.kind]
+            moved = row.shard_bytes if bar.kind == "h2d" else row.slot_bytes
+            tip = (f"{what} block {bar.block} (slot {row.slot}, {moved:,} B, "
+                   f"{row.fqns[0]} .. {row.fqns[-1]}): {_ms(bar.end - bar.start)}"
+                   f"{' - wrap-around prefetch for the next call' if bar.wrap else ''}")
+        out.append(
+            f'<rect class="{cls}" data-lane="{bar.lane}" '
+            f'data-kind="{bar.kind}" data-block="{bar.block}" x="{x0:.2f}" y="{y + 3}" '
+            f'width="{w:.2f}" height="{LANE_H - 6}" fill="{fill}"{opacity} stroke="#333" '
+            f'stroke-width="0.4"><title>{escape(tip)}</title></rect>')
+        if w >= 7 * len(label) + 4:
+            out.append(f'<text x="{x0 + w / 2:.2f}" y="{y + LANE_H / 2 + 4}" '
+                       f'text-anchor="middle">{label}</text>')
+    axis_y = TOP + len(LANES) * (LANE_H + LANE_GAP) + 4
+    out.append(f'<line x1="{LEFT}" y1="{axis_y}" x2="{LEFT + plot_w}" y2="{axis_y}" '
+               f'stroke="#333"/>')
+    for t in _ticks(prediction.total_s):
+        if t > prediction.total_s * 1.0001:
+            break
+        out.append(f'<line x1="{x(t):.2f}" y1="{axis_y}" x2="{x(t):.2f}" y2="{axis_y + 4}" '
+                   f'stroke="#333"/>')
+        out.append(f'<text x="{x(t):.2f}" y="{axis_y + 16}" text-anchor="middle">'
+                   f"{_ms(t) if t else '0'}</text>")
+    legend_y = axis_y + 36
+    out.append(f'<rect x="{LEFT}" y="{legend_y - 10}" width="12" height="12" fill="{STALL}"/>')
+    out.append(f'<text x="{LEFT + 18}" y="{legend_y}">stall: compute waits for a block</text>')
+    out.append(f'<rect x="{LEFT + 220}" y="{legend_y - 10}" width="12" height="12" '
+               f'fill="{RESIDENT}"/>')
+    out.append(f'<text x="{LEFT + 238}" y="{legend_y}">r: compute on resident weights only</text>')
+    out.append(f'<text x="{LEFT + 450}" y="{legend_y}">bN: graph block N (one colour on every '
+               f"lane); faded: wrap-around prefetch of block 0</text>")
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

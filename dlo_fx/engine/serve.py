@@ -1,0 +1,133 @@
+"""`serve`: the engine over ranks started by ``torchrun`` (one node or several).
+
+Every rank of the job calls ``serve(...)`` with the same arguments. Rank 0 hosts the
+front end: it gets an `Engine` back, and its own share of every wave runs on a worker
+thread beside it. Every other rank serves waves until rank 0's engine closes, then gets
+``None``::
+
+    engine = dlo_fx.engine.serve("my_pipelines.wan:build", sp_size=2)
+    if engine is not None:          # rank 0
+        with engine:
+            results = engine.generate(requests)
+
+The control plane lives in the job's rendezvous store (see [Note: the wave protocol]),
+so nothing here needs a port of its own. Workers on other nodes are not this process's
+children: a dead remote rank is noticed through the collective timeout of its peers or
+the wave timeout, not by polling. After a failed wave the job cannot start fresh
+workers by itself; the engine then fails every later wave with a message saying so, and
+``torchrun --max-restarts`` restarts the job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+from .channel import WaveChannel
+from .engine import Engine
+from .workers import WaveFailed, WorkerSet
+from .worker import (WorkerSpec, failure_report, process_group_backend, rank_device,
+                     run_worker_loop)
+
+log = logging.getLogger(__name__)
+
+
+class TorchrunWorkers(WorkerSet):
+    """The ranks of a torchrun job, seen from rank 0; rank 0's worker runs on a thread."""
+
+    def __init__(self, channel: WaveChannel, spec: WorkerSpec, device: str) -> None:
+        super().__init__(channel, spec)
+        self._launched = False
+        self._stopped = False
+        self._thread = threading.Thread(target=self._rank0, args=(device,), daemon=True,
+                                        name="dlo-engine-rank0")
+        self._thread.start()
+
+    def _rank0(self, device: str) -> None:
+        try:
+            run_worker_loop(self.channel, self.spec, 0, device)
+        except BaseException as exc:  # the front end, in this process, logs it
+            self.channel.post_fatal(0, failure_report(0, self.spec.topology, exc))
+
+    def launch(self, spec: WorkerSpec) -> WorkerSet:
+        if self._launched:
+            raise WaveFailed("the ranks of this torchrun job were shut down after a failed "
+                             "wave and cannot be restarted from inside the job; restart it "
+                             "(torchrun --max-restarts does so automatically)")
+        self._launched = True
+        return self
+
+    def dead(self) -> list[str]:
+        if self._thread.is_alive() or self._stopped:
+            return []
+        return ["rank 0's worker thread stopped"]
+
+    def close(self, *, kill: bool) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.stop()  # ranks blocked in a collective fail by its timeout instead
+        except Exception:
+            pass
+        if not kill:
+            self._thread.join(timeout=10)
+
+
+def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
+          options: Optional[Mapping[str, Any]] = None, backend: Optional[str] = None,
+          wave_timeout_s: float = 600.0, pipeline_kwargs: Optional[Mapping[str, Any]] = None,
+          num_threads: Optional[int] = None, device: Optional[str] = None) -> Optional[Engine]:
+    """Join the torchrun job described by ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+    ``MASTER_PORT`` as one engine of ``WORLD_SIZE / sp_size`` replicas. Returns the
+    `Engine` on rank 0 and ``None`` on the other ranks once it closes. The arguments are
+    those of `Engine`."""
+    import torch.distributed as dist
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise ValueError(f"dlo_fx.engine.serve runs under torchrun, but {', '.join(missing)} "
+                         "is not set; start the script with torchrun, or use Engine(...) "
+                         "on a single node")
+    world = int(os.environ["WORLD_SIZE"])
+    if world % sp_size:
+        raise ValueError(f"sp_size={sp_size} does not divide WORLD_SIZE={world}")
+    engine = Engine(pipeline, world // sp_size, sp_size=sp_size, options=options,
+                    backend=backend, wave_timeout_s=wave_timeout_s,
+                    pipeline_kwargs=pipeline_kwargs, num_threads=num_threads, device=device)
+    spec = engine.spec
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    device_name = rank_device(spec.device, int(os.environ.get("LOCAL_RANK", rank)))
+    if device_name != "cpu":
+        torch.get_device_module(torch.device(device_name).type).set_device(device_name)
+    dist.init_process_group(process_group_backend(device_name, backend),
+                            store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                            timeout=timeout)
+    channel = WaveChannel(dist.PrefixStore("dlo_engine", store))
+    if rank == 0:
+        workers = TorchrunWorkers(channel, spec, device_name)
+        engine._launch = workers.launch
+        return engine
+    engine._launch = _not_on_this_rank
+    try:
+        run_worker_loop(channel, spec, rank, device_name)
+    except BaseException as exc:
+        log.error("dlo engine: worker rank %d failed", rank, exc_info=True)
+        channel.post_fatal(rank, failure_report(rank, spec.topology, exc))
+        raise
+    finally:
+        dist.destroy_process_group()
+    return None
+
+
+def _not_on_this_rank(spec: WorkerSpec) -> WorkerSet:
+    raise RuntimeError("only rank 0 of a torchrun job hosts the engine's front end")

@@ -1,0 +1,1101 @@
+"""Schedule dumps: golden schedule.py / blocks.md, timeline.svg, trace.json, stalls, CLI.
+
+Refresh the goldens with ``EXPECTTEST_ACCEPT=1 pytest tests/test_dump.py`` and read the diff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from expecttest import TestCase
+
+import dlo_fx.dump
+from dlo_fx.dump.cli import add_dump_arguments, run_dump
+
+from distributed import spawn
+from dump_cases import (SVG, allgather_cases, delay_prefetches, dump_model, dump_texts, fresh,
+                        slow_blocks, small_dit, stall_total, svg_bars, table_blocks, trace_blocks,
+                        traced_dump)
+from models import tiny_dit
+
+TESTS = Path(__file__).resolve().parent
+
+
+def rank_local_texts(num_slots: int, **options) -> dict[str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return dump_texts(Path(tmp), {"num_slots": num_slots, **options})
+
+
+@functools.lru_cache(maxsize=None)
+def allgather_results() -> dict:
+    """One 2-rank spawn for every allgather case (spawning is the slow part)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return spawn(2, allgather_cases, tmp, timeout=240)
+
+
+class GoldenDumps(TestCase):
+    maxDiff = None
+
+    def test_rank_local_two_slots(self):
+        texts = rank_local_texts(2)
+        self.assertExpectedInline(texts["blocks.md"], """\
+# Graph 0: blocks and resident set
+
+- mode: rank_local
+- slots: 2 x 33,024 B = 66,048 B on the device (block b lives in slot b % slots)
+- block budget: 32,896 B
+
+## Blocks
+
+`bytes`: the block's parameters; `shard bytes`: what this rank keeps in host
+memory and copies to the device.
+
+| block | first FQN | last FQN | params | bytes | slot | shard bytes |
+| ---: | --- | --- | ---: | ---: | ---: | ---: |
+| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 1,280 |
+| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 33,024 |
+| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 0 | 22,016 |
+| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 1 | 31,232 |
+| total | | | 23 | 85,856 | | 87,552 |
+
+## Resident set
+
+Every parameter of this graph is streamed.
+
+## Measured stalls
+
+No traced run yet. Compile with `options={"trace": True}`, run the model,
+then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).
+""")
+        self.assertExpectedInline(texts["schedule.py"], """\
+# dlo schedule of graph 0: 4 blocks, 2 slots, mode rank_local.
+# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
+# a wait also lists the parameters it covers. dlo_fx_runtime_ops_<kind> is
+# dlo_fx.runtime.ops.<kind>; _dlo is the graph's schedule. Statements that only free
+# values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
+def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_patch_embed_parameters_bias_ : torch.nn.parameter.Parameter, L_timestep_ : torch.Tensor, L_self_modules_time_embed_modules_0_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_0_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_2_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_2_parameters_bias_ : torch.nn.parameter.Parameter, L_text_ : torch.Tensor, L_self_modules_text_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_text_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_parameters_modulation_table_ : torch.nn.parameter.Parameter, L_self_buffers_rope_freqs_ : torch.Tensor, L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_parameters_fc2_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_parameters_fc2_bias_ : torch.nn.parameter.Parameter, L_self_modules_final_adaLN_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_final_adaLN_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_proj_out_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_proj_out_parameters_bias_ : torch.nn.parameter.Parameter):
+    l_latents_ = L_latents_
+    l_self_modules_patch_embed_parameters_weight_ = L_self_modules_patch_embed_parameters_weight_
+    l_self_modules_patch_embed_parameters_bias_ = L_self_modules_patch_embed_parameters_bias_
+    l_timestep_ = L_timestep_
+    l_self_modules_time_embed_modules_0_parameters_weight_ = L_self_modules_time_embed_modules_0_parameters_weight_
+    l_self_modules_time_embed_modules_0_parameters_bias_ = L_self_modules_time_embed_modules_0_parameters_bias_
+    l_self_modules_time_embed_modules_2_parameters_weight_ = L_self_modules_time_embed_modules_2_parameters_weight_
+    l_self_modules_time_embed_modules_2_parameters_bias_ = L_self_modules_time_embed_modules_2_parameters_bias_
+    l_text_ = L_text_
+    l_self_modules_text_proj_parameters_weight_ = L_self_modules_text_proj_parameters_weight_
+    l_self_modules_text_proj_parameters_bias_ = L_self_modules_text_proj_parameters_bias_
+    l_self_parameters_modulation_table_ = L_self_parameters_modulation_table_
+    l_self_buffers_rope_freqs_ = L_self_buffers_rope_freqs_
+    l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_ = L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_ = L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ = L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ = L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_proj_parameters_weight_ = L_self_modules_blocks_modules_0_modules_proj_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_proj_parameters_bias_ = L_self_modules_blocks_modules_0_modules_proj_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ = L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ = L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_
+    l_self_modules_blocks_modules_0_parameters_fc2_weight_ = L_self_modules_blocks_modules_0_parameters_fc2_weight_
+    l_self_modules_blocks_modules_0_parameters_fc2_bias_ = L_self_modules_blocks_modules_0_parameters_fc2_bias_
+    l_self_modules_final_ada_ln_parameters_weight_ = L_self_modules_final_adaLN_parameters_weight_
+    l_self_modules_final_ada_ln_parameters_bias_ = L_self_modules_final_adaLN_parameters_bias_
+    l_self_modules_proj_out_parameters_weight_ = L_self_modules_proj_out_parameters_weight_
+    l_self_modules_proj_out_parameters_bias_ = L_self_modules_proj_out_parameters_bias_
+    _dlo = self._dlo
+    prefetch_b0 = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=1088
+    prefetch_b1 = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=32896
+    to = l_latents_.to(torch.bfloat16)
+    x = to.reshape(1, 4, 2, 2, 2, 2)
+    permute = x.permute(0, 2, 4, 3, 5, 1)
+    reshape_1 = permute.reshape(1, 4, 16)
+    wait_b0 = dlo_fx_runtime_ops_wait(_dlo, 0)  # dlo: wait block=0 slot=0 bytes=1088 covers patch_embed.weight, patch_embed.bias
+    patch_embed_weight = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_weight_)  # dlo: slot_view patch_embed.weight (1024 B)
+    patch_embed_bias = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_bias_)  # dlo: slot_view patch_embed.bias (64 B)
+    image = torch._C._nn.linear(reshape_1, patch_embed_weight, patch_embed_bias)
+    swap_slot_b0 = dlo_fx_runtime_ops_swap_slot(_dlo, 0)  # dlo: swap_slot block=0 slot=0 bytes=1088
+    prefetch_b2 = dlo_fx_runtime_ops_prefetch(_dlo, 2, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_, l_self_parameters_modulation_table_)  # dlo: prefetch block=2 slot=0 bytes=21440
+    steps = torch.arange(128, dtype = torch.float32, device = device(type='cpu'))
+    mul = -9.210340371976184 * steps
+    truediv = mul / 128
+    freqs = torch.exp(truediv)
+    float_1 = l_timestep_.float()
+    getitem = float_1[(slice(None, None, None), None)]
+    getitem_1 = freqs[(None, slice(None, None, None))]
+    args = getitem * getitem_1
+    cos = torch.cos(args)
+    sin = torch.sin(args)
+    cat = torch.cat((cos, sin), dim = -1)
+    wait_b1 = dlo_fx_runtime_ops_wait(_dlo, 1)  # dlo: wait block=1 slot=1 bytes=32896 covers time_embed.0.weight, time_embed.0.bias
+    time_embed_0_weight = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: slot_view time_embed.0.weight (32768 B)
+    time_embed_0_bias = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: slot_view time_embed.0.bias (128 B)
+    input_1 = torch._C._nn.linear(cat, time_embed_0_weight, time_embed_0_bias)
+    swap_slot_b1 = dlo_fx_runtime_ops_swap_slot(_dlo, 1)  # dlo: swap_slot block=1 slot=1 bytes=32896
+    prefetch_b3 = dlo_fx_runtime_ops_prefetch(_dlo, 3, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_, l_self_modules_blocks_modules_0_parameters_fc2_weight_, l_self_modules_blocks_modules_0_parameters_fc2_bias_, l_self_modules_final_ada_ln_parameters_weight_, l_self_modules_final_ada_ln_parameters_bias_, l_self_modules_proj_out_parameters_weight_, l_self_modules_proj_out_parameters_bias_)  # dlo: prefetch block=3 slot=1 bytes=30432
+    input_2 = torch.nn.functional.silu(input_1, inplace = False)
+    wait_b2 = dlo_fx_runtime_ops_wait(_dlo, 2)  # dlo: wait block=2 slot=0 bytes=21440 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias, blocks.0.adaLN.weight, blocks.0.adaLN.bias, modulation_table
+    time_embed_2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_time_embed_modules_2_parameters_weight_)  # dlo: slot_view time_embed.2.weight (4096 B)
+    time_embed_2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_time_embed_modules_2_parameters_bias_)  # dlo: slot_view time_embed.2.bias (128 B)
+    text_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_text_proj_parameters_weight_)  # dlo: slot_view text_proj.weight (4096 B)
+    text_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_text_proj_parameters_bias_)  # dlo: slot_view text_proj.bias (64 B)
+    blocks_0_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_)  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
+    blocks_0_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_)  # dlo: slot_view blocks.0.adaLN.bias (384 B)
+    modulation_table = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_parameters_modulation_table_)  # dlo: slot_view modulation_table (384 B)
+    input_3 = torch._C._nn.linear(input_2, time_embed_2_weight, time_embed_2_bias)
+    temb = input_3.to(torch.bfloat16)
+    to_2 = l_text_.to(torch.bfloat16)
+    text_tokens = torch._C._nn.linear(to_2, text_proj_weight, text_proj_bias)
+    cond = torch.nn.functional.silu(temb)
+    x_1 = torch.cat((text_tokens, image), dim = 1)
+    linear_4 = torch._C._nn.linear(cond, blocks_0_adaLN_weight, blocks_0_adaLN_bias)
+    view = linear_4.view(1, 6, 32)
+    mod = view + modulation_table
+    swap_slot_b2 = dlo_fx_runtime_ops_swap_slot(_dlo, 2)  # dlo: swap_slot block=2 slot=0 bytes=21440
+    prefetch_b0_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=1088 wrap-around
+    unbind = mod.unbind(1)
+    shift1 = unbind[0]
+    scale1 = unbind[1]
+    gate1 = unbind[2]
+    shift2 = unbind[3]
+    scale2 = unbind[4]
+    gate2 = unbind[5]
+    getitem_8 = gate1[(slice(None, None, None), None, slice(None, None, None))]
+    layer_norm = torch.nn.functional.layer_norm(x_1, (32,), None, None, 1e-06)
+    getitem_9 = scale1[(slice(None, None, None), None, slice(None, None, None))]
+    add_1 = 1 + getitem_9
+    mul_2 = layer_norm * add_1
+    getitem_10 = shift1[(slice(None, None, None), None, slice(None, None, None))]
+    add_2 = mul_2 + getitem_10
+    wait_b3 = dlo_fx_runtime_ops_wait(_dlo, 3)  # dlo: wait block=3 slot=1 bytes=30432 covers blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias, final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
+    blocks_0_qkv_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_)  # dlo: slot_view blocks.0.qkv.weight (6144 B)
+    blocks_0_qkv_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_)  # dlo: slot_view blocks.0.qkv.bias (192 B)
+    blocks_0_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_)  # dlo: slot_view blocks.0.proj.weight (2048 B)
+    blocks_0_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_)  # dlo: slot_view blocks.0.proj.bias (64 B)
+    blocks_0_fc1_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_)  # dlo: slot_view blocks.0.fc1.weight (8192 B)
+    blocks_0_fc1_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_)  # dlo: slot_view blocks.0.fc1.bias (256 B)
+    blocks_0_fc2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: slot_view blocks.0.fc2_weight (8192 B)
+    blocks_0_fc2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_parameters_fc2_bias_)  # dlo: slot_view blocks.0.fc2_bias (64 B)
+    final_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_weight_)  # dlo: slot_view final_adaLN.weight (4096 B)
+    final_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_bias_)  # dlo: slot_view final_adaLN.bias (128 B)
+    proj_out_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_weight_)  # dlo: slot_view proj_out.weight (1024 B)
+    proj_out_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_bias_)  # dlo: slot_view proj_out.bias (32 B)
+    linear_5 = torch._C._nn.linear(add_2, blocks_0_qkv_weight, blocks_0_qkv_bias)
+    qkv = linear_5.view(1, 12, 3, 2, 16)
+    permute_1 = qkv.permute(2, 0, 3, 1, 4)
+    unbind_1 = permute_1.unbind(0)
+    q = unbind_1[0]
+    k = unbind_1[1]
+    v = unbind_1[2]
+    positions = torch.arange(12, dtype = torch.float32, device = device(type='cpu'))
+    getitem_14 = positions[(slice(None, None, None), None)]
+    getitem_15 = l_self_buffers_rope_freqs_[(None, slice(None, None, None))]
+    angles = getitem_14 * getitem_15
+    cos_1 = torch.cos(angles)
+    cos_2 = cos_1.to(torch.bfloat16)
+    sin_1 = torch.sin(angles)
+    sin_2 = sin_1.to(torch.bfloat16)
+    chunk = q.chunk(2, dim = -1)
+    x1 = chunk[0]
+    x2 = chunk[1]
+    mul_4 = x1 * cos_2
+    mul_5 = x2 * sin_2
+    sub = mul_4 - mul_5
+    mul_6 = x1 * sin_2
+    mul_7 = x2 * cos_2
+    add_3 = mul_6 + mul_7
+    q_1 = torch.cat((sub, add_3), dim = -1)
+    chunk_1 = k.chunk(2, dim = -1)
+    x1_1 = chunk_1[0]
+    x2_1 = chunk_1[1]
+    mul_8 = x1_1 * cos_2
+    mul_9 = x2_1 * sin_2
+    sub_1 = mul_8 - mul_9
+    mul_10 = x1_1 * sin_2
+    mul_11 = x2_1 * cos_2
+    add_4 = mul_10 + mul_11
+    k_1 = torch.cat((sub_1, add_4), dim = -1)
+    out = torch._C._nn.scaled_dot_product_attention(q_1, k_1, v)
+    transpose = out.transpose(1, 2)
+    reshape_2 = transpose.reshape(1, 12, 32)
+    linear_6 = torch._C._nn.linear(reshape_2, blocks_0_proj_weight, blocks_0_proj_bias)
+    mul_12 = getitem_8 * linear_6
+    x_2 = x_1 + mul_12
+    layer_norm_1 = torch.nn.functional.layer_norm(x_2, (32,), None, None, 1e-06)
+    getitem_20 = scale2[(slice(None, None, None), None, slice(None, None, None))]
+    add_6 = 1 + getitem_20
+    mul_13 = layer_norm_1 * add_6
+    getitem_21 = shift2[(slice(None, None, None), None, slice(None, None, None))]
+    add_7 = mul_13 + getitem_21
+    linear_7 = torch._C._nn.linear(add_7, blocks_0_fc1_weight, blocks_0_fc1_bias)
+    h = torch._C._nn.gelu(linear_7, approximate = 'tanh')
+    getitem_22 = gate2[(slice(None, None, None), None, slice(None, None, None))]
+    linear_8 = torch._C._nn.linear(h, blocks_0_fc2_weight, blocks_0_fc2_bias)
+    mul_14 = getitem_22 * linear_8
+    x_3 = x_2 + mul_14
+    x_4 = x_3[(slice(None, None, None), slice(8, None, None))]
+    linear_9 = torch._C._nn.linear(cond, final_adaLN_weight, final_adaLN_bias)
+    chunk_2 = linear_9.chunk(2, dim = -1)
+    shift = chunk_2[0]
+    scale = chunk_2[1]
+    layer_norm_2 = torch.nn.functional.layer_norm(x_4, (32,), None, None, 1e-06)
+    getitem_26 = scale[(slice(None, None, None), None, slice(None, None, None))]
+    add_9 = 1 + getitem_26
+    mul_15 = layer_norm_2 * add_9
+    getitem_27 = shift[(slice(None, None, None), None, slice(None, None, None))]
+    add_10 = mul_15 + getitem_27
+    x_5 = torch._C._nn.linear(add_10, proj_out_weight, proj_out_bias)
+    swap_slot_b3 = dlo_fx_runtime_ops_swap_slot(_dlo, 3)  # dlo: swap_slot block=3 slot=1 bytes=30432
+    prefetch_b1_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=32896 wrap-around
+    x_6 = x_5.reshape(1, 2, 2, 2, 2, 4)
+    permute_2 = x_6.permute(0, 5, 1, 3, 2, 4)
+    reshape_4 = permute_2.reshape(1, 4, 4, 4)
+    return (reshape_4,)
+
+""")
+
+    def test_rank_local_three_slots_small_resident(self):
+        texts = rank_local_texts(3, resident_bytes=512)
+        self.assertExpectedInline(texts["blocks.md"], """\
+# Graph 0: blocks and resident set
+
+- mode: rank_local
+- slots: 3 x 36,864 B = 110,592 B on the device (block b lives in slot b % slots)
+- block budget: 36,864 B
+
+## Blocks
+
+`bytes`: the block's parameters; `shard bytes`: what this rank keeps in host
+memory and copies to the device.
+
+| block | first FQN | last FQN | params | bytes | slot | shard bytes |
+| ---: | --- | --- | ---: | ---: | ---: | ---: |
+| 0 | patch_embed.weight | time_embed.0.weight | 2 | 33,792 | 0 | 33,792 |
+| 1 | time_embed.2.weight | text_proj.weight | 2 | 8,192 | 1 | 8,192 |
+| 2 | blocks.0.adaLN.weight | blocks.0.fc2_weight | 5 | 36,864 | 2 | 36,864 |
+| 3 | final_adaLN.weight | proj_out.weight | 2 | 5,120 | 0 | 5,120 |
+| total | | | 11 | 83,968 | | 83,968 |
+
+## Resident set
+
+| FQN | bytes | reason |
+| --- | ---: | --- |
+| patch_embed.bias | 64 | smaller than resident_bytes=512 |
+| time_embed.0.bias | 128 | smaller than resident_bytes=512 |
+| time_embed.2.bias | 128 | smaller than resident_bytes=512 |
+| text_proj.bias | 64 | smaller than resident_bytes=512 |
+| modulation_table | 384 | smaller than resident_bytes=512 |
+| blocks.0.adaLN.bias | 384 | smaller than resident_bytes=512 |
+| blocks.0.qkv.bias | 192 | smaller than resident_bytes=512 |
+| blocks.0.proj.bias | 64 | smaller than resident_bytes=512 |
+| blocks.0.fc1.bias | 256 | smaller than resident_bytes=512 |
+| blocks.0.fc2_bias | 64 | smaller than resident_bytes=512 |
+| final_adaLN.bias | 128 | smaller than resident_bytes=512 |
+| proj_out.bias | 32 | smaller than resident_bytes=512 |
+| total (12) | 1,888 | |
+
+## Measured stalls
+
+No traced run yet. Compile with `options={"trace": True}`, run the model,
+then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).
+""")
+        self.assertExpectedInline(texts["schedule.py"], """\
+# dlo schedule of graph 0: 4 blocks, 3 slots, mode rank_local.
+# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
+# a wait also lists the parameters it covers. dlo_fx_runtime_ops_<kind> is
+# dlo_fx.runtime.ops.<kind>; _dlo is the graph's schedule. Statements that only free
+# values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
+def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_patch_embed_parameters_bias_ : torch.nn.parameter.Parameter, L_timestep_ : torch.Tensor, L_self_modules_time_embed_modules_0_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_0_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_2_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_2_parameters_bias_ : torch.nn.parameter.Parameter, L_text_ : torch.Tensor, L_self_modules_text_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_text_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_parameters_modulation_table_ : torch.nn.parameter.Parameter, L_self_buffers_rope_freqs_ : torch.Tensor, L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_parameters_fc2_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_parameters_fc2_bias_ : torch.nn.parameter.Parameter, L_self_modules_final_adaLN_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_final_adaLN_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_proj_out_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_proj_out_parameters_bias_ : torch.nn.parameter.Parameter):
+    l_latents_ = L_latents_
+    l_self_modules_patch_embed_parameters_weight_ = L_self_modules_patch_embed_parameters_weight_
+    l_self_modules_patch_embed_parameters_bias_ = L_self_modules_patch_embed_parameters_bias_
+    l_timestep_ = L_timestep_
+    l_self_modules_time_embed_modules_0_parameters_weight_ = L_self_modules_time_embed_modules_0_parameters_weight_
+    l_self_modules_time_embed_modules_0_parameters_bias_ = L_self_modules_time_embed_modules_0_parameters_bias_
+    l_self_modules_time_embed_modules_2_parameters_weight_ = L_self_modules_time_embed_modules_2_parameters_weight_
+    l_self_modules_time_embed_modules_2_parameters_bias_ = L_self_modules_time_embed_modules_2_parameters_bias_
+    l_text_ = L_text_
+    l_self_modules_text_proj_parameters_weight_ = L_self_modules_text_proj_parameters_weight_
+    l_self_modules_text_proj_parameters_bias_ = L_self_modules_text_proj_parameters_bias_
+    l_self_parameters_modulation_table_ = L_self_parameters_modulation_table_
+    l_self_buffers_rope_freqs_ = L_self_buffers_rope_freqs_
+    l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_ = L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_ = L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ = L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ = L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_proj_parameters_weight_ = L_self_modules_blocks_modules_0_modules_proj_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_proj_parameters_bias_ = L_self_modules_blocks_modules_0_modules_proj_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ = L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ = L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_
+    l_self_modules_blocks_modules_0_parameters_fc2_weight_ = L_self_modules_blocks_modules_0_parameters_fc2_weight_
+    l_self_modules_blocks_modules_0_parameters_fc2_bias_ = L_self_modules_blocks_modules_0_parameters_fc2_bias_
+    l_self_modules_final_ada_ln_parameters_weight_ = L_self_modules_final_adaLN_parameters_weight_
+    l_self_modules_final_ada_ln_parameters_bias_ = L_self_modules_final_adaLN_parameters_bias_
+    l_self_modules_proj_out_parameters_weight_ = L_self_modules_proj_out_parameters_weight_
+    l_self_modules_proj_out_parameters_bias_ = L_self_modules_proj_out_parameters_bias_
+    _dlo = self._dlo
+    prefetch_b0 = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: prefetch block=0 slot=0 bytes=33792
+    prefetch_b1 = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_text_proj_parameters_weight_)  # dlo: prefetch block=1 slot=1 bytes=8192
+    prefetch_b2 = dlo_fx_runtime_ops_prefetch(_dlo, 2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: prefetch block=2 slot=2 bytes=36864
+    to = l_latents_.to(torch.bfloat16)
+    x = to.reshape(1, 4, 2, 2, 2, 2)
+    permute = x.permute(0, 2, 4, 3, 5, 1)
+    reshape_1 = permute.reshape(1, 4, 16)
+    wait_b0 = dlo_fx_runtime_ops_wait(_dlo, 0)  # dlo: wait block=0 slot=0 bytes=33792 covers patch_embed.weight, time_embed.0.weight
+    patch_embed_weight = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_weight_)  # dlo: slot_view patch_embed.weight (1024 B)
+    time_embed_0_weight = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: slot_view time_embed.0.weight (32768 B)
+    image = torch._C._nn.linear(reshape_1, patch_embed_weight, l_self_modules_patch_embed_parameters_bias_)
+    steps = torch.arange(128, dtype = torch.float32, device = device(type='cpu'))
+    mul = -9.210340371976184 * steps
+    truediv = mul / 128
+    freqs = torch.exp(truediv)
+    float_1 = l_timestep_.float()
+    getitem = float_1[(slice(None, None, None), None)]
+    getitem_1 = freqs[(None, slice(None, None, None))]
+    args = getitem * getitem_1
+    cos = torch.cos(args)
+    sin = torch.sin(args)
+    cat = torch.cat((cos, sin), dim = -1)
+    input_1 = torch._C._nn.linear(cat, time_embed_0_weight, l_self_modules_time_embed_modules_0_parameters_bias_)
+    swap_slot_b0 = dlo_fx_runtime_ops_swap_slot(_dlo, 0)  # dlo: swap_slot block=0 slot=0 bytes=33792
+    prefetch_b3 = dlo_fx_runtime_ops_prefetch(_dlo, 3, l_self_modules_final_ada_ln_parameters_weight_, l_self_modules_proj_out_parameters_weight_)  # dlo: prefetch block=3 slot=0 bytes=5120
+    input_2 = torch.nn.functional.silu(input_1, inplace = False)
+    wait_b1 = dlo_fx_runtime_ops_wait(_dlo, 1)  # dlo: wait block=1 slot=1 bytes=8192 covers time_embed.2.weight, text_proj.weight
+    time_embed_2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_2_parameters_weight_)  # dlo: slot_view time_embed.2.weight (4096 B)
+    text_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_text_proj_parameters_weight_)  # dlo: slot_view text_proj.weight (4096 B)
+    input_3 = torch._C._nn.linear(input_2, time_embed_2_weight, l_self_modules_time_embed_modules_2_parameters_bias_)
+    temb = input_3.to(torch.bfloat16)
+    to_2 = l_text_.to(torch.bfloat16)
+    text_tokens = torch._C._nn.linear(to_2, text_proj_weight, l_self_modules_text_proj_parameters_bias_)
+    swap_slot_b1 = dlo_fx_runtime_ops_swap_slot(_dlo, 1)  # dlo: swap_slot block=1 slot=1 bytes=8192
+    prefetch_b1_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_text_proj_parameters_weight_)  # dlo: prefetch block=1 slot=1 bytes=8192 wrap-around
+    cond = torch.nn.functional.silu(temb)
+    x_1 = torch.cat((text_tokens, image), dim = 1)
+    wait_b2 = dlo_fx_runtime_ops_wait(_dlo, 2)  # dlo: wait block=2 slot=2 bytes=36864 covers blocks.0.adaLN.weight, blocks.0.qkv.weight, blocks.0.proj.weight, blocks.0.fc1.weight, blocks.0.fc2_weight
+    blocks_0_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_)  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
+    blocks_0_qkv_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_)  # dlo: slot_view blocks.0.qkv.weight (6144 B)
+    blocks_0_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_)  # dlo: slot_view blocks.0.proj.weight (2048 B)
+    blocks_0_fc1_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_)  # dlo: slot_view blocks.0.fc1.weight (8192 B)
+    blocks_0_fc2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: slot_view blocks.0.fc2_weight (8192 B)
+    linear_4 = torch._C._nn.linear(cond, blocks_0_adaLN_weight, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_)
+    view = linear_4.view(1, 6, 32)
+    mod = view + l_self_parameters_modulation_table_
+    unbind = mod.unbind(1)
+    shift1 = unbind[0]
+    scale1 = unbind[1]
+    gate1 = unbind[2]
+    shift2 = unbind[3]
+    scale2 = unbind[4]
+    gate2 = unbind[5]
+    getitem_8 = gate1[(slice(None, None, None), None, slice(None, None, None))]
+    layer_norm = torch.nn.functional.layer_norm(x_1, (32,), None, None, 1e-06)
+    getitem_9 = scale1[(slice(None, None, None), None, slice(None, None, None))]
+    add_1 = 1 + getitem_9
+    mul_2 = layer_norm * add_1
+    getitem_10 = shift1[(slice(None, None, None), None, slice(None, None, None))]
+    add_2 = mul_2 + getitem_10
+    linear_5 = torch._C._nn.linear(add_2, blocks_0_qkv_weight, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_)
+    qkv = linear_5.view(1, 12, 3, 2, 16)
+    permute_1 = qkv.permute(2, 0, 3, 1, 4)
+    unbind_1 = permute_1.unbind(0)
+    q = unbind_1[0]
+    k = unbind_1[1]
+    v = unbind_1[2]
+    positions = torch.arange(12, dtype = torch.float32, device = device(type='cpu'))
+    getitem_14 = positions[(slice(None, None, None), None)]
+    getitem_15 = l_self_buffers_rope_freqs_[(None, slice(None, None, None))]
+    angles = getitem_14 * getitem_15
+    cos_1 = torch.cos(angles)
+    cos_2 = cos_1.to(torch.bfloat16)
+    sin_1 = torch.sin(angles)
+    sin_2 = sin_1.to(torch.bfloat16)
+    chunk = q.chunk(2, dim = -1)
+    x1 = chunk[0]
+    x2 = chunk[1]
+    mul_4 = x1 * cos_2
+    mul_5 = x2 * sin_2
+    sub = mul_4 - mul_5
+    mul_6 = x1 * sin_2
+    mul_7 = x2 * cos_2
+    add_3 = mul_6 + mul_7
+    q_1 = torch.cat((sub, add_3), dim = -1)
+    chunk_1 = k.chunk(2, dim = -1)
+    x1_1 = chunk_1[0]
+    x2_1 = chunk_1[1]
+    mul_8 = x1_1 * cos_2
+    mul_9 = x2_1 * sin_2
+    sub_1 = mul_8 - mul_9
+    mul_10 = x1_1 * sin_2
+    mul_11 = x2_1 * cos_2
+    add_4 = mul_10 + mul_11
+    k_1 = torch.cat((sub_1, add_4), dim = -1)
+    out = torch._C._nn.scaled_dot_product_attention(q_1, k_1, v)
+    transpose = out.transpose(1, 2)
+    reshape_2 = transpose.reshape(1, 12, 32)
+    linear_6 = torch._C._nn.linear(reshape_2, blocks_0_proj_weight, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_)
+    mul_12 = getitem_8 * linear_6
+    x_2 = x_1 + mul_12
+    layer_norm_1 = torch.nn.functional.layer_norm(x_2, (32,), None, None, 1e-06)
+    getitem_20 = scale2[(slice(None, None, None), None, slice(None, None, None))]
+    add_6 = 1 + getitem_20
+    mul_13 = layer_norm_1 * add_6
+    getitem_21 = shift2[(slice(None, None, None), None, slice(None, None, None))]
+    add_7 = mul_13 + getitem_21
+    linear_7 = torch._C._nn.linear(add_7, blocks_0_fc1_weight, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_)
+    h = torch._C._nn.gelu(linear_7, approximate = 'tanh')
+    getitem_22 = gate2[(slice(None, None, None), None, slice(None, None, None))]
+    linear_8 = torch._C._nn.linear(h, blocks_0_fc2_weight, l_self_modules_blocks_modules_0_parameters_fc2_bias_)
+    swap_slot_b2 = dlo_fx_runtime_ops_swap_slot(_dlo, 2)  # dlo: swap_slot block=2 slot=2 bytes=36864
+    prefetch_b2_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: prefetch block=2 slot=2 bytes=36864 wrap-around
+    mul_14 = getitem_22 * linear_8
+    x_3 = x_2 + mul_14
+    x_4 = x_3[(slice(None, None, None), slice(8, None, None))]
+    wait_b3 = dlo_fx_runtime_ops_wait(_dlo, 3)  # dlo: wait block=3 slot=0 bytes=5120 covers final_adaLN.weight, proj_out.weight
+    final_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_weight_)  # dlo: slot_view final_adaLN.weight (4096 B)
+    proj_out_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_weight_)  # dlo: slot_view proj_out.weight (1024 B)
+    linear_9 = torch._C._nn.linear(cond, final_adaLN_weight, l_self_modules_final_ada_ln_parameters_bias_)
+    chunk_2 = linear_9.chunk(2, dim = -1)
+    shift = chunk_2[0]
+    scale = chunk_2[1]
+    layer_norm_2 = torch.nn.functional.layer_norm(x_4, (32,), None, None, 1e-06)
+    getitem_26 = scale[(slice(None, None, None), None, slice(None, None, None))]
+    add_9 = 1 + getitem_26
+    mul_15 = layer_norm_2 * add_9
+    getitem_27 = shift[(slice(None, None, None), None, slice(None, None, None))]
+    add_10 = mul_15 + getitem_27
+    x_5 = torch._C._nn.linear(add_10, proj_out_weight, l_self_modules_proj_out_parameters_bias_)
+    swap_slot_b3 = dlo_fx_runtime_ops_swap_slot(_dlo, 3)  # dlo: swap_slot block=3 slot=0 bytes=5120
+    prefetch_b0_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: prefetch block=0 slot=0 bytes=33792 wrap-around
+    x_6 = x_5.reshape(1, 2, 2, 2, 2, 4)
+    permute_2 = x_6.permute(0, 5, 1, 3, 2, 4)
+    reshape_4 = permute_2.reshape(1, 4, 4, 4)
+    return (reshape_4,)
+
+""")
+
+    def test_allgather_two_slots(self):
+        texts = allgather_results()[0][2]
+        self.assertExpectedInline(texts["blocks.md"], """\
+# Graph 0: blocks and resident set
+
+- mode: allgather, rank 0 of a 2-rank shard group
+- slots: 2 x 33,280 B = 66,560 B on the device (block b lives in slot b % slots)
+- block budget: 32,896 B
+
+## Blocks
+
+`bytes`: the block's parameters; `shard bytes`: what this rank keeps in host
+memory and copies to the device (the AllGather completes the rest).
+
+| block | first FQN | last FQN | params | bytes | slot | shard bytes |
+| ---: | --- | --- | ---: | ---: | ---: | ---: |
+| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 768 |
+| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 16,640 |
+| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 0 | 11,008 |
+| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 1 | 15,616 |
+| total | | | 23 | 85,856 | | 44,032 |
+
+## Resident set
+
+Every parameter of this graph is streamed.
+
+## Measured stalls
+
+No traced run yet. Compile with `options={"trace": True}`, run the model,
+then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).
+""")
+        self.assertExpectedInline(texts["schedule.py"], """\
+# dlo schedule of graph 0: 4 blocks, 2 slots, mode allgather, dp 2.
+# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
+# a wait also lists the parameters it covers. dlo_fx_runtime_ops_<kind> is
+# dlo_fx.runtime.ops.<kind>; _dlo is the graph's schedule. Statements that only free
+# values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
+def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_patch_embed_parameters_bias_ : torch.nn.parameter.Parameter, L_timestep_ : torch.Tensor, L_self_modules_time_embed_modules_0_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_0_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_2_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_2_parameters_bias_ : torch.nn.parameter.Parameter, L_text_ : torch.Tensor, L_self_modules_text_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_text_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_parameters_modulation_table_ : torch.nn.parameter.Parameter, L_self_buffers_rope_freqs_ : torch.Tensor, L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_parameters_fc2_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_parameters_fc2_bias_ : torch.nn.parameter.Parameter, L_self_modules_final_adaLN_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_final_adaLN_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_proj_out_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_proj_out_parameters_bias_ : torch.nn.parameter.Parameter):
+    l_latents_ = L_latents_
+    l_self_modules_patch_embed_parameters_weight_ = L_self_modules_patch_embed_parameters_weight_
+    l_self_modules_patch_embed_parameters_bias_ = L_self_modules_patch_embed_parameters_bias_
+    l_timestep_ = L_timestep_
+    l_self_modules_time_embed_modules_0_parameters_weight_ = L_self_modules_time_embed_modules_0_parameters_weight_
+    l_self_modules_time_embed_modules_0_parameters_bias_ = L_self_modules_time_embed_modules_0_parameters_bias_
+    l_self_modules_time_embed_modules_2_parameters_weight_ = L_self_modules_time_embed_modules_2_parameters_weight_
+    l_self_modules_time_embed_modules_2_parameters_bias_ = L_self_modules_time_embed_modules_2_parameters_bias_
+    l_text_ = L_text_
+    l_self_modules_text_proj_parameters_weight_ = L_self_modules_text_proj_parameters_weight_
+    l_self_modules_text_proj_parameters_bias_ = L_self_modules_text_proj_parameters_bias_
+    l_self_parameters_modulation_table_ = L_self_parameters_modulation_table_
+    l_self_buffers_rope_freqs_ = L_self_buffers_rope_freqs_
+    l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_ = L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_ = L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ = L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ = L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_proj_parameters_weight_ = L_self_modules_blocks_modules_0_modules_proj_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_proj_parameters_bias_ = L_self_modules_blocks_modules_0_modules_proj_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ = L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ = L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_
+    l_self_modules_blocks_modules_0_parameters_fc2_weight_ = L_self_modules_blocks_modules_0_parameters_fc2_weight_
+    l_self_modules_blocks_modules_0_parameters_fc2_bias_ = L_self_modules_blocks_modules_0_parameters_fc2_bias_
+    l_self_modules_final_ada_ln_parameters_weight_ = L_self_modules_final_adaLN_parameters_weight_
+    l_self_modules_final_ada_ln_parameters_bias_ = L_self_modules_final_adaLN_parameters_bias_
+    l_self_modules_proj_out_parameters_weight_ = L_self_modules_proj_out_parameters_weight_
+    l_self_modules_proj_out_parameters_bias_ = L_self_modules_proj_out_parameters_bias_
+    _dlo = self._dlo
+    prefetch_b0 = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=1088
+    allgather_b0 = dlo_fx_runtime_ops_allgather(_dlo, 0)  # dlo: allgather block=0 slot=0 bytes=1088
+    prefetch_b1 = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=32896
+    allgather_b1 = dlo_fx_runtime_ops_allgather(_dlo, 1)  # dlo: allgather block=1 slot=1 bytes=32896
+    to = l_latents_.to(torch.bfloat16)
+    x = to.reshape(1, 4, 2, 2, 2, 2)
+    permute = x.permute(0, 2, 4, 3, 5, 1)
+    reshape_1 = permute.reshape(1, 4, 16)
+    wait_b0 = dlo_fx_runtime_ops_wait(_dlo, 0)  # dlo: wait block=0 slot=0 bytes=1088 covers patch_embed.weight, patch_embed.bias
+    patch_embed_weight = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_weight_)  # dlo: slot_view patch_embed.weight (1024 B)
+    patch_embed_bias = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_bias_)  # dlo: slot_view patch_embed.bias (64 B)
+    image = torch._C._nn.linear(reshape_1, patch_embed_weight, patch_embed_bias)
+    swap_slot_b0 = dlo_fx_runtime_ops_swap_slot(_dlo, 0)  # dlo: swap_slot block=0 slot=0 bytes=1088
+    prefetch_b2 = dlo_fx_runtime_ops_prefetch(_dlo, 2, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_, l_self_parameters_modulation_table_)  # dlo: prefetch block=2 slot=0 bytes=21440
+    allgather_b2 = dlo_fx_runtime_ops_allgather(_dlo, 2)  # dlo: allgather block=2 slot=0 bytes=21440
+    steps = torch.arange(128, dtype = torch.float32, device = device(type='cpu'))
+    mul = -9.210340371976184 * steps
+    truediv = mul / 128
+    freqs = torch.exp(truediv)
+    float_1 = l_timestep_.float()
+    getitem = float_1[(slice(None, None, None), None)]
+    getitem_1 = freqs[(None, slice(None, None, None))]
+    args = getitem * getitem_1
+    cos = torch.cos(args)
+    sin = torch.sin(args)
+    cat = torch.cat((cos, sin), dim = -1)
+    wait_b1 = dlo_fx_runtime_ops_wait(_dlo, 1)  # dlo: wait block=1 slot=1 bytes=32896 covers time_embed.0.weight, time_embed.0.bias
+    time_embed_0_weight = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: slot_view time_embed.0.weight (32768 B)
+    time_embed_0_bias = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: slot_view time_embed.0.bias (128 B)
+    input_1 = torch._C._nn.linear(cat, time_embed_0_weight, time_embed_0_bias)
+    swap_slot_b1 = dlo_fx_runtime_ops_swap_slot(_dlo, 1)  # dlo: swap_slot block=1 slot=1 bytes=32896
+    prefetch_b3 = dlo_fx_runtime_ops_prefetch(_dlo, 3, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_, l_self_modules_blocks_modules_0_parameters_fc2_weight_, l_self_modules_blocks_modules_0_parameters_fc2_bias_, l_self_modules_final_ada_ln_parameters_weight_, l_self_modules_final_ada_ln_parameters_bias_, l_self_modules_proj_out_parameters_weight_, l_self_modules_proj_out_parameters_bias_)  # dlo: prefetch block=3 slot=1 bytes=30432
+    allgather_b3 = dlo_fx_runtime_ops_allgather(_dlo, 3)  # dlo: allgather block=3 slot=1 bytes=30432
+    input_2 = torch.nn.functional.silu(input_1, inplace = False)
+    wait_b2 = dlo_fx_runtime_ops_wait(_dlo, 2)  # dlo: wait block=2 slot=0 bytes=21440 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias, blocks.0.adaLN.weight, blocks.0.adaLN.bias, modulation_table
+    time_embed_2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_time_embed_modules_2_parameters_weight_)  # dlo: slot_view time_embed.2.weight (4096 B)
+    time_embed_2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_time_embed_modules_2_parameters_bias_)  # dlo: slot_view time_embed.2.bias (128 B)
+    text_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_text_proj_parameters_weight_)  # dlo: slot_view text_proj.weight (4096 B)
+    text_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_text_proj_parameters_bias_)  # dlo: slot_view text_proj.bias (64 B)
+    blocks_0_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_)  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
+    blocks_0_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_)  # dlo: slot_view blocks.0.adaLN.bias (384 B)
+    modulation_table = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_parameters_modulation_table_)  # dlo: slot_view modulation_table (384 B)
+    input_3 = torch._C._nn.linear(input_2, time_embed_2_weight, time_embed_2_bias)
+    temb = input_3.to(torch.bfloat16)
+    to_2 = l_text_.to(torch.bfloat16)
+    text_tokens = torch._C._nn.linear(to_2, text_proj_weight, text_proj_bias)
+    cond = torch.nn.functional.silu(temb)
+    x_1 = torch.cat((text_tokens, image), dim = 1)
+    linear_4 = torch._C._nn.linear(cond, blocks_0_adaLN_weight, blocks_0_adaLN_bias)
+    view = linear_4.view(1, 6, 32)
+    mod = view + modulation_table
+    swap_slot_b2 = dlo_fx_runtime_ops_swap_slot(_dlo, 2)  # dlo: swap_slot block=2 slot=0 bytes=21440
+    prefetch_b0_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=1088 wrap-around
+    allgather_b0_wrap = dlo_fx_runtime_ops_allgather(_dlo, 0)  # dlo: allgather block=0 slot=0 bytes=1088 wrap-around
+    unbind = mod.unbind(1)
+    shift1 = unbind[0]
+    scale1 = unbind[1]
+    gate1 = unbind[2]
+    shift2 = unbind[3]
+    scale2 = unbind[4]
+    gate2 = unbind[5]
+    getitem_8 = gate1[(slice(None, None, None), None, slice(None, None, None))]
+    layer_norm = torch.nn.functional.layer_norm(x_1, (32,), None, None, 1e-06)
+    getitem_9 = scale1[(slice(None, None, None), None, slice(None, None, None))]
+    add_1 = 1 + getitem_9
+    mul_2 = layer_norm * add_1
+    getitem_10 = shift1[(slice(None, None, None), None, slice(None, None, None))]
+    add_2 = mul_2 + getitem_10
+    wait_b3 = dlo_fx_runtime_ops_wait(_dlo, 3)  # dlo: wait block=3 slot=1 bytes=30432 covers blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias, final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
+    blocks_0_qkv_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_)  # dlo: slot_view blocks.0.qkv.weight (6144 B)
+    blocks_0_qkv_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_)  # dlo: slot_view blocks.0.qkv.bias (192 B)
+    blocks_0_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_)  # dlo: slot_view blocks.0.proj.weight (2048 B)
+    blocks_0_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_)  # dlo: slot_view blocks.0.proj.bias (64 B)
+    blocks_0_fc1_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_)  # dlo: slot_view blocks.0.fc1.weight (8192 B)
+    blocks_0_fc1_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_)  # dlo: slot_view blocks.0.fc1.bias (256 B)
+    blocks_0_fc2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: slot_view blocks.0.fc2_weight (8192 B)
+    blocks_0_fc2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_parameters_fc2_bias_)  # dlo: slot_view blocks.0.fc2_bias (64 B)
+    final_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_weight_)  # dlo: slot_view final_adaLN.weight (4096 B)
+    final_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_bias_)  # dlo: slot_view final_adaLN.bias (128 B)
+    proj_out_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_weight_)  # dlo: slot_view proj_out.weight (1024 B)
+    proj_out_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_bias_)  # dlo: slot_view proj_out.bias (32 B)
+    linear_5 = torch._C._nn.linear(add_2, blocks_0_qkv_weight, blocks_0_qkv_bias)
+    qkv = linear_5.view(1, 12, 3, 2, 16)
+    permute_1 = qkv.permute(2, 0, 3, 1, 4)
+    unbind_1 = permute_1.unbind(0)
+    q = unbind_1[0]
+    k = unbind_1[1]
+    v = unbind_1[2]
+    positions = torch.arange(12, dtype = torch.float32, device = device(type='cpu'))
+    getitem_14 = positions[(slice(None, None, None), None)]
+    getitem_15 = l_self_buffers_rope_freqs_[(None, slice(None, None, None))]
+    angles = getitem_14 * getitem_15
+    cos_1 = torch.cos(angles)
+    cos_2 = cos_1.to(torch.bfloat16)
+    sin_1 = torch.sin(angles)
+    sin_2 = sin_1.to(torch.bfloat16)
+    chunk = q.chunk(2, dim = -1)
+    x1 = chunk[0]
+    x2 = chunk[1]
+    mul_4 = x1 * cos_2
+    mul_5 = x2 * sin_2
+    sub = mul_4 - mul_5
+    mul_6 = x1 * sin_2
+    mul_7 = x2 * cos_2
+    add_3 = mul_6 + mul_7
+    q_1 = torch.cat((sub, add_3), dim = -1)
+    chunk_1 = k.chunk(2, dim = -1)
+    x1_1 = chunk_1[0]
+    x2_1 = chunk_1[1]
+    mul_8 = x1_1 * cos_2
+    mul_9 = x2_1 * sin_2
+    sub_1 = mul_8 - mul_9
+    mul_10 = x1_1 * sin_2
+    mul_11 = x2_1 * cos_2
+    add_4 = mul_10 + mul_11
+    k_1 = torch.cat((sub_1, add_4), dim = -1)
+    out = torch._C._nn.scaled_dot_product_attention(q_1, k_1, v)
+    transpose = out.transpose(1, 2)
+    reshape_2 = transpose.reshape(1, 12, 32)
+    linear_6 = torch._C._nn.linear(reshape_2, blocks_0_proj_weight, blocks_0_proj_bias)
+    mul_12 = getitem_8 * linear_6
+    x_2 = x_1 + mul_12
+    layer_norm_1 = torch.nn.functional.layer_norm(x_2, (32,), None, None, 1e-06)
+    getitem_20 = scale2[(slice(None, None, None), None, slice(None, None, None))]
+    add_6 = 1 + getitem_20
+    mul_13 = layer_norm_1 * add_6
+    getitem_21 = shift2[(slice(None, None, None), None, slice(None, None, None))]
+    add_7 = mul_13 + getitem_21
+    linear_7 = torch._C._nn.linear(add_7, blocks_0_fc1_weight, blocks_0_fc1_bias)
+    h = torch._C._nn.gelu(linear_7, approximate = 'tanh')
+    getitem_22 = gate2[(slice(None, None, None), None, slice(None, None, None))]
+    linear_8 = torch._C._nn.linear(h, blocks_0_fc2_weight, blocks_0_fc2_bias)
+    mul_14 = getitem_22 * linear_8
+    x_3 = x_2 + mul_14
+    x_4 = x_3[(slice(None, None, None), slice(8, None, None))]
+    linear_9 = torch._C._nn.linear(cond, final_adaLN_weight, final_adaLN_bias)
+    chunk_2 = linear_9.chunk(2, dim = -1)
+    shift = chunk_2[0]
+    scale = chunk_2[1]
+    layer_norm_2 = torch.nn.functional.layer_norm(x_4, (32,), None, None, 1e-06)
+    getitem_26 = scale[(slice(None, None, None), None, slice(None, None, None))]
+    add_9 = 1 + getitem_26
+    mul_15 = layer_norm_2 * add_9
+    getitem_27 = shift[(slice(None, None, None), None, slice(None, None, None))]
+    add_10 = mul_15 + getitem_27
+    x_5 = torch._C._nn.linear(add_10, proj_out_weight, proj_out_bias)
+    swap_slot_b3 = dlo_fx_runtime_ops_swap_slot(_dlo, 3)  # dlo: swap_slot block=3 slot=1 bytes=30432
+    prefetch_b1_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=32896 wrap-around
+    allgather_b1_wrap = dlo_fx_runtime_ops_allgather(_dlo, 1)  # dlo: allgather block=1 slot=1 bytes=32896 wrap-around
+    x_6 = x_5.reshape(1, 2, 2, 2, 2, 4)
+    permute_2 = x_6.permute(0, 5, 1, 3, 2, 4)
+    reshape_4 = permute_2.reshape(1, 4, 4, 4)
+    return (reshape_4,)
+
+""")
+
+    def test_allgather_three_slots(self):
+        texts = allgather_results()[0][3]
+        self.assertExpectedInline(texts["blocks.md"], """\
+# Graph 0: blocks and resident set
+
+- mode: allgather, rank 0 of a 2-rank shard group
+- slots: 3 x 33,280 B = 99,840 B on the device (block b lives in slot b % slots)
+- block budget: 32,896 B
+
+## Blocks
+
+`bytes`: the block's parameters; `shard bytes`: what this rank keeps in host
+memory and copies to the device (the AllGather completes the rest).
+
+| block | first FQN | last FQN | params | bytes | slot | shard bytes |
+| ---: | --- | --- | ---: | ---: | ---: | ---: |
+| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 768 |
+| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 16,640 |
+| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 2 | 11,008 |
+| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 0 | 15,616 |
+| total | | | 23 | 85,856 | | 44,032 |
+
+## Resident set
+
+Every parameter of this graph is streamed.
+
+## Measured stalls
+
+No traced run yet. Compile with `options={"trace": True}`, run the model,
+then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).
+""")
+        self.assertExpectedInline(texts["schedule.py"], """\
+# dlo schedule of graph 0: 4 blocks, 3 slots, mode allgather, dp 2.
+# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
+# a wait also lists the parameters it covers. dlo_fx_runtime_ops_<kind> is
+# dlo_fx.runtime.ops.<kind>; _dlo is the graph's schedule. Statements that only free
+# values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
+def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_patch_embed_parameters_bias_ : torch.nn.parameter.Parameter, L_timestep_ : torch.Tensor, L_self_modules_time_embed_modules_0_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_0_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_2_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_time_embed_modules_2_parameters_bias_ : torch.nn.parameter.Parameter, L_text_ : torch.Tensor, L_self_modules_text_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_text_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_parameters_modulation_table_ : torch.nn.parameter.Parameter, L_self_buffers_rope_freqs_ : torch.Tensor, L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_parameters_fc2_weight_ : torch.nn.parameter.Parameter, L_self_modules_blocks_modules_0_parameters_fc2_bias_ : torch.nn.parameter.Parameter, L_self_modules_final_adaLN_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_final_adaLN_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_proj_out_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_proj_out_parameters_bias_ : torch.nn.parameter.Parameter):
+    l_latents_ = L_latents_
+    l_self_modules_patch_embed_parameters_weight_ = L_self_modules_patch_embed_parameters_weight_
+    l_self_modules_patch_embed_parameters_bias_ = L_self_modules_patch_embed_parameters_bias_
+    l_timestep_ = L_timestep_
+    l_self_modules_time_embed_modules_0_parameters_weight_ = L_self_modules_time_embed_modules_0_parameters_weight_
+    l_self_modules_time_embed_modules_0_parameters_bias_ = L_self_modules_time_embed_modules_0_parameters_bias_
+    l_self_modules_time_embed_modules_2_parameters_weight_ = L_self_modules_time_embed_modules_2_parameters_weight_
+    l_self_modules_time_embed_modules_2_parameters_bias_ = L_self_modules_time_embed_modules_2_parameters_bias_
+    l_text_ = L_text_
+    l_self_modules_text_proj_parameters_weight_ = L_self_modules_text_proj_parameters_weight_
+    l_self_modules_text_proj_parameters_bias_ = L_self_modules_text_proj_parameters_bias_
+    l_self_parameters_modulation_table_ = L_self_parameters_modulation_table_
+    l_self_buffers_rope_freqs_ = L_self_buffers_rope_freqs_
+    l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_ = L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_ = L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ = L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ = L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_proj_parameters_weight_ = L_self_modules_blocks_modules_0_modules_proj_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_proj_parameters_bias_ = L_self_modules_blocks_modules_0_modules_proj_parameters_bias_
+    l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ = L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_
+    l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ = L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_
+    l_self_modules_blocks_modules_0_parameters_fc2_weight_ = L_self_modules_blocks_modules_0_parameters_fc2_weight_
+    l_self_modules_blocks_modules_0_parameters_fc2_bias_ = L_self_modules_blocks_modules_0_parameters_fc2_bias_
+    l_self_modules_final_ada_ln_parameters_weight_ = L_self_modules_final_adaLN_parameters_weight_
+    l_self_modules_final_ada_ln_parameters_bias_ = L_self_modules_final_adaLN_parameters_bias_
+    l_self_modules_proj_out_parameters_weight_ = L_self_modules_proj_out_parameters_weight_
+    l_self_modules_proj_out_parameters_bias_ = L_self_modules_proj_out_parameters_bias_
+    _dlo = self._dlo
+    prefetch_b0 = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=1088
+    allgather_b0 = dlo_fx_runtime_ops_allgather(_dlo, 0)  # dlo: allgather block=0 slot=0 bytes=1088
+    prefetch_b1 = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=32896
+    allgather_b1 = dlo_fx_runtime_ops_allgather(_dlo, 1)  # dlo: allgather block=1 slot=1 bytes=32896
+    prefetch_b2 = dlo_fx_runtime_ops_prefetch(_dlo, 2, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_, l_self_parameters_modulation_table_)  # dlo: prefetch block=2 slot=2 bytes=21440
+    allgather_b2 = dlo_fx_runtime_ops_allgather(_dlo, 2)  # dlo: allgather block=2 slot=2 bytes=21440
+    to = l_latents_.to(torch.bfloat16)
+    x = to.reshape(1, 4, 2, 2, 2, 2)
+    permute = x.permute(0, 2, 4, 3, 5, 1)
+    reshape_1 = permute.reshape(1, 4, 16)
+    wait_b0 = dlo_fx_runtime_ops_wait(_dlo, 0)  # dlo: wait block=0 slot=0 bytes=1088 covers patch_embed.weight, patch_embed.bias
+    patch_embed_weight = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_weight_)  # dlo: slot_view patch_embed.weight (1024 B)
+    patch_embed_bias = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_bias_)  # dlo: slot_view patch_embed.bias (64 B)
+    image = torch._C._nn.linear(reshape_1, patch_embed_weight, patch_embed_bias)
+    swap_slot_b0 = dlo_fx_runtime_ops_swap_slot(_dlo, 0)  # dlo: swap_slot block=0 slot=0 bytes=1088
+    prefetch_b3 = dlo_fx_runtime_ops_prefetch(_dlo, 3, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_, l_self_modules_blocks_modules_0_parameters_fc2_weight_, l_self_modules_blocks_modules_0_parameters_fc2_bias_, l_self_modules_final_ada_ln_parameters_weight_, l_self_modules_final_ada_ln_parameters_bias_, l_self_modules_proj_out_parameters_weight_, l_self_modules_proj_out_parameters_bias_)  # dlo: prefetch block=3 slot=0 bytes=30432
+    allgather_b3 = dlo_fx_runtime_ops_allgather(_dlo, 3)  # dlo: allgather block=3 slot=0 bytes=30432
+    steps = torch.arange(128, dtype = torch.float32, device = device(type='cpu'))
+    mul = -9.210340371976184 * steps
+    truediv = mul / 128
+    freqs = torch.exp(truediv)
+    float_1 = l_timestep_.float()
+    getitem = float_1[(slice(None, None, None), None)]
+    getitem_1 = freqs[(None, slice(None, None, None))]
+    args = getitem * getitem_1
+    cos = torch.cos(args)
+    sin = torch.sin(args)
+    cat = torch.cat((cos, sin), dim = -1)
+    wait_b1 = dlo_fx_runtime_ops_wait(_dlo, 1)  # dlo: wait block=1 slot=1 bytes=32896 covers time_embed.0.weight, time_embed.0.bias
+    time_embed_0_weight = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: slot_view time_embed.0.weight (32768 B)
+    time_embed_0_bias = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: slot_view time_embed.0.bias (128 B)
+    input_1 = torch._C._nn.linear(cat, time_embed_0_weight, time_embed_0_bias)
+    swap_slot_b1 = dlo_fx_runtime_ops_swap_slot(_dlo, 1)  # dlo: swap_slot block=1 slot=1 bytes=32896
+    prefetch_b1_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=32896 wrap-around
+    allgather_b1_wrap = dlo_fx_runtime_ops_allgather(_dlo, 1)  # dlo: allgather block=1 slot=1 bytes=32896 wrap-around
+    input_2 = torch.nn.functional.silu(input_1, inplace = False)
+    wait_b2 = dlo_fx_runtime_ops_wait(_dlo, 2)  # dlo: wait block=2 slot=2 bytes=21440 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias, blocks.0.adaLN.weight, blocks.0.adaLN.bias, modulation_table
+    time_embed_2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_time_embed_modules_2_parameters_weight_)  # dlo: slot_view time_embed.2.weight (4096 B)
+    time_embed_2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_time_embed_modules_2_parameters_bias_)  # dlo: slot_view time_embed.2.bias (128 B)
+    text_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_text_proj_parameters_weight_)  # dlo: slot_view text_proj.weight (4096 B)
+    text_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_text_proj_parameters_bias_)  # dlo: slot_view text_proj.bias (64 B)
+    blocks_0_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_)  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
+    blocks_0_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_)  # dlo: slot_view blocks.0.adaLN.bias (384 B)
+    modulation_table = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_parameters_modulation_table_)  # dlo: slot_view modulation_table (384 B)
+    input_3 = torch._C._nn.linear(input_2, time_embed_2_weight, time_embed_2_bias)
+    temb = input_3.to(torch.bfloat16)
+    to_2 = l_text_.to(torch.bfloat16)
+    text_tokens = torch._C._nn.linear(to_2, text_proj_weight, text_proj_bias)
+    cond = torch.nn.functional.silu(temb)
+    x_1 = torch.cat((text_tokens, image), dim = 1)
+    linear_4 = torch._C._nn.linear(cond, blocks_0_adaLN_weight, blocks_0_adaLN_bias)
+    view = linear_4.view(1, 6, 32)
+    mod = view + modulation_table
+    swap_slot_b2 = dlo_fx_runtime_ops_swap_slot(_dlo, 2)  # dlo: swap_slot block=2 slot=2 bytes=21440
+    prefetch_b2_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 2, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_, l_self_parameters_modulation_table_)  # dlo: prefetch block=2 slot=2 bytes=21440 wrap-around
+    allgather_b2_wrap = dlo_fx_runtime_ops_allgather(_dlo, 2)  # dlo: allgather block=2 slot=2 bytes=21440 wrap-around
+    unbind = mod.unbind(1)
+    shift1 = unbind[0]
+    scale1 = unbind[1]
+    gate1 = unbind[2]
+    shift2 = unbind[3]
+    scale2 = unbind[4]
+    gate2 = unbind[5]
+    getitem_8 = gate1[(slice(None, None, None), None, slice(None, None, None))]
+    layer_norm = torch.nn.functional.layer_norm(x_1, (32,), None, None, 1e-06)
+    getitem_9 = scale1[(slice(None, None, None), None, slice(None, None, None))]
+    add_1 = 1 + getitem_9
+    mul_2 = layer_norm * add_1
+    getitem_10 = shift1[(slice(None, None, None), None, slice(None, None, None))]
+    add_2 = mul_2 + getitem_10
+    wait_b3 = dlo_fx_runtime_ops_wait(_dlo, 3)  # dlo: wait block=3 slot=0 bytes=30432 covers blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias, final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
+    blocks_0_qkv_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_)  # dlo: slot_view blocks.0.qkv.weight (6144 B)
+    blocks_0_qkv_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_)  # dlo: slot_view blocks.0.qkv.bias (192 B)
+    blocks_0_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_)  # dlo: slot_view blocks.0.proj.weight (2048 B)
+    blocks_0_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_)  # dlo: slot_view blocks.0.proj.bias (64 B)
+    blocks_0_fc1_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_)  # dlo: slot_view blocks.0.fc1.weight (8192 B)
+    blocks_0_fc1_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_)  # dlo: slot_view blocks.0.fc1.bias (256 B)
+    blocks_0_fc2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: slot_view blocks.0.fc2_weight (8192 B)
+    blocks_0_fc2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_parameters_fc2_bias_)  # dlo: slot_view blocks.0.fc2_bias (64 B)
+    final_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_weight_)  # dlo: slot_view final_adaLN.weight (4096 B)
+    final_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_bias_)  # dlo: slot_view final_adaLN.bias (128 B)
+    proj_out_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_weight_)  # dlo: slot_view proj_out.weight (1024 B)
+    proj_out_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_bias_)  # dlo: slot_view proj_out.bias (32 B)
+    linear_5 = torch._C._nn.linear(add_2, blocks_0_qkv_weight, blocks_0_qkv_bias)
+    qkv = linear_5.view(1, 12, 3, 2, 16)
+    permute_1 = qkv.permute(2, 0, 3, 1, 4)
+    unbind_1 = permute_1.unbind(0)
+    q = unbind_1[0]
+    k = unbind_1[1]
+    v = unbind_1[2]
+    positions = torch.arange(12, dtype = torch.float32, device = device(type='cpu'))
+    getitem_14 = positions[(slice(None, None, None), None)]
+    getitem_15 = l_self_buffers_rope_freqs_[(None, slice(None, None, None))]
+    angles = getitem_14 * getitem_15
+    cos_1 = torch.cos(angles)
+    cos_2 = cos_1.to(torch.bfloat16)
+    sin_1 = torch.sin(angles)
+    sin_2 = sin_1.to(torch.bfloat16)
+    chunk = q.chunk(2, dim = -1)
+    x1 = chunk[0]
+    x2 = chunk[1]
+    mul_4 = x1 * cos_2
+    mul_5 = x2 * sin_2
+    sub = mul_4 - mul_5
+    mul_6 = x1 * sin_2
+    mul_7 = x2 * cos_2
+    add_3 = mul_6 + mul_7
+    q_1 = torch.cat((sub, add_3), dim = -1)
+    chunk_1 = k.chunk(2, dim = -1)
+    x1_1 = chunk_1[0]
+    x2_1 = chunk_1[1]
+    mul_8 = x1_1 * cos_2
+    mul_9 = x2_1 * sin_2
+    sub_1 = mul_8 - mul_9
+    mul_10 = x1_1 * sin_2
+    mul_11 = x2_1 * cos_2
+    add_4 = mul_10 + mul_11
+    k_1 = torch.cat((sub_1, add_4), dim = -1)
+    out = torch._C._nn.scaled_dot_product_attention(q_1, k_1, v)
+    transpose = out.transpose(1, 2)
+    reshape_2 = transpose.reshape(1, 12, 32)
+    linear_6 = torch._C._nn.linear(reshape_2, blocks_0_proj_weight, blocks_0_proj_bias)
+    mul_12 = getitem_8 * linear_6
+    x_2 = x_1 + mul_12
+    layer_norm_1 = torch.nn.functional.layer_norm(x_2, (32,), None, None, 1e-06)
+    getitem_20 = scale2[(slice(None, None, None), None, slice(None, None, None))]
+    add_6 = 1 + getitem_20
+    mul_13 = layer_norm_1 * add_6
+    getitem_21 = shift2[(slice(None, None, None), None, slice(None, None, None))]
+    add_7 = mul_13 + getitem_21
+    linear_7 = torch._C._nn.linear(add_7, blocks_0_fc1_weight, blocks_0_fc1_bias)
+    h = torch._C._nn.gelu(linear_7, approximate = 'tanh')
+    getitem_22 = gate2[(slice(None, None, None), None, slice(None, None, None))]
+    linear_8 = torch._C._nn.linear(h, blocks_0_fc2_weight, blocks_0_fc2_bias)
+    mul_14 = getitem_22 * linear_8
+    x_3 = x_2 + mul_14
+    x_4 = x_3[(slice(None, None, None), slice(8, None, None))]
+    linear_9 = torch._C._nn.linear(cond, final_adaLN_weight, final_adaLN_bias)
+    chunk_2 = linear_9.chunk(2, dim = -1)
+    shift = chunk_2[0]
+    scale = chunk_2[1]
+    layer_norm_2 = torch.nn.functional.layer_norm(x_4, (32,), None, None, 1e-06)
+    getitem_26 = scale[(slice(None, None, None), None, slice(None, None, None))]
+    add_9 = 1 + getitem_26
+    mul_15 = layer_norm_2 * add_9
+    getitem_27 = shift[(slice(None, None, None), None, slice(None, None, None))]
+    add_10 = mul_15 + getitem_27
+    x_5 = torch._C._nn.linear(add_10, proj_out_weight, proj_out_bias)
+    swap_slot_b3 = dlo_fx_runtime_ops_swap_slot(_dlo, 3)  # dlo: swap_slot block=3 slot=0 bytes=30432
+    prefetch_b0_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=1088 wrap-around
+    allgather_b0_wrap = dlo_fx_runtime_ops_allgather(_dlo, 0)  # dlo: allgather block=0 slot=0 bytes=1088 wrap-around
+    x_6 = x_5.reshape(1, 2, 2, 2, 2, 4)
+    permute_2 = x_6.permute(0, 5, 1, 3, 2, 4)
+    reshape_4 = permute_2.reshape(1, 4, 4, 4)
+    return (reshape_4,)
+
+""")
+
+
+def test_allgather_ranks_agree_and_dump_apart():
+    results = allgather_results()
+    for slots in (2, 3):
+        zero, one = results[0][slots], results[1][slots]
+        assert one["schedule.py"] == zero["schedule.py"]
+        assert one["blocks.md"] == zero["blocks.md"].replace("rank 0 of", "rank 1 of")
+    assert results[0]["folders"] == ["golden/2/rank_0/graph_0", "golden/3/rank_0/graph_0",
+                                     "traced/rank_0/graph_0"]
+    assert results[1]["folders"] == [f.replace("rank_0", "rank_1") for f in results[0]["folders"]]
+
+
+def check_traced(got: dict, kinds: tuple[str, ...], lanes: tuple[str, ...]) -> None:
+    blocks = set(range(got["num_blocks"]))
+    assert got["table_blocks"] == sorted(blocks)
+    assert not got["trace_before_flush"] and got["flushed"]
+    for lane in lanes:  # a bar per block per lane
+        assert got["svg"]["bar"][lane] == blocks, lane
+    assert set(got["trace"]) == set(kinds)
+    for kind in kinds:  # spans for every block and kind
+        assert got["trace"][kind] == blocks, kind
+    stalls = got["stalls"]
+    assert stalls.waits == 2 * len(blocks)  # two traced calls
+    assert "| total | | %d |" % (2 * len(blocks)) in got["blocks_md"]
+    assert "No traced run yet" not in got["blocks_md"]
+
+
+def test_traced_dump_allgather():
+    check_traced(allgather_results()[0]["traced"], ("prefetch", "allgather", "wait", "compute"),
+                 ("compute", "h2d", "allgather"))
+
+
+def test_traced_dump_rank_local(tmp_path):
+    check_traced(traced_dump(tmp_path, {"num_slots": 2}), ("prefetch", "wait", "compute"),
+                 ("compute", "h2d"))
+
+
+def test_untraced_timeline_is_predicted_from_bytes(tmp_path):
+    model, inputs = small_dit()
+    _, (folder,) = dump_model(model, inputs, tmp_path, {"num_slots": 2})  # trace off
+    root = ET.parse(folder / "timeline.svg").getroot()
+    title = root.find(f"{SVG}title").text
+    assert "H2D from bytes at 25 GB/s (assumed)" in title
+    assert "compute from bytes at 100 GB/s (assumed)" in title
+    bars = svg_bars(folder / "timeline.svg")
+    blocks = set(table_blocks((folder / "blocks.md").read_text()))
+    assert bars["bar"]["compute"] == bars["bar"]["h2d"] == blocks
+    assert "allgather" not in bars["bar"]  # rank-local: the lane is there, empty
+    assert bars["stall"]["compute"]  # copies at 25 GB/s are slower than compute at 100
+    assert "No traced run yet" in (folder / "blocks.md").read_text()
+    assert not (folder / "trace.json").exists()
+
+
+def test_delaying_prefetches_adds_stall(tmp_path):
+    """A user pass that issues each prefetch one block later makes compute wait longer.
+
+    Copies are made slow (``fault_delay_s``: up to 20 ms each, the same seeded delays in
+    both runs) and each block's compute at least 30 ms long, so the normal schedule hides
+    the copy of block b+1 behind block b while the delayed one waits for it in full."""
+    slow = slow_blocks(0.03)
+    normal = stall_total((slow,), tmp_path / "normal", fault_delay_s=0.02)
+    delayed = stall_total((slow, delay_prefetches), tmp_path / "delayed", fault_delay_s=0.02)
+    assert delayed > normal + 0.05, (normal, delayed)
+    schedule = (tmp_path / "delayed" / "graph_0" / "schedule.py").read_text()
+    order = [line.split(" = ")[0].strip() for line in schedule.splitlines()
+             if "# dlo: prefetch" in line or "# dlo: wait" in line]
+    assert order.index("prefetch_b2") > order.index("wait_b1")  # issued after block 1 started
+
+
+def test_write_trace_and_stall_summary(tmp_path):
+    model, inputs = small_dit()
+    dump_model(model, inputs, tmp_path / "dump", {"trace": True}, calls=2)
+    path = dlo_fx.dump.write_trace(model, tmp_path / "all.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    kinds = {e["cat"] for e in events if e["ph"] == "X"}
+    assert kinds == {"prefetch", "wait", "compute"}
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert "MainThread compute" in names
+    summary = dlo_fx.dump.stall_summary(model)
+    assert str(summary).startswith("dlo stalls: compute waited")
+    assert sum(b.stall_ns for b in summary.blocks) == summary.total_ns
+    untraced, inputs = small_dit()
+    fresh()
+    dump_model(untraced, inputs, tmp_path / "plain", {}, calls=1)
+    with pytest.raises(ValueError, match="options=\\{'trace': True\\}"):
+        dlo_fx.dump.stall_summary(untraced)
+
+
+def test_graph_breaks_get_one_folder_each(tmp_path):
+    """Dynamo reuses one graph for every layer: its folder still gets every layer's spans."""
+    model, inputs = tiny_dit(depth=3, graph_break=True)
+    dump_model(model, inputs, tmp_path, {"trace": True}, calls=2, fullgraph=False)
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert folders == [f"graph_{i}" for i in range(len(folders))] and len(folders) > 1
+    dlo_fx.dump.flush(model)
+    streaming = 0
+    for name in folders:
+        folder = tmp_path / name
+        files = {p.name for p in folder.iterdir()}
+        assert {"schedule.py", "blocks.md", "timeline.svg"} <= files, name
+        waits = (folder / "schedule.py").read_text().count("# dlo: wait")
+        assert ("trace.json" in files) == (waits > 0), name  # spans only for blocks
+        if waits:
+            streaming += 1
+            assert set(trace_blocks(folder / "trace.json")["wait"]) == set(range(waits)), name
+    assert streaming >= 1
+
+
+def test_dump_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLO_FX_DUMP_DIR", str(tmp_path))
+    model, inputs = small_dit()
+    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    with torch.no_grad():
+        compiled(*inputs)
+    assert (tmp_path / "graph_0" / "schedule.py").exists()
+
+
+def test_unwritable_dump_dir_names_it(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    model, inputs = small_dit()
+    with pytest.raises(Exception, match="dump_dir=.*file.*writable folder"):
+        dump_model(model, inputs, blocker, {})
+
+
+# -- dlo-fx dump ---------------------------------------------------------------------------
+def cli(*argv: str) -> int:
+    return run_dump(add_dump_arguments(argparse.ArgumentParser()).parse_args(list(argv)))
+
+
+def test_cli_reference_dit_as_a_module(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dlo_fx.dump.cli", "--layers", "2", "--width", "32", "--heads",
+         "2", "--size", "4", "--slots", "3", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert "reference DiT (2 layers, width 32): 1 graph(s)" in out.stdout
+    assert "dlo stalls: compute waited" in out.stdout
+    files = {p.name for p in (tmp_path / "graph_0").iterdir()}
+    assert files == {"schedule.py", "blocks.md", "timeline.svg", "trace.json"}
+    assert "- slots: 3 x" in (tmp_path / "graph_0" / "blocks.md").read_text()
+
+
+def test_cli_wan_factory(tmp_path, capsys):
+    assert cli("--model", "dump_cases:wan_factory", "--app-dir", str(TESTS),
+               "--out", str(tmp_path), "--calls", "1") == 0
+    printed = capsys.readouterr().out
+    assert "dump_cases:wan_factory:" in printed
+    schedules = [p / "schedule.py" for p in sorted(tmp_path.iterdir())]
+    text = "".join(s.read_text() for s in schedules)
+    assert "blocks.0.attn1.to_q.weight" in text  # Wan's own parameter names
+    for folder in tmp_path.iterdir():
+        ET.parse(folder / "timeline.svg")
+        json.loads((folder / "trace.json").read_text())
+
+
+def test_cli_model_with_inputs_function_and_errors(tmp_path, capsys):
+    assert cli("--model", "dump_cases:dit_model", "--inputs", "dump_cases:dit_inputs",
+               "--app-dir", str(TESTS), "--out", str(tmp_path), "--no-trace") == 0
+    assert not (tmp_path / "graph_0" / "trace.json").exists()
+    assert (tmp_path / "graph_0" / "blocks.md").exists()
+    capsys.readouterr()
+    assert cli("--model", "dump_cases:dit_model", "--app-dir", str(TESTS)) == 2
+    assert "--inputs" in capsys.readouterr().err
+    assert cli("--model", "dump_cases", "--app-dir", str(TESTS)) == 2
+    assert "package.module:callable" in capsys.readouterr().err
+    assert cli("--model", "no_such_module_here:f") == 2
+    assert "cannot import" in capsys.readouterr().err
+    assert cli("--layers", "1", "--width", "32", "--heads", "2", "--block-bytes", "0") == 2
+    assert "'block_bytes'=0" in capsys.readouterr().err
+    assert cli("--compute-gbps", "0") == 2
+    assert "compute_gbps" in capsys.readouterr().err
