@@ -8,8 +8,9 @@ the current block's compute.
 from .config import DLOConfig
 from .dump import stall_summary, write_trace
 from .engine import Engine, Request, Result
+from .loader import load
 from .memory import MemoryReport, memory_report
 
-__all__ = ["DLOConfig", "Engine", "MemoryReport", "Request", "Result", "memory_report",
+__all__ = ["DLOConfig", "Engine", "MemoryReport", "Request", "Result", "load", "memory_report",
            "stall_summary", "write_trace"]
 __version__ = "0.1.0"

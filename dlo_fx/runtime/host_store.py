@@ -120,6 +120,14 @@ class HostStore:
         hollow([p for p in params if p.numel()])
         return block
 
+    def drop_blocks(self, first: int) -> None:
+        """Forget blocks ``first`` onwards (undoing a failed load); their parameters stay
+        hollow and must not be used again."""
+        for block in self.blocks[first:]:
+            for p in block.params:
+                self._entries.pop(id(p), None)
+        del self.blocks[first:]
+
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self.pin:
             try:

@@ -80,16 +80,21 @@ class Runtime:
         return self.mode
 
     # -- registration (compile time, or first call of a reused graph) --------------------
-    def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str]) -> int:
+    def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
+                       sources: Optional[Sequence[torch.Tensor]] = None) -> int:
+        """Store ``params`` as a new host block (this rank's shard of it) and hollow them.
+        ``sources`` are flat uint8 images of each parameter's storage span (the loader
+        passes mmap views); by default the parameters' own bytes are read."""
         if self.mode is None:
             from .layout import span_bytes
 
             self.decide_mode([sum(span_bytes(p) for p in params)])
-        block = self.store.add_block(params, fqns)
-        self._fit_slots(block.slot_bytes)
+        block = self.store.add_block(params, fqns, sources)
+        self.fit_slots(block.slot_bytes)
         return block.index
 
-    def _fit_slots(self, nbytes: int) -> None:
+    def fit_slots(self, nbytes: int) -> None:
+        """Grow the slots to hold a block of ``nbytes`` (compile or load time only)."""
         if nbytes > self.slots.slot_bytes:
             self.drain()
             self.executor.sync()  # no copy or gather may still touch the old slots
@@ -123,10 +128,16 @@ class Runtime:
             entry = self.store.entry(param)
             block = self.store.blocks[entry.block]
             flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
-            self._fill(flat, entry.block)
-            if self.store.dp > 1:
-                gather_in_place(flat, block.spec.shard_bytes, self.group,
-                                f"host block {entry.block} (resident copy of {entry.fqn!r})")
+            what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
+
+            def fill_and_gather() -> None:
+                self._fill(flat, entry.block)
+                if self.store.dp > 1:
+                    gather_in_place(flat, block.spec.shard_bytes, self.group, what)
+
+            # Through the executor, behind every gather already queued: collectives keep
+            # one issue order on every rank.
+            self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
             tensor = self._resident[id(param)] = entry.view_of(flat).clone()
         return tensor
 

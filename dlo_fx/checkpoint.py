@@ -1,0 +1,322 @@
+"""Find a safetensors checkpoint on disk, validate every file's header, and read tensors
+through short-lived mmap views.
+
+Forms understood by `resolve_checkpoint`:
+
+* one ``.safetensors`` file;
+* a folder holding a ``*.safetensors.index.json`` (the Hugging Face / diffusers sharded
+  layout: ``weight_map`` names the file of every tensor), or that index file itself;
+* a folder of ``.safetensors`` files without an index (their tensors are united);
+* a local Hugging Face cache repo folder (``models--org--name``, resolved through
+  ``refs/main`` or its only ``snapshots/<rev>/``), or a hub id ``org/name`` already in the
+  local cache. Nothing is ever downloaded.
+
+Pickled checkpoints (``.bin``, ``.pt``, ``.pth``, ...) are refused: only safetensors are
+loaded. Every header is parsed and checked against the file size before any tensor is read,
+so a truncated file or a corrupt header is an error naming the file, not a crash halfway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+__all__ = ["CheckpointError", "Checkpoint", "TensorInfo", "resolve_checkpoint", "read_header",
+           "open_views"]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F32": torch.float32, "F64": torch.float64,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, refused, or malformed."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file, as its header describes it."""
+
+    key: str
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint: every tensor's file, dtype and shape, by checkpoint key."""
+
+    source: str  # what the caller passed, for messages
+    files: tuple[str, ...]
+    tensors: dict[str, TensorInfo] = field(repr=False)
+    folder: Optional[str] = None  # the model folder (where a config.json may live)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+# -- headers ------------------------------------------------------------------------------
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Parse and check the header of one safetensors file (reads no tensor data).
+
+    Raises `CheckpointError` naming the file for a file too short to hold a header, a
+    header length beyond the end of the file, a header that is not JSON, an unknown dtype,
+    or a tensor whose bytes do not fit in the file (a truncated download).
+    """
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes; the "
+                                      "8-byte header length is missing)")
+            (length,) = struct.unpack("<Q", head)
+            if length > _MAX_HEADER_BYTES or 8 + length > size:
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors file: its header claims {length} "
+                    f"bytes but the file has {size} bytes; re-download or re-save it")
+            raw = f.read(length)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint file: {exc}") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {exc}); "
+                              "re-download or re-save the file") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, "
+                              "not an object)")
+    data_bytes = size - 8 - length
+    out: dict[str, TensorInfo] = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        out[key] = _tensor_info(path, key, meta, data_bytes)
+    _check_with_reader(path)
+    return out
+
+
+def _check_with_reader(path: str) -> None:
+    """Let safetensors itself check the file (offsets that overlap or leave gaps, ...).
+    Opening maps the file but touches no tensor page."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu"):
+            pass
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: safetensors refuses the file ({exc}); re-download or "
+                              "re-save it") from None
+
+
+def _tensor_info(path: str, key: str, meta: object, data_bytes: int) -> TensorInfo:
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: corrupt safetensors header for tensor {key!r}: {what}")
+
+    if not isinstance(meta, dict):
+        raise bad(f"expected an object, found {meta!r}")
+    dtype = _DTYPES.get(meta.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise bad(f"unknown or unsupported dtype {meta.get('dtype')!r}")
+    shape, offsets = meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise bad(f"shape {shape!r} is not a list of sizes")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"data_offsets {offsets!r} is not [begin, end]")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if offsets[1] - offsets[0] != nbytes:
+        raise bad(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but "
+                  f"{meta['dtype']} {shape} needs {nbytes}")
+    if offsets[1] > data_bytes:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: tensor {key!r} ends at data byte {offsets[1]} "
+            f"but the file holds only {data_bytes} data bytes; re-download or re-save it")
+    return TensorInfo(key=key, path=path, dtype=dtype, shape=tuple(shape), nbytes=nbytes)
+
+
+# -- finding the files --------------------------------------------------------------------
+def _refuse_pickles(paths: Sequence[Path], where: str) -> None:
+    pickles = sorted(p.name for p in paths if p.name.endswith(PICKLE_SUFFIXES)
+                     or p.name.endswith(tuple(s + ".index.json" for s in PICKLE_SUFFIXES)))
+    if pickles:
+        raise CheckpointError(
+            f"{where} holds pickled weights ({', '.join(pickles[:5])}): dlo_fx only loads "
+            "safetensors, never pickles; convert them to .safetensors first")
+
+
+def hf_cache_dirs() -> list[Path]:
+    """Folders a local Hugging Face hub cache may live in, most specific first."""
+    dirs = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    dirs.append((Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub")
+    return list(dict.fromkeys(dirs))
+
+
+def _snapshot(repo: Path) -> Path:
+    """``models--org--name`` -> its ``snapshots/<rev>`` (``refs/main``, else the only one)."""
+    snaps = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        rev = ref.read_text().strip()
+        if (snaps / rev).is_dir():
+            return snaps / rev
+    revs = sorted(p for p in snaps.iterdir() if p.is_dir()) if snaps.is_dir() else []
+    if len(revs) == 1:
+        return revs[0]
+    if not revs:
+        raise CheckpointError(f"{repo}: a Hugging Face cache repo folder without snapshots; "
+                              "download the model first")
+    raise CheckpointError(f"{repo}: several snapshots ({', '.join(r.name for r in revs)}) and no "
+                          "refs/main; pass the snapshots/<rev> folder you want")
+
+
+def _locate(source: str | os.PathLike) -> Path:
+    path = Path(source).expanduser()
+    if path.exists():
+        if path.is_dir() and (path / "snapshots").is_dir() and path.name.startswith("models--"):
+            return _snapshot(path)
+        return path
+    text = os.fspath(source)
+    if isinstance(source, str) and _HUB_ID.match(text):
+        name = "models--" + text.replace("/", "--")
+        looked = hf_cache_dirs()
+        for cache in looked:
+            if (cache / name).is_dir():
+                return _snapshot(cache / name)
+        raise CheckpointError(
+            f"checkpoint {text!r} does not exist as a path, and as a hub id it is not in the "
+            f"local cache (looked for {name} in {', '.join(str(d) for d in looked)}); "
+            "dlo_fx.load never downloads: fetch the model first (e.g. `huggingface-cli "
+            "download ...`) or pass a local path")
+    raise CheckpointError(f"checkpoint path {text!r} does not exist")
+
+
+def _from_index(index: Path, source: str) -> Checkpoint:
+    try:
+        doc = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{index}: unreadable safetensors index ({exc})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: a safetensors index needs a 'weight_map' object "
+                              "mapping tensor names to file names")
+    files = list(dict.fromkeys(weight_map.values()))
+    for name in files:
+        if not name.endswith(".safetensors"):
+            _refuse_pickles([Path(name)], str(index))
+            raise CheckpointError(f"{index}: shard {name!r} is not a .safetensors file")
+        if not (index.parent / name).is_file():
+            raise CheckpointError(f"{index} names shard file {name!r}, which does not exist in "
+                                  f"{index.parent}; the download is incomplete")
+    headers = {name: read_header(index.parent / name) for name in files}
+    tensors = {}
+    for key, name in weight_map.items():
+        info = headers[name].get(key)
+        if info is None:
+            raise CheckpointError(f"{index} maps tensor {key!r} to {name!r}, but that file "
+                                  "does not hold it")
+        tensors[key] = info
+    return Checkpoint(source=source, files=tuple(str(index.parent / n) for n in files),
+                      tensors=tensors, folder=str(index.parent))
+
+
+def _from_files(paths: Sequence[Path], source: str, folder: Optional[Path]) -> Checkpoint:
+    tensors: dict[str, TensorInfo] = {}
+    for path in paths:
+        for key, info in read_header(path).items():
+            if key in tensors:
+                raise CheckpointError(f"tensor {key!r} is in both {tensors[key].path} and "
+                                      f"{path}; add an index file or pass one of them")
+            tensors[key] = info
+    return Checkpoint(source=source, files=tuple(str(p) for p in paths), tensors=tensors,
+                      folder=str(folder) if folder is not None else None)
+
+
+def resolve_checkpoint(source: str | os.PathLike) -> Checkpoint:
+    """Find and validate the checkpoint ``source`` names (see the module docstring)."""
+    text = os.fspath(source)
+    path = _locate(source)
+    if path.is_file():
+        if path.name.endswith(".safetensors.index.json"):
+            return _from_index(path, text)
+        if path.name.endswith(".safetensors"):
+            return _from_files([path], text, None)
+        _refuse_pickles([path], str(path))
+        raise CheckpointError(f"{path}: not a .safetensors file or a *.safetensors.index.json "
+                              "index; dlo_fx only loads safetensors")
+    children = sorted(path.iterdir())
+    indexes = [p for p in children if p.name.endswith(".safetensors.index.json")]
+    if len(indexes) > 1:
+        raise CheckpointError(f"{path} holds several safetensors indexes "
+                              f"({', '.join(p.name for p in indexes)}); pass the one to load")
+    if indexes:
+        return _from_index(indexes[0], text)
+    files = [p for p in children if p.name.endswith(".safetensors") and p.is_file()]
+    if files:
+        return _from_files(files, text, path)
+    _refuse_pickles(children, str(path))
+    raise CheckpointError(f"{path} holds no .safetensors file and no *.safetensors.index.json")
+
+
+# -- reading ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def open_views(infos: Sequence[TensorInfo]) -> Iterator[dict[str, torch.Tensor]]:
+    """mmap views of ``infos``' tensors, by key, valid inside the ``with`` block only.
+
+    Each file is opened with ``safetensors.safe_open`` (one private read-only mapping shared
+    with the OS page cache, so ranks on one host read the same pages). The views, the
+    handles and so the mappings are dropped on exit: open one group of tensors at a time to
+    keep the mapped (and PSS-counted) pages to that group.
+    """
+    from safetensors import safe_open
+
+    views: dict[str, torch.Tensor] = {}
+    handles = []
+    try:
+        by_file: dict[str, list[TensorInfo]] = {}
+        for info in infos:
+            by_file.setdefault(info.path, []).append(info)
+        for path, group in by_file.items():
+            try:
+                handle = safe_open(path, framework="pt", device="cpu")
+                handles.append(handle)
+                for info in group:
+                    views[info.key] = handle.get_tensor(info.key)
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{path}: reading tensor(s) failed: {exc}") from exc
+        yield views
+    finally:
+        views.clear()
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                handle.__exit__(None, None, None)
+        handles.clear()

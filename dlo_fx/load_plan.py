@@ -1,0 +1,210 @@
+"""What `dlo_fx.load` will do, decided before it does anything: every model tensor matched
+to its checkpoint tensor (keys, shapes, dtypes validated), and the parameters split into
+resident ones and blocks with the partition pass's own rules.
+
+`plan_load` raises one ValueError listing every mismatch and registers nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint, TensorInfo
+from .config import DLOConfig
+from .passes.context import ParamInfo
+from .passes.partition_blocks import natural_layer_bytes, partition
+from .runtime.layout import storage_span
+
+__all__ = ["KeyMap", "LoadPlan", "Target", "plan_load"]
+
+KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
+
+
+@dataclass(eq=False)
+class Target:
+    """One model tensor (a parameter or a buffer) and where its bytes come from."""
+
+    kind: str  # "param" or "buffer"
+    tensor: torch.Tensor  # the meta parameter, or the buffer as built
+    dtype: torch.dtype  # the dtype it will have
+    persistent: bool = True
+    names: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # (module, attr, fqn)
+    info: Optional[TensorInfo] = None
+
+    @property
+    def fqn(self) -> str:
+        return self.names[0][2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its storage span in the model's layout and final dtype."""
+        return storage_span(self.tensor) * _itemsize(self.dtype)
+
+
+@dataclass(eq=False)
+class LoadPlan:
+    """The module, its checkpoint, and where every parameter goes: materialised on the
+    device (``resident``) or streamed (``blocks``, in registration order)."""
+
+    module: nn.Module
+    ckpt: Checkpoint
+    params: list[Target]
+    buffers: list[Target]
+    resident: list[Target]
+    blocks: list[list[Target]]
+    host_bytes: int = 0
+
+    def rows(self) -> list[tuple]:
+        """One (parameter count, bytes, first FQN) row per block, compared across ranks."""
+        return [(len(b), sum(t.nbytes for t in b), b[0].fqn) for b in self.blocks]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _keep_fp32(fqn: str, keep: Sequence[str]) -> bool:
+    parts = fqn.split(".")
+    return any(m in parts for m in keep)
+
+
+def _targets(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[list[Target], list[Target]]:
+    """Parameters (registration order, tied ones once) and buffers of ``module``."""
+    keep = tuple(getattr(type(module), "_keep_in_fp32_modules", None) or ())
+    params: dict[int, Target] = {}
+    buffers: dict[int, Target] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            target = params.get(id(p))
+            if target is None:
+                final = p.dtype
+                if dtype is not None and p.dtype.is_floating_point:
+                    final = torch.float32 if _keep_fp32(dot + name, keep) else dtype
+                target = params[id(p)] = Target("param", p, final)
+            target.names.append((mod, name, dot + name))
+        for name, b in mod._buffers.items():
+            if b is None:
+                continue
+            target = buffers.get(id(b))
+            if target is None:
+                persistent = name not in mod._non_persistent_buffers_set
+                target = buffers[id(b)] = Target("buffer", b, b.dtype, persistent=persistent)
+            target.names.append((mod, name, dot + name))
+    return list(params.values()), list(buffers.values())
+
+
+def _map_keys(ckpt: Checkpoint, key_map: Optional[KeyMap]) -> dict[str, TensorInfo]:
+    if key_map is not None and not (isinstance(key_map, Mapping) or callable(key_map)):
+        raise ValueError(f"dlo_fx.load: key_map={key_map!r} must be a dict or a callable")
+    out: dict[str, TensorInfo] = {}
+    for key, info in ckpt.tensors.items():
+        if key_map is None:
+            name: Optional[str] = key
+        elif isinstance(key_map, Mapping):
+            name = key_map.get(key, key)
+        else:
+            name = key_map(key)
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise ValueError(f"dlo_fx.load: key_map turned checkpoint key {key!r} into "
+                             f"{name!r}; it must return a str (or None to drop the key)")
+        if name in out:
+            raise ValueError(f"dlo_fx.load: checkpoint keys {out[name].key!r} and {key!r} both "
+                             f"map to {name!r}; fix key_map")
+        out[name] = info
+    return out
+
+
+def _listing(names: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    more = f" (first {limit} of {len(names)})" if len(names) > limit else ""
+    return f"{shown}{more}"
+
+
+def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
+              dtype: Optional[torch.dtype], key_map: Optional[KeyMap], strict: bool,
+              resident: Sequence[str] = ()) -> LoadPlan:
+    """Match the checkpoint to the module and split the parameters into blocks.
+
+    Raises ValueError listing every mismatch; registers nothing.
+    """
+    params, buffers = _targets(module, dtype)
+    by_name = _map_keys(ckpt, key_map)
+    what = f"{type(module).__name__} from checkpoint {ckpt.source!r}"
+    missing, kept, problems = [], [], []
+    claimed: set[str] = set()
+    for t in params + [b for b in buffers if b.persistent]:
+        found = next((fqn for _, _, fqn in t.names if fqn in by_name), None)
+        if found is None:
+            if t.kind == "param" or strict or t.tensor.is_meta:
+                missing.append(t.fqn)
+            else:
+                kept.append(t.fqn)
+            continue
+        claimed.update(fqn for _, _, fqn in t.names)
+        t.info = info = by_name[found]
+        where = f"checkpoint key {info.key!r} in {info.path}"
+        if tuple(t.tensor.shape) != info.shape:
+            problems.append(f"shape mismatch for {t.fqn!r}: the model expects "
+                            f"{list(t.tensor.shape)}, {where} holds {list(info.shape)}")
+        elif info.dtype != t.dtype:
+            castable = dtype is not None and info.dtype.is_floating_point and \
+                t.dtype.is_floating_point
+            if not castable:
+                hint = ("pass dtype=... to cast floating-point tensors while loading"
+                        if dtype is None else "only floating-point tensors are cast")
+                problems.append(f"dtype mismatch for {t.fqn!r}: the model expects {t.dtype}, "
+                                f"{where} holds {info.dtype}; {hint}")
+    unexpected = [k for k in by_name if k not in claimed]
+    if missing:
+        problems.insert(0, f"{len(missing)} missing key(s) (in the model, not in the "
+                           f"checkpoint): {_listing(missing)}")
+    if unexpected and strict:
+        problems.append(f"{len(unexpected)} unexpected key(s) (in the checkpoint, not in the "
+                        f"model): {_listing(unexpected)}; pass strict=False to ignore them or "
+                        "key_map= to rename them")
+    for b in buffers:
+        if b.tensor.is_meta and not b.persistent:
+            problems.append(f"non-persistent buffer {b.fqn!r} was computed from a parameter in "
+                            "__init__ (it is on the meta device) and no checkpoint holds it")
+    if problems:
+        raise ValueError(f"dlo_fx.load: {what} does not match:\n  " + "\n  ".join(problems))
+    if (unexpected or kept) and not strict:
+        warnings.warn(f"dlo_fx.load: {what}: ignoring {len(unexpected)} unexpected key(s) "
+                      f"[{_listing(unexpected, 20)}]; {len(kept)} buffer(s) keep their "
+                      f"constructed values [{_listing(kept, 20)}]", UserWarning, stacklevel=3)
+    keep = _resident_set(params, resident)
+    stays = [t.tensor.numel() == 0 or t.nbytes < cfg.resident_bytes or id(t) in keep
+             for t in params]
+    streamed = [t for t, s in zip(params, stays) if not s]
+    infos = [ParamInfo(node=None, param=t.tensor, fqn=t.fqn, nbytes=t.nbytes)  # type: ignore[arg-type]
+             for t in streamed]
+    by_id = {id(t.tensor): t for t in streamed}
+    budget = cfg.block_bytes or natural_layer_bytes(infos)
+    blocks = [[by_id[id(i.param)] for i in group] for group in partition(infos, budget)]
+    return LoadPlan(module=module, ckpt=ckpt, params=params, buffers=buffers,
+                    resident=[t for t, s in zip(params, stays) if s], blocks=blocks)
+
+
+def _resident_set(params: list[Target], names: Sequence[str]) -> set[int]:
+    """Targets named (by FQN or module prefix) in ``names``; an unmatched name is an error."""
+    if isinstance(names, str):
+        names = (names,)
+    keep: set[int] = set()
+    for name in names:
+        hits = [t for t in params if any(fqn == name or fqn.startswith(name + ".")
+                                         for _, _, fqn in t.names)]
+        if not hits:
+            raise ValueError(f"dlo_fx.load: resident={name!r} names no parameter of the model "
+                             "(give parameter FQNs or module prefixes such as 'patch_embed')")
+        keep.update(id(t) for t in hits)
+    return keep

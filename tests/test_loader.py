@@ -1,0 +1,335 @@
+"""`dlo_fx.load`: meta init + mmap safetensors into the host store, bit-identical to
+``load_state_dict``; every bad input is a clear error that registers nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import loader_cases
+from distributed import spawn
+from dlo_fx.checkpoint import CheckpointError, resolve_checkpoint
+from dlo_fx.config import DLOConfig
+from dlo_fx.loader import load
+from dlo_fx.models import ReferenceDiT
+from dlo_fx.runtime.host_store import is_hollow
+from dlo_fx.runtime.runtime import runtime_for
+from loader_cases import compare, resident_dit, resident_wan, save_dit, save_wan
+from models import tiny_dit, tiny_wan
+
+
+EAGER_LAYERS = loader_cases.EAGER_LAYERS
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """One DiT file and one sharded diffusers Wan folder, written once for the module."""
+    root = tmp_path_factory.mktemp("ckpt")
+    dit_path, dit_config = save_dit(str(root))
+    wan_dir = save_wan(str(root / "wan"))
+    return {"root": root, "dit": dit_path, "config": dit_config, "wan": wan_dir}
+
+
+def store_blocks(options=None) -> int:
+    """Blocks in the runtime `load` and `torch.compile` use for ``options``."""
+    return len(runtime_for(DLOConfig.from_options(options), torch.device("cpu")).store.blocks)
+
+
+# -- bit identity ----------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [
+    {}, {"num_slots": 3, "block_bytes": 40_000}, {"resident_bytes": 4096},
+], ids=["default", "slots3-small-blocks", "resident-small"])
+def test_reference_dit_single_file_bit_identical(ckpts, options):
+    model = load(ReferenceDiT, ckpts["dit"], config=ckpts["config"], options=options)
+    assert not model.training
+    streamed = [p for p in model.parameters() if is_hollow(p)]
+    assert streamed and all(not p.requires_grad for p in model.parameters())
+    w = model.blocks[0].fc2_weight  # a transposed parameter keeps its strides
+    assert w.stride() == (1, w.shape[0]) and is_hollow(w)
+    assert torch.equal(model.rope_freqs, ReferenceDiT(ckpts["config"]).rope_freqs)
+    if options.get("resident_bytes"):
+        assert not is_hollow(model.blocks[0].fc2_bias)  # 128 bytes < resident_bytes
+    r = compare(model, resident_dit(ckpts["dit"], ckpts["config"]), tiny_dit()[1], options)
+    assert r["equal"]
+    assert r["host_shard_bytes"] == r["sum_shard"]
+    assert r["slot_bytes"] == options.get("num_slots", 2) * r["max_block_bytes"]
+
+
+def test_reference_dit_graph_break_bit_identical(ckpts):
+    import dataclasses
+
+    config = dataclasses.replace(ckpts["config"], graph_break_in_blocks=True)
+    # Dynamo skips ReferenceDiT.forward (a graph break in its loop) and runs it eagerly:
+    # the layers it calls itself stay real; each block's frame is compiled and streamed.
+    model = load(ReferenceDiT, ckpts["dit"], config=config, resident=EAGER_LAYERS)
+    assert not is_hollow(model.patch_embed.weight) and is_hollow(model.blocks[2].qkv.weight)
+    r = compare(model, resident_dit(ckpts["dit"], config), tiny_dit()[1], {}, fullgraph=False,
+                calls=3)
+    assert r["equal"]
+
+
+def test_eager_call_of_loaded_model_says_to_compile(ckpts):
+    model = load(ReferenceDiT, ckpts["dit"], config=ckpts["config"])
+    with pytest.raises(RuntimeError, match='backend="dlo"'):
+        model(*tiny_dit()[1])
+
+
+def test_wan_sharded_save_pretrained_folder_bit_identical(ckpts):
+    from diffusers import WanTransformer3DModel
+
+    ckpt = resolve_checkpoint(ckpts["wan"])  # the index names several shard files
+    assert len(ckpt.files) >= 2
+    model = load(WanTransformer3DModel, ckpts["wan"])  # config read from config.json
+    assert model.config.num_layers == 3
+    r = compare(model, resident_wan(ckpts["wan"]), tiny_wan()[1], {})
+    assert r["equal"] and r["blocks"] >= 3
+
+
+def test_dtype_casts_per_tensor_and_keeps_fp32_modules(ckpts):
+    """``dtype=`` casts floating parameters (diffusers' _keep_in_fp32_modules stay float32);
+    the reference is the resident model cast by the same rule."""
+    from diffusers import WanTransformer3DModel
+
+    model = load(WanTransformer3DModel, ckpts["wan"], dtype=torch.bfloat16)
+    keep = WanTransformer3DModel._keep_in_fp32_modules
+    reference = resident_wan(ckpts["wan"])
+    for name, p in reference.named_parameters():
+        if not any(m in name.split(".") for m in keep):
+            p.data = p.data.to(torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["condition_embedder.time_embedder.linear_1.weight"] == torch.float32
+    assert dtypes["blocks.0.attn1.to_q.weight"] == torch.bfloat16
+    assert loader_cases.same_state(model, reference)  # values, dtypes and strides
+
+
+class MixedDiT(ReferenceDiT):
+    """The reference DiT declaring, as diffusers models do, the modules kept in float32."""
+
+    _keep_in_fp32_modules = ("time_embed",)
+
+
+def test_dtype_cast_of_a_non_contiguous_parameter(tmp_path, ckpts):
+    """An all-float32 checkpoint into a bfloat16 DiT: each tensor is cast while copied,
+    fc2_weight laid out transposed, time_embed kept in float32."""
+    state = {k: v.float() for k, v in load_file(ckpts["dit"]).items()}
+    path = str(tmp_path / "dit32.safetensors")
+    save_file(state, path)
+    _expect_error("dtype mismatch for 'patch_embed.weight'", ReferenceDiT, path,
+                  config=ckpts["config"])
+    model = load(MixedDiT, path, config=ckpts["config"], dtype=torch.bfloat16)
+    assert model.blocks[1].fc2_weight.dtype == torch.bfloat16
+    assert model.time_embed[0].weight.dtype == torch.float32
+    reference = resident_dit(ckpts["dit"], ckpts["config"])  # bf16 -> f32 -> bf16 is exact
+    assert compare(model, reference, tiny_dit()[1], {})["equal"]
+
+
+# -- checkpoint forms --------------------------------------------------------------------------
+def test_index_file_folder_without_index_and_hf_cache(ckpts, tmp_path, monkeypatch):
+    from diffusers import WanTransformer3DModel
+
+    index = [f for f in os.listdir(ckpts["wan"]) if f.endswith(".index.json")][0]
+    plain = tmp_path / "plain"  # the same shards, no index
+    shutil.copytree(ckpts["wan"], plain, ignore=shutil.ignore_patterns("*.index.json"))
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny-wan" / "snapshots" / "abc123"
+    shutil.copytree(ckpts["wan"], snapshot)
+    (cache / "models--org--tiny-wan" / "refs").mkdir()
+    (cache / "models--org--tiny-wan" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    reference = resident_wan(ckpts["wan"])
+    sources = [os.path.join(ckpts["wan"], index), str(plain),
+               str(cache / "models--org--tiny-wan"), "org/tiny-wan"]
+    for source in sources:
+        loader_cases.fresh()
+        model = load(WanTransformer3DModel, source)  # config.json read from the folder
+        assert loader_cases.same_state(model, reference), source
+    with pytest.raises(CheckpointError, match=r"models--org--absent.*never downloads") as info:
+        load(WanTransformer3DModel, "org/absent")
+    assert str(cache) in str(info.value)
+
+
+def test_key_map_dict_and_callable(ckpts, tmp_path):
+    state = load_file(ckpts["dit"])
+    path = str(tmp_path / "prefixed.safetensors")
+    save_file({"model." + k: v for k, v in state.items()} | {"model.extra": torch.zeros(1)}, path)
+    reference = resident_dit(ckpts["dit"], ckpts["config"])
+
+    def strip(key):
+        return None if key == "model.extra" else key.removeprefix("model.")
+
+    table = {"model." + k: k for k in state}
+    loader_cases.fresh()
+    model = load(ReferenceDiT, path, config=ckpts["config"], key_map=strip)
+    assert loader_cases.same_state(model, reference)
+    loader_cases.fresh()
+    with pytest.warns(UserWarning, match="model.extra"):
+        model = load(ReferenceDiT, path, config=ckpts["config"], key_map=table, strict=False)
+    assert loader_cases.same_state(model, reference)
+
+
+def test_progress_log_lines_without_terminal(ckpts, caplog):
+    with caplog.at_level(logging.INFO, logger="dlo_fx.loader"):
+        load(ReferenceDiT, ckpts["dit"], config=ckpts["config"])
+    lines = [r.getMessage() for r in caplog.records if "tensors)" in r.getMessage()]
+    assert lines and "100%" in lines[-1] and "43 of 43 tensors" in lines[-1]
+
+
+# -- bad input: a clear error, nothing registered ------------------------------------------------
+def _expect_error(match, *args, exc=ValueError, **kw):
+    with pytest.raises(exc, match=match):
+        load(*args, **kw)
+    assert store_blocks(kw.get("options")) == 0
+
+
+def _corrupt_copy(src: str, dst: str, *, keep: int | None = None, header: bytes | None = None):
+    data = open(src, "rb").read()
+    if header is not None:
+        data = struct.pack("<Q", len(header)) + header + data[8 + struct.unpack("<Q", data[:8])[0]:]
+    open(dst, "wb").write(data[:keep] if keep is not None else data)
+    return dst
+
+
+def test_missing_path(ckpts, tmp_path):
+    _expect_error("does not exist", ReferenceDiT, str(tmp_path / "nope.safetensors"),
+                  config=ckpts["config"])
+
+
+def test_truncated_file(ckpts, tmp_path):
+    size = os.path.getsize(ckpts["dit"])
+    path = _corrupt_copy(ckpts["dit"], str(tmp_path / "cut.safetensors"), keep=size - 1000)
+    _expect_error(r"cut.safetensors: truncated safetensors file: tensor .* ends at",
+                  ReferenceDiT, path, config=ckpts["config"])
+    path = _corrupt_copy(ckpts["dit"], str(tmp_path / "stub.safetensors"), keep=4)
+    _expect_error("stub.safetensors: truncated", ReferenceDiT, path, config=ckpts["config"])
+
+
+def test_corrupt_header(ckpts, tmp_path):
+    path = _corrupt_copy(ckpts["dit"], str(tmp_path / "bad.safetensors"), header=b"{not json" + b" " * 7)
+    _expect_error("bad.safetensors: corrupt safetensors header", ReferenceDiT, path,
+                  config=ckpts["config"], exc=CheckpointError)
+    with open(path, "r+b") as f:  # a header length far beyond the end of the file
+        f.write(struct.pack("<Q", 10**9))
+    _expect_error("bad.safetensors: corrupt or truncated", ReferenceDiT, path, config=ckpts["config"])
+
+
+def test_index_naming_a_missing_shard(ckpts, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    folder = tmp_path / "wan"
+    shutil.copytree(ckpts["wan"], folder)
+    index = json.loads(next(folder.glob("*.index.json")).read_text())
+    gone = sorted(set(index["weight_map"].values()))[1]
+    (folder / gone).unlink()
+    _expect_error(f"names shard file '{gone}', which does not exist", WanTransformer3DModel,
+                  str(folder))
+
+
+def test_a_failure_while_reading_leaves_no_block_behind(ckpts, tmp_path):
+    """A shard that disappears after validation (here: removed by the model factory, which
+    runs between the two): the blocks already copied are dropped again."""
+    from diffusers import WanTransformer3DModel
+
+    folder = tmp_path / "wan"
+    shutil.copytree(ckpts["wan"], folder)
+    index = json.loads(next(folder.glob("*.index.json")).read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    config = {k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+              if not k.startswith("_")}
+
+    def factory():
+        (folder / last).unlink()
+        return WanTransformer3DModel(**config)
+
+    with pytest.raises(CheckpointError, match=last):
+        load(factory, str(folder))
+    assert store_blocks() == 0
+
+
+def test_missing_keys_name_the_first_ten_and_the_count(ckpts, tmp_path):
+    state = load_file(ckpts["dit"])
+    dropped = [k for k in state if k.startswith(("blocks.1.", "blocks.2."))][:12]
+    path = str(tmp_path / "partial.safetensors")
+    save_file({k: v for k, v in state.items() if k not in dropped}, path)
+    with pytest.raises(ValueError, match=r"12 missing key\(s\)") as info:
+        load(ReferenceDiT, path, config=ckpts["config"], strict=False)
+    message = str(info.value)
+    assert "(first 10 of 12)" in message and repr(dropped[0]) in message
+    assert repr(dropped[11]) not in message.split("missing")[1].split("\n")[0]
+    assert store_blocks() == 0
+
+
+def test_unexpected_keys_error_when_strict_warn_otherwise(ckpts, tmp_path):
+    state = load_file(ckpts["dit"])
+    path = str(tmp_path / "extra.safetensors")
+    save_file(state | {"head.weight": torch.zeros(2), "head.bias": torch.zeros(2)}, path)
+    _expect_error(r"2 unexpected key\(s\).*'head.weight'", ReferenceDiT, path,
+                  config=ckpts["config"])
+    with pytest.warns(UserWarning, match="ignoring 2 unexpected key.*head.bias") as record:
+        load(ReferenceDiT, path, config=ckpts["config"], strict=False)
+    assert len([w for w in record if "unexpected" in str(w.message)]) == 1
+
+
+def test_shape_mismatch_names_key_expected_and_found(ckpts, tmp_path):
+    state = load_file(ckpts["dit"])
+    state["blocks.2.qkv.weight"] = torch.zeros(96, 64, dtype=torch.bfloat16)
+    path = str(tmp_path / "shape.safetensors")
+    save_file(state, path)
+    _expect_error(r"shape mismatch for 'blocks.2.qkv.weight': the model expects \[192, 64\], "
+                  r".* holds \[96, 64\]", ReferenceDiT, path, config=ckpts["config"])
+
+
+def test_dtype_mismatch_without_dtype(ckpts, tmp_path):
+    state = load_file(ckpts["dit"])
+    state["proj_out.weight"] = state["proj_out.weight"].half()
+    path = str(tmp_path / "dtype.safetensors")
+    save_file(state, path)
+    _expect_error(r"dtype mismatch for 'proj_out.weight': the model expects torch.bfloat16, "
+                  r".* holds torch.float16; pass dtype=", ReferenceDiT, path, config=ckpts["config"])
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth"])
+def test_pickles_are_refused(ckpts, tmp_path, suffix):
+    path = tmp_path / f"model{suffix}"
+    path.write_bytes(b"not really a pickle")
+    _expect_error("only loads safetensors", ReferenceDiT, str(path), config=ckpts["config"])
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / f"pytorch_model{suffix}").write_bytes(b"x")
+    _expect_error("only loads safetensors", ReferenceDiT, str(folder), config=ckpts["config"])
+
+
+def test_bad_model_argument_and_resident_name(ckpts):
+    model, _ = tiny_dit()
+    _expect_error("pass the class or a zero-argument factory", model, ckpts["dit"])
+    _expect_error("resident='patch_embd' names no parameter", ReferenceDiT, ckpts["dit"],
+                  config=ckpts["config"], resident=["patch_embd"])
+
+
+# -- two ranks ----------------------------------------------------------------------------------
+def test_two_ranks_allgather_shards_the_checkpoint(ckpts):
+    results = spawn(2, loader_cases.load_cases, ckpts["dit"], ckpts["config"], ckpts["wan"],
+                    str(ckpts["root"] / "absent.safetensors"), timeout=300)
+    for rank in (0, 1):
+        r = results[rank]
+        for key in ("dit", "dit-resident-small", "dit-break", "wan"):
+            assert r[key]["equal"], (rank, key)
+            assert r[key]["mode"] == "allgather" and r[key]["dp"] == 2
+            assert r[key]["host_shard_bytes"] == r[key]["sum_shard"], (rank, key)
+            assert r[key]["host_shard_bytes"] <= r[key]["total"] / 2 + 256 * r[key]["blocks"]
+        for key in ("dit-rank-local", "dit-auto"):
+            assert r[key]["equal"], (rank, key)
+            if r[key]["mode"] == "rank_local":
+                assert r[key]["dp"] == 1 and r[key]["host_shard_bytes"] >= r[key]["total"]
+            else:
+                assert r[key]["host_shard_bytes"] == r[key]["sum_shard"], (rank, key)
+        assert r["dit-rank-local"]["mode"] == "rank_local"
+        assert "does not exist" in r["bad-rank"]
+        assert r["bad-rank-blocks"] == 0
+    assert "global rank 1" in results[0]["bad-rank"]
