@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 import dlo_fx
-from dlo_fx.models import example_inputs, reference_dit
+from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import platform
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
@@ -59,7 +59,7 @@ def fresh() -> None:
 def streamed(width: int, depth: int, heads: int, device: torch.device, options: dict):
     """A reference DiT whose weights live in a dlo host store for ``device``."""
     options = {"device": str(device), **options}
-    if device.type == "cpu":
+    if device.type == "cpu" and not VIA_LOAD:
         model = reference_dit(width=width, depth=depth, heads=heads)
         return torch.compile(model, backend="dlo", options=options, fullgraph=True), model
     from safetensors.torch import save_file
@@ -69,8 +69,7 @@ def streamed(width: int, depth: int, heads: int, device: torch.device, options: 
         path = os.path.join(tmp, "model.safetensors")
         save_file({k: v.contiguous() for k, v in source.state_dict().items()}, path)
         del source
-        model = dlo_fx.load(lambda: reference_dit(width=width, depth=depth, heads=heads,
-                                                  device="meta" if False else "cpu"),
+        model = dlo_fx.load(lambda: ReferenceDiT(width=width, depth=depth, heads=heads),
                             path, options=options)
     return torch.compile(model, backend="dlo", options=options, fullgraph=True), model
 
@@ -217,6 +216,8 @@ def check_no_sync(cfg: dict, device: torch.device) -> dict:
             return {"steady_state_syncs": "found", "error": str(exc)[:300]}
 
 
+VIA_LOAD = False  # --via-load: the accelerator's path (dlo_fx.load) on any device
+
 CHECKS = {"identity": check_identity, "memory": check_memory, "latency": check_latency,
           "group_offload": check_group_offload, "no_sync": check_no_sync}
 
@@ -227,7 +228,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench-out/gpu_check.json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes on any device")
     parser.add_argument("--only", default=",".join(CHECKS), help="comma-separated checks")
+    parser.add_argument("--via-load", action="store_true",
+                        help="load streamed models with dlo_fx.load even on CPU")
     args = parser.parse_args(argv)
+    global VIA_LOAD
+    VIA_LOAD = args.via_load or VIA_LOAD
     device = torch.device(args.device)
     cfg = sizes(device, args.quick)
     result: dict[str, Any] = {

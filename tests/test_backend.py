@@ -125,3 +125,21 @@ def test_entry_point_registers_backend():
     names = {ep.name: ep.value for ep in entry_points(group="torch_dynamo_backends")}
     assert names.get("dlo") == "dlo_fx.backend:dlo_backend"
     assert "dlo" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_first_call_under_inference_mode_with_stored_resident_table(tmp_path):
+    """Slots and resident copies made during an inference_mode call are written by the
+    copy worker thread, which is not in inference mode."""
+    from safetensors.torch import save_file
+
+    from dlo_fx.models import ReferenceDiT
+
+    ref_model, inputs = tiny_dit(depth=3)
+    path = tmp_path / "dit.safetensors"
+    save_file({k: v.contiguous() for k, v in ref_model.state_dict().items()}, str(path))
+    model = dlo_fx.load(lambda: ReferenceDiT(ref_model.config), str(path),
+                        options={"block_bytes": 300_000})
+    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 300_000})
+    with torch.inference_mode():
+        ref = call(ref_model, inputs)
+        assert all(torch.equal(call(compiled, inputs), ref) for _ in range(2))

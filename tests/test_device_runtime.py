@@ -75,7 +75,7 @@ def test_no_module_outside_the_platform_layer_calls_cuda():
 def test_gpu_check_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
-                           "--device", "cpu", "--out", str(out)],
+                           "--device", "cpu", "--via-load", "--out", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json

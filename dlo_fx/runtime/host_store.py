@@ -129,6 +129,10 @@ class HostStore:
         del self.blocks[first:]
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
+        with torch.inference_mode(False):  # written by the worker thread
+            return self._allocate_pinned_or_not(nbytes)
+
+    def _allocate_pinned_or_not(self, nbytes: int) -> torch.Tensor:
         if self.pin:
             try:
                 return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -127,7 +127,8 @@ class Runtime:
         if tensor is None:
             entry = self.store.entry(param)
             block = self.store.blocks[entry.block]
-            flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
+            with torch.inference_mode(False):  # written by the worker thread
+                flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
             what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
 
             def fill_and_gather() -> None:

@@ -28,8 +28,11 @@ class SlotPool:
         if nbytes <= self.slot_bytes:
             return False
         self.buffers = []  # free the old slots before allocating the new ones
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                        for _ in range(self.num_slots)]
+        # Normal tensors even when the first call runs under inference_mode: the copy
+        # worker thread (not in inference mode) writes into them.
+        with torch.inference_mode(False):
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                            for _ in range(self.num_slots)]
         self.slot_bytes = nbytes
         self._views = [{} for _ in range(self.num_slots)]
         return True
