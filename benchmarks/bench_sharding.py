@@ -1,0 +1,177 @@
+"""DLO AllGather vs FSDP2 on CPU (gloo, 2 ranks), plus dp=2 vs dp=1 and AllGather vs
+rank-local, all measured in one run.
+
+    python benchmarks/bench_sharding.py [--markdown]
+
+Each rank is a process with one thread. Every variant is built and warmed up first, then
+the variants are timed interleaved (A B C D, A B C D, ...); a forward's latency is the
+slowest rank's, and each figure is the median of ``--runs``. FSDP2 is ``fully_shard`` per
+DiT block and at the root with ``reshard_after_forward=True`` on a CPU mesh, running the
+same reference DiT eagerly (its hooks would break the graph under torch.compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def build_variants(args, rank: int):
+    import dlo_fx
+    from dlo_fx.models import reference_dit
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def dit():
+        return reference_dit(width=args.width, depth=args.depth, heads=args.heads, seed=0)
+
+    variants, host_bytes = {}, {}
+    for mode in ("allgather", "rank_local"):
+        model = dit()
+        variants[f"dlo_{mode}"] = torch.compile(model, backend="dlo", fullgraph=True,
+                                                options={"mode": mode})
+        variants[f"dlo_{mode}"]._report_model = model
+    fsdp = dit()
+    for block in fsdp.blocks:  # FSDP2 refuses non-contiguous parameters
+        block.fc2_weight = torch.nn.Parameter(block.fc2_weight.detach().contiguous(),
+                                              requires_grad=False)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in fsdp.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(fsdp, mesh=mesh, reshard_after_forward=True)
+    variants["fsdp2"] = fsdp
+    host_bytes["fsdp2"] = sum(p.to_local().numel() * p.element_size() for p in fsdp.parameters())
+    if rank == 0:  # dp = 1: one process streams the whole model while the other idles
+        model = dit()
+        variants["dlo_dp1"] = torch.compile(model, backend="dlo", fullgraph=True,
+                                            options={"shard_group": [0]})
+        variants["dlo_dp1"]._report_model = model
+    return variants, host_bytes
+
+
+def worker(rank: int, world: int, init: str, args, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import dlo_fx
+    from dlo_fx.models import DiTConfig, example_inputs
+
+    config = DiTConfig(width=args.width, depth=args.depth, heads=args.heads)
+    inputs = example_inputs(config, height=args.size, width=args.size, seed=rank)
+    variants, host_bytes = build_variants(args, rank)
+    order = ["dlo_allgather", "fsdp2", "dlo_rank_local", "dlo_dp1"]
+    times: dict[str, list[float]] = {k: [] for k in order}
+    outputs = {}
+
+    def run(name: str, record: bool) -> None:
+        dist.barrier()
+        if name == "dlo_dp1" and rank != 0:
+            dist.barrier()
+            return
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = variants[name](*inputs)
+        elapsed = time.perf_counter() - start
+        if name == "dlo_dp1":
+            dist.barrier()
+        if record:
+            times[name].append(elapsed)
+            outputs[name] = out
+
+    for _ in range(args.warmup):
+        for name in order:
+            run(name, False)
+    for _ in range(args.runs):
+        for name in order:
+            run(name, True)
+    for name in ("dlo_allgather", "dlo_rank_local", "dlo_dp1"):
+        if name in variants:
+            host_bytes[name] = dlo_fx.memory_report(variants[name]._report_model).host_shard_bytes
+    # a forward's latency is the slowest rank's
+    slowest = {}
+    for name in order:
+        mine = torch.tensor(times[name] or [0.0] * args.runs, dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        slowest[name] = mine.tolist()
+    same = torch.equal(outputs["dlo_allgather"], outputs["dlo_rank_local"])
+    if rank == 0:
+        same &= torch.equal(outputs["dlo_allgather"], outputs["dlo_dp1"])
+        with open(out_path, "w") as f:
+            json.dump({"latency_s": slowest, "host_weight_bytes_per_rank": host_bytes,
+                       "dlo_modes_bit_identical": same}, f)
+    dist.destroy_process_group()
+
+
+def summarize(raw: dict, args) -> dict:
+    med = {k: statistics.median(v) for k, v in raw["latency_s"].items()}
+    hb = raw["host_weight_bytes_per_rank"]
+    return {
+        "setup": vars(args), "median_latency_s": med, "host_weight_bytes_per_rank": hb,
+        "dlo_over_fsdp2_latency": med["dlo_allgather"] / med["fsdp2"],
+        "dlo_over_fsdp2_host_bytes": hb["dlo_allgather"] / hb["fsdp2"],
+        "dp2_over_dp1_throughput": (2 / med["dlo_allgather"]) / (1 / med["dlo_dp1"]),
+        "allgather_over_rank_local_latency": med["dlo_allgather"] / med["dlo_rank_local"],
+        "allgather_over_rank_local_host_bytes": hb["dlo_allgather"] / hb["dlo_rank_local"],
+        "dlo_modes_bit_identical": raw["dlo_modes_bit_identical"],
+    }
+
+
+def markdown(s: dict) -> str:
+    a = s["setup"]
+    med, hb = s["median_latency_s"], s["host_weight_bytes_per_rank"]
+    rows = [
+        ("DLO allgather, dp=2", med["dlo_allgather"], hb["dlo_allgather"]),
+        ("FSDP2 fully_shard per block, dp=2", med["fsdp2"], hb["fsdp2"]),
+        ("DLO rank-local, dp=2", med["dlo_rank_local"], hb["dlo_rank_local"]),
+        ("DLO dp=1 (one process)", med["dlo_dp1"], hb["dlo_dp1"]),
+    ]
+    lines = [f"Reference DiT width {a['width']}, {a['depth']} layers, bf16, "
+             f"{(a['size'] // 2) ** 2 + 8} tokens; 2 ranks (gloo), one thread each; median of "
+             f"{a['runs']} interleaved runs after {a['warmup']} warm-up; latency = slowest rank.",
+             "", "| variant | median latency | host weight bytes per rank |", "| --- | --- | --- |"]
+    lines += [f"| {n} | {t * 1e3:.1f} ms | {b / 2**20:.1f} MiB |" for n, t, b in rows]
+    lines += ["", f"- DLO / FSDP2 latency: **{s['dlo_over_fsdp2_latency']:.3f}** (target <= 1)",
+              f"- DLO / FSDP2 host weight bytes per rank: **{s['dlo_over_fsdp2_host_bytes']:.3f}** "
+              "(target <= 1)",
+              f"- throughput dp=2 / dp=1: {s['dp2_over_dp1_throughput']:.2f}x",
+              f"- allgather / rank-local: latency {s['allgather_over_rank_local_latency']:.3f}, "
+              f"host bytes {s['allgather_over_rank_local_host_bytes']:.3f}",
+              f"- DLO outputs bit-identical across modes and dp: {s['dlo_modes_bit_identical']}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--size", type=int, default=16, help="latent height/width")
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default="bench-out/sharding.json")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw_path = os.path.join(tmp, "raw.json")
+        mp.spawn(worker, args=(2, "file://" + os.path.join(tmp, "rdzv"), args, raw_path),
+                 nprocs=2, join=True)
+        with open(raw_path) as f:
+            raw = json.load(f)
+    summary = summarize(raw, args)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(markdown(summary) if args.markdown else json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
