@@ -36,17 +36,18 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     runtime = runtime_for(config, device)
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
     gm = run_passes(gm, ctx, extra=config.user_passes)
+    compiled = gm.forward
+    if config.compiler == "inductor":  # before commit: a failure leaves the model intact
+        from .inductor import compile_pieces
+
+        compiled = compile_pieces(gm, example_inputs, ctx)
     commit(ctx, runtime)
     _guard_eager_calls()
     if config.dump_dir:
         from .dump import write_dump
 
         write_dump(gm, ctx, runtime, config.dump_dir)
-    if config.compiler == "inductor":
-        from .inductor import compile_pieces
-
-        return compile_pieces(gm, example_inputs, ctx)
-    return gm.forward
+    return compiled
 
 
 def resolve_device(config: DLOConfig, example_inputs: Sequence[Any]) -> torch.device:
