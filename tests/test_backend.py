@@ -73,9 +73,36 @@ def test_bit_identical_with_graph_break(num_slots, budget):
         assert id(model.blocks[i].qkv.weight) in stored
 
 
+def _break_before_every_block(model: torch.nn.Module) -> None:
+    """A forward pre-hook on every transformer block that forces a graph break."""
+    def brk(module, args):
+        torch._dynamo.graph_break()
+
+    for name in ("blocks", "transformer_blocks", "single_transformer_blocks"):
+        for block in getattr(model, name, ()):
+            block.register_forward_pre_hook(brk)
+
+
 @pytest.mark.parametrize("name", ["wan", "flux"])
-def test_diffusers_with_graph_break(name):
-    ref, outs, _ = run_dlo(MODELS[name], {"num_slots": 2}, fullgraph=False)
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_diffusers_with_forced_graph_breaks(name, num_slots):
+    factory = MODELS[name]
+    ref_model, inputs = factory()
+    with torch.no_grad():
+        ref = call(ref_model, inputs)
+    model, _ = factory()
+    _break_before_every_block(model)
+    graphs = []
+
+    def count(gm, ctx):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(model, backend="dlo",
+                             options={"num_slots": num_slots, "user_passes": [count]})
+    with torch.no_grad():
+        outs = [call(compiled, inputs) for _ in range(2)]
+    assert len(graphs) > 1  # the breaks really split the model
     for out in outs:
         assert torch.equal(out, ref)
 
