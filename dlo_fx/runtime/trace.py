@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,8 +30,11 @@ class Span:
 
 
 class Tracer:
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
+    """Spans of the most recent ``max_spans`` schedule events (older ones are dropped, so
+    a long traced run does not grow without bound)."""
+
+    def __init__(self, max_spans: int = 500_000) -> None:
+        self.spans: deque[Span] = deque(maxlen=max_spans)
         self._lock = threading.Lock()
 
     def add(self, kind: str, block: int, slot: int, start_ns: int, end_ns: int,
