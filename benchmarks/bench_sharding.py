@@ -26,7 +26,6 @@ import torch.multiprocessing as mp
 
 
 def build_variants(args, rank: int):
-    import dlo_fx
     from dlo_fx.models import reference_dit
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -11,7 +11,6 @@ ratios are medians of ``--runs`` timed runs after warm-up, variants interleaved.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -92,7 +91,7 @@ def check_identity(cfg: dict, device: torch.device) -> dict:
             fn, _ = streamed(w, d, h, device, {})
             out[f"dit_{label}_w{w}_d{d}"] = all(torch.equal(fn(*inputs), ref) for _ in range(2))
     try:
-        from diffusers import WanTransformer3DModel  # noqa: F401
+        import diffusers  # noqa: F401  (tiny_wan needs it)
 
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
         from models import call, tiny_wan

@@ -73,10 +73,6 @@ class HostStore:
         return id(param) in self._entries
 
     @property
-    def max_slot_bytes(self) -> int:
-        return max((b.slot_bytes for b in self.blocks), default=0)
-
-    @property
     def host_bytes(self) -> int:
         return sum(b.shard.numel() for b in self.blocks)
 

@@ -56,11 +56,3 @@ class Tracer:
     def clear(self) -> None:
         with self._lock:
             self.spans.clear()
-
-    def stall_by_block(self) -> dict[int, int]:
-        """Total nanoseconds compute waited on each host block."""
-        out: dict[int, int] = {}
-        for s in self.spans:
-            if s.kind == "wait":
-                out[s.block] = out.get(s.block, 0) + s.duration_ns
-        return out
