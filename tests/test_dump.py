@@ -51,7 +51,7 @@ class GoldenDumps(TestCase):
         self.assertExpectedInline(texts["blocks.md"], """\
 # Graph 0: blocks and resident set
 
-- mode: rank_local
+- mode: rank_local (why: one rank in the shard group: nothing to gather)
 - slots: 2 x 33,024 B = 66,048 B on the device (block b lives in slot b % slots)
 - block budget: 32,896 B
 
@@ -267,7 +267,7 @@ def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_paramete
         self.assertExpectedInline(texts["blocks.md"], """\
 # Graph 0: blocks and resident set
 
-- mode: rank_local
+- mode: rank_local (why: one rank in the shard group: nothing to gather)
 - slots: 3 x 36,864 B = 110,592 B on the device (block b lives in slot b % slots)
 - block budget: 36,864 B
 
@@ -486,7 +486,7 @@ def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_paramete
         self.assertExpectedInline(texts["blocks.md"], """\
 # Graph 0: blocks and resident set
 
-- mode: allgather, rank 0 of a 2-rank shard group
+- mode: allgather, rank 0 of a 2-rank shard group (why: mode='allgather' option)
 - slots: 2 x 33,280 B = 66,560 B on the device (block b lives in slot b % slots)
 - block budget: 32,896 B
 
@@ -708,7 +708,7 @@ def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_paramete
         self.assertExpectedInline(texts["blocks.md"], """\
 # Graph 0: blocks and resident set
 
-- mode: allgather, rank 0 of a 2-rank shard group
+- mode: allgather, rank 0 of a 2-rank shard group (why: mode='allgather' option)
 - slots: 3 x 33,280 B = 99,840 B on the device (block b lives in slot b % slots)
 - block budget: 32,896 B
 

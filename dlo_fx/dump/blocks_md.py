@@ -24,7 +24,8 @@ def blocks_markdown(dump: GraphDump, stalls: Optional[StallSummary] = None) -> s
         f"# Graph {dump.index}: blocks and resident set",
         "",
         f"- mode: {dump.mode}" + (f", rank {dump.rank} of a {dump.dp}-rank shard group"
-                                   if sharded else ""),
+                                   if sharded else "")
+        + (f" (why: {dump.mode_reason})" if dump.mode_reason else ""),
         f"- slots: {dump.num_slots} x {_b(slot_bytes)} B = {_b(dump.num_slots * slot_bytes)} B "
         "on the device (block b lives in slot b % slots)",
         f"- block budget: {_b(dump.budget)} B",

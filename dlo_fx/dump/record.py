@@ -78,6 +78,7 @@ class GraphDump:
     resident: tuple[ResidentRow, ...]
     program: tuple[Step, ...]
     tracer: Any = None  # dlo_fx.runtime.trace.Tracer, when the trace option is on
+    mode_reason: str = ""  # why the runtime runs this mode (mode="auto": the policy's reason)
     runtime_ref: Optional[weakref.ReferenceType] = field(default=None, repr=False)
     flushed_spans: int = 0  # spans seen by the last flush
 
@@ -127,4 +128,5 @@ def snapshot(gm: fx.GraphModule, ctx: Any, runtime: Any, index: int, folder: Pat
         num_slots=ctx.config.num_slots, budget=ctx.budget, blocks=tuple(rows),
         resident=resident, program=tuple(program),
         tracer=getattr(runtime, "tracer", None),
+        mode_reason=getattr(runtime, "mode_reason", ""),
         runtime_ref=weakref.ref(runtime) if runtime is not None else None)
