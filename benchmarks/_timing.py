@@ -11,6 +11,7 @@ Nothing here imports dlo_fx, so other benchmarks can use it as is.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 import statistics
@@ -201,3 +202,10 @@ def wait_quiet(max_wait_s: float, *, threshold_cores: float = 0.3, window_s: flo
             logged = time.perf_counter()
             log(f"other processes use {other:.2f} cores; waiting for a quiet machine "
                 f"({deadline - time.perf_counter():.0f} s left)")
+
+
+def write_json(path: str, result: object, *, indent: int = 2) -> None:
+    """Write a benchmark's result, creating the folder it goes into."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=indent, default=str)

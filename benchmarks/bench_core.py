@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import json
 import os
 import sys
 import time
@@ -530,9 +529,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.markdown:
         print("\n" + result["markdown"])
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+        T.write_json(args.out, result)
     return 0
 
 

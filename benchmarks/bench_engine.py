@@ -23,7 +23,6 @@ wave of 2 are checked bit-identical to the resident runs first.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -185,9 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.markdown:
         print("\n" + result["markdown"])
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+        T.write_json(args.out, result)
     return 0 if r["passed"] else 1
 
 

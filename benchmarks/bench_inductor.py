@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -235,9 +234,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.markdown:
         print("\n" + md)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({**meta, "result": r, "markdown": md}, f, indent=2, default=str)
+        T.write_json(args.out, {**meta, "result": r, "markdown": md})
     ok = r["ratio_vs_resident"] <= 1.05 and r["ratio_vs_dlo_eager"] < 1 and r["check"]["close"]
     return 0 if ok else 1
 

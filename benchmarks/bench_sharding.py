@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _timing import write_json
 
 
 def build_variants(args, rank: int):
@@ -165,9 +166,7 @@ def main(argv=None) -> int:
         with open(raw_path) as f:
             raw = json.load(f)
     summary = summarize(raw, args)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(args.out, summary, indent=1)
     print(markdown(summary) if args.markdown else json.dumps(summary, indent=1))
     return 0
 

@@ -21,6 +21,7 @@ import traceback
 from typing import Any, Callable
 
 import torch
+from _timing import write_json
 
 import dlo_fx
 from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
@@ -138,10 +139,11 @@ def check_memory(cfg: dict, device: torch.device) -> dict:
 
 
 def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=platform.can_pin(device))
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = [timed(lambda: dst.copy_(src, non_blocking=True), device) for _ in range(5)]
-    return nbytes / statistics.median(times)
+    """Pinned host-to-device bytes per second, with the probe ``mode="auto"`` uses."""
+    from dlo_fx.policy.measured import probe_bandwidths
+    from dlo_fx.runtime.collectives import ShardGroup
+
+    return probe_bandwidths(device, ShardGroup(ranks=(0,), rank=0), nbytes)[0] * 1e9
 
 
 def check_latency(cfg: dict, device: torch.device) -> dict:
@@ -250,9 +252,7 @@ def main(argv=None) -> int:
         result[name + "_s"] = round(time.perf_counter() - start, 1)
         print(f"== {name} ({result[name + '_s']} s)")
         print(json.dumps(result[name], indent=1, default=str))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_json(args.out, result, indent=1)
     identity = result.get("identity", {})
     failed |= any(v is False for v in identity.values()) if isinstance(identity, dict) else True
     return 1 if failed else 0

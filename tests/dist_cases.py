@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.fx.node import has_side_effect
 
-import dlo_fx
-from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.runtime import reset_runtimes
 
-from models import MODELS, call, tiny_dit
+from models import MODELS, call, run_dlo, runtime_figures, tiny_dit
 
 
 def _fresh() -> None:
@@ -21,33 +20,10 @@ def _fresh() -> None:
 
 
 def run_model(name: str, options: dict, fullgraph: bool = True, calls: int = 2, **kw):
-    """(bit-identical?, host shard bytes, expected shard bytes, total block bytes, blocks)."""
+    """Bit-identity against the resident model, and the runtime's figures."""
     _fresh()
-    factory = MODELS[name]
-    ref_model, inputs = factory(**kw)
-    with torch.no_grad():
-        ref = call(ref_model, inputs)
-    model, _ = factory(**kw)
-    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
-    with torch.no_grad():
-        same = all(torch.equal(call(compiled, inputs), ref) for _ in range(calls))
-    report = dlo_fx.memory_report(model)
-    runtime = runtimes_holding(list(model.parameters()))[0]
-    blocks = runtime.store.blocks
-    return {
-        "equal": same,
-        "mode": runtime.mode,
-        "dp": runtime.store.dp,
-        "host_shard_bytes": report.host_shard_bytes,
-        "sum_shard": sum(b.spec.shard_bytes if runtime.store.dp > 1 else b.spec.padded_bytes
-                         for b in blocks),
-        "total": sum(b.nbytes for b in blocks),
-        "blocks": len(blocks),
-        "slot_bytes": report.slot_bytes,
-        "max_block_bytes": report.max_block_bytes,
-        "reason": runtime.mode_reason,
-        "predicted": report.predicted,
-    }
+    ref, outs, model = run_dlo(MODELS[name], options, calls=calls, fullgraph=fullgraph, **kw)
+    return {"equal": all(torch.equal(out, ref) for out in outs), **runtime_figures(model)}
 
 
 def sharding_cases(rank: int, world: int, models: tuple[str, ...]) -> dict:

@@ -9,13 +9,12 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-import dlo_fx
 from dlo_fx.loader import load
 from dlo_fx.models import ReferenceDiT
 from dlo_fx.config import DLOConfig
 from dlo_fx.runtime.runtime import reset_runtimes, runtime_for, runtimes_holding
 
-from models import call, tiny_dit, tiny_wan
+from models import call, runtime_figures, tiny_dit, tiny_wan
 
 
 # Layers ReferenceDiT.forward calls itself: with a graph break in its loop Dynamo runs that
@@ -79,21 +78,7 @@ def compare(loaded: torch.nn.Module, reference: torch.nn.Module, inputs, options
     compiled = torch.compile(loaded, backend="dlo", options=options, fullgraph=fullgraph)
     with torch.no_grad():
         equal = all(torch.equal(call(compiled, inputs), expected) for _ in range(calls))
-    report = dlo_fx.memory_report(loaded)
-    runtime = runtimes_holding(list(loaded.parameters()))[0]
-    blocks = runtime.store.blocks
-    dp = runtime.store.dp
-    return {
-        "equal": equal,
-        "mode": runtime.mode,
-        "dp": dp,
-        "blocks": len(blocks),
-        "host_shard_bytes": report.host_shard_bytes,
-        "sum_shard": sum(b.spec.shard_bytes if dp > 1 else b.spec.padded_bytes for b in blocks),
-        "total": sum(b.nbytes for b in blocks),
-        "slot_bytes": report.slot_bytes,
-        "max_block_bytes": report.max_block_bytes,
-    }
+    return {"equal": equal, **runtime_figures(loaded)}
 
 
 def stored_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

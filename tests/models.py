@@ -6,7 +6,9 @@ from typing import Callable
 
 import torch
 
+import dlo_fx
 from dlo_fx.models import example_inputs, reference_dit
+from dlo_fx.runtime.runtime import runtimes_holding
 
 
 def tiny_dit(depth: int = 3, graph_break: bool = False, seed: int = 0):
@@ -72,3 +74,34 @@ def call(model, inputs):
     if isinstance(out, tuple):
         out = out[0]
     return getattr(out, "sample", out)
+
+
+def run_dlo(factory, options=None, *, calls=2, fullgraph=True, **kw):
+    """Reference output of a resident model, and `calls` outputs of a dlo-compiled twin."""
+    ref_model, inputs = factory(**kw)
+    with torch.no_grad():
+        ref = call(ref_model, inputs)
+    model, _ = factory(**kw)
+    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
+    with torch.no_grad():
+        outs = [call(compiled, inputs) for _ in range(calls)]
+    return ref, outs, model
+
+
+def runtime_figures(model: torch.nn.Module) -> dict:
+    """Mode, shard geometry and memory figures of the runtime holding ``model``."""
+    report = dlo_fx.memory_report(model)
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    blocks, dp = runtime.store.blocks, runtime.store.dp
+    return {
+        "mode": runtime.mode,
+        "dp": dp,
+        "host_shard_bytes": report.host_shard_bytes,
+        "sum_shard": sum(b.spec.shard_bytes if dp > 1 else b.spec.padded_bytes for b in blocks),
+        "total": sum(b.nbytes for b in blocks),
+        "blocks": len(blocks),
+        "slot_bytes": report.slot_bytes,
+        "max_block_bytes": report.max_block_bytes,
+        "reason": runtime.mode_reason,
+        "predicted": report.predicted,
+    }

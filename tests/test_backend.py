@@ -10,7 +10,7 @@ from dlo_fx.passes.partition_blocks import layer_key
 from dlo_fx.runtime.layout import span_bytes
 from dlo_fx.runtime.runtime import runtimes_holding
 
-from models import MODELS, call, tiny_dit
+from models import MODELS, call, run_dlo, tiny_dit
 
 
 def largest_layer_bytes(model: torch.nn.Module) -> int:
@@ -18,18 +18,6 @@ def largest_layer_bytes(model: torch.nn.Module) -> int:
     for name, p in model.named_parameters():
         sizes[layer_key(name)] = sizes.get(layer_key(name), 0) + span_bytes(p)
     return max(sizes.values())
-
-
-def run_dlo(factory, options=None, *, calls=2, fullgraph=True, **kw):
-    """Reference output of a resident model, and `calls` outputs of a dlo-compiled twin."""
-    ref_model, inputs = factory(**kw)
-    with torch.no_grad():
-        ref = call(ref_model, inputs)
-    model, _ = factory(**kw)
-    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
-    with torch.no_grad():
-        outs = [call(compiled, inputs) for _ in range(calls)]
-    return ref, outs, model
 
 
 BUDGETS = ["default", "half", "three"]
