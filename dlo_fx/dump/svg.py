@@ -3,8 +3,8 @@
 One lane each for compute, H2D and AllGather; a bar per block per lane (``<rect
 class="bar" data-lane=... data-block=...>``, with a ``<title>`` tooltip); stalls are red
 bars in the compute lane, grey ones compute outside every block. A block keeps one
-colour on every lane, so its copy, gather and compute line up by eye. The wrap-around prefetch (the next call's block 0) is drawn
-faded.
+colour on every lane, so its copy, gather and compute line up by eye. The wrap-around
+prefetches (the next call's first blocks) are drawn faded.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
     x = lambda t: LEFT + t / total * plot_w  # noqa: E731
     lanes_y = {name: TOP + i * (LANE_H + LANE_GAP) for i, (name, _) in enumerate(LANES)}
     height = TOP + len(LANES) * (LANE_H + LANE_GAP) + 56
-    call = "steady call (block 0 prefetched by the previous call)" if prediction.steady \
+    call = "steady call (first blocks prefetched by the previous call)" if prediction.steady \
         else "first call"
     subtitle = (f"predicted {call}: {_ms(prediction.total_s)}, stalls "
                 f"{_ms(prediction.stall_s)}")
@@ -120,6 +120,6 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
                f'fill="{RESIDENT}"/>')
     out.append(f'<text x="{LEFT + 238}" y="{legend_y}">r: compute on resident weights only</text>')
     out.append(f'<text x="{LEFT + 450}" y="{legend_y}">bN: graph block N (one colour on every '
-               f"lane); faded: wrap-around prefetch of block 0</text>")
+               f"lane); faded: wrap-around prefetch for the next call</text>")
     out.append("</svg>")
     return "\n".join(out) + "\n"

@@ -14,9 +14,10 @@ bandwidth otherwise (the measured one when other blocks were traced, else `Assum
   nodes read, at `Assumptions.compute_gbps`; nodes outside every block compute the
   resident bytes they read (grey bars), other nodes outside blocks cost nothing.
 
-When the graph ends with the wrap-around prefetch of block 0, the picture is a steady
-call of a denoising loop: block 0 was prefetched by the previous call (its copy may still
-be running when the call starts), and the wrap-around copy is drawn at the end.
+When the graph ends with the ring of wrap-around prefetches (the first ``num_slots``
+blocks), the picture is a steady call of a denoising loop: those blocks were prefetched by
+the previous call (their copies may still be running when the call starts), and the
+wrap-around copies are drawn at the end.
 """
 
 from __future__ import annotations
@@ -151,14 +152,16 @@ def _attribution(dump: GraphDump) -> tuple[dict[int, int], dict[int, int]]:
 
 
 def _run(dump: GraphDump, timing: Timing, ops: dict[int, int], steady: bool,
-         carry: tuple[float, float, float]) -> tuple[list[Bar], float, float, tuple]:
-    """One call. ``carry``: (block 0 ready, copy lane free, gather lane free) at t=0."""
+         carry: tuple[dict, float, float]) -> tuple[list[Bar], float, float, tuple]:
+    """One call. ``carry``: (when each wrapped block is ready, copy lane free, gather lane
+    free), relative to t=0."""
     gathered = dump.mode == "allgather"
     t = 0.0
-    b0_ready, h2d_free, gather_free = carry if steady else (0.0, 0.0, 0.0)
+    warm, h2d_free, gather_free = carry if steady else ({}, 0.0, 0.0)
+    wrapped = {step.block for step in dump.program if step.wrap} if steady else set()
     copy_done: dict[int, float] = {}
-    ready: dict[int, float] = {0: b0_ready} if steady else {}
-    wrap_ready = 0.0
+    ready: dict[int, float] = dict(warm)
+    wrap_ready: dict[int, float] = {}
     open_blocks: list[int] = []
     bars: list[Bar] = []
     stall = 0.0
@@ -175,7 +178,7 @@ def _run(dump: GraphDump, timing: Timing, ops: dict[int, int], steady: bool,
     for step in dump.program:
         g = step.block
         if step.kind == "prefetch":
-            if steady and g == 0 and not step.wrap:
+            if g in wrapped and not step.wrap:
                 continue  # the previous call's wrap-around prefetch brought it
             start = max(t, h2d_free)
             end = h2d_free = start + timing.h2d_s[g]
@@ -183,17 +186,17 @@ def _run(dump: GraphDump, timing: Timing, ops: dict[int, int], steady: bool,
             bars.append(Bar("h2d", g, start, end, step.wrap))
             if not gathered:
                 if step.wrap:
-                    wrap_ready = end
+                    wrap_ready[g] = end
                 else:
                     ready[g] = end
         elif step.kind == "allgather":
-            if steady and g == 0 and not step.wrap:
+            if g in wrapped and not step.wrap:
                 continue
             start = max(t, copy_done.get(g, t), gather_free)
             end = gather_free = start + timing.gather_s[g]
             bars.append(Bar("allgather", g, start, end, step.wrap))
             if step.wrap:
-                wrap_ready = end
+                wrap_ready[g] = end
             else:
                 ready[g] = end
         elif step.kind == "wait":
@@ -213,7 +216,8 @@ def _run(dump: GraphDump, timing: Timing, ops: dict[int, int], steady: bool,
             compute(g, timing.compute_s[g] / ops[g])
         elif step.kind == "op" and step.resident_bytes:
             compute(-1, step.resident_bytes / timing.compute_bps)
-    carry_out = (max(0.0, wrap_ready - t), max(0.0, h2d_free - t), max(0.0, gather_free - t))
+    carry_out = ({g: max(0.0, end - t) for g, end in wrap_ready.items()},
+                 max(0.0, h2d_free - t), max(0.0, gather_free - t))
     return bars, t, stall, carry_out
 
 
@@ -221,7 +225,7 @@ def simulate(dump: GraphDump, timing: Timing) -> Prediction:
     """Predict one call of the graph (a steady call when it has a wrap-around prefetch)."""
     steady = any(step.wrap for step in dump.program)
     ops, _ = _attribution(dump)
-    carry = (0.0, 0.0, 0.0)
+    carry: tuple = ({}, 0.0, 0.0)
     bars, t, stall, carry = _run(dump, timing, ops, steady, carry)
     if steady:  # the second call starts where the first left the wrap-around copy
         bars, t, stall, _ = _run(dump, timing, ops, steady, carry)
