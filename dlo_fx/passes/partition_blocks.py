@@ -62,8 +62,8 @@ def _pack(units: list[list[ParamInfo]], budget: int, out: list[list[ParamInfo]])
             if len(unit) == 1:
                 out.append(unit)
             else:
-                finer = _runs(unit, leaf_key) if len(_runs(unit, leaf_key)) > 1 else [[p] for p in unit]
-                _pack(finer, budget, out)
+                leaves = _runs(unit, leaf_key)  # split at leaf modules, else per parameter
+                _pack(leaves if len(leaves) > 1 else [[p] for p in unit], budget, out)
             continue
         if cur and size + unit_bytes > budget:
             out.append(cur)
