@@ -151,7 +151,13 @@ def frame_modules() -> list[torch.nn.Module]:
     lacks it fails here, loudly, rather than leaving models unguarded."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
-    tx = InstructionTranslator.current_tx()
-    if tx is None:
+    if not callable(getattr(InstructionTranslator, "current_tx", None)):
+        raise RuntimeError("dlo: this torch's Dynamo has no InstructionTranslator.current_tx; "
+                           "dlo cannot find the module it compiles (to claim and guard it)")
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # its thread-local is unset: no frame is being compiled
+        tx = None
+    if tx is None:  # the backend called on a graph outside Dynamo
         return []
     return [v for v in tx.f_locals.values() if isinstance(v, torch.nn.Module)]

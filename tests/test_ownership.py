@@ -13,6 +13,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -155,8 +156,14 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _copy_threads() -> int:
-    return sum(t.name.startswith("dlo-copy") and t.is_alive() for t in threading.enumerate())
+def _copy_threads(wait_s: float = 0.0) -> int:
+    """Live copy-worker threads; waits up to ``wait_s`` for them to finish exiting."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        count = sum(t.name.startswith("dlo-copy") and t.is_alive() for t in threading.enumerate())
+        if count == 0 or time.monotonic() >= deadline:
+            return count
+        time.sleep(0.05)
 
 
 def test_twenty_rounds_give_memory_back():
@@ -174,6 +181,7 @@ def test_twenty_rounds_give_memory_back():
         compiled = torch.compile(model, backend="dlo", options={"num_slots": 2})
         run(compiled, inputs)
         assert runtimes_holding(list(model.parameters()))[0].store.host_bytes > 0
+        assert _copy_threads() >= 1  # blocks over 256 KiB: copies run on the worker
         del model, compiled
         if i == 10:
             torch._dynamo.reset()
@@ -183,7 +191,7 @@ def test_twenty_rounds_give_memory_back():
     assert store_bytes == [0] * 20
     assert live_runtimes() == []
     assert len(device_slots._SHARED) == 0  # slots freed with the last runtime
-    assert _copy_threads() == 0
+    assert _copy_threads(wait_s=10.0) == 0
     growth = max(rss[5:]) - rss[4]
     assert growth < 3 * model_bytes, (growth, model_bytes, rss)  # leaking: 15 x model
 

@@ -5,7 +5,7 @@ fills it, and which model's block each slot holds.
 A model's `Runtime` owns its host store, its mode and its resident copies: host blocks
 are never shared. Slot memory may be: a pipeline's text encoder and transformer run one
 after the other, so they can stream through the same ``num_slots`` buffers, which is
-the largest device cost dlo adds. Every runtime on one device with the same
+the largest device cost dlo adds; so may the weight-gather group. Every runtime on one device with the same
 ``num_slots`` and ``fault_delay_s`` gets the same `DeviceSlots`, held weakly here and
 strongly by the runtimes: when the last of them is gone, the slots are freed and the
 executor's worker thread stops.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,7 +39,19 @@ class DeviceSlots:
         self.executor = make_executor(device, num_slots, fault_delay_s)
         self.holder: list[Optional[tuple[int, int]]] = [None] * num_slots
         self.lock = threading.RLock()
+        self._groups: dict[tuple, tuple[Any, Any]] = {}
         weakref.finalize(self, _shutdown, self.executor)
+
+    def shard_group(self, spec: Any, timeout_s: float, make: Callable[[Any, float], Any]) -> Any:
+        """The weight-gather group for ``spec``, made once per `DeviceSlots`: runtimes
+        sharing this executor issue their gathers on one worker in one order, so they can
+        share one group (a group per model would be a new communicator per model)."""
+        key = (spec if spec is None or isinstance(spec, tuple) else ("group", id(spec)),
+               float(timeout_s))
+        found = self._groups.get(key)
+        if found is None:
+            found = self._groups[key] = (spec, make(spec, timeout_s))  # spec pins the id
+        return found[1]
 
     def forget(self) -> None:
         """No slot holds a known block any more (buffers replaced, or a failed copy)."""

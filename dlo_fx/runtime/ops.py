@@ -85,7 +85,7 @@ class GraphSchedule(torch.nn.Module):
         return runtime
 
     def extra_repr(self) -> str:
-        return f"blocks={len(self.slot_of)}, slots={self.runtime.slots.num_slots}"
+        return f"blocks={len(self.slot_of)}, slots={self.config.num_slots}"
 
 
 def conflict_message(differing: Sequence[str]) -> str:

@@ -43,8 +43,11 @@ class Runtime:
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.group: ShardGroup = resolve_shard_group(config.shard_group,
-                                                     config.collective_timeout_s)
+        # See [Note: what a model owns and what a device shares].
+        self.shared = device_slots(device, config.num_slots, config.fault_delay_s)
+        self.group: ShardGroup = self.shared.shard_group(config.shard_group,
+                                                         config.collective_timeout_s,
+                                                         resolve_shard_group)
         self.mode: Optional[str] = None  # decided before the first block is stored
         self.mode_reason = ""
         self.store = HostStore(alignment=config.alignment)  # replaced by `set_mode`
@@ -52,8 +55,6 @@ class Runtime:
             self.set_mode("rank_local", "one rank in the shard group: nothing to gather")
         elif config.mode in (None, "allgather", "rank_local"):
             self.set_mode(config.mode or "allgather", f"mode={config.mode!r} option")
-        # See [Note: what a model owns and what a device shares].
-        self.shared = device_slots(device, config.num_slots, config.fault_delay_s)
         self.slots = self.shared.pool
         self.executor = self.shared.executor
         self._token = next(_TOKENS)
@@ -342,15 +343,13 @@ def runtimes_holding(params: Sequence[torch.Tensor]) -> list[Runtime]:
 
 
 def live_runtimes() -> list[Runtime]:
-    """Every runtime not yet collected (tests and memory checks)."""
+    """Every runtime neither closed nor collected (tests and memory checks)."""
     with _LOCK:
-        return list(_LIVE)
+        return [rt for rt in _LIVE if not rt.closed]
 
 
 def reset_runtimes() -> None:
     """Close every live runtime (tests: no host store outlives its test). The models they
     stored stay hollow and unusable."""
-    with _LOCK:
-        runtimes = list(_LIVE)
-    for rt in runtimes:
+    for rt in live_runtimes():
         rt.close()
