@@ -87,7 +87,7 @@ def write_outputs(results: Sequence[Any], out: Path, *, preview: bool = True) ->
     with open(out / "results.jsonl", "w", encoding="utf-8") as log_file:
         for index, result in enumerate(results):
             row = {"index": index, "prompt": result.request.prompt, "seed": result.request.seed,
-                   "wave_id": result.wave_id, "dp_rank": result.dp_rank,
+                   "wave": result.wave, "dp_rank": result.dp_rank,
                    "seconds": round(result.seconds, 4), "error": result.error}
             if result.ok:
                 output = result.output
@@ -129,7 +129,7 @@ def run_generate(args: argparse.Namespace) -> int:
         results = engine.generate(requests)
     write_outputs(results, args.out, preview=not args.no_preview)
     failed = [i for i, r in enumerate(results) if not r.ok]
-    waves = len({r.wave_id for r in results})
+    waves = len({r.wave for r in results})
     print(f"{len(results) - len(failed)}/{len(results)} requests succeeded in {waves} "
           f"wave(s) on dp={engine.dp_size}; outputs in {args.out}")
     for i in failed:
