@@ -148,7 +148,12 @@ def handshake(conn: Connection, secret: bytes, *, server: bool) -> None:
         raise ChannelError("the engine's control port answered with an unknown protocol")
     theirs = hello[len(_HELLO):]
     conn.send_bytes(mine + mac(secret, b"worker", theirs, mine))
-    if not hmac.compare_digest(conn.recv_bytes(128), mac(secret, b"front", mine, theirs)):
+    try:
+        proof = conn.recv_bytes(128)
+    except EOFError:
+        raise ChannelError("this worker failed authentication: the engine closed the "
+                           "connection (a secret of another engine?)") from None
+    if not hmac.compare_digest(proof, mac(secret, b"front", mine, theirs)):
         raise ChannelError("the engine's control port failed authentication")
 
 
