@@ -7,8 +7,10 @@ Each line of the requests file is a JSON object with the fields of `Request` (``
 at least). For request ``i`` the output folder gets ``{i:04d}.safetensors`` (the output
 tensors), ``{i:04d}.png`` (a preview of image latents) and one line of
 ``results.jsonl``. The exit status is 0 when every request succeeded, 1 otherwise.
-Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) every rank runs the same command;
-rank 0 hosts the front end and writes the outputs.
+Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) every rank runs the same command
+with the same control-plane secret (``DLO_FX_ENGINE_SECRET``, hex, or
+``DLO_FX_ENGINE_SECRET_FILE``, a 0600 file); rank 0 hosts the front end and writes the
+outputs.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import os
 import stat
+import time
 from typing import Any, Mapping, Optional
 
 from .channel import Backoff, ChannelError, Message, mac, pack, unpack
@@ -115,14 +116,13 @@ class StoreFront(_Signed):
         return Message(rank, header, payload)
 
     def receive(self, timeout_s: float) -> list[Message]:
-        backoff = Backoff(max_s=min(0.02, timeout_s))
-        waited = 0.0
+        backoff = Backoff()
+        deadline = time.monotonic() + timeout_s
         while True:
             messages = [m for m in (self._take(r) for r in range(self.world)) if m is not None]
-            if messages or waited >= timeout_s:
+            if messages or time.monotonic() >= deadline:
                 return messages
             backoff.sleep()
-            waited += backoff.delay
 
     def close(self) -> None:
         self.retire()
