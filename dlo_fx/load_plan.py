@@ -184,7 +184,7 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
             continue
         claimed.update(fqn for _, _, fqn in t.names)
         t.info = info = by_name[found]
-        where = f"checkpoint key {info.key!r}"
+        where = "the checkpoint" if info.key == t.fqn else f"checkpoint key {info.key!r}"
         if tuple(t.tensor.shape) != info.shape:
             shapes.append(f"{t.fqn!r}: the model expects {list(t.tensor.shape)}, {where} "
                           f"holds {list(info.shape)}")
