@@ -205,8 +205,13 @@ def test_generate_diffusers_matches_resident(saved, tmp_path, kind, dp_size):
     reference = resident(saved[kind])
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len({r["dp_rank"] for r in results}) == dp_size
-    for index, row in enumerate(rows):
-        expected = reference(Request.from_dict(row))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run
+    try:
+        expected_all = [reference(Request.from_dict(row)) for row in rows]
+    finally:
+        torch.set_num_threads(threads)
+    for index, expected in enumerate(expected_all):
         got = load_file(str(out / results[index]["file"]))
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k])
                                                      for k in expected)
