@@ -121,7 +121,7 @@ def sd3(seed: int = 0):
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
         text_encoder=clip(seed + 2, projection=True), tokenizer=tokenizer(16),
         text_encoder_2=clip(seed + 3, projection=True), tokenizer_2=tokenizer(16),
-        text_encoder_3=t5(seed + 4), tokenizer_3=tokenizer(16))
+        text_encoder_3=None, tokenizer_3=None)  # Flux and Wan cover T5 / UMT5
 
 
 BUILDERS = {"flux": flux, "wan": wan, "sd3": sd3}
