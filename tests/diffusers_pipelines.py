@@ -29,14 +29,19 @@ def tokenizer(max_length: int):
 VOCAB = len(WORDS) + 3
 
 
+def _is_norm_scale(name: str, p: torch.Tensor) -> bool:
+    """A normalisation layer's scale: seeded around 1, not 0."""
+    return name.endswith("norm.weight") or (".norm" in name and name.endswith("weight")
+                                            and p.dim() == 1)
+
+
 def _seeded(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dtype.is_floating_point:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05
-                        + (1.0 if name.endswith("norm.weight") or ".norm" in name and
-                           name.endswith("weight") and p.dim() == 1 else 0.0))
+                        + (1.0 if _is_norm_scale(name, p) else 0.0))
     return module.eval().requires_grad_(False)
 
 
