@@ -11,7 +11,8 @@ from .engine import Engine, Request, Result
 from .loader import load
 from .memory import MemoryReport, memory_report
 from .module_guard import release
+from .pipelines import compile_pipeline
 
-__all__ = ["DLOConfig", "Engine", "MemoryReport", "Request", "Result", "load", "memory_report",
-           "release", "stall_summary", "write_trace"]
+__all__ = ["DLOConfig", "Engine", "MemoryReport", "Request", "Result", "compile_pipeline", "load",
+           "memory_report", "release", "stall_summary", "write_trace"]
 __version__ = "0.1.0"

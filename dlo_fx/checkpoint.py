@@ -76,6 +76,12 @@ class Checkpoint:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def describe_files(self) -> str:
+        """The file, or how many files and their folder, for messages."""
+        if len(self.files) == 1:
+            return self.files[0]
+        return f"{len(self.files)} files in {os.path.dirname(self.files[0])}"
+
 
 # -- headers ------------------------------------------------------------------------------
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
@@ -261,10 +267,20 @@ def _from_files(paths: Sequence[Path], source: str, folder: Optional[Path]) -> C
                       folder=str(folder) if folder is not None else None)
 
 
-def resolve_checkpoint(source: str | os.PathLike) -> Checkpoint:
-    """Find and validate the checkpoint ``source`` names (see the module docstring)."""
+def resolve_checkpoint(source: str | os.PathLike, subfolder: Optional[str] = None) -> Checkpoint:
+    """Find and validate the checkpoint ``source`` names (see the module docstring);
+    ``subfolder`` is a folder inside it (a component of a diffusers pipeline folder)."""
     text = os.fspath(source)
     path = _locate(source)
+    if subfolder:
+        if not path.is_dir():
+            raise CheckpointError(f"subfolder={subfolder!r} needs a folder, but {text!r} is "
+                                  "a file")
+        if not (path / subfolder).is_dir():
+            raise CheckpointError(f"{path} has no subfolder {subfolder!r}"
+                                  + _components_hint(path))
+        path = path / subfolder
+        text = os.path.join(text, subfolder)
     if path.is_file():
         if path.name.endswith(".safetensors.index.json"):
             return _from_index(path, text)
@@ -284,7 +300,21 @@ def resolve_checkpoint(source: str | os.PathLike) -> Checkpoint:
     if files:
         return _from_files(files, text, path)
     _refuse_pickles(children, str(path))
-    raise CheckpointError(f"{path} holds no .safetensors file and no *.safetensors.index.json")
+    raise CheckpointError(f"{path} holds no .safetensors file and no *.safetensors.index.json"
+                          + _components_hint(path))
+
+
+def _components_hint(path: Path) -> str:
+    """For a diffusers pipeline folder: which subfolders hold weights."""
+    index = path / "model_index.json"
+    if not index.is_file():
+        return ""
+    names = sorted(p.name for p in path.iterdir() if p.is_dir() and any(
+        c.name.endswith(".safetensors") or c.name.endswith(".safetensors.index.json")
+        for c in p.iterdir()))
+    return (f"; it is a diffusers pipeline folder (model_index.json): pass subfolder= one of "
+            f"{', '.join(map(repr, names)) or '(none holds safetensors)'}, e.g. "
+            "dlo_fx.load(FluxTransformer2DModel, root, subfolder='transformer')")
 
 
 # -- reading ------------------------------------------------------------------------------

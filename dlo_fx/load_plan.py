@@ -7,6 +7,7 @@ resident ones and blocks with the partition pass's own rules.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -19,6 +20,8 @@ from .config import DLOConfig
 from .passes.context import ParamInfo
 from .passes.partition_blocks import natural_layer_bytes, partition
 from .runtime.layout import storage_span
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KeyMap", "LoadPlan", "Target", "plan_load"]
 
@@ -124,6 +127,34 @@ def _map_keys(ckpt: Checkpoint, key_map: Optional[KeyMap]) -> dict[str, TensorIn
     return out
 
 
+MAX_REPORT_LINES = 40
+"""A mismatch report never exceeds this many lines, whatever the model's size."""
+
+
+def _summary(sections: Sequence[tuple[str, Sequence[str]]], limit: int = 10) -> str:
+    """One line per kind (its count), then the first ``limit`` details of it; at most
+    `MAX_REPORT_LINES` lines in all."""
+    lines = []
+    for head, details in sections:
+        lines.append("  " + head)
+        lines += [f"    {d}" for d in details[:limit]]
+        if len(details) > limit:
+            lines.append(f"    ... and {len(details) - limit} more")
+    if len(lines) > MAX_REPORT_LINES:
+        lines = lines[:MAX_REPORT_LINES - 1] + [f"  ... ({len(lines) - MAX_REPORT_LINES + 1} "
+                                                "more lines)"]
+    return "\n".join(lines)
+
+
+def _config_hint(module: nn.Module, wrong: int, total: int) -> str:
+    """Most tensors missing or misshapen: the model was built from another config."""
+    if total == 0 or wrong < max(2, total // 4):
+        return ""
+    return (f"\n  {wrong} of the model's {total} parameters are missing or misshapen: was "
+            f"{type(module).__name__} built from this checkpoint's configuration? Pass "
+            "config= (or put the model's config.json next to the weights)")
+
+
 def _listing(names: Sequence[str], limit: int = 10) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     more = f" (first {limit} of {len(names)})" if len(names) > limit else ""
@@ -140,7 +171,8 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
     params, buffers = _targets(module, dtype)
     by_name = _map_keys(ckpt, key_map)
     what = f"{type(module).__name__} from checkpoint {ckpt.source!r}"
-    missing, kept, problems = [], [], []
+    missing, kept = [], []
+    shapes, dtypes, casts = [], [], []
     claimed: set[str] = set()
     for t in params + [b for b in buffers if b.persistent]:
         found = next((fqn for _, _, fqn in t.names if fqn in by_name), None)
@@ -152,32 +184,43 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
             continue
         claimed.update(fqn for _, _, fqn in t.names)
         t.info = info = by_name[found]
-        where = f"checkpoint key {info.key!r} in {info.path}"
+        where = "the checkpoint" if info.key == t.fqn else f"checkpoint key {info.key!r}"
         if tuple(t.tensor.shape) != info.shape:
-            problems.append(f"shape mismatch for {t.fqn!r}: the model expects "
-                            f"{list(t.tensor.shape)}, {where} holds {list(info.shape)}")
+            shapes.append(f"{t.fqn!r}: the model expects {list(t.tensor.shape)}, {where} "
+                          f"holds {list(info.shape)}")
         elif info.dtype != t.dtype:
-            castable = dtype is not None and info.dtype.is_floating_point and \
-                t.dtype.is_floating_point
-            if not castable:
-                hint = ("pass dtype=... to cast floating-point tensors while loading"
-                        if dtype is None else "only floating-point tensors are cast")
-                problems.append(f"dtype mismatch for {t.fqn!r}: the model expects {t.dtype}, "
-                                f"{where} holds {info.dtype}; {hint}")
+            if info.dtype.is_floating_point and t.dtype.is_floating_point:
+                casts.append((info.dtype, t.dtype))  # See [Note: the dtype rule]
+            else:
+                dtypes.append(f"{t.fqn!r}: the model expects {t.dtype}, {where} holds "
+                              f"{info.dtype}; only floating-point tensors are cast")
     unexpected = [k for k in by_name if k not in claimed]
+    computed = [b.fqn for b in buffers if b.tensor.is_meta and not b.persistent]
+    sections = []
     if missing:
-        problems.insert(0, f"{len(missing)} missing key(s) (in the model, not in the "
-                           f"checkpoint): {_listing(missing)}")
+        sections.append((f"{len(missing)} missing key(s) (in the model, not in the "
+                         f"checkpoint): {_listing(missing)}", []))
+    if shapes:
+        sections.append((f"{len(shapes)} shape mismatch(es):", shapes))
+    if dtypes:
+        sections.append((f"{len(dtypes)} dtype mismatch(es):", dtypes))
     if unexpected and strict:
-        problems.append(f"{len(unexpected)} unexpected key(s) (in the checkpoint, not in the "
-                        f"model): {_listing(unexpected)}; pass strict=False to ignore them or "
-                        "key_map= to rename them")
-    for b in buffers:
-        if b.tensor.is_meta and not b.persistent:
-            problems.append(f"non-persistent buffer {b.fqn!r} was computed from a parameter in "
-                            "__init__ (it is on the meta device) and no checkpoint holds it")
-    if problems:
-        raise ValueError(f"dlo_fx.load: {what} does not match:\n  " + "\n  ".join(problems))
+        sections.append((f"{len(unexpected)} unexpected key(s) (in the checkpoint, not in the "
+                         f"model): {_listing(unexpected)}; pass strict=False to ignore them or "
+                         "key_map= to rename them", []))
+    if computed:
+        sections.append((f"{len(computed)} non-persistent buffer(s) computed from a parameter "
+                         f"in __init__ (on the meta device) that no checkpoint holds: "
+                         f"{_listing(computed)}", []))
+    if sections:
+        raise ValueError(f"dlo_fx.load: {what} does not match "
+                         f"({ckpt.describe_files()}):\n" + _summary(sections)
+                         + _config_hint(module, len(missing) + len(shapes), len(params)))
+    if casts:
+        pairs = sorted({f"{a} -> {b}".replace("torch.", "") for a, b in casts})
+        log.info("dlo_fx.load: %s: cast %d checkpoint tensor(s) to the model's dtype while "
+                 "copying (%s); pass dtype= to choose the model's dtype", what, len(casts),
+                 ", ".join(pairs))
     if (unexpected or kept) and not strict:
         warnings.warn(f"dlo_fx.load: {what}: ignoring {len(unexpected)} unexpected key(s) "
                       f"[{_listing(unexpected, 20)}]; {len(kept)} buffer(s) keep their "

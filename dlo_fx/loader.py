@@ -26,6 +26,17 @@ before a single step runs. `load` never holds a private copy of the model:
    inherits the options given here.
 
 Peak host memory is then about this rank's shards plus one block of mapped pages.
+
+[Note: the dtype rule]
+As diffusers' ``from_pretrained``: the model's dtype wins. Without ``dtype=`` every
+floating-point parameter keeps the dtype the constructor gave it (float32 for a diffusers or
+transformers model built from its config); with ``dtype=`` they get that one, except
+diffusers' ``_keep_in_fp32_modules``. A checkpoint tensor of another floating-point dtype
+is cast while it is copied into the host store (one temporary of that tensor), and one log
+line counts the casts, so a bfloat16 checkpoint loads without ``dtype=`` (into a float32
+model: pass ``dtype=torch.bfloat16`` to keep half the host memory). A checkpoint is never
+refused for its floating-point dtype; an integer or bool tensor of another dtype is an
+error, since casting it would change its values.
 """
 
 from __future__ import annotations
@@ -54,25 +65,33 @@ __all__ = ["load", "meta_parameters"]
 
 
 def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.PathLike], *,
-         config: Any = None, dtype: Optional[torch.dtype] = None,
+         subfolder: Optional[str] = None, config: Any = None, dtype: Optional[torch.dtype] = None,
          key_map: Optional[KeyMap] = None, strict: bool = True,
          options: Union[Mapping[str, Any], DLOConfig, None] = None,
          resident: Sequence[str] = ()) -> nn.Module:
     """Build ``model`` with hollow parameters whose bytes sit in the dlo host store.
 
+    Follows ``from_pretrained``: ``dlo_fx.load(FluxTransformer2DModel, root,
+    subfolder="transformer")`` reads ``root/transformer/config.json`` and its weights.
+
     Args:
         model: an ``nn.Module`` class or a zero-argument factory returning a module. A
-            diffusers ``ModelMixin`` class is built with ``from_config`` from ``config``
-            or, when ``config`` is None, from the ``config.json`` of the checkpoint folder.
+            diffusers ``ModelMixin`` class is built with ``from_config``, a transformers
+            ``PreTrainedModel`` class from its ``config_class``; both from ``config`` or,
+            when ``config`` is None, from the ``config.json`` beside the weights.
         checkpoint: a ``.safetensors`` file, a folder of them (with or without a
             ``*.safetensors.index.json``), an index file, a local Hugging Face cache repo
             folder, or a hub id already in the local cache. Never downloads.
-        config: constructor configuration: a dict (keyword arguments, or a diffusers
-            config), or one object passed as the only positional argument.
+        subfolder: a folder inside ``checkpoint`` holding the weights and config.json: the
+            component of a diffusers pipeline folder (``"transformer"``, ``"text_encoder_2"``).
+        config: constructor configuration: a dict (keyword arguments, or a diffusers /
+            transformers config), a path to a config.json (or its folder), or one object
+            passed as the only positional argument.
         dtype: floating-point parameters get this dtype (diffusers'
-            ``_keep_in_fp32_modules`` stay float32); each checkpoint tensor is cast while
-            it is copied. Buffers keep their own dtype. Without it, a checkpoint dtype
-            that differs from the model's is an error.
+            ``_keep_in_fp32_modules`` stay float32). Without it the model's own dtype (as
+            built) wins. Either way each checkpoint tensor is cast while it is copied, never
+            the whole model at once, and one log line counts the casts: see [Note: the dtype
+            rule]. Buffers keep their own dtype; non-floating tensors are never cast.
         key_map: checkpoint key -> model FQN, as a dict (unlisted keys map to themselves)
             or a callable (returning None drops the key).
         strict: unexpected checkpoint keys (and missing persistent buffers) are an error;
@@ -102,7 +121,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     error: Optional[BaseException] = None
     plan: Optional[LoadPlan] = None
     try:
-        ckpt = resolve_checkpoint(checkpoint)
+        ckpt = resolve_checkpoint(checkpoint, subfolder)
         module = _construct(model, config, ckpt)
         plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map, strict=strict,
                          resident=resident)
@@ -160,6 +179,33 @@ def _is_diffusers_class(cls: type) -> bool:
     return hasattr(cls, "from_config") and hasattr(cls, "config_name")
 
 
+def _is_transformers_class(cls: type) -> bool:
+    return isinstance(getattr(cls, "config_class", None), type) and hasattr(cls, "_from_config")
+
+
+def _config_file(config: Any, ckpt: Checkpoint, name: str) -> Any:
+    """The config to build a diffusers/transformers class from: ``config`` itself, the JSON
+    file (or folder) it names, or the ``config.json`` beside the checkpoint's weights."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        path = os.path.join(path, name) if os.path.isdir(path) else path
+        if not os.path.isfile(path):
+            raise ValueError(f"dlo_fx.load: config={os.fspath(config)!r}: no such file")
+        with open(path) as f:
+            return json.load(f)
+    if config is not None:
+        return config
+    folder = ckpt.folder if ckpt.folder is not None else os.path.dirname(ckpt.files[0])
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        raise ValueError(f"dlo_fx.load: {ckpt.source!r} has no {name} beside its weights, "
+                         "so the model's configuration is unknown (building the class with "
+                         "its defaults would make another model); pass config= (a dict, a "
+                         f"config object or a path to a {name}) or add {name} to {folder}")
+    with open(path) as f:
+        return json.load(f)
+
+
 def _construct(model: Any, config: Any, ckpt: Checkpoint) -> nn.Module:
     if isinstance(model, nn.Module):
         raise ValueError(f"dlo_fx.load: model is an instance of {type(model).__name__}; pass "
@@ -168,14 +214,17 @@ def _construct(model: Any, config: Any, ckpt: Checkpoint) -> nn.Module:
         raise ValueError(f"dlo_fx.load: model={model!r} is not an nn.Module class or a factory")
     if isinstance(model, type) and not issubclass(model, nn.Module):
         raise ValueError(f"dlo_fx.load: model class {model.__name__} is not an nn.Module")
+    diffusers_cls = isinstance(model, type) and _is_diffusers_class(model)
+    transformers_cls = isinstance(model, type) and _is_transformers_class(model)
+    if diffusers_cls or transformers_cls:
+        config = _config_file(config, ckpt, getattr(model, "config_name", "config.json"))
     with meta_parameters():
-        if isinstance(model, type) and _is_diffusers_class(model):
-            if config is None and ckpt.folder is not None:
-                path = os.path.join(ckpt.folder, model.config_name)
-                if os.path.isfile(path):
-                    with open(path) as f:
-                        config = json.load(f)
-            module = model.from_config(dict(config)) if config is not None else model()
+        if diffusers_cls:
+            module = model.from_config(config if isinstance(config, Mapping) else dict(config))
+        elif transformers_cls:
+            if isinstance(config, Mapping):
+                config = model.config_class.from_dict(dict(config))
+            module = model(config)
         elif config is None:
             module = model()
         elif isinstance(config, Mapping):

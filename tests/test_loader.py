@@ -121,8 +121,6 @@ def test_dtype_cast_of_a_non_contiguous_parameter(tmp_path, ckpts):
     state = {k: v.float() for k, v in load_file(ckpts["dit"]).items()}
     path = str(tmp_path / "dit32.safetensors")
     save_file(state, path)
-    _expect_error("dtype mismatch for 'patch_embed.weight'", ReferenceDiT, path,
-                  config=ckpts["config"])
     model = load(MixedDiT, path, config=ckpts["config"], dtype=torch.bfloat16)
     assert model.blocks[1].fc2_weight.dtype == torch.bfloat16
     assert model.time_embed[0].weight.dtype == torch.float32
@@ -281,17 +279,33 @@ def test_shape_mismatch_names_key_expected_and_found(ckpts, tmp_path):
     state["blocks.2.qkv.weight"] = torch.zeros(96, 64, dtype=torch.bfloat16)
     path = str(tmp_path / "shape.safetensors")
     save_file(state, path)
-    _expect_error(r"shape mismatch for 'blocks.2.qkv.weight': the model expects \[192, 64\], "
-                  r".* holds \[96, 64\]", ReferenceDiT, path, config=ckpts["config"])
+    _expect_error(r"1 shape mismatch\(es\):\n    'blocks.2.qkv.weight': the model expects \[192, 64\], "
+                  r"the checkpoint holds \[96, 64\]", ReferenceDiT, path, config=ckpts["config"])
 
 
-def test_dtype_mismatch_without_dtype(ckpts, tmp_path):
+def test_other_float_dtype_is_cast_to_the_models_dtype(ckpts, tmp_path, caplog):
+    """[Note: the dtype rule]: without dtype= the model's dtype wins; one log line."""
     state = load_file(ckpts["dit"])
-    state["proj_out.weight"] = state["proj_out.weight"].half()
+    state["proj_out.weight"] = state["proj_out.weight"].float()
     path = str(tmp_path / "dtype.safetensors")
     save_file(state, path)
-    _expect_error(r"dtype mismatch for 'proj_out.weight': the model expects torch.bfloat16, "
-                  r".* holds torch.float16; pass dtype=", ReferenceDiT, path, config=ckpts["config"])
+    with caplog.at_level(logging.INFO, logger="dlo_fx.load_plan"):
+        model = load(ReferenceDiT, path, config=ckpts["config"])
+    casts = [r.message for r in caplog.records if "cast" in r.message]
+    assert len(casts) == 1 and "cast 1 checkpoint tensor(s)" in casts[0], casts
+    assert "float32 -> bfloat16" in casts[0]
+    assert model.proj_out.weight.dtype == torch.bfloat16
+    assert loader_cases.same_state(model, resident_dit(ckpts["dit"], ckpts["config"]))
+
+
+def test_integer_dtype_mismatch_is_an_error(ckpts, tmp_path):
+    state = load_file(ckpts["dit"])
+    state["proj_out.weight"] = state["proj_out.weight"].to(torch.int16)
+    path = str(tmp_path / "int.safetensors")
+    save_file(state, path)
+    _expect_error(r"1 dtype mismatch\(es\):\n    'proj_out.weight': the model expects "
+                  r"torch.bfloat16, .* holds torch.int16; only floating-point", ReferenceDiT,
+                  path, config=ckpts["config"])
 
 
 @pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth"])

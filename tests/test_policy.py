@@ -242,3 +242,14 @@ def test_single_rank_tie_goes_to_the_smaller_device_peak():
     assert pred.allgather.host_physical_peak_gb == pytest.approx(pred.rank_local.host_physical_peak_gb)
     assert pred.mode == "rank_local"
     assert "device peak decides" in pred.reason
+
+
+def test_default_activations_fit_the_device_given(capsys):
+    """A 16 GB card with a 12 GB model in 40 blocks: the default activation memory is a
+    share of the device's, so a mode fits (20 GB of activations would fit neither)."""
+    assert cli.main(["--model-gb", "12", "--blocks", "40", "--hbm-gb", "16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["allgather"]["fits"] and data["allgather"]["device_peak_gb"] < 16
+    assert PlanInputs(model_gb=12, blocks=40).activation_gb == 20.0  # 64 GB default device
+    assert PlanInputs(model_gb=12, blocks=40, hbm_gb=16).activation_gb == 5.0
+    assert PlanInputs(model_gb=12, blocks=40, hbm_gb=16, activation_gb=1.0).activation_gb == 1.0

@@ -11,11 +11,21 @@ import torch
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+DIFFUSERS_SECTION = "## Diffusers quick start"
+"""Its snippets name a real pipeline folder: tests/test_diffusers.py runs them on a tiny
+locally built one."""
+
+
 def python_snippets() -> list[tuple[int, str]]:
-    """(first line number, code) of every ```python block of README.md."""
+    """(first line number, code) of every ```python block of README.md outside the
+    diffusers quick start."""
     text = README.read_text()
+    start = text.find(DIFFUSERS_SECTION)
+    end = text.find("\n## ", start + 1) if start >= 0 else -1
     out = []
     for match in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
+        if start <= match.start() < end:
+            continue
         out.append((text.count("\n", 0, match.start()) + 2, match.group(1)))
     return out
 

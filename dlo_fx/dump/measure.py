@@ -49,6 +49,29 @@ def graph_blocks_of(dumps: Sequence[GraphDump], runtime) -> dict[int, tuple[Grap
     return out
 
 
+def spans_of_graph(dump: GraphDump, spans: Sequence[Span], runtime,
+                   owner: dict[int, tuple[GraphDump, int]]) -> tuple[list[Span], dict[int, int]]:
+    """The spans of ``dump``'s graph and ``{host block: graph block}`` for them.
+
+    Spans tagged with the graph's id are its own, whatever host blocks they name: a
+    recompile for a new shape runs other graphs over the same host blocks. Untagged spans
+    go by ``owner`` (`graph_blocks_of`).
+    """
+    mine = {row.host_block: row.index for row in dump.blocks if row.host_block >= 0}
+    mine.update({h: g for h, (d, g) in owner.items() if d is dump and h not in mine})
+    if runtime is not None:  # host blocks bound later (Dynamo reusing the graph)
+        for host in runtime.store.blocks:
+            if host.index not in mine and host.fqns:
+                names = set(host.fqns)
+                row = next((r for r in dump.blocks if names <= set(r.fqns)), None)
+                if row is not None:
+                    mine[host.index] = row.index
+    owned = {h for h, (d, _) in owner.items() if d is dump}
+    picked = [s for s in spans if s.block in mine and (
+        s.graph == dump.graph_id if s.graph >= 0 and dump.graph_id >= 0 else s.block in owned)]
+    return picked, mine
+
+
 def exclusive_compute(spans: Iterable[Span]) -> dict[int, list[int]]:
     """``{host block: [exclusive compute ns of each of its compute spans]}``.
 

@@ -81,6 +81,7 @@ class GraphDump:
     mode_reason: str = ""  # why the runtime runs this mode (mode="auto": the policy's reason)
     runtime_ref: Optional[weakref.ReferenceType] = field(default=None, repr=False)
     flushed_spans: int = 0  # spans seen by the last flush
+    graph_id: int = -1  # GraphSchedule.graph: the tag of this graph's spans
 
     @property
     def runtime(self) -> Any:
@@ -129,4 +130,5 @@ def snapshot(gm: fx.GraphModule, ctx: Any, runtime: Any, index: int, folder: Pat
         resident=resident, program=tuple(program),
         tracer=getattr(runtime, "tracer", None),
         mode_reason=getattr(runtime, "mode_reason", ""),
-        runtime_ref=weakref.ref(runtime) if runtime is not None else None)
+        runtime_ref=weakref.ref(runtime) if runtime is not None else None,
+        graph_id=getattr(getattr(gm, "_dlo", None), "graph", -1))

@@ -25,7 +25,8 @@ from torch import fx
 from ..runtime.trace import Span
 from .blocks_md import blocks_markdown
 from .chrome_trace import trace_events, write_trace_file
-from .measure import graph_blocks_of, measure_blocks, measured_bandwidth, spans_of
+from .measure import (graph_blocks_of, measure_blocks, measured_bandwidth, spans_of,
+                      spans_of_graph)
 from .record import GraphDump, snapshot
 from .schedule_code import annotated_code
 from .stalls import StallSummary, summarize
@@ -100,11 +101,11 @@ def _render(dump: GraphDump, peers: Sequence[GraphDump],
     runtime = dump.runtime
     spans = spans_of(dump.tracer)
     owner = graph_blocks_of(peers, runtime)
-    mine = {h: g for h, (d, g) in owner.items() if d is dump}
-    my_spans = [s for s in spans if s.block in mine]
+    my_spans, mine = spans_of_graph(dump, spans, runtime, owner)
     shard = _shard_bytes(peers, runtime)
     gathered = {h: (dump.dp - 1) * n for h, n in shard.items()}
-    timing = timing_for(dump, measure_blocks(dump, my_spans, owner),
+    timing = timing_for(dump, measure_blocks(dump, my_spans,
+                                             {h: (dump, g) for h, g in mine.items()}),
                         h2d_bps=measured_bandwidth(spans, "prefetch", shard),
                         gather_bps=measured_bandwidth(spans, "allgather", gathered),
                         assume=assume)

@@ -6,11 +6,13 @@
 Each line of the requests file is a JSON object with the fields of `Request` (``prompt``
 at least). For request ``i`` the output folder gets ``{i:04d}.safetensors`` (the output
 tensors), ``{i:04d}.png`` (a preview of image latents) and one line of
-``results.jsonl``. The exit status is 0 when every request succeeded, 1 otherwise.
-Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) every rank runs the same command
-with the same control-plane secret (``DLO_FX_ENGINE_SECRET``, hex, or
-``DLO_FX_ENGINE_SECRET_FILE``, a 0600 file); rank 0 hosts the front end and writes the
-outputs.
+``results.jsonl``. With ``--diffusers ROOT`` (a saved diffusers pipeline, served by
+`dlo_fx.engine.diffusers_pipeline`) the PNGs are the images themselves:
+``{i:04d}-{n}.png`` per image, ``{i:04d}-{n}-{frame:03d}.png`` per video frame. The exit
+status is 0 when every request succeeded, 1 otherwise. Under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` set) every rank runs the same command with the same control-plane secret
+(``DLO_FX_ENGINE_SECRET``, hex, or ``DLO_FX_ENGINE_SECRET_FILE``, a 0600 file); rank 0
+hosts the front end and writes the outputs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 REFERENCE = "dlo_fx.engine.reference_pipeline:build"
+DIFFUSERS = "dlo_fx.engine.diffusers_pipeline:build"
 
 
 def _key_value(text: str) -> tuple[str, Any]:
@@ -46,6 +49,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--pipeline", default=REFERENCE,
                         help="factory 'package.module:function' (default: the reference "
                              "DiT pipeline)")
+    parser.add_argument("--diffusers", default=None, metavar="ROOT", type=Path,
+                        help="serve the diffusers pipeline saved in ROOT (model_index.json and "
+                             "its subfolders): its transformer(s) load with dlo_fx.load; one "
+                             "PNG per image or frame")
+    parser.add_argument("--app-dir", default=".",
+                        help="folder put first on sys.path to import the --pipeline module "
+                             "(default: .)")
     parser.add_argument("--checkpoint", default=None,
                         help="checkpoint handed to the factory as checkpoint=...")
     parser.add_argument("--pipeline-arg", action="append", type=_key_value, default=[],
@@ -98,11 +108,35 @@ def write_outputs(results: Sequence[Any], out: Path, *, preview: bool = True) ->
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name),
                           metadata={"request": json.dumps(result.request.to_dict())})
                 row["file"] = name
+                pictures = _pictures(out, index, tensors)
                 first = next(iter(tensors.values()))
-                if preview and first.dim() == 4 and first.is_floating_point():
+                if pictures:
+                    row["images"] = pictures
+                elif preview and first.dim() == 4 and first.is_floating_point():
                     write_png(out / f"{index:04d}.png", latents_preview(first[0]))
                     row["preview"] = f"{index:04d}.png"
             log_file.write(json.dumps(row) + "\n")
+
+
+def _pictures(out: Path, index: int, tensors: dict) -> list:
+    """One PNG per image (``images`` [N, H, W, 3]) or frame (``frames`` [N, F, H, W, 3]) of
+    a diffusers pipeline's uint8 output; their file names."""
+    import torch
+
+    from .png import write_png
+
+    names = []
+    images, frames = tensors.get("images"), tensors.get("frames")
+    if isinstance(images, torch.Tensor) and images.dtype == torch.uint8 and images.dim() == 4:
+        for n, image in enumerate(images):
+            names.append(f"{index:04d}-{n}.png")
+            write_png(out / names[-1], image)
+    elif isinstance(frames, torch.Tensor) and frames.dtype == torch.uint8 and frames.dim() == 5:
+        for n, video in enumerate(frames):
+            for f, frame in enumerate(video):
+                names.append(f"{index:04d}-{n}-{f:03d}.png")
+                write_png(out / names[-1], frame)
+    return names
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -115,9 +149,19 @@ def run_generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"dlo-fx generate: {exc}", file=sys.stderr)
         return 2
+    app_dir = os.path.abspath(getattr(args, "app_dir", "."))
+    if app_dir not in sys.path:  # spawned workers inherit sys.path
+        sys.path.insert(0, app_dir)
     kwargs = dict(args.pipeline_arg)
     if args.checkpoint is not None:
         kwargs["checkpoint"] = args.checkpoint
+    if getattr(args, "diffusers", None) is not None:
+        if args.pipeline != REFERENCE:
+            print("dlo-fx generate: pass either --diffusers or --pipeline, not both",
+                  file=sys.stderr)
+            return 2
+        args.pipeline = DIFFUSERS
+        kwargs["path"] = os.path.abspath(args.diffusers)
     common = dict(options=dict(args.option), wave_timeout_s=args.wave_timeout,
                   pipeline_kwargs=kwargs)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:

@@ -37,7 +37,7 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--world", "world", int, "ranks on the host (default: dp*sp)"),
     ("--max-block-gb", "max_block_gb", float, "GB of the largest block (default: model/blocks)"),
     ("--resident-gb", "resident_gb", float, "GB of weights resident on the device outside blocks"),
-    ("--activation-gb", "activation_gb", float, "GB of activations/workspace per device"),
+    ("--activation-gb", "activation_gb", float, "GB of activations/workspace per device (default: 5/16 of --hbm-gb, 20 on a 64 GB device)"),
     ("--num-slots", "num_slots", int, "device slots a block streams into"),
     ("--gather-buffers", "gather_buffers", int, "gather input buffers per rank (0: in place)"),
     ("--overhead-gb", "overhead_gb", float, "host framework overhead per rank, GB"),

@@ -36,6 +36,10 @@ def _check_count(name: str, value: object, hint: str = "") -> None:
         raise ValueError(f"{name} must be a whole number >= 1, got {value!r}" + (f"; {hint}" if hint else ""))
 
 
+ACTIVATION_SHARE = 20.0 / 64.0
+"""Default activation memory as a share of the device memory (``activation_gb=None``)."""
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """Everything the model needs to predict both modes for one model and topology."""
@@ -54,9 +58,11 @@ class PlanInputs:
     """GB of the largest block; ``None`` means ``model_gb / blocks``."""
     resident_gb: float = 0.0
     """GB of weights that stay on the device outside the blocks."""
-    activation_gb: float = 20.0
-    """GB of activations, workspaces and framework memory per device (default: the order
-    of the DLO write-up's 720p 10 s peaks, 23.1-28.1 GB, less the weight slots)."""
+    activation_gb: Optional[float] = None
+    """GB of activations, workspaces and framework memory per device; ``None`` means
+    `ACTIVATION_SHARE` of ``hbm_gb`` (20 GB of a 64 GB device: the order of the DLO
+    write-up's 720p 10 s peaks, 23.1-28.1 GB, less the weight slots), so the default fits
+    the device given."""
     num_slots: int = 2
     """Device slots a block streams into (the ``num_slots`` option)."""
     gather_buffers: int = 0
@@ -102,6 +108,9 @@ class PlanInputs:
     """Device memory per rank, GB."""
 
     def __post_init__(self) -> None:
+        _check_number("hbm_gb", self.hbm_gb, strict=True, hint="pass the device memory in GB")
+        if self.activation_gb is None:
+            object.__setattr__(self, "activation_gb", ACTIVATION_SHARE * self.hbm_gb)
         _check_number("model_gb", self.model_gb, strict=True, hint="pass the checkpoint size in GB")
         _check_count("blocks", self.blocks, "pass the number of streamed blocks")
         _check_count("dp", self.dp)

@@ -9,6 +9,7 @@ keeps them. See [Note: slot reuse and stream ordering] in runtime.py.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any, Mapping, Optional, Sequence
 
@@ -16,6 +17,9 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .runtime import Runtime, claim, owner_of
+
+
+_GRAPH_IDS = itertools.count()
 
 
 class GraphSchedule(torch.nn.Module):
@@ -35,6 +39,15 @@ class GraphSchedule(torch.nn.Module):
         self.slot_of = slot_of
         self.fqns = fqns
         self.bound = [-1] * len(slot_of)
+        self.graph = next(_GRAPH_IDS)
+        """A process-wide id; the tracer tags this graph's spans with it."""
+
+    def enter(self) -> Runtime:
+        """The runtime, its tracer told that this graph's nodes run now."""
+        runtime = self.runtime
+        if runtime.tracer is not None:
+            runtime.tracer.graph = self.graph
+        return runtime
 
     # The runtime is held weakly: it belongs to the model (see [Note: the model owns its
     # runtime]); a graph that Dynamo keeps cached must not keep a dead model's store.
@@ -97,19 +110,20 @@ def conflict_message(differing: Sequence[str]) -> str:
 
 def prefetch(sched: GraphSchedule, block: int, *params: torch.nn.Parameter) -> None:
     """Start copying graph block ``block``'s host shard into its slot."""
-    host_block = sched.runtime.resolve(params, sched.fqns[block])
+    runtime = sched.enter()
+    host_block = runtime.resolve(params, sched.fqns[block])
     sched.bound[block] = host_block
-    sched.runtime.prefetch(host_block, sched.slot_of[block])
+    runtime.prefetch(host_block, sched.slot_of[block])
 
 
 def allgather(sched: GraphSchedule, block: int) -> None:
     """Complete graph block ``block`` in its slot from every rank's shard (in place)."""
-    sched.runtime.allgather(sched.bound[block], sched.slot_of[block])
+    sched.enter().allgather(sched.bound[block], sched.slot_of[block])
 
 
 def wait(sched: GraphSchedule, block: int) -> None:
     """Block until graph block ``block`` is complete in its slot."""
-    sched.runtime.wait(sched.bound[block], sched.slot_of[block])
+    sched.enter().wait(sched.bound[block], sched.slot_of[block])
 
 
 def slot_view(sched: GraphSchedule, block: int, token: None, param: torch.nn.Parameter) -> torch.Tensor:
@@ -119,7 +133,7 @@ def slot_view(sched: GraphSchedule, block: int, token: None, param: torch.nn.Par
 
 def swap_slot(sched: GraphSchedule, block: int) -> None:
     """Graph block ``block`` has been read for the last time: its slot may be refilled."""
-    sched.runtime.swap(sched.slot_of[block])
+    sched.enter().swap(sched.slot_of[block])
 
 
 def resident(sched: GraphSchedule, param: torch.nn.Parameter) -> torch.Tensor:

@@ -23,6 +23,7 @@ class Span:
     lane: str
     start_ns: int
     end_ns: int
+    graph: int = -1  # the `GraphSchedule.graph` whose node issued it (-1: none)
 
     @property
     def duration_ns(self) -> int:
@@ -36,21 +37,28 @@ class Tracer:
     def __init__(self, max_spans: int = 500_000) -> None:
         self.spans: deque[Span] = deque(maxlen=max_spans)
         self._lock = threading.Lock()
+        self.graph = -1
+        """The graph whose schedule node runs now: spans are tagged with it, so the dump
+        of each graph (a recompile for a new shape shares the host blocks) gets its own."""
 
     def add(self, kind: str, block: int, slot: int, start_ns: int, end_ns: int,
-            lane: str | None = None) -> None:
-        span = Span(kind, block, slot, lane or threading.current_thread().name, start_ns, end_ns)
+            lane: str | None = None, graph: int | None = None) -> None:
+        span = Span(kind, block, slot, lane or threading.current_thread().name, start_ns, end_ns,
+                    self.graph if graph is None else graph)
         with self._lock:
             self.spans.append(span)
 
     def timed(self, kind: str, block: int, slot: int, fn: Callable[[], None]) -> Callable[[], None]:
-        """``fn`` wrapped to record a span of ``kind`` on the thread that runs it."""
+        """``fn`` wrapped to record a span of ``kind`` on the thread that runs it, tagged
+        with the graph current where it was wrapped."""
+        graph = self.graph
+
         def run() -> None:
             start = time.perf_counter_ns()
             try:
                 fn()
             finally:
-                self.add(kind, block, slot, start, time.perf_counter_ns())
+                self.add(kind, block, slot, start, time.perf_counter_ns(), graph=graph)
         return run
 
     def clear(self) -> None:

@@ -1,0 +1,245 @@
+"""Serve a saved diffusers pipeline: the engine factory behind ``dlo-fx generate --diffusers``.
+
+    dlo-fx generate --diffusers ROOT --dp 2 --requests r.jsonl --out results/
+    Engine("dlo_fx.engine.diffusers_pipeline:build", 2, pipeline_kwargs={"path": ROOT})
+
+``ROOT`` is a folder written by ``pipeline.save_pretrained`` (``model_index.json`` and one
+subfolder per component). Every rank loads the pipeline's transformer(s) (``transformer``,
+``transformer_2``, or a ``unet``) with `dlo_fx.load` (meta init, mmap, this rank's shard of
+every block), the other components with their own ``from_pretrained``, and compiles the
+transformer(s) (and, with ``text_encoders=True``, the text encoders) with ``backend="dlo"``
+through `dlo_fx.compile_pipeline`.
+
+[Note: Request fields as pipeline arguments]
+A `Request` becomes one pipeline call: ``prompt``; ``negative_prompt`` (when not empty);
+``height``, ``width``, ``num_inference_steps``; ``guidance_scale`` and ``true_cfg_scale``
+when the pipeline takes them; ``num_frames`` (a pipeline without it accepts only 1);
+``num_outputs_per_prompt`` as ``num_images_per_prompt`` / ``num_videos_per_prompt``;
+``seed`` as a CPU ``torch.Generator`` (the noise is drawn on the CPU whatever the device, so
+every device gets the same noise); ``fps`` and ``extra_args`` (e.g.
+``{"max_sequence_length": 128}``) as further keyword arguments the pipeline must accept. A
+field the pipeline cannot honour is a ``ValueError`` naming it, never silently dropped. The
+decoded output becomes 8-bit RGB exactly as diffusers' ``numpy_to_pil`` rounds it
+(``round(x * 255)``): ``{"images": uint8 [N, H, W, 3]}`` or, for a video pipeline,
+``{"frames": uint8 [N, F, H, W, 3]}``; ``dlo-fx generate`` writes one PNG per image or frame.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .request import Request
+
+DENOISER_PREFIXES = ("transformer", "unet")
+"""Components loaded with `dlo_fx.load`: the denoiser(s)."""
+
+
+class DiffusersPipeline:
+    """``pipeline(request) -> {"images": ...}`` or ``{"frames": ...}`` around a diffusers
+    pipeline (see [Note: Request fields as pipeline arguments])."""
+
+    def __init__(self, pipe: Any, streamed: Sequence[str] = ()) -> None:
+        self.pipe = pipe
+        self.streamed = tuple(streamed)
+        """Components compiled with backend="dlo"."""
+        self._params = inspect.signature(type(pipe).__call__).parameters
+
+    def __call__(self, request: Request) -> dict:
+        kwargs = call_arguments(request, self._params, type(self.pipe).__name__)
+        with torch.inference_mode():
+            out = self.pipe(**kwargs)
+        return to_uint8(out)
+
+    def describe(self) -> dict:
+        """Memory figures of this rank's streamed components."""
+        from dataclasses import asdict
+
+        from ..memory import memory_report
+
+        return {name: asdict(memory_report(getattr(self.pipe, name)))
+                for name in self.streamed}
+
+
+def call_arguments(request: Request, params: Mapping[str, inspect.Parameter],
+                   name: str = "the pipeline") -> dict:
+    """The keyword arguments of the pipeline call for ``request``; ``ValueError`` naming a
+    field the pipeline cannot honour."""
+    def takes(arg: str) -> bool:
+        return arg in params
+
+    def refuse(field: str, value: Any, why: str) -> ValueError:
+        return ValueError(f"Request {field}={value!r} is not allowed for {name}: {why}")
+
+    if request.lora_id is not None:
+        raise NotImplementedError(f"Request lora_id={request.lora_id!r}: the diffusers "
+                                  "pipeline factory loads no LoRA adapters")
+    if request.cfg_normalize:
+        raise refuse("cfg_normalize", True, "diffusers pipelines have no such option")
+    if request.quality_mode is not None:
+        raise refuse("quality_mode", request.quality_mode, "diffusers pipelines have none")
+    kwargs: dict[str, Any] = dict(prompt=request.prompt, height=request.height,
+                                  width=request.width,
+                                  num_inference_steps=request.num_inference_steps,
+                                  generator=torch.Generator("cpu").manual_seed(request.seed),
+                                  output_type="pt", return_dict=True)
+    if request.negative_prompt:
+        kwargs["negative_prompt"] = request.negative_prompt
+    for field in ("guidance_scale", "true_cfg_scale"):
+        value = getattr(request, field)
+        if takes(field):
+            kwargs[field] = float(value)
+        elif value != 1.0:
+            raise refuse(field, value, f"it takes no {field}")
+    if takes("num_frames"):
+        kwargs["num_frames"] = request.num_frames
+    elif request.num_frames != 1:
+        raise refuse("num_frames", request.num_frames, "it makes images (num_frames must be 1)")
+    per_prompt = next((a for a in ("num_images_per_prompt", "num_videos_per_prompt")
+                       if takes(a)), None)
+    if per_prompt is not None:
+        kwargs[per_prompt] = request.num_outputs_per_prompt
+    elif request.num_outputs_per_prompt != 1:
+        raise refuse("num_outputs_per_prompt", request.num_outputs_per_prompt,
+                     "it makes one output per prompt")
+    extra = dict(request.extra_args)
+    if request.fps is not None:
+        extra.setdefault("fps", request.fps)
+    for key, value in extra.items():
+        if key in kwargs or key in ("generator", "output_type", "return_dict", "latents"):
+            raise refuse(f"extra_args[{key!r}]", value, "set by the request's own fields")
+        if not takes(key):
+            raise refuse(f"extra_args[{key!r}]", value, "it takes no such argument")
+        kwargs[key] = value
+    return kwargs
+
+
+def to_uint8(out: Any) -> dict:
+    """The pipeline's ``output_type="pt"`` output as 8-bit RGB, channels last, rounded as
+    diffusers' ``numpy_to_pil`` does."""
+    frames = getattr(out, "frames", None)
+    if frames is not None:
+        video = torch.as_tensor(frames)  # [N, F, C, H, W] in [0, 1]
+        return {"frames": _rgb8(video.permute(0, 1, 3, 4, 2))}
+    images = torch.as_tensor(out.images)  # [N, C, H, W] in [0, 1]
+    return {"images": _rgb8(images.permute(0, 2, 3, 1))}
+
+
+def _rgb8(x: torch.Tensor) -> torch.Tensor:
+    return (x.float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).contiguous()
+
+
+# -- building ----------------------------------------------------------------------------
+def read_model_index(path: Union[str, os.PathLike]) -> dict:
+    """``model_index.json`` of a saved pipeline; ``ValueError`` naming what is missing."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        raise ValueError(f"--diffusers {os.fspath(path)!r}: no model_index.json there; pass the "
+                         "folder a diffusers pipeline's save_pretrained(...) wrote")
+    return json.loads(index.read_text())
+
+
+def denoisers(model_index: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """Component name -> (library, class) of the transformer(s) / unet present."""
+    out = {}
+    for name, value in model_index.items():
+        if (name.startswith(DENOISER_PREFIXES) and isinstance(value, list) and len(value) == 2
+                and value[0] is not None and value[1] is not None):
+            out[name] = (value[0], value[1])
+    return out
+
+
+def _dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not a floating-point torch dtype name "
+                         "(e.g. 'bfloat16')")
+    return value
+
+
+def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.PathLike],
+          dtype: Union[str, torch.dtype, None] = None, text_encoders: bool = False,
+          resident: Sequence[str] = ()) -> DiffusersPipeline:
+    """The engine's factory for a saved diffusers pipeline (see the module docstring).
+
+    Args:
+        options: the dlo options (the engine adds this rank's DP group as ``shard_group``
+            and its ``device``).
+        path: the pipeline folder (``model_index.json`` and the component subfolders).
+        dtype: dtype of every component (``torch_dtype`` of ``from_pretrained``, ``dtype=``
+            of `dlo_fx.load`), as a torch dtype or its name; default: as saved / built.
+        text_encoders: also stream the text encoders (compile them with backend="dlo").
+        resident: passed to `dlo_fx.load` for every transformer.
+    """
+    import diffusers
+
+    from ..loader import load
+    from ..pipelines import compile_pipeline
+
+    options = dict(options or {})
+    torch_dtype = _dtype(dtype)
+    index = read_model_index(path)
+    found = denoisers(index)
+    if not found:
+        raise ValueError(f"{os.fspath(path)}/model_index.json names no transformer or unet "
+                         "component to stream")
+    loaded = {}
+    for name, (library, cls_name) in found.items():
+        cls = getattr(diffusers, cls_name, None)
+        if cls is None:
+            raise ValueError(f"{os.fspath(path)}/model_index.json: component {name!r} is a "
+                             f"{library}.{cls_name}, which this diffusers does not have")
+        loaded[name] = load(cls, path, subfolder=name, dtype=torch_dtype, options=options,
+                            resident=resident)
+    pipeline_cls = getattr(diffusers, index.get("_class_name", ""), diffusers.DiffusionPipeline)
+    kwargs: dict[str, Any] = dict(loaded)
+    if torch_dtype is not None:
+        kwargs["torch_dtype"] = torch_dtype
+    pipe = pipeline_cls.from_pretrained(os.fspath(path), **kwargs)
+    device = torch.device(options.get("device") or "cpu")
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module) and name not in loaded:
+            module.to(device)
+    streamed = list(loaded)
+    if text_encoders:
+        streamed += [n for n, m in pipe.components.items()
+                     if n.startswith("text_encoder") and isinstance(m, torch.nn.Module)]
+    pipe.set_progress_bar_config(disable=True)
+    compile_pipeline(pipe, options=options, components=streamed)
+    return DiffusersPipeline(pipe, streamed)
+
+
+def resident(path: Union[str, os.PathLike]) -> DiffusersPipeline:
+    """The same pipeline without dlo, every weight in memory: the reference the engine's
+    outputs equal bit for bit. The transformer(s) are built from their config.json and
+    filled with ``load_state_dict`` from their safetensors (diffusers' own loader needs
+    ``accelerate`` for models with ``_keep_in_fp32_modules``)."""
+    import diffusers
+
+    index = read_model_index(path)
+    denoiser = {}
+    for name, (_, cls_name) in denoisers(index).items():
+        denoiser[name] = load_state_dict(getattr(diffusers, cls_name), Path(path) / name)
+    pipeline_cls = getattr(diffusers, index.get("_class_name", ""), diffusers.DiffusionPipeline)
+    pipe = pipeline_cls.from_pretrained(os.fspath(path), **denoiser)
+    pipe.set_progress_bar_config(disable=True)
+    return DiffusersPipeline(pipe)
+
+
+def load_state_dict(cls: type, folder: Path) -> torch.nn.Module:
+    """``cls`` from ``folder/config.json``, every weight from its safetensors files."""
+    from safetensors.torch import load_file
+
+    model = cls.from_config(json.loads((folder / "config.json").read_text()))
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    model.load_state_dict(state, strict=True)
+    return model.eval().requires_grad_(False)

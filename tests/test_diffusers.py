@@ -1,0 +1,222 @@
+"""diffusers pipelines: `dlo_fx.load` like ``from_pretrained``, `dlo_fx.compile_pipeline`
+bit-exact through ``pipe(...)``, the README quick start, and ``dlo-fx generate --diffusers``.
+
+Tiny pipelines are built locally (tests/diffusers_pipelines.py) and saved once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import diffusers_pipelines as dp
+from dlo_fx import compile_pipeline, load
+from dlo_fx.checkpoint import CheckpointError
+from dlo_fx.load_plan import MAX_REPORT_LINES
+from dlo_fx.runtime.host_store import is_hollow
+from dlo_fx.runtime.runtime import reset_runtimes
+from loader_cases import same_state
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def fresh() -> None:
+    torch._dynamo.reset()
+    reset_runtimes()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Tiny Flux, SD3 and Wan2.2-style (two transformers) pipelines saved once."""
+    root = tmp_path_factory.mktemp("pipelines")
+    out = {}
+    for kind, build in (("flux", dp.flux), ("sd3", dp.sd3),
+                        ("wan2", lambda: dp.wan(two_transformers=True))):
+        build().save_pretrained(root / kind)
+        out[kind] = root / kind
+    return out
+
+
+# -- dlo_fx.load follows from_pretrained ---------------------------------------------------------
+def test_load_forms_of_a_pipeline_folder(saved, tmp_path):
+    from diffusers import FluxTransformer2DModel
+    from transformers import T5EncoderModel
+
+    from dlo_fx.engine.diffusers_pipeline import load_state_dict
+
+    root = saved["flux"]
+    reference = load_state_dict(FluxTransformer2DModel, root / "transformer")
+    fresh()
+    model = load(FluxTransformer2DModel, root, subfolder="transformer")  # root + subfolder
+    assert model.config.num_layers == 2 and all(is_hollow(p) for p in model.parameters())
+    assert same_state(model, reference)
+    fresh()
+    assert same_state(load(FluxTransformer2DModel, root / "transformer"), reference)  # folder
+    # an index of several shards, found in the folder or named itself
+    sharded = tmp_path / "sharded"
+    reference.save_pretrained(sharded, max_shard_size="20KB")
+    index = next(sharded.glob("*.safetensors.index.json"))
+    for source in (sharded, index):
+        fresh()
+        assert same_state(load(FluxTransformer2DModel, source), reference)
+    # a single file: with config= it loads, without a config.json beside it is an error
+    single = tmp_path / "single"
+    single.mkdir()
+    shutil.copy(root / "transformer" / "diffusion_pytorch_model.safetensors", single / "w.safetensors")
+    fresh()
+    config = json.loads((root / "transformer" / "config.json").read_text())
+    assert same_state(load(FluxTransformer2DModel, single / "w.safetensors", config=config),
+                      reference)
+    with pytest.raises(ValueError, match=r"no config\.json beside its weights.*pass config=.*"
+                                         r"add config\.json"):
+        load(FluxTransformer2DModel, single / "w.safetensors")
+    # a transformers text encoder, the same way
+    fresh()
+    encoder = load(T5EncoderModel, root, subfolder="text_encoder_2")
+    assert same_state(encoder, T5EncoderModel.from_pretrained(root / "text_encoder_2"))
+    # the pipeline root without subfolder= names the components that hold weights
+    with pytest.raises(CheckpointError, match=r"diffusers pipeline folder.*subfolder=.*"
+                                              r"'text_encoder_2'.*'transformer'"):
+        load(FluxTransformer2DModel, root)
+
+
+def test_bf16_checkpoint_without_dtype_loads_like_diffusers(saved, tmp_path, caplog):
+    """[Note: the dtype rule]: the model's dtype wins, one log line counts the casts."""
+    from diffusers import FluxTransformer2DModel
+
+    folder = tmp_path / "bf16"
+    FluxTransformer2DModel.from_pretrained(saved["flux"] / "transformer").to(
+        torch.bfloat16).save_pretrained(folder)
+    fresh()
+    with caplog.at_level(logging.INFO, logger="dlo_fx.load_plan"):
+        model = load(FluxTransformer2DModel, folder)
+    casts = [r.message for r in caplog.records if "cast" in r.message]
+    assert len(casts) == 1 and "bfloat16 -> float32" in casts[0], casts
+    expected = FluxTransformer2DModel.from_pretrained(folder)  # diffusers: float32 as well
+    assert {p.dtype for p in expected.parameters()} == {torch.float32}
+    assert same_state(model, expected)
+    fresh()
+    half = load(FluxTransformer2DModel, folder, dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+
+
+def test_wrong_config_report_is_summarised(saved):
+    from diffusers import FluxTransformer2DModel
+
+    config = json.loads((saved["flux"] / "transformer" / "config.json").read_text())
+    config.update(num_layers=4, attention_head_dim=32)  # another model: most tensors differ
+    with pytest.raises(ValueError) as info:
+        load(FluxTransformer2DModel, saved["flux"], subfolder="transformer", config=config)
+    message = str(info.value)
+    lines = message.splitlines()
+    assert len(lines) <= MAX_REPORT_LINES + 3, message
+    assert re.search(r"\d+ missing key\(s\).*\(first 10 of \d+\)", message)
+    assert re.search(r"\d+ shape mismatch\(es\):", message) and "... and" in message
+    assert "Pass config=" in lines[-1]
+    print(message)
+
+
+# -- compile_pipeline: resident vs dlo through pipe(...) -------------------------------------------
+@pytest.mark.parametrize("kind", ["flux", "wan", "sd3"])
+def test_compile_pipeline_bit_exact_with_cfg_two_resolutions(kind):
+    fresh()
+    reference, pipe = dp.BUILDERS[kind](), dp.BUILDERS[kind]()
+    assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe
+    sizes = [(16, 16), (32, 16)] if kind != "wan" else [(32, 32), (32, 48)]
+    for height, width in sizes + sizes[:1]:
+        expected = dp.images(reference, kind, height=height, width=width)
+        assert torch.equal(dp.images(pipe, kind, height=height, width=width), expected), \
+            (kind, height, width)
+    streamed = [n for n in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+                if getattr(pipe, n, None) is not None]
+    for name in streamed:  # the text encoders are streamed too
+        assert all(is_hollow(p) for p in getattr(pipe, name).parameters() if p.numel() > 16), name
+    assert not any(is_hollow(p) for p in pipe.vae.parameters())  # the VAE only if asked
+
+
+def test_compile_pipeline_rejects_unknown_components_and_options():
+    pipe = dp.flux()
+    with pytest.raises(ValueError, match=r"components='tokenizer' is a .*not a torch module; "
+                                         r"its torch modules: .*transformer"):
+        compile_pipeline(pipe, components=["tokenizer"])
+    with pytest.raises(ValueError, match="unknown dlo option 'num_slot'"):
+        compile_pipeline(pipe, options={"num_slot": 2})
+
+
+def test_readme_diffusers_quick_start_runs_and_is_exact(saved):
+    """Both README snippets, on the tiny saved Flux at a tiny size: same image as resident."""
+    import numpy as np
+    from diffusers import FluxPipeline
+
+    text = README.read_text()
+    section = text[text.index("## Diffusers quick start"):text.index("## Any DiT")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, blocks
+    reference = FluxPipeline.from_pretrained(saved["flux"], torch_dtype=torch.bfloat16)
+    expected = np.asarray(reference("a red cat over the tree", height=16, width=16,
+                                    num_inference_steps=2,
+                                    generator=torch.Generator().manual_seed(0)).images[0])
+    namespace: dict = {}
+    for code in blocks:
+        fresh()
+        code = code.replace('"FLUX.1-dev"', repr(str(saved["flux"])))
+        code = code.replace("height=1024, width=1024", "height=16, width=16")
+        code = code.replace("num_inference_steps=28)", "num_inference_steps=2, "
+                            "generator=torch.Generator().manual_seed(0))")
+        exec(compile(code, str(README), "exec"), namespace)
+        assert np.array_equal(np.asarray(namespace["image"]), expected)
+
+
+# -- serving a saved pipeline ---------------------------------------------------------------------
+def _requests(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("kind,dp_size", [("flux", 1), ("wan2", 2)])
+def test_generate_diffusers_matches_resident(saved, tmp_path, kind, dp_size):
+    from safetensors.torch import load_file
+
+    from dlo_fx.cli import main
+    from dlo_fx.engine.diffusers_pipeline import resident
+    from dlo_fx.engine.png import encode_png
+    from dlo_fx.engine.request import Request
+
+    common = dict(height=16, width=16, num_inference_steps=2, negative_prompt="blurry")
+    if kind == "flux":
+        common.update(true_cfg_scale=2.0, extra_args={"max_sequence_length": 32})
+    else:  # a Wan2.2-style pair: one step on each transformer, CFG, 5 frames
+        common.update(guidance_scale=3.0, num_frames=5, extra_args={"max_sequence_length": 16})
+    rows = [dict(prompt="a red cat over the tree", seed=1, **common),
+            dict(prompt="a blue car under the sun", seed=2, **common)][:dp_size]
+    requests = _requests(tmp_path / "r.jsonl", rows)
+    out = tmp_path / "out"
+    status = main(["generate", "--diffusers", str(saved[kind]), "--dp", str(dp_size),
+                   "--requests", str(requests), "--out", str(out), "--threads", "1",
+                   "--wave-timeout", "400"])
+    assert status == 0
+    reference = resident(saved[kind])
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len({r["dp_rank"] for r in results}) == dp_size
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run
+    try:
+        expected_all = [reference(Request.from_dict(row)) for row in rows]
+    finally:
+        torch.set_num_threads(threads)
+    for index, expected in enumerate(expected_all):
+        got = load_file(str(out / results[index]["file"]))
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k])
+                                                     for k in expected)
+        pictures = expected.get("images", expected.get("frames"))
+        flat = pictures.reshape(-1, *pictures.shape[-3:])
+        assert len(results[index]["images"]) == flat.shape[0] == (5 if kind == "wan2" else 1)
+        for name, picture in zip(results[index]["images"], flat):
+            assert (out / name).read_bytes() == encode_png(picture)
