@@ -171,22 +171,21 @@ def partition(units: Sequence[Unit], budget: int, layers: Layering | None = None
             run_bytes = sum(u.nbytes for _, u in run)
             name = _label(run, what, layers)
             if run_bytes > budget:
-                close(f"next: {name} ({_b(run_bytes)}) is larger than the budget")
+                close(f"next {name} ({_b(run_bytes)}) is larger than the budget")
                 if len(run) == 1:
                     cur.extend(run)
-                    close(f"one parameter larger than the budget ({_b(budget)})")
+                    close("one parameter larger than the budget")
                 else:
                     leaves = _runs(run, leaf_key)  # split at leaf modules, else per parameter
                     if len(leaves) > 1:
                         pack(leaves, "module")
                     else:
                         pack([[iu] for iu in run], "parameter")
-                    close(f"end of {name}, split at the budget")
+                    close(f"end of {name}, split to fit the budget")
                 size = 0
                 continue
             if cur and size + run_bytes > budget:
-                close(f"next: {name} ({_b(run_bytes)}) would pass the budget "
-                      f"({_b(size)} + {_b(run_bytes)} > {_b(budget)})")
+                close(f"next {name} does not fit ({size:,} + {run_bytes:,} > {budget:,} B)")
                 size = 0
             cur.extend(run)
             size += run_bytes

@@ -124,7 +124,7 @@ class Wrapped(nn.Module):
 
 def build(layout: str = "dict", seed: int = 0, **kw) -> nn.Module:
     """A model with deterministic weights, in eval mode, without gradients."""
-    model = Wrapped(**kw) if layout == "wrapped" else HandDiT(layout=layout, **kw)
+    model = construct(layout, **kw)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -141,3 +141,70 @@ def layer_bytes(model: nn.Module) -> int:
     """Bytes of the largest layer (each parameter's storage)."""
     return max(sum(p.numel() * p.element_size() for p in layer.parameters())
                for layer in model.layer_list())
+
+
+def construct(layout: str = "dict", **kw) -> nn.Module:
+    """The model's constructor only (for ``dlo_fx.load``: weights come from a checkpoint)."""
+    return Wrapped(**kw) if layout == "wrapped" else HandDiT(layout=layout, **kw)
+
+
+def save(model: nn.Module, path: str) -> str:
+    """Its state dict as one safetensors file (a tied weight saved under both names)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous().clone() for k, v in model.state_dict().items()}, path)
+    return path
+
+
+# -- running them ---------------------------------------------------------------------------
+FEATURES = {"skips": True, "tied": True, "mixed": True}
+
+
+def layer_of(model: nn.Module) -> dict[str, int]:
+    """FQN -> index of the layer holding it, for every parameter inside a layer."""
+    ids = {id(p): i for i, layer in enumerate(model.layer_list()) for p in layer.parameters()}
+    return {name: ids[id(p)] for name, p in model.named_parameters() if id(p) in ids}
+
+
+def figures(model: nn.Module, blocks: list[list[str]]) -> dict:
+    """Block count, whether every layer sits whole in one block that holds no other layer,
+    and the slot bytes of the runtime holding ``model``."""
+    from models import runtime_figures
+
+    layer = layer_of(model)
+    per_block = [{layer[f] for f in b if f in layer} for b in blocks]
+    homes = [[i for i, ls in enumerate(per_block) if n in ls] for n in range(len(model.layer_list()))]
+    return {"blocks": len(blocks),
+            "layers_whole": all(len(h) == 1 for h in homes) and all(len(ls) <= 1 for ls in per_block),
+            "layer_bytes": layer_bytes(model), **{k: v for k, v in runtime_figures(model).items()
+                                                 if k in ("slot_bytes", "max_block_bytes", "mode")}}
+
+
+def run(layout: str, options: dict, *, ckpt: str = "", calls: int = 2, **kw) -> dict:
+    """Compile (after `dlo_fx.load` from ``ckpt`` when given) and compare ``calls`` outputs
+    with the resident model; the figures of the blocks the runtime holds."""
+    import dlo_fx
+    from models import call
+    from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
+
+    torch._dynamo.reset()
+    reset_runtimes()
+    ref = build(layout, **kw)
+    x = inputs()
+    with torch.no_grad():
+        expected = call(ref, x)
+    model = (dlo_fx.load(lambda: construct(layout, **kw), ckpt, options=options) if ckpt
+             else build(layout, **kw))
+    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True)
+    with torch.no_grad():
+        equal = all(torch.equal(call(compiled, x), expected) for _ in range(calls))
+    store = runtimes_holding(list(model.parameters()))[0].store
+    return {"equal": equal, **figures(model, [[e.fqn for e in b.entries] for b in store.blocks])}
+
+
+def dp2_cases(rank: int, world: int, folder: str) -> dict:
+    """Both modes, one through compile and one through load, on every rank of a 2-rank
+    group (each compile is the slow part)."""
+    return {"dict-features-allgather": run("dict", {"mode": "allgather"}, **FEATURES),
+            "attr-load-rank_local": run("attr", {"mode": "rank_local"},
+                                        ckpt=f"{folder}/attr.safetensors")}

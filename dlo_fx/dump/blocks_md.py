@@ -35,8 +35,8 @@ def blocks_markdown(dump: GraphDump, stalls: Optional[StallSummary] = None) -> s
         "",
         "`bytes`: the block's parameters; `shard bytes`: what this rank keeps in host",
         "memory and copies to the device" + (" (the AllGather completes the rest)." if sharded
-                                             else ".") + " `ends because`: why the block",
-        "ends where it does.",
+                                             else "."),
+        "`ends because`: why the block closes there (whole layers up to the budget).",
         "",
         "| block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |",
         "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
