@@ -71,9 +71,9 @@ class PassContext:
     def in_store(self, param: torch.Tensor) -> bool:
         return self.runtime is not None and param in self.runtime.store
 
-    def form_blocks(self, streamed: list[ParamInfo]) -> list[GraphBlock]:
-        """Graph blocks of ``streamed`` (in first-use order) within ``self.budget``,
-        with layers as ``self.layers`` says.
+    def form_blocks(self, streamed: list[ParamInfo], budget: int,
+                    layers: Layering) -> list[GraphBlock]:
+        """Graph blocks of ``streamed`` (in first-use order) within ``budget`` bytes.
 
         Parameters not in the host store are partitioned (`dlo_fx.partition`); stored
         ones keep their host block: a graph block is then this graph's parameters in it.
@@ -84,7 +84,7 @@ class PassContext:
         for p in streamed:
             if self.in_store(p.param):
                 stored.setdefault(self.runtime.store.entry(p.param).block, []).append(p)
-        cuts = partition([Unit(p.fqn, p.nbytes) for p in fresh], self.budget, self.layers)
+        cuts = partition([Unit(p.fqn, p.nbytes) for p in fresh], budget, layers)
         groups = [(None, fresh[c.start:c.stop], c.reason) for c in cuts]
         groups += [(hb, ps, f"host block {hb}: stored together (by dlo_fx.load or an "
                             "earlier graph)") for hb, ps in stored.items()]

@@ -23,5 +23,5 @@ from .context import PassContext
 
 
 def partition_blocks(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    ctx.blocks = ctx.form_blocks(ctx.streamed)
+    ctx.blocks = ctx.form_blocks(ctx.streamed, ctx.budget, ctx.layers)
     return gm

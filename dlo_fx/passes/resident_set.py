@@ -27,10 +27,9 @@ def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                        escapes=p.node in ctx.escaping) for p in params]
 
     def blocks_of(streamed: list[int], budget: int, layers: Layering) -> list[list[int]]:
-        ctx.budget, ctx.layers = budget, layers
         index = {id(params[i]): i for i in streamed}
         return [[index[id(p)] for p in b.params]
-                for b in ctx.form_blocks([params[i] for i in streamed])]
+                for b in ctx.form_blocks([params[i] for i in streamed], budget, layers)]
 
     decision = decide_residency(cands, resident_bytes=ctx.config.resident_bytes,
                                 block_bytes=ctx.config.block_bytes,
