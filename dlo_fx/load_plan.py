@@ -8,6 +8,7 @@ passes make at compile time, over the parameters in registration order.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -22,6 +23,8 @@ from .residency import Candidate, decide_residency
 from .runtime.layout import storage_span
 
 __all__ = ["KeyMap", "LoadPlan", "Target", "plan_load"]
+
+log = logging.getLogger(__name__)
 
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
 
@@ -193,6 +196,11 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
     streamed = [params[i] for i in decision.streamed_in_use_order(cands)]
     cuts = partition([Unit(t.fqn, t.nbytes) for t in streamed], decision.budget,
                      decision.layers)
+    if decision.layers.refined:
+        log.info("dlo_fx.load: %s", decision.layers.describe())
+    for i, c in enumerate(cuts):
+        log.debug("dlo_fx.load: block %d: %s .. %s, %d bytes, ends: %s", i,
+                  streamed[c.start].fqn, streamed[c.stop - 1].fqn, c.nbytes, c.reason)
     return LoadPlan(module=module, ckpt=ckpt, params=params, buffers=buffers,
                     resident=[t for t, r in zip(params, decision.reasons) if r is not None],
                     blocks=[streamed[c.start:c.stop] for c in cuts],
