@@ -94,6 +94,7 @@ def check(r: dict, features: bool) -> None:
     assert hw.DEPTH <= r["blocks"] <= hw.DEPTH + 2, r
     # slots hold one layer (the mixed-dtype models' float32 layers are the largest)
     assert r["max_block_bytes"] <= r["layer_bytes"] + 2048, r
+    assert r["slot_bytes"] <= 2 * r["max_block_bytes"], r  # num_slots=2, allocated once
 
 
 @pytest.mark.parametrize("layout,features", [
