@@ -206,6 +206,16 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
     loaded = time.perf_counter()
     marks["loaded"] = time.monotonic()
     pss_loaded = process_memory()["pss"]
+    if p.get("load_only"):  # loading figures only: no compile, no forward
+        marks["done"] = marks["loaded"]
+        holders = runtimes_holding(list(model.parameters())) if variant == "dlo" else []
+        blocks = holders[0].store.blocks if holders else []
+        shard = sum(b.shard.numel() for b in blocks)
+        return {"load_s": loaded - start, "forward_s": 0.0, "host_shard_bytes": shard,
+                "expected_shard_bytes": shard, "dp": 0, "blocks": len(blocks),
+                "max_block_bytes": max((b.spec.padded_bytes for b in blocks), default=0),
+                "model_bytes": sum(x.numel() * x.element_size() for x in model.parameters()),
+                "marks": marks, "pss_loaded": pss_loaded, "pss_done": pss_loaded}
     compiled = torch.compile(model, backend="dlo", options=OPTIONS, fullgraph=True)
     inputs = example_inputs(config, batch=1, height=p["hw"], width=p["hw"])
     with torch.no_grad():
@@ -401,6 +411,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="layers in a ModuleList (blocks.0) or a ModuleDict (blocks.layer_a)")
     parser.add_argument("--width", type=int, help="override the model width")
     parser.add_argument("--depth", type=int, help="override the number of layers")
+    parser.add_argument("--load-only", action="store_true",
+                        help="measure loading only (no compile, no forward)")
     # worker-only arguments
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     for name in ("--init", "--ckpt", "--params", "--out"):
@@ -415,6 +427,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     reps = args.reps or p.pop("reps")
     p.pop("reps", None)
     p["layout"] = args.layout
+    p["load_only"] = args.load_only
     p.update({k: v for k, v in (("width", args.width), ("depth", args.depth)) if v})
     summary = measure(p, ranks=args.ranks, reps=reps, hz=args.hz, cache_dir=args.cache_dir,
                       timeout=args.timeout)
