@@ -21,6 +21,8 @@ Goal: peak(dlo_fx.load) <= 1.25 x model + ranks x idle, and host weight bytes pe
     python benchmarks/bench_load.py              # 3.1 GB checkpoint, 2 ranks, 3 reps
     python benchmarks/bench_load.py --quick      # tiny model, 1 rep (smoke test)
     python benchmarks/bench_load.py --markdown   # also print the docs/benchmarks.md table
+    python benchmarks/bench_load.py --layout words --width 1024 --depth 32 --reps 1
+        # the same DiT with word-keyed layers (``blocks.layer_a``, ...): blocks by footprint
 """
 
 from __future__ import annotations
@@ -58,14 +60,56 @@ def dit_config(p: dict):
     return DiTConfig(width=p["width"], depth=p["depth"], heads=p["heads"])
 
 
+def model_class(p: dict) -> type:
+    """`ReferenceDiT`, or with ``layout="words"`` the same model whose layers sit in a
+    ``ModuleDict`` under word keys: no layer is numbered, the blocks come from footprint."""
+    from torch import nn
+
+    from dlo_fx.models import ReferenceDiT
+    from dlo_fx.models.reference_dit import _modulate, _timestep_features
+
+    if p.get("layout", "numbered") == "numbered":
+        return ReferenceDiT
+
+    class WordKeyedDiT(ReferenceDiT):
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.blocks = nn.ModuleDict((_word(i), b) for i, b in enumerate(self.blocks))
+
+        def forward(self, latents, timestep, text):  # ReferenceDiT.forward over .values()
+            dtype = self.config.dtype
+            height, width = latents.shape[-2:]
+            image = self.patch_embed(self.patchify(latents.to(dtype)))
+            temb = self.time_embed(_timestep_features(timestep)).to(dtype)
+            text_tokens = self.text_proj(text.to(dtype))
+            cond = torch.nn.functional.silu(temb)
+            x = torch.cat((text_tokens, image), dim=1)
+            for block in self.blocks.values():
+                x = block(x, cond, self.modulation_table, self.rope_freqs)
+            x = x[:, text_tokens.shape[1]:]
+            shift, scale = self.final_adaLN(cond).chunk(2, dim=-1)
+            x = self.proj_out(_modulate(self.norm_out(x), shift, scale))
+            return self.unpatchify(x, height, width)
+
+    return WordKeyedDiT
+
+
+def _word(i: int) -> str:
+    letters = ""
+    while True:
+        letters = chr(ord("a") + i % 26) + letters
+        i = i // 26 - 1
+        if i < 0:
+            return "layer_" + letters
+
+
 def write_checkpoint(path: str, p: dict) -> int:
     """Stream a reference DiT state dict into ``path`` one tensor at a time (no model in
     memory); deterministic N(0, 0.02) values. Returns the file size."""
     from dlo_fx.loader import meta_parameters
-    from dlo_fx.models import ReferenceDiT
 
     with meta_parameters():
-        model = ReferenceDiT(dit_config(p))
+        model = model_class(p)(dit_config(p))
     state = [(k, v.dtype, tuple(v.shape)) for k, v in model.state_dict(keep_vars=True).items()]
     # Like safetensors' own writer: larger items first, so every tensor is aligned.
     state.sort(key=lambda item: (-torch.empty((), dtype=item[1]).element_size(), item[0]))
@@ -92,7 +136,8 @@ def ensure_checkpoint(cache_dir: str, p: dict) -> str:
     from dlo_fx.checkpoint import CheckpointError, resolve_checkpoint
 
     os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, f"reference-dit-w{p['width']}-d{p['depth']}.safetensors")
+    words = "-words" if p.get("layout", "numbered") == "words" else ""
+    path = os.path.join(cache_dir, f"reference-dit{words}-w{p['width']}-d{p['depth']}.safetensors")
     if os.path.exists(path):
         try:
             resolve_checkpoint(path)
@@ -142,24 +187,35 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
 
     import dlo_fx
     from dlo_fx.loader import load
-    from dlo_fx.models import ReferenceDiT, example_inputs
+    from dlo_fx.models import example_inputs
     from dlo_fx.runtime.runtime import runtimes_holding
 
     from dlo_fx._procfs import process_memory
 
     config = dit_config(p)
+    cls = model_class(p)
     start = time.perf_counter()
     marks = {"start": time.monotonic()}
     if variant == "dlo":
         # The shared modulation table stays resident, as the backend keeps it when it
         # compiles a materialised model (see RESIDENT).
-        model = load(ReferenceDiT, ckpt, config=config, options=OPTIONS, resident=RESIDENT)
+        model = load(cls, ckpt, config=config, options=OPTIONS, resident=RESIDENT)
     else:
-        model = ReferenceDiT(config).eval().requires_grad_(False)
+        model = cls(config).eval().requires_grad_(False)
         model.load_state_dict(load_file(ckpt))
     loaded = time.perf_counter()
     marks["loaded"] = time.monotonic()
     pss_loaded = process_memory()["pss"]
+    if p.get("load_only"):  # loading figures only: no compile, no forward
+        marks["done"] = marks["loaded"]
+        holders = runtimes_holding(list(model.parameters())) if variant == "dlo" else []
+        blocks = holders[0].store.blocks if holders else []
+        shard = sum(b.shard.numel() for b in blocks)
+        return {"load_s": loaded - start, "forward_s": 0.0, "host_shard_bytes": shard,
+                "expected_shard_bytes": shard, "dp": 0, "blocks": len(blocks),
+                "max_block_bytes": max((b.spec.padded_bytes for b in blocks), default=0),
+                "model_bytes": sum(x.numel() * x.element_size() for x in model.parameters()),
+                "marks": marks, "pss_loaded": pss_loaded, "pss_done": pss_loaded}
     compiled = torch.compile(model, backend="dlo", options=OPTIONS, fullgraph=True)
     inputs = example_inputs(config, batch=1, height=p["hw"], width=p["hw"])
     with torch.no_grad():
@@ -175,6 +231,8 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
         "expected_shard_bytes": sum(b.spec.shard_bytes for b in store.blocks),
         "model_bytes": sum(x.numel() * x.element_size() for x in model.parameters()),
         "dp": store.dp,
+        "blocks": len(store.blocks),
+        "max_block_bytes": max((b.spec.padded_bytes for b in store.blocks), default=0),
         "marks": marks,
         "pss_loaded": pss_loaded,
         "pss_done": process_memory()["pss"],
@@ -275,6 +333,8 @@ def summarise(runs: dict, ckpt: str, p: dict, ranks: int, reps: int, hz: float) 
                                      for x in per_rank),
             "load_s": _median([x["load_s"] for x in per_rank]),
             "forward_s": _median([x["forward_s"] for x in per_rank]),
+            "blocks": per_rank[0]["blocks"],
+            "max_block_bytes": per_rank[0]["max_block_bytes"],
             "min_hz": min(r["hz"] for r in rs),
             "max_gap_s": max(r["max_gap_s"] for r in rs),
             "peaks": [r["peak_pss"] for r in rs],
@@ -300,7 +360,8 @@ def markdown(s: dict) -> str:
         return f"| {key} | {(d['peak_pss'] - idle) / model:.2f} x | {(b['peak_pss'] - idle) / model:.2f} x |"
 
     lines = [
-        f"Reference DiT width {p['width']}, depth {p['depth']} (bfloat16): model "
+        f"Reference DiT width {p['width']}, depth {p['depth']}"
+        f"{' (layers under word keys)' if p.get('layout') == 'words' else ''} (bfloat16): model "
         f"{_gb(model)}, checkpoint {_gb(s['checkpoint_bytes'])}; {s['ranks']} ranks, each a "
         f"fresh process (gloo), `mode=\"allgather\"`; each loads, compiles with "
         f"`backend=\"dlo\"` and runs one forward. PSS of every rank's process tree summed, "
@@ -323,6 +384,8 @@ def markdown(s: dict) -> str:
         f"{'yes' if b['shard_bytes_match'] else 'NO'} |",
         row("load time per rank", "load_s", lambda v: f"{v:.1f} s"),
         row("compile + first forward per rank", "forward_s", lambda v: f"{v:.1f} s"),
+        f"| host blocks (largest) | {d['blocks']} ({_gb(d['max_block_bytes'])}) | "
+        f"{b['blocks']} ({_gb(b['max_block_bytes'])}) |",
         "",
         f"Idle ranks (torch and dlo_fx imported, process group joined): {_gb(idle)} in all. "
         f"Goal for dlo_fx.load: peak <= 1.25 x model + idle ranks = {_gb(s['goal_bytes'])}: "
@@ -344,6 +407,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="per variant run, s")
     parser.add_argument("--markdown", action="store_true", help="print the docs table")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--layout", choices=("numbered", "words"), default="numbered",
+                        help="layers in a ModuleList (blocks.0) or a ModuleDict (blocks.layer_a)")
+    parser.add_argument("--width", type=int, help="override the model width")
+    parser.add_argument("--depth", type=int, help="override the number of layers")
+    parser.add_argument("--load-only", action="store_true",
+                        help="measure loading only (no compile, no forward)")
     # worker-only arguments
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     for name in ("--init", "--ckpt", "--params", "--out"):
@@ -357,6 +426,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = dict(QUICK if args.quick else FULL)
     reps = args.reps or p.pop("reps")
     p.pop("reps", None)
+    p["layout"] = args.layout
+    p["load_only"] = args.load_only
+    p.update({k: v for k, v in (("width", args.width), ("depth", args.depth)) if v})
     summary = measure(p, ranks=args.ranks, reps=reps, hz=args.hz, cache_dir=args.cache_dir,
                       timeout=args.timeout)
     print(json.dumps(summary, indent=2))

@@ -1,6 +1,7 @@
 """What `dlo_fx.load` will do, decided before it does anything: every model tensor matched
 to its checkpoint tensor (keys, shapes, dtypes validated), and the parameters split into
-resident ones and blocks with the partition pass's own rules.
+resident ones (`dlo_fx.residency`) and blocks (`dlo_fx.partition`), the same decisions the
+passes make at compile time, over the parameters in registration order.
 
 `plan_load` raises one ValueError listing every mismatch and registers nothing.
 """
@@ -17,13 +18,15 @@ from torch import nn
 
 from .checkpoint import Checkpoint, TensorInfo
 from .config import DLOConfig
-from .passes.context import ParamInfo
-from .passes.partition_blocks import natural_layer_bytes, partition
+from .partition import Unit, partition
+from .residency import Candidate, decide_residency
 from .runtime.layout import storage_span
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KeyMap", "LoadPlan", "Target", "plan_load"]
+
+log = logging.getLogger(__name__)
 
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
 
@@ -60,6 +63,8 @@ class LoadPlan:
     buffers: list[Target]
     resident: list[Target]
     blocks: list[list[Target]]
+    ends: list[str] = field(default_factory=list)  # why each block ends where it does
+    budget: int = 0
     host_bytes: int = 0
 
     def rows(self) -> list[tuple]:
@@ -226,16 +231,22 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
                       f"[{_listing(unexpected, 20)}]; {len(kept)} buffer(s) keep their "
                       f"constructed values [{_listing(kept, 20)}]", UserWarning, stacklevel=3)
     keep = _resident_set(params, resident)
-    stays = [t.tensor.numel() == 0 or t.nbytes < cfg.resident_bytes or id(t) in keep
+    cands = [Candidate(t.fqn, 0 if t.tensor.numel() == 0 else t.nbytes, named=id(t) in keep)
              for t in params]
-    streamed = [t for t, s in zip(params, stays) if not s]
-    infos = [ParamInfo(node=None, param=t.tensor, fqn=t.fqn, nbytes=t.nbytes)  # type: ignore[arg-type]
-             for t in streamed]
-    by_id = {id(t.tensor): t for t in streamed}
-    budget = cfg.block_bytes or natural_layer_bytes(infos)
-    blocks = [[by_id[id(i.param)] for i in group] for group in partition(infos, budget)]
+    decision = decide_residency(cands, resident_bytes=cfg.resident_bytes,
+                                block_bytes=cfg.block_bytes, num_slots=cfg.num_slots)
+    streamed = [params[i] for i in decision.streamed_in_use_order(cands)]
+    cuts = partition([Unit(t.fqn, t.nbytes) for t in streamed], decision.budget,
+                     decision.layers)
+    if decision.layers.refined:
+        log.info("dlo_fx.load: %s", decision.layers.describe())
+    for i, c in enumerate(cuts):
+        log.debug("dlo_fx.load: block %d: %s .. %s, %d bytes, ends: %s", i,
+                  streamed[c.start].fqn, streamed[c.stop - 1].fqn, c.nbytes, c.reason)
     return LoadPlan(module=module, ckpt=ckpt, params=params, buffers=buffers,
-                    resident=[t for t, s in zip(params, stays) if s], blocks=blocks)
+                    resident=[t for t, r in zip(params, decision.reasons) if r is not None],
+                    blocks=[streamed[c.start:c.stop] for c in cuts],
+                    ends=[c.reason for c in cuts], budget=decision.budget)
 
 
 def _resident_set(params: list[Target], names: Sequence[str]) -> set[int]:

@@ -10,10 +10,10 @@ before a single step runs. `load` never holds a private copy of the model:
    real: a rotary table computed in ``__init__`` keeps its values.
 2. Everything is validated before anything is registered: files and headers
    (`dlo_fx.checkpoint`), keys, shapes and dtypes.
-3. Parameters are grouped into blocks in registration order with the pass's own rules
-   (`partition_blocks.partition`; budget = ``block_bytes`` or the largest natural layer);
-   parameters smaller than ``resident_bytes``, or named in ``resident=``, are materialised
-   on the device instead.
+3. Parameters are grouped into blocks in registration order with the passes' own rules
+   (`dlo_fx.partition`; budget = ``block_bytes`` or the largest layer); parameters
+   smaller than ``resident_bytes``, or named in ``resident=``, are materialised on the
+   device instead (`dlo_fx.residency`).
 4. For each block, its tensors are opened as safetensors mmap views (one read-only
    mapping per file, backed by the OS page cache that every rank on the host shares), the
    rank copies only the bytes of its own host shard, and the views and mappings are

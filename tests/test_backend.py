@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dlo_fx
-from dlo_fx.passes.partition_blocks import layer_key
+from dlo_fx.partition import layer_key
 from dlo_fx.runtime.layout import span_bytes
 from dlo_fx.runtime.runtime import runtimes_holding
 

@@ -59,14 +59,15 @@ class GoldenDumps(TestCase):
 
 `bytes`: the block's parameters; `shard bytes`: what this rank keeps in host
 memory and copies to the device.
+`ends because`: why the block closes there (whole layers up to the budget).
 
-| block | first FQN | last FQN | params | bytes | slot | shard bytes |
-| ---: | --- | --- | ---: | ---: | ---: | ---: |
-| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 1,280 |
-| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 33,024 |
-| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 0 | 22,016 |
-| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 1 | 31,232 |
-| total | | | 23 | 85,856 | | 87,552 |
+| block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |
+| ---: | --- | --- | ---: | ---: | ---: | ---: | --- |
+| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 1,280 | next layer `time_embed.0` does not fit (1,088 + 32,896 > 32,896 B) |
+| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 33,024 | next layer `time_embed.2` does not fit (32,896 + 4,224 > 32,896 B) |
+| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 0 | 22,016 | next layer `blocks.0` does not fit (21,440 + 25,152 > 32,896 B) |
+| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 1 | 31,232 | last streamed parameter |
+| total | | | 23 | 85,856 | | 87,552 | |
 
 ## Resident set
 
@@ -275,14 +276,15 @@ def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_paramete
 
 `bytes`: the block's parameters; `shard bytes`: what this rank keeps in host
 memory and copies to the device.
+`ends because`: why the block closes there (whole layers up to the budget).
 
-| block | first FQN | last FQN | params | bytes | slot | shard bytes |
-| ---: | --- | --- | ---: | ---: | ---: | ---: |
-| 0 | patch_embed.weight | time_embed.0.weight | 2 | 33,792 | 0 | 33,792 |
-| 1 | time_embed.2.weight | text_proj.weight | 2 | 8,192 | 1 | 8,192 |
-| 2 | blocks.0.adaLN.weight | blocks.0.fc2_weight | 5 | 36,864 | 2 | 36,864 |
-| 3 | final_adaLN.weight | proj_out.weight | 2 | 5,120 | 0 | 5,120 |
-| total | | | 11 | 83,968 | | 83,968 |
+| block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |
+| ---: | --- | --- | ---: | ---: | ---: | ---: | --- |
+| 0 | patch_embed.weight | time_embed.0.weight | 2 | 33,792 | 0 | 33,792 | next layer `time_embed.2` does not fit (33,792 + 4,096 > 36,864 B) |
+| 1 | time_embed.2.weight | text_proj.weight | 2 | 8,192 | 1 | 8,192 | next layer `blocks.0` does not fit (8,192 + 36,864 > 36,864 B) |
+| 2 | blocks.0.adaLN.weight | blocks.0.fc2_weight | 5 | 36,864 | 2 | 36,864 | next layer `final_adaLN` does not fit (36,864 + 4,096 > 36,864 B) |
+| 3 | final_adaLN.weight | proj_out.weight | 2 | 5,120 | 0 | 5,120 | last streamed parameter |
+| total | | | 11 | 83,968 | | 83,968 | |
 
 ## Resident set
 
@@ -494,14 +496,15 @@ def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_paramete
 
 `bytes`: the block's parameters; `shard bytes`: what this rank keeps in host
 memory and copies to the device (the AllGather completes the rest).
+`ends because`: why the block closes there (whole layers up to the budget).
 
-| block | first FQN | last FQN | params | bytes | slot | shard bytes |
-| ---: | --- | --- | ---: | ---: | ---: | ---: |
-| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 768 |
-| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 16,640 |
-| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 0 | 11,008 |
-| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 1 | 15,616 |
-| total | | | 23 | 85,856 | | 44,032 |
+| block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |
+| ---: | --- | --- | ---: | ---: | ---: | ---: | --- |
+| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 768 | next layer `time_embed.0` does not fit (1,088 + 32,896 > 32,896 B) |
+| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 16,640 | next layer `time_embed.2` does not fit (32,896 + 4,224 > 32,896 B) |
+| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 0 | 11,008 | next layer `blocks.0` does not fit (21,440 + 25,152 > 32,896 B) |
+| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 1 | 15,616 | last streamed parameter |
+| total | | | 23 | 85,856 | | 44,032 | |
 
 ## Resident set
 
@@ -716,14 +719,15 @@ def forward(self, L_latents_ : torch.Tensor, L_self_modules_patch_embed_paramete
 
 `bytes`: the block's parameters; `shard bytes`: what this rank keeps in host
 memory and copies to the device (the AllGather completes the rest).
+`ends because`: why the block closes there (whole layers up to the budget).
 
-| block | first FQN | last FQN | params | bytes | slot | shard bytes |
-| ---: | --- | --- | ---: | ---: | ---: | ---: |
-| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 768 |
-| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 16,640 |
-| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 2 | 11,008 |
-| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 0 | 15,616 |
-| total | | | 23 | 85,856 | | 44,032 |
+| block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |
+| ---: | --- | --- | ---: | ---: | ---: | ---: | --- |
+| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 768 | next layer `time_embed.0` does not fit (1,088 + 32,896 > 32,896 B) |
+| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 16,640 | next layer `time_embed.2` does not fit (32,896 + 4,224 > 32,896 B) |
+| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 2 | 11,008 | next layer `blocks.0` does not fit (21,440 + 25,152 > 32,896 B) |
+| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 0 | 15,616 | last streamed parameter |
+| total | | | 23 | 85,856 | | 44,032 | |
 
 ## Resident set
 

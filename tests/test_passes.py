@@ -10,7 +10,7 @@ from torch import nn
 
 import dlo_fx.backend as backend
 from dlo_fx.passes import PassContext
-from dlo_fx.passes.partition_blocks import layer_key
+from dlo_fx.partition import layer_key
 
 from models import call, tiny_dit
 

@@ -29,24 +29,26 @@ def blocks_markdown(dump: GraphDump, stalls: Optional[StallSummary] = None) -> s
         f"- slots: {dump.num_slots} x {_b(slot_bytes)} B = {_b(dump.num_slots * slot_bytes)} B "
         "on the device (block b lives in slot b % slots)",
         f"- block budget: {_b(dump.budget)} B",
+        *([f"- layers: {dump.layers}"] if dump.layers else []),
         "",
         "## Blocks",
         "",
         "`bytes`: the block's parameters; `shard bytes`: what this rank keeps in host",
         "memory and copies to the device" + (" (the AllGather completes the rest)." if sharded
                                              else "."),
+        "`ends because`: why the block closes there (whole layers up to the budget).",
         "",
-        "| block | first FQN | last FQN | params | bytes | slot | shard bytes |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: |",
+        "| block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     if not blocks:
-        lines.append("| | (this graph reads no streamed parameter) | | | | | |")
+        lines.append("| | (this graph reads no streamed parameter) | | | | | | |")
     for b in blocks:
         lines.append(f"| {b.index} | {b.fqns[0]} | {b.fqns[-1]} | {len(b.fqns)} | "
-                     f"{_b(b.nbytes)} | {b.slot} | {_b(b.shard_bytes)} |")
+                     f"{_b(b.nbytes)} | {b.slot} | {_b(b.shard_bytes)} | {b.reason} |")
     lines.append(f"| total | | | {sum(len(b.fqns) for b in blocks)} | "
                  f"{_b(sum(b.nbytes for b in blocks))} | | "
-                 f"{_b(sum(b.shard_bytes for b in blocks))} |")
+                 f"{_b(sum(b.shard_bytes for b in blocks))} | |")
     lines += ["", "## Resident set", ""]
     if resident:
         lines += ["| FQN | bytes | reason |", "| --- | ---: | --- |"]

@@ -37,6 +37,8 @@ class BlockRow:
     """Bytes this rank holds in host memory and copies host-to-device."""
     host_block: int
     """Host-store block it was committed to at compile time."""
+    reason: str = ""
+    """Why the block ends where it does (see [Note: blocks by footprint])."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class GraphDump:
     program: tuple[Step, ...]
     tracer: Any = None  # dlo_fx.runtime.trace.Tracer, when the trace option is on
     mode_reason: str = ""  # why the runtime runs this mode (mode="auto": the policy's reason)
+    layers: str = ""  # modules split into their submodules to form layers, and why
     runtime_ref: Optional[weakref.ReferenceType] = field(default=None, repr=False)
     flushed_spans: int = 0  # spans seen by the last flush
     graph_id: int = -1  # GraphSchedule.graph: the tag of this graph's spans
@@ -107,7 +110,7 @@ def snapshot(gm: fx.GraphModule, ctx: Any, runtime: Any, index: int, folder: Pat
             fqns=tuple(p.fqn for p in block.params), nbytes=block.nbytes,
             slot_bytes=spec.padded_bytes if spec is not None else block.nbytes,
             shard_bytes=spec.shard_bytes if spec is not None else block.nbytes,
-            host_block=host))
+            host_block=host, reason=block.reason))
     resident = tuple(ResidentRow(p.fqn, p.nbytes, p.reason or "") for p in ctx.resident)
     resident_nodes = {p.node: p.nbytes for p in ctx.resident}
     program = []
@@ -130,5 +133,6 @@ def snapshot(gm: fx.GraphModule, ctx: Any, runtime: Any, index: int, folder: Pat
         resident=resident, program=tuple(program),
         tracer=getattr(runtime, "tracer", None),
         mode_reason=getattr(runtime, "mode_reason", ""),
+        layers=ctx.layers.describe(),
         runtime_ref=weakref.ref(runtime) if runtime is not None else None,
         graph_id=getattr(getattr(gm, "_dlo", None), "graph", -1))

@@ -1,6 +1,8 @@
 """`PassContext`: what the passes share. Each pass reads the fields earlier passes filled.
 
 Every pass has the signature ``(gm: GraphModule, ctx: PassContext) -> GraphModule``.
+`PassContext.form_blocks` turns a streamed set into graph blocks; the `resident_set` pass
+(its slot check) and the `partition_blocks` pass (the final blocks) both call it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import fx
 
 from ..config import DLOConfig
+from ..partition import Layering, Unit, partition
 
 
 @dataclass(eq=False)
@@ -34,6 +37,7 @@ class GraphBlock:
     index: int
     params: list[ParamInfo]
     host_block: Optional[int] = None  # host block already holding them, if any
+    reason: str = ""  # why the block ends where it does (see [Note: blocks by footprint])
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +62,7 @@ class PassContext:
     resident: list[ParamInfo] = field(default_factory=list)
     streamed: list[ParamInfo] = field(default_factory=list)
     budget: int = 0
+    layers: Layering = field(default_factory=Layering)  # how FQNs map to layers
     blocks: list[GraphBlock] = field(default_factory=list)
     schedule: Any = None  # dlo_fx.runtime.ops.GraphSchedule
     escaping: set = field(default_factory=set)  # param nodes whose views reach the output
@@ -65,3 +70,24 @@ class PassContext:
 
     def in_store(self, param: torch.Tensor) -> bool:
         return self.runtime is not None and param in self.runtime.store
+
+    def form_blocks(self, streamed: list[ParamInfo], budget: int,
+                    layers: Layering) -> list[GraphBlock]:
+        """Graph blocks of ``streamed`` (in first-use order) within ``budget`` bytes.
+
+        Parameters not in the host store are partitioned (`dlo_fx.partition`); stored
+        ones keep their host block: a graph block is then this graph's parameters in it.
+        Blocks are numbered in order of first use.
+        """
+        fresh = [p for p in streamed if not self.in_store(p.param)]
+        stored: dict[int, list[ParamInfo]] = {}
+        for p in streamed:
+            if self.in_store(p.param):
+                stored.setdefault(self.runtime.store.entry(p.param).block, []).append(p)
+        cuts = partition([Unit(p.fqn, p.nbytes) for p in fresh], budget, layers)
+        groups = [(None, fresh[c.start:c.stop], c.reason) for c in cuts]
+        groups += [(hb, ps, f"host block {hb}: stored together (by dlo_fx.load or an "
+                            "earlier graph)") for hb, ps in stored.items()]
+        groups.sort(key=lambda item: min(p.first for p in item[1]))
+        return [GraphBlock(index=i, params=ps, host_block=hb, reason=why)
+                for i, (hb, ps, why) in enumerate(groups)]

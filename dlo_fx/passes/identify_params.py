@@ -4,6 +4,12 @@ Dynamo lifts parameters as graph inputs; ``node.meta["grapharg"].source`` names 
 value came from (``L['self']._modules['blocks']._modules['0']._parameters['weight']``) and
 the example input *is* the ``nn.Parameter``. A parameter already in the host store keeps
 the FQN it was stored under.
+
+Before/after: no graph change; fills ``ctx.params`` (one `ParamInfo` per parameter
+placeholder: node, parameter, FQN, bytes of its storage span)::
+
+    l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_   # placeholder
+    -> ParamInfo(fqn="blocks.0.qkv.weight", nbytes=24576)
 """
 
 from __future__ import annotations

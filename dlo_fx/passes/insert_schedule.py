@@ -1,4 +1,4 @@
-"""Pass 5: insert the schedule nodes and read streamed parameters from their slots.
+"""Pass 6: insert the schedule nodes and read streamed parameters from their slots.
 
 For graph block ``g`` in slot ``s = g % num_slots``::
 
@@ -12,6 +12,13 @@ plus the ring: ``prefetch_b{s}_wrap`` for each of the first ``num_slots`` blocks
 ``s`` is free for the last time, so the next call (the next denoising step) starts with
 every slot warm. Stored parameters this graph keeps resident read
 ``resident(_dlo, param)``. Every inserted node carries ``node.meta["dlo"]``.
+
+Before/after: the graph reads every streamed parameter through its slot::
+
+    linear = linear(x, l_blocks_0_qkv_weight)            # before
+    wait_b3 = wait(_dlo, 3)                              # after
+    blocks_0_qkv_weight = slot_view(_dlo, 3, wait_b3, l_blocks_0_qkv_weight)
+    linear = linear(x, blocks_0_qkv_weight)
 """
 
 from __future__ import annotations

@@ -1,59 +1,42 @@
 """Pass 3: decide which parameters stay on the device (resident) and which stream.
 
-A parameter is resident when it is empty, unused, smaller than ``resident_bytes``, read
-by the graph's output (a view of it escapes), or used far apart: more than one block
-budget of other parameters is first used between its first and last use (a modulation
-table shared by every layer, a tied embedding). Streaming it would pin a slot across
-the blocks in between. Also fixes the block budget (``block_bytes`` or the largest
-natural layer).
+The decision itself lives in one function, `dlo_fx.residency.decide_residency`, shared
+with `dlo_fx.load`: empty, unused, smaller than ``resident_bytes``, returned by the graph,
+used far apart (a modulation table every layer reads, a tied embedding), or still read
+when ``num_slots`` later blocks are live. The last check needs the blocks, so this pass
+forms them (`PassContext.form_blocks`) as often as it takes; `partition_blocks` then
+forms them once more from the final streamed set. Also fixes the block budget
+(``block_bytes`` or the largest layer) and how FQNs map to layers.
 
-Before/after: no graph change; fills ``ctx.resident``, ``ctx.streamed``, ``ctx.budget``.
+Before/after: no graph change; fills ``ctx.resident``, ``ctx.streamed``, ``ctx.budget``,
+``ctx.layers`` and each resident parameter's ``reason``.
 """
 
 from __future__ import annotations
 
-import bisect
-from itertools import accumulate
-
 from torch import fx
 
-from .context import ParamInfo, PassContext
-from .partition_blocks import natural_layer_bytes
-
-
-def _far_apart(candidates: list[ParamInfo], budget: int) -> set[int]:
-    ordered = sorted(candidates, key=lambda p: p.first)
-    firsts = [p.first for p in ordered]
-    prefix = [0, *accumulate(p.nbytes for p in ordered)]
-    far = set()
-    for p in ordered:
-        lo = bisect.bisect_right(firsts, p.first)
-        hi = bisect.bisect_right(firsts, p.last)
-        if prefix[hi] - prefix[lo] > budget:
-            far.add(id(p))
-    return far
+from ..partition import Layering
+from ..residency import Candidate, decide_residency
+from .context import PassContext
 
 
 def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    threshold = ctx.config.resident_bytes
-    candidates = []
-    for p in ctx.params:
-        if p.nbytes == 0:
-            p.reason = "empty"
-        elif p.first < 0:
-            p.reason = "unused by this graph"
-        elif p.nbytes < threshold:
-            p.reason = f"smaller than resident_bytes={threshold}"
-        elif p.node in ctx.escaping:
-            p.reason = "returned by the graph"
-        else:
-            candidates.append(p)
-    candidates.sort(key=lambda p: (p.first, p.last))
-    ctx.budget = ctx.config.block_bytes or natural_layer_bytes(candidates)
-    far = _far_apart(candidates, ctx.budget)
-    for p in candidates:
-        if id(p) in far:
-            p.reason = "used far apart"
-    ctx.streamed = [p for p in candidates if p.reason is None]
-    ctx.resident = [p for p in ctx.params if p.reason is not None]
+    params = ctx.params
+    cands = [Candidate(p.fqn, p.nbytes, first=p.first, last=p.last,
+                       escapes=p.node in ctx.escaping) for p in params]
+
+    def blocks_of(streamed: list[int], budget: int, layers: Layering) -> list[list[int]]:
+        index = {id(params[i]): i for i in streamed}
+        return [[index[id(p)] for p in b.params]
+                for b in ctx.form_blocks([params[i] for i in streamed], budget, layers)]
+
+    decision = decide_residency(cands, resident_bytes=ctx.config.resident_bytes,
+                                block_bytes=ctx.config.block_bytes,
+                                num_slots=ctx.config.num_slots, blocks_of=blocks_of)
+    for p, reason in zip(params, decision.reasons):
+        p.reason = reason
+    ctx.budget, ctx.layers = decision.budget, decision.layers
+    ctx.streamed = [params[i] for i in decision.streamed_in_use_order(cands)]
+    ctx.resident = [p for p in params if p.reason is not None]
     return gm

@@ -5,6 +5,12 @@ view of it* (``w.t()``, ``w[0]``, a chunk). Aliases are found through the fake t
 Dynamo recorded (``node.meta["example_value"]``): a node aliases a parameter when one of
 its outputs shares the parameter's (fake) storage. Hand-built graphs without example
 values fall back to a list of view operations.
+
+Before/after: no graph change; fills ``ctx.order`` (node -> index), each parameter's
+``first`` and ``last`` (-1 when the graph never reads it) and ``ctx.escaping`` (parameters
+a view of which reaches the output)::
+
+    wt = t(w); h = matmul(x, wt); ...; out = matmul(h, wt)   # w.first = t, w.last = out
 """
 
 from __future__ import annotations
