@@ -205,7 +205,7 @@ def watch_parent(parent_pid: int, *, pdeathsig: bool) -> None:
     the parent pid every 0.25 s."""
     if pdeathsig:
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
 

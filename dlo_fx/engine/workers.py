@@ -60,6 +60,10 @@ class WorkerSet:
     def close(self, *, kill: bool) -> None:
         """Stop the workers: ``kill`` at once (after a failure), or ask them to stop."""
 
+    def settle(self, timeout_s: float) -> None:
+        """Give workers whose connection closed up to ``timeout_s`` to finish exiting, so
+        that `dead` can say how they exited."""
+
     # -- the protocol -----------------------------------------------------------------------
     def _pump(self, timeout_s: float) -> None:
         for message in self.channel.receive(timeout_s):
@@ -74,11 +78,15 @@ class WorkerSet:
     def _check(self, deadline: float, waiting_for: str, timeout_s: float) -> None:
         if self.fatal:
             raise WaveFailed(self._fatal_message())
-        dead = self.dead() + [f"worker rank {r}: {why}" for r, why in self.channel.lost.items()]
-        if dead:
+        dead, lost = self.dead(), dict(self.channel.lost)
+        if dead or lost:
             self._pump(0.05)  # it may have reported why just before exiting
             if self.fatal:
                 raise WaveFailed(self._fatal_message())
+            if not dead:
+                self.settle(1.0)
+                dead = self.dead()
+            dead = dead or [f"worker rank {r}: {why}" for r, why in sorted(lost.items())]
             raise WaveFailed(f"{'; '.join(dead)} while {waiting_for}")
         if time.monotonic() > deadline:
             raise WaveFailed(f"timed out after {timeout_s:g} s (wave_timeout_s) while "
@@ -181,14 +189,24 @@ class LocalWorkers(WorkerSet):
                                   args=(rank, spec, self.channel.address, secret, rendezvous,
                                         os.getpid(), pdeathsig), daemon=True)
                       for rank in range(world)]
-        for proc in self.procs:
-            proc.start()
+        try:
+            for proc in self.procs:
+                proc.start()
+        except BaseException:
+            self.close(kill=True)
+            raise
         log.info("dlo engine: started %d worker processes (pids %s)", world,
                  [p.pid for p in self.procs])
 
     def dead(self) -> list[str]:
         return [f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                 for rank, p in enumerate(self.procs) if p.exitcode is not None]
+
+    def settle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            if proc.pid is not None:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self, *, kill: bool) -> None:
         if not kill:
@@ -198,6 +216,8 @@ class LocalWorkers(WorkerSet):
                 kill = True
         deadline = time.monotonic() + (0 if kill else 10)
         for proc in self.procs:
+            if proc.pid is None:  # never started
+                continue
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
