@@ -3,14 +3,16 @@
 ``torch.compile(model, backend="dlo")`` streams the model's weights from host memory
 through ``num_slots`` device slots, block by block, the next block's transfer overlapping
 the current block's compute.
+
+This module holds what users call; the rest lives in its subpackage: schedule dumps,
+stalls and traces in `dlo_fx.dump`, the planning model in `dlo_fx.policy`, the engine's
+parts in `dlo_fx.engine`, the reference DiT in `dlo_fx.models`.
 """
 
 from .config import DLOConfig
-from .dump import stall_summary, write_trace
 from .engine import Engine, Request, Result
 from .loader import load
-from .memory import MemoryReport, memory_report
+from .memory import memory_report
 
-__all__ = ["DLOConfig", "Engine", "MemoryReport", "Request", "Result", "load", "memory_report",
-           "stall_summary", "write_trace"]
+__all__ = ["DLOConfig", "Engine", "Request", "Result", "load", "memory_report"]
 __version__ = "0.1.0"

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import subprocess
+import runpy
 import sys
 import tempfile
+import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -669,14 +669,18 @@ def cli(*argv: str) -> int:
     return run_dump(add_dump_arguments(argparse.ArgumentParser()).parse_args(list(argv)))
 
 
-def test_cli_reference_dit_as_a_module(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "dlo_fx.dump.cli", "--layers", "2", "--width", "32", "--heads",
-         "2", "--size", "4", "--slots", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
-    assert out.returncode == 0, out.stderr
-    assert "reference DiT (2 layers, width 32): 1 graph(s)" in out.stdout
-    assert "dlo stalls: compute waited" in out.stdout
+def test_cli_reference_dit_as_a_module(tmp_path, monkeypatch, capsys):
+    """``python -m dlo_fx.dump.cli``, run in this process (a subprocess imports torch again)."""
+    monkeypatch.setattr(sys, "argv", ["dlo-fx dump", "--layers", "2", "--width", "32",
+                                      "--heads", "2", "--size", "4", "--slots", "3",
+                                      "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the module is imported already
+        runpy.run_module("dlo_fx.dump.cli", run_name="__main__")
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.err
+    assert "reference DiT (2 layers, width 32): 1 graph(s)" in out.out
+    assert "dlo stalls: compute waited" in out.out
     files = {p.name for p in (tmp_path / "graph_0").iterdir()}
     assert files == {"schedule.py", "blocks.md", "timeline.svg", "trace.json"}
     assert "- slots: 3 x" in (tmp_path / "graph_0" / "blocks.md").read_text()
