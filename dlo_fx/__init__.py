@@ -10,9 +10,20 @@ parts in `dlo_fx.engine`, the reference DiT in `dlo_fx.models`.
 """
 
 from .config import DLOConfig
-from .engine import Engine, Request, Result
 from .loader import load
 from .memory import memory_report
 
 __all__ = ["DLOConfig", "Engine", "Request", "Result", "load", "memory_report"]
 __version__ = "0.1.0"
+
+_ENGINE = ("Engine", "Request", "Result")
+
+
+def __getattr__(name: str):
+    # The engine (worker processes, control plane) loads on first use, not with every
+    # `import dlo_fx` of a process that only compiles.
+    if name in _ENGINE:
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -123,12 +123,6 @@ def _collect(args: argparse.Namespace, *, need_model: bool = True) -> tuple[dict
     return fields, names
 
 
-def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    """Build validated `PlanInputs` from parsed ``plan`` options (raises ValueError)."""
-    fields, _ = _collect(args)
-    return PlanInputs(**fields)
-
-
 def _parse_list(text: Optional[str], kind: type, flag: str, default: Sequence) -> list:
     if text is None:
         return list(default)
