@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 
 import torch
 
+
 def accelerator() -> Optional[torch.device]:
     """The accelerator this build can use, or None (CPU only)."""
     acc = getattr(torch, "accelerator", None)
@@ -23,6 +24,15 @@ def accelerator() -> Optional[torch.device]:
 
 def default_device() -> torch.device:
     return accelerator() or torch.device("cpu")
+
+
+def exchange_device(pg) -> torch.device:
+    """Where small control tensors for process group ``pg`` must live: the CPU when the
+    group's backend serves CPU tensors (gloo), the current accelerator otherwise."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(pg)).lower()
+    return torch.device("cpu") if "gloo" in backend else default_device()
 
 
 def can_pin(device: torch.device) -> bool:
