@@ -12,8 +12,9 @@ parts in `dlo_fx.engine`, the reference DiT in `dlo_fx.models`.
 from .config import DLOConfig
 from .loader import load
 from .memory import memory_report
+from .module_guard import release
 
-__all__ = ["DLOConfig", "Engine", "Request", "Result", "load", "memory_report"]
+__all__ = ["DLOConfig", "Engine", "Request", "Result", "load", "memory_report", "release"]
 __version__ = "0.1.0"
 
 _ENGINE = ("Engine", "Request", "Result")
