@@ -3,16 +3,30 @@
 ``torch.compile(model, backend="dlo")`` streams the model's weights from host memory
 through ``num_slots`` device slots, block by block, the next block's transfer overlapping
 the current block's compute.
+
+This module holds what users call; the rest lives in its subpackage: schedule dumps,
+stalls and traces in `dlo_fx.dump`, the planning model in `dlo_fx.policy`, the engine's
+parts in `dlo_fx.engine`, the reference DiT in `dlo_fx.models`.
 """
 
 from .config import DLOConfig
-from .dump import stall_summary, write_trace
-from .engine import Engine, Request, Result
 from .loader import load
-from .memory import MemoryReport, memory_report
+from .memory import memory_report
 from .module_guard import release
 from .pipelines import compile_pipeline
 
-__all__ = ["DLOConfig", "Engine", "MemoryReport", "Request", "Result", "compile_pipeline", "load",
-           "memory_report", "release", "stall_summary", "write_trace"]
+__all__ = ["DLOConfig", "Engine", "Request", "Result", "compile_pipeline", "load",
+           "memory_report", "release"]
 __version__ = "0.1.0"
+
+_ENGINE = ("Engine", "Request", "Result")
+
+
+def __getattr__(name: str):
+    # The engine (worker processes, control plane) loads on first use, not with every
+    # `import dlo_fx` of a process that only compiles.
+    if name in _ENGINE:
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,13 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump", help="compile a model with dlo and write its schedule dumps")
     add_dump_arguments(dump)
 
-    try:
-        from .policy.cli import add_plan_arguments
-    except ImportError:
-        add_plan_arguments = None
-    if add_plan_arguments is not None:
-        plan = sub.add_parser("plan", help="predict memory and time of both modes")
-        add_plan_arguments(plan)
+    from .policy.study.cli import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="predict memory and time of both modes")
+    add_plan_arguments(plan)
     return parser
 
 
@@ -65,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return run_dump(args)
     if args.command == "plan":
-        from .policy.cli import run_plan
+        from .policy.study.cli import run_plan
 
         return run_plan(args)
     return 2

@@ -34,9 +34,27 @@ def small_dit():
 
 
 def normalise(text: str, folder: Path) -> str:
-    """Drop what differs between machines: the dump's path, file line numbers."""
+    """Drop what differs between machines (the dump's path, file line numbers) and put
+    each argument of ``def forward`` on its own line (Dynamo writes them all on one)."""
     text = text.replace(str(folder), "<dump>")
-    return re.sub(r"(\.py):\d+", r"\1:<line>", text)
+    text = re.sub(r"(\.py):\d+", r"\1:<line>", text)
+    return re.sub(r"^def forward\(self, (.*)\):$",
+                  lambda m: "def forward(\n    self,\n"
+                  + "".join(f"    {arg},\n" for arg in m.group(1).split(", ")) + "):",
+                  text, flags=re.M)
+
+
+def dlo_lines(schedule_py: str) -> str:
+    """The schedule of a schedule.py without the compute: its header comments and one
+    ``<node>  # dlo: ...`` line per schedule node and slot view, in graph order."""
+    out = []
+    for line in schedule_py.splitlines():
+        if line.startswith("#"):
+            out.append(line)
+        elif "  # dlo: " in line:
+            code, comment = line.split("  # dlo: ", 1)
+            out.append(f"{code.strip().split(' = ')[0]}  # dlo: {comment}")
+    return "\n".join(out) + "\n"
 
 
 def dump_model(model, inputs, dump_dir: Path, options: dict, calls: int = 1,

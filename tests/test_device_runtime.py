@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
-import subprocess
-import sys
 import threading
 import warnings
 
@@ -72,14 +71,14 @@ def test_no_module_outside_the_platform_layer_calls_cuda():
     assert not offenders, "\n".join(offenders)
 
 
-def test_gpu_check_runs_on_cpu(tmp_path):
+def test_gpu_check_runs_on_cpu(tmp_path, monkeypatch, capsys):
+    """The script's `main`, in this process (a subprocess would import torch again)."""
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
-                           "--device", "cpu", "--via-load", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    import json
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
 
+    rc = gpu_check.main(["--device", "cpu", "--via-load", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().out[-3000:]
     result = json.loads(out.read_text())
     assert all(v is True for v in result["identity"].values() if not isinstance(v, str))
     assert result["memory"]["weights_flat_in_depth"] is True

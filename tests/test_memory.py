@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 import dlo_fx
+from dlo_fx.memory import MemoryReport
 from dlo_fx.models import example_inputs, reference_dit
 from dlo_fx.runtime.layout import span_bytes
 
 
-def compiled_report(depth: int, **options) -> tuple[dlo_fx.MemoryReport, int]:
+def compiled_report(depth: int, **options) -> tuple[MemoryReport, int]:
     model = reference_dit(width=64, depth=depth, heads=4)
     weight_bytes = sum(span_bytes(p) for p in model.parameters())
     inputs = example_inputs(model.config, batch=1, height=4, width=4)

@@ -25,19 +25,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from ..policy import constants
 from .measure import BlockMeasure
 from .record import GraphDump
 
 
 @dataclass(frozen=True)
 class Assumptions:
-    """What a prediction uses where nothing was measured (a typical accelerator host)."""
+    """What a prediction uses where nothing was measured: the generic node of
+    `dlo_fx.policy.constants`, the figures the planning study (``dlo-fx plan``) assumes."""
 
-    h2d_gbps: float = 25.0
+    h2d_gbps: float = constants.value("generic_h2d_gbps")
     """Host-to-device copy bandwidth, GB/s (PCIe 4.0 x16, pinned). Default: ``25.0``."""
-    gather_gbps: float = 50.0
+    gather_gbps: float = constants.value("generic_gather_gbps")
     """Bytes an AllGather delivers to each rank per second, GB/s. Default: ``50.0``."""
-    compute_gbps: float = 100.0
+    compute_gbps: float = constants.value("generic_compute_gbps")
     """Compute time of a block taken as its bytes over this rate, GB/s (a bf16 DiT block
     on ~4k tokens at ~400 TFLOP/s). Default: ``100.0``."""
 

@@ -1,58 +1,11 @@
-"""Planning model for the two streaming modes: host and device memory, step time, choice.
+"""How a block reaches the device: the mode choice, and the planning study behind it.
 
-`predict` evaluates a symbolic (sympy) model of both modes for one `PlanInputs`;
-`recommend` picks ``"allgather"`` or ``"rank_local"`` and names the term that decides;
-`formulas` prints every modelled quantity. Constants and their sources live in
-`constants`, named constant sets in `presets`, the comparison with published figures
-in `calibration`. The ``plan`` command is in `cli`.
+| module | what it holds |
+| --- | --- |
+| constants.py | every figure the models use that is not a user input, each with its source: the study's, and the bandwidths the dump's timeline assumes |
+| measured.py | what ``mode="auto"`` and `memory_report` run: probe the bandwidths on the real group, choose the mode, predict the weight bytes |
+| study/ | the capacity-planning study: symbolic model, presets, calibration against published figures, docs/memory-model.md, ``dlo-fx plan`` |
+
+Only `measured` is reached from a run, and only when ``mode="auto"`` or `memory_report`
+asks; it loads the study (and sympy) on first use.
 """
-
-from .calibration import (
-    extrapolation_report,
-    fit_staging_fraction,
-    load_peak_report,
-    minimax_inputs,
-    wave_report,
-)
-from .constants import CONSTANTS, Constant
-from .inputs import PlanInputs
-from .model import DEFINITIONS, Definition, evaluate, expression, formulas
-from .prediction import ModePrediction, Prediction, fits, predict, recommend
-from .presets import PRESETS, Preset, preset, preset_fields
-from .symbols import SYMBOLS
-
-__all__ = [
-    "CONSTANTS",
-    "Constant",
-    "DEFINITIONS",
-    "Definition",
-    "ModePrediction",
-    "PRESETS",
-    "PlanInputs",
-    "Prediction",
-    "Preset",
-    "SYMBOLS",
-    "evaluate",
-    "expression",
-    "extrapolation_report",
-    "fit_staging_fraction",
-    "fits",
-    "formulas",
-    "load_peak_report",
-    "minimax_inputs",
-    "predict",
-    "preset",
-    "preset_fields",
-    "recommend",
-    "render_markdown",
-    "wave_report",
-]
-
-
-def __getattr__(name: str):
-    # Imported on first use so that ``python -m dlo_fx.policy.markdown`` runs cleanly.
-    if name == "render_markdown":
-        from .markdown import render_markdown
-
-        return render_markdown
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,8 +2,12 @@
 
 Kinds: ``measured`` (a published measurement used as is), ``derived`` (arithmetic on
 published figures, shown in the source), ``fitted`` (chosen so the model reproduces
-published figures; `calibration.py` holds the fit and its residuals), ``spec`` (public
+published figures; `study/calibration.py` holds the fit and its residuals), ``spec`` (public
 hardware specification) and ``assumed`` (an order-of-magnitude choice, named as such).
+
+This is the one place of such figures: the planning study (`study/`), ``mode="auto"``
+(`measured.py`) and the dump's predicted timeline (`dlo_fx.dump.timeline`) all read them.
+The module imports nothing heavy (no sympy), so the dump can use it at compile time.
 
 Sources cited:
 
@@ -73,6 +77,28 @@ class PublishedWave:
 _MINIMAX_BLOCK_GB = 66.3 / 50
 
 CONSTANTS: Mapping[str, Constant] = {
+    # --- a generic node where nothing was measured: the defaults of `PlanInputs` and
+    # --- of the dump's predicted timeline (`dlo_fx.dump.Assumptions`) ----------------
+    "generic_h2d_gbps": Constant(
+        25.0, "GB/s", "assumed",
+        "Host-to-device copy of pinned memory over PCIe 4.0 x16 (32 GB/s per direction "
+        "on paper, about 25 GB/s reached).",
+    ),
+    "generic_gather_gbps": Constant(
+        50.0, "GB/s", "assumed",
+        "Bytes an AllGather delivers to each rank per second: the order of a ring over "
+        "device links of a few hundred Gb/s per GPU.",
+    ),
+    "generic_compute_gbps": Constant(
+        100.0, "GB/s", "assumed",
+        "A block's compute time taken as its weight bytes over this rate (a bf16 DiT block "
+        "on about 4k tokens at about 400 TFLOP/s); used by the dump's timeline.",
+    ),
+    "generic_block_compute_ms": Constant(
+        50.0, "ms", "assumed",
+        "Compute time of one block for one request on one device: a placeholder of the "
+        "planning study; measure it for your model and resolution.",
+    ),
     # --- host memory at load (fitted against the Ascend measurements) ---------------
     "overhead_gb": Constant(
         3.25, "GB", "derived",

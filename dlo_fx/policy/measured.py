@@ -3,9 +3,10 @@
 `choose_mode` is what ``mode="auto"`` runs when a graph is first scheduled: it measures
 the H2D (on CPU: copy) bandwidth and the AllGather bandwidth on the real shard group with
 a short probe, agrees on one set of figures across the group (so every rank decides the
-same), and evaluates the same symbolic model as ``dlo-fx plan`` with the block sizes of
-the plan. `predicted_weight_bytes` gives the model's host-shard and slot bytes for a
-runtime, which `memory_report` prints beside the measured ones.
+same), and evaluates the same symbolic model as ``dlo-fx plan`` (`study`, loaded here on
+first use) with the block sizes of the plan. `predicted_weight_bytes` gives the model's
+host-shard and slot bytes for a runtime, which `memory_report` prints beside the
+measured ones.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import logging
 import os
 import statistics
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from ..runtime import platform
 from ..runtime.collectives import ShardGroup, exchange_json, gather_in_place
-from .inputs import PlanInputs
-from .prediction import predict
+
+if TYPE_CHECKING:
+    from .study.inputs import PlanInputs
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,9 @@ def host_ram_bytes() -> int:
 
 def plan_inputs(block_bytes: Sequence[int], *, dp: int, num_slots: int, h2d_gbps: float,
                 gather_gbps: float, resident_bytes: int = 0, block_compute_ms: float = 0.0,
-                hbm_bytes: Optional[int] = None) -> PlanInputs:
+                hbm_bytes: Optional[int] = None) -> "PlanInputs":
+    from .study.inputs import PlanInputs  # the study (sympy) loads on first use
+
     total = max(sum(block_bytes), 1)
     ram = host_ram_bytes()
     return PlanInputs(
@@ -94,6 +98,8 @@ def choose_mode(device: torch.device, group: ShardGroup, block_bytes: Sequence[i
     if group.dp == 1:
         return "rank_local", "one rank in the shard group: nothing to gather"
     h2d, gather = probe_bandwidths(device, group)
+    from .study.prediction import predict
+
     inputs = plan_inputs(block_bytes, dp=group.dp, num_slots=num_slots, h2d_gbps=h2d,
                          gather_gbps=gather, hbm_bytes=platform.device_memory_bytes(device))
     pred = predict(inputs)
@@ -106,6 +112,8 @@ def choose_mode(device: torch.device, group: ShardGroup, block_bytes: Sequence[i
 def predicted_weight_bytes(mode: str, block_bytes: Sequence[int], dp: int,
                            num_slots: int) -> dict[str, int]:
     """The model's host bytes per rank and slot bytes for this run's plan."""
+    from .study.prediction import predict
+
     inputs = plan_inputs(block_bytes, dp=dp, num_slots=num_slots, h2d_gbps=1.0, gather_gbps=1.0)
     pred = predict(inputs).for_mode(mode)
     return {"host_shard_bytes": round(pred.pinned_per_rank_gb * GB),

@@ -2,8 +2,8 @@
 
 Everything else goes through the generic accelerator API (`torch.accelerator`,
 `torch.Stream`, `torch.Event`, `torch.get_device_module`) or through the functions here.
-CUDA (and ROCm, which PyTorch exposes as CUDA) uses NCCL, Ascend NPUs (torch_npu) HCCL,
-Intel XPUs XCCL; the CPU uses gloo.
+Weight gathers run on a group made from the caller's process group, so they use its
+backend (NCCL on CUDA and ROCm, HCCL on Ascend NPUs, XCCL on Intel XPUs, gloo on CPU).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import contextlib
 from typing import Iterator, Optional
 
 import torch
-
-_COLLECTIVE_BACKENDS = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl", "cpu": "gloo"}
 
 
 def accelerator() -> Optional[torch.device]:
@@ -26,15 +24,6 @@ def accelerator() -> Optional[torch.device]:
 
 def default_device() -> torch.device:
     return accelerator() or torch.device("cpu")
-
-
-def collective_backend(device: torch.device) -> str:
-    """Process-group backend for weight gathers on ``device``."""
-    try:
-        return _COLLECTIVE_BACKENDS[device.type]
-    except KeyError:
-        raise NotImplementedError(f"dlo has no collective backend for device type "
-                                  f"{device.type!r}; supported: {sorted(_COLLECTIVE_BACKENDS)}")
 
 
 def exchange_device(pg) -> torch.device:

@@ -1,6 +1,6 @@
 """Render ``docs/memory-model.md`` from the model, its constants and its calibration.
 
-``python -m dlo_fx.policy.markdown --write docs/memory-model.md`` rewrites the file;
+``python -m dlo_fx.policy.study.markdown --write docs/memory-model.md`` rewrites the file;
 ``--check`` exits 1 when the file differs from what the model renders now.
 """
 
@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from . import calibration as cal
 from . import model
-from .constants import CONSTANTS, GIB, PUBLISHED_DEVICE_PEAKS_GIB
+from ..constants import CONSTANTS, GIB, PUBLISHED_DEVICE_PEAKS_GIB
 from .prediction import predict
 from .symbols import SYMBOLS
 
@@ -168,10 +168,10 @@ def render_markdown() -> str:
     parts: list[str] = [
         "# Memory and step-time model of the streaming modes",
         "",
-        "`dlo_fx.policy` predicts, for a model and a DP x SP topology, the host and device memory "
+        "`dlo_fx.policy.study` predicts, for a model and a DP x SP topology, the host and device memory "
         "and the time per denoising step of the two ways a block reaches the device, and "
-        "recommends one (`python -m dlo_fx.policy.cli`, wired as `dlo-fx plan`). This page is "
-        "rendered from the model by `python -m dlo_fx.policy.markdown --write docs/memory-model.md`; "
+        "recommends one (`python -m dlo_fx.policy.study.cli`, wired as `dlo-fx plan`). This page is "
+        "rendered from the model by `python -m dlo_fx.policy.study.markdown --write docs/memory-model.md`; "
         "a test fails when it falls out of date.",
         "",
         "* **allgather**: the `g` ranks of a gather group (the DP group; the SP group when dp = 1) "
@@ -219,7 +219,7 @@ def render_markdown() -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Write or check the rendered document."""
-    parser = argparse.ArgumentParser(prog="python -m dlo_fx.policy.markdown", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dlo_fx.policy.study.markdown", description=__doc__)
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", metavar="PATH", help="write the document to PATH")
     action.add_argument("--check", metavar="PATH", help="exit 1 if PATH differs from the rendering")

@@ -3,7 +3,7 @@
 `add_plan_arguments` adds the options to any `argparse.ArgumentParser` (the ``dlo-fx
 plan`` subcommand uses it); `run_plan` runs a parsed namespace and returns the exit
 status: 0 on success, 1 when neither mode fits, 2 on bad input.
-``python -m dlo_fx.policy.cli ...`` runs it on its own.
+``python -m dlo_fx.policy.study.cli ...`` runs it on its own.
 
 Inputs merge in three layers: `PlanInputs` defaults, then ``--preset`` sets (left to
 right), then options given on the command line.
@@ -20,7 +20,7 @@ from typing import Optional, Sequence, TextIO
 
 from . import model
 from .calibration import EXTRAPOLATION_PAIRS
-from .constants import PUBLISHED_EXTRAPOLATION
+from ..constants import PUBLISHED_EXTRAPOLATION
 from .inputs import GATHER_OVER, PlanInputs
 from .prediction import ModePrediction, Prediction, predict
 from .presets import PRESETS, preset_fields
@@ -121,12 +121,6 @@ def _collect(args: argparse.Namespace, *, need_model: bool = True) -> tuple[dict
             if field not in fields:
                 raise ValueError(f"{field} is required: pass {flag} or a workload --preset")
     return fields, names
-
-
-def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    """Build validated `PlanInputs` from parsed ``plan`` options (raises ValueError)."""
-    fields, _ = _collect(args)
-    return PlanInputs(**fields)
 
 
 def _parse_list(text: Optional[str], kind: type, flag: str, default: Sequence) -> list:
@@ -271,9 +265,9 @@ def run_plan(args: argparse.Namespace, out: Optional[TextIO] = None, err: Option
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``python -m dlo_fx.policy.cli``."""
+    """Entry point of ``python -m dlo_fx.policy.study.cli``."""
     parser = argparse.ArgumentParser(
-        prog="python -m dlo_fx.policy.cli",
+        prog="python -m dlo_fx.policy.study.cli",
         description="Predict host and device memory and step time of the allgather and "
                     "rank_local streaming modes, and recommend one.",
     )

@@ -1,9 +1,9 @@
 """`PlanInputs`: the validated inputs of one planning question.
 
 Units are the ones a person types: GB (10^9 bytes), GB/s and milliseconds. Defaults
-describe a generic node: PCIe Gen5 x16 host links, NVLink 4 class device links, perfect
-overlap, no lockstep cost and the load constants fitted on Ascend (`constants.py`).
-Presets (`presets.py`) replace them with a documented constant set.
+describe the generic node of `dlo_fx.policy.constants` (the same figures the dump's
+timeline assumes), perfect overlap, no lockstep cost and the load constants fitted on
+Ascend. Presets (`presets.py`) replace them with a documented constant set.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 import sympy
 
-from . import constants as c
+from .. import constants as c
 from .symbols import INPUT_SYMBOLS
 
 GATHER_OVER = ("dp", "world")
@@ -76,17 +76,17 @@ class PlanInputs:
     """Transient private staging at load per host copy, as a share of ``model_gb``."""
     pinned_cgroup_fraction: float = c.value("pinned_cgroup_fraction_ascend")
     """Share of pinned host memory the cgroup sees: 0 on Ascend, 1 on CUDA."""
-    h2d_gbps: float = 64.0
-    """Host-to-device link bandwidth of one device, GB/s (default: PCIe Gen5 x16)."""
+    h2d_gbps: float = c.value("generic_h2d_gbps")
+    """Host-to-device link bandwidth of one device, GB/s (default: ``generic_h2d_gbps``)."""
     host_h2d_gbps: Optional[float] = None
     """Aggregate host-to-device bandwidth of the host, GB/s; ``None`` means every link
     runs at full speed at once (``world * h2d_gbps``)."""
-    gather_gbps: float = 450.0
-    """AllGather bus bandwidth per rank over the device links, GB/s (default: NVLink 4,
-    900 GB/s per GPU in both directions together)."""
-    block_compute_ms: float = 50.0
+    gather_gbps: float = c.value("generic_gather_gbps")
+    """AllGather bus bandwidth per rank over the device links, GB/s (default:
+    ``generic_gather_gbps``)."""
+    block_compute_ms: float = c.value("generic_block_compute_ms")
     """Compute time of one block for one request on one device, ms (default: a
-    placeholder; measure it for your model and resolution)."""
+    placeholder, ``generic_block_compute_ms``; measure it for your model and resolution)."""
     sp_serial_fraction: float = 0.0
     """Share of the block compute that sequence parallelism does not split."""
     overlap_efficiency: float = 1.0

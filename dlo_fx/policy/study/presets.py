@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .constants import CONSTANTS
+from ..constants import CONSTANTS
 from .inputs import input_field_names
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .constants import PUBLISHED_EXTRAPOLATION, PUBLISHED_LOAD_PEAKS, PUBLISHED_WAVES, PublishedLoadPeak
+from ..constants import PUBLISHED_EXTRAPOLATION, PUBLISHED_LOAD_PEAKS, PUBLISHED_WAVES, PublishedLoadPeak
 from .inputs import PlanInputs
 from .prediction import predict
 from .presets import preset_fields
