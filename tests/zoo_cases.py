@@ -13,7 +13,6 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 from dlo_fx.runtime.host_store import is_hollow
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
@@ -81,7 +80,6 @@ def zoo_cases(rank: int, world: int, names: tuple[str, ...], timeout_s: float) -
         options = {"mode": mode, "shard_group": [rank], "resident_bytes": 0,
                    "collective_timeout_s": timeout_s}
         out[(name, 1, mode)] = run_case(name, options)
-    dist.barrier()
     for name in names:
         for mode in MODES:
             options = {"mode": mode, "resident_bytes": 0, "collective_timeout_s": timeout_s}
