@@ -16,9 +16,11 @@ import torch
 
 Mode = Optional[Literal["auto", "allgather", "rank_local"]]
 Compiler = Literal["eager", "inductor"]
+HostStoreKind = Literal["memory", "mmap"]
 
 _MODES = (None, "auto", "allgather", "rank_local")
 _COMPILERS = ("eager", "inductor")
+_HOST_STORES = ("memory", "mmap")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,14 @@ class DLOConfig:
     compiler: Compiler = "eager"
     """How the compute between schedule nodes runs. Default: ``"eager"``."""
 
+    host_store: HostStoreKind = "memory"
+    """Where this rank's host shards live. ``"memory"``: copied into process memory
+    (pinned where the platform supports it) at load. ``"mmap"``: served from the
+    checkpoint files themselves (the safetensors files `dlo_fx.load` read, or the per-rank
+    files of ``dlo-fx shard``) through the OS page cache, with read-ahead and no copy in
+    anonymous memory: for models larger than host RAM. Needs `dlo_fx.load`. See
+    `dlo_fx.runtime.file_store`. Default: ``"memory"``."""
+
     fault_delay_s: float = 0.0
     """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``
     to prove that ``wait`` orders the slot. Default: ``0.0``."""
@@ -95,6 +105,7 @@ class DLOConfig:
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
         _check_choice("compiler", self.compiler, _COMPILERS)
+        _check_choice("host_store", self.host_store, _HOST_STORES)
         _check_int("num_slots", self.num_slots, minimum=2)
         if self.block_bytes is not None:
             _check_int("block_bytes", self.block_bytes, minimum=1)
@@ -184,7 +195,8 @@ class DLOConfig:
         group = self.shard_group
         group_key = id(group) if _is_process_group(group) else group
         return (self.mode, self.num_slots, self.device, self.pin_memory, self.alignment,
-                group_key, self.collective_timeout_s, self.fault_delay_s, self.trace)
+                group_key, self.collective_timeout_s, self.fault_delay_s, self.trace,
+                self.host_store)
 
 
 def _is_process_group(obj: Any) -> bool:

@@ -23,7 +23,10 @@ before a single step runs. `load` never holds a private copy of the model:
    zero-byte storage) and the host store is the one `torch.compile(backend="dlo")` finds
    for the same options, so compiling maps the graph's parameters onto the stored blocks.
 
-Peak host memory is then about this rank's shards plus one block of mapped pages.
+Peak host memory is then about this rank's shards plus one block of mapped pages. With
+``host_store="mmap"`` step 4 records where each block's bytes are in the files instead of
+copying them (see [Note: file-backed host store]); a folder written by ``dlo-fx shard``
+is read through its manifest (see [Note: pre-sharded checkpoints]).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from .config import DLOConfig
 from .load_plan import KeyMap, LoadPlan, Target, plan_load
 from .runtime.layout import span_as_bytes
 from .runtime.runtime import Runtime, runtime_for
+from .shard_dir import ShardDir, checkpoint_extents
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,9 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
             or, when ``config`` is None, from the ``config.json`` of the checkpoint folder.
         checkpoint: a ``.safetensors`` file, a folder of them (with or without a
             ``*.safetensors.index.json``), an index file, a local Hugging Face cache repo
-            folder, or a hub id already in the local cache. Never downloads.
+            folder, a hub id already in the local cache, or a folder written by
+            ``dlo-fx shard`` (its manifest must match the model and options). Never
+            downloads.
         config: constructor configuration: a dict (keyword arguments, or a diffusers
             config), or one object passed as the only positional argument.
         dtype: floating-point parameters get this dtype (diffusers'
@@ -99,11 +105,17 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     runtime = runtime_for(cfg, device)
     error: Optional[BaseException] = None
     plan: Optional[LoadPlan] = None
+    shards: Optional[ShardDir] = None
     try:
-        ckpt = resolve_checkpoint(checkpoint)
+        shards = ShardDir.open(checkpoint)
+        ckpt = (shards.checkpoint(os.fspath(checkpoint)) if shards is not None
+                else resolve_checkpoint(checkpoint))
         module = _construct(model, config, ckpt)
-        plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map, strict=strict,
-                         resident=resident)
+        plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map if shards is None
+                         else None, strict=strict, resident=resident)
+        if shards is not None:
+            shards.check(plan, cfg, dp=runtime.group.dp, mode=runtime.mode,
+                         rank=runtime.group.rank, dtype=dtype, resident=resident, key_map=key_map)
     except BaseException as exc:
         error = exc
     _agree(runtime, plan, error)
@@ -111,7 +123,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
         raise RuntimeError("dlo_fx.load: internal error: no load plan and no error")
     if runtime.mode is None and plan.blocks:  # mode="auto": a collective probe, as at compile
         runtime.decide_mode([sum(t.nbytes for t in block) for block in plan.blocks])
-    _commit(plan, runtime, device)  # into runtime.store, which the mode decides
+    _commit(plan, runtime, device, shards)  # into runtime.store, which the mode decides
     module.eval()
     guard_module(module)
     log.info("dlo_fx.load: %s from %s: %d blocks (%d bytes of host shards on this rank), "
@@ -247,7 +259,8 @@ def _install(target: Target, value: torch.Tensor) -> None:
             mod._buffers[name] = value
 
 
-def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device) -> None:
+def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
+            shards: Optional[ShardDir] = None) -> None:
     store = runtime.store
     first = len(store.blocks)
     total = sum(t.info.nbytes for t in plan.params + plan.buffers if t.info is not None)
@@ -266,10 +279,18 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device) -> None:
                     value = nn.Parameter(value, requires_grad=False)
                 values.append((t, value))
                 progress.update(t.info.nbytes if t.info is not None else 0, t.info is not None)
-        for block in plan.blocks:
+        for b, block in enumerate(plan.blocks):
             params = [_hollow_like(t, device) for t in block]
             fqns = [t.fqn for t in block]
             entries, spec = store.layout(params, fqns)
+            if shards is not None or store.files is not None:  # read from (or served by) files
+                extents = (shards.block_extents(b, store.rank, spec)
+                           if shards is not None else checkpoint_extents(block, entries))
+                host = store.blocks[runtime.register_block(params, fqns, extents=extents)]
+                plan.host_bytes += host.shard.numel()
+                values += list(zip(block, params))
+                progress.update(sum(t.info.nbytes for t in block), len(block))
+                continue
             lo, hi = spec.rank_range(store.rank) if store.dp > 1 else (0, spec.padded_bytes)
             need = [e.nbytes > 0 and e.offset < hi and e.offset + e.nbytes > lo for e in entries]
             with open_views([t.info for t, n in zip(block, need) if n]) as views:
