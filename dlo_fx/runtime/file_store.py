@@ -15,7 +15,7 @@ anonymous memory.
   block of a pre-sharded file is one read; a block whose tensors are not laid out in the
   file as in the block (alignment padding, another order, several files) is read tensor by
   tensor, and a tensor whose dtype or strides differ from the parameter's (a dtype cast, a
-  transposed weight) goes through a temporary of that one tensor. `FileStore.stats` counts
+  transposed weight) is read into a temporary of that one tensor and copied into place. `FileStore.stats` counts
   and times those copies.
 * **Why pread, not the mapping.** Touching a mapped page of a file that was truncated
   meanwhile raises SIGBUS, which kills the process; a read past the end of a file returns
@@ -177,6 +177,11 @@ class FileShard:
         self.store.read(self, dest)
 
 
+def _span_nbytes(c: Convert) -> int:
+    span = 1 + sum((n - 1) * st for n, st in zip(c.shape, c.stride)) if all(c.shape) else 0
+    return span * torch.empty((), dtype=c.dtype).element_size()
+
+
 def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.Tensor,
                what: str) -> int:
     """Read ``runs`` into the CPU uint8 tensor ``dest``; returns the tensors converted."""
@@ -193,9 +198,15 @@ def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.
         with torch.inference_mode(False):
             raw = torch.empty(r.src_nbytes, dtype=torch.uint8)
             _pread_into(f, raw, r.offset, f"{r.what} of {what}")
-            out = torch.empty_strided(c.shape, c.stride, dtype=c.dtype)
-            out.copy_(raw.view(c.src_dtype).view(c.shape))
-            dest[r.dest : r.dest + r.nbytes].copy_(span_as_bytes(out)[r.skip : r.skip + r.nbytes])
+            src = raw.view(c.src_dtype).view(c.shape)
+            span = dest[r.dest : r.dest + r.nbytes]
+            if r.skip == 0 and r.nbytes == _span_nbytes(c):  # the whole tensor: in place
+                typed = span.view(c.dtype)
+                typed.as_strided(c.shape, c.stride, typed.storage_offset()).copy_(src)
+            else:  # part of it (a shard boundary cuts it): through a temporary
+                out = torch.empty_strided(c.shape, c.stride, dtype=c.dtype)
+                out.copy_(src)
+                span.copy_(span_as_bytes(out)[r.skip : r.skip + r.nbytes])
         converted += 1
     for f in used.values():  # a rewrite that raced the reads
         f.check(what)
