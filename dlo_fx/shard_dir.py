@@ -50,9 +50,6 @@ __all__ = ["MANIFEST", "ShardDir", "checkpoint_extents", "write_shard_dir"]
 MANIFEST = "dlo-shards.json"
 FORMAT = "dlo-fx-shards/1"
 COMMON = "common.safetensors"
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.float64: "F64", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
-              torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
 
 
 def rank_file(rank: int, dp: int) -> str:
