@@ -19,8 +19,11 @@ streamed bytes / latency, against the disk's sequential read rate that this benc
 measures on the checkpoint file (cache dropped, 16 MiB reads). Every output is compared
 bit for bit with the resident model's.
 
-    python benchmarks/bench_host_store.py --markdown            # about 3 min on 2 cores
-    python benchmarks/bench_host_store.py --width 512 --depth 4 --runs 5   # smoke
+    python benchmarks/bench_host_store.py --markdown     # width 1024, 12 layers
+    python benchmarks/bench_host_store.py --width 512 --depth 4 --heads 8 --runs 5   # smaller
+
+On a 2-core machine shared with other jobs one variant of width 1024 took about 12 minutes
+(mostly compiling and the bf16 calls); on an idle machine it is minutes in all.
 """
 
 from __future__ import annotations
