@@ -10,7 +10,8 @@ from .dump import stall_summary, write_trace
 from .engine import Engine, Request, Result
 from .loader import load
 from .memory import MemoryReport, memory_report
+from .module_guard import release
 
 __all__ = ["DLOConfig", "Engine", "MemoryReport", "Request", "Result", "load", "memory_report",
-           "stall_summary", "write_trace"]
+           "release", "stall_summary", "write_trace"]
 __version__ = "0.1.0"

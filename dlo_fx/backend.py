@@ -2,14 +2,16 @@
 
 Registered under the ``torch_dynamo_backends`` entry point, so
 ``torch.compile(model, backend="dlo", options={...})`` works without importing dlo_fx.
-Each graph Dynamo captures is scheduled on its own; every graph compiled with one
-configuration shares one `Runtime` (host store, slots, executor).
+Each graph Dynamo captures is scheduled on its own; every graph of one model shares the
+model's `Runtime` (its host store; slots and executor shared per device), found from
+the model's parameters. Options are given once: a model loaded with options compiles
+without any and inherits them (see [Note: the model owns its runtime]).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -18,8 +20,10 @@ from torch import fx
 from .config import DLOConfig
 from .passes import PassContext, run_passes
 from .runtime.collectives import check_same_plan
+from .module_guard import guard_module
 from .runtime.host_store import is_hollow
-from .runtime.runtime import Runtime, runtime_for
+from .runtime.ops import conflict_message
+from .runtime.runtime import Runtime, claim, owner_of
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +35,18 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     if mode not in (None, "default"):
         raise ValueError(f"torch.compile mode={mode!r} is not supported by backend 'dlo'; "
                          "use options={'compiler': ...} instead")
-    config = DLOConfig.from_options(options)
-    device = resolve_device(config, example_inputs)
-    runtime = runtime_for(config, device)
+    given = given_options(options)
+    params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
+    modules = frame_modules()
+    runtime = owner_of(params) or owner_of(p for m in modules for p in m.parameters())
+    if runtime is not None and not runtime.closed:
+        differing = runtime.config.differing(given)
+        if differing:  # before anything changes
+            raise ValueError(conflict_message(differing))
+        config = runtime.config.merged(given)
+    else:
+        config = DLOConfig.from_options(options)
+        runtime = Runtime(config, resolve_device(config, example_inputs))
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
     gm = run_passes(gm, ctx, extra=config.user_passes)
     compiled = gm.forward
@@ -42,12 +55,40 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 
         compiled = compile_pieces(gm, example_inputs, ctx)
     commit(ctx, runtime)
-    _guard_eager_calls()
+    claim([*params, *(p for m in modules for p in m.parameters())], runtime)
+    for module in modules:
+        if any(is_hollow(p) for p in module.parameters()):
+            guard_module(module)
     if config.dump_dir:
         from .dump import write_dump
 
         write_dump(gm, ctx, runtime, config.dump_dir)
-    return compiled
+    return bound_to_params(compiled, ctx, given, example_inputs)
+
+
+def given_options(options: Any) -> dict[str, Any]:
+    """The options a compile call set itself (validated), as a dict."""
+    if isinstance(options, DLOConfig):
+        return {f.name: getattr(options, f.name) for f in dataclasses.fields(DLOConfig)}
+    DLOConfig.from_options(options)  # ValueError for anything not allowed
+    return dict(options or {})
+
+
+def bound_to_params(compiled: Callable, ctx: PassContext, given: Mapping[str, Any],
+                    example_inputs: Sequence[Any]) -> Callable:
+    """``compiled``, binding each call to the runtime of the parameters it is called with
+    (`GraphSchedule.bind`): Dynamo reuses a graph for other models of the same class."""
+    sched = ctx.schedule
+    positions = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)]
+    if sched is None or not positions:
+        return compiled
+    sched.given = dict(given)
+
+    def run(*args: Any) -> Any:
+        sched.bind([args[i] for i in positions])
+        return compiled(*args)
+
+    return run
 
 
 def resolve_device(config: DLOConfig, example_inputs: Sequence[Any]) -> torch.device:
@@ -82,9 +123,9 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
                     "dlo_fx.load(...), or set options={'device': ...} to match it")
             if block.host_block is None and is_hollow(p.param):
                 raise ValueError(
-                    f"parameter {p.fqn!r} has no storage and is in no host store; it was "
-                    "hollowed by another runtime (a different dlo configuration). Compile "
-                    "every graph of one model with the same options")
+                    f"parameter {p.fqn!r} has no storage and is not in the host store of "
+                    "the model this graph belongs to (a graph that mixes the parameters of "
+                    "models stored by dlo separately); compile each model on its own")
     for p in ctx.resident:
         if p.first >= 0 and not ctx.in_store(p.param) and p.param.device != runtime.device:
             raise ValueError(
@@ -101,41 +142,22 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
              len(ctx.blocks), ctx.budget, len(ctx.resident))
 
 
-# -- calling a hollow model outside the backend ------------------------------------------
-_GUARDED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# -- the modules of the frame being compiled ----------------------------------------------
+def frame_modules() -> list[torch.nn.Module]:
+    """The modules among the locals of the frame Dynamo is compiling (``self`` of a
+    ``forward``): their parameters are claimed by the graph's runtime, so every later
+    graph of the model (after a graph break) finds it, and they are guarded against
+    eager calls. Dynamo's current instruction translator is a private API: a torch that
+    lacks it fails here, loudly, rather than leaving models unguarded."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
 
-HOLLOW_CALL_MESSAGE = (
-    "this model's weights were moved into a dlo host store (its parameters are hollow), "
-    "so it cannot run eagerly; call it through torch.compile(model, backend=\"dlo\")")
-
-
-def _under_torch_compile() -> bool:
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    return get_eval_frame_callback() not in (None, False)
-
-
-def _hollow_call_guard(module: torch.nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling() or _under_torch_compile():
-        return
-    if any(is_hollow(p) for p in module.parameters()):
-        raise RuntimeError(f"{type(module).__name__}: {HOLLOW_CALL_MESSAGE}")
-
-
-def guard_module(module: torch.nn.Module) -> None:
-    """Make an eager call of ``module`` with hollow parameters raise a clear error."""
-    if module not in _GUARDED:
-        module.register_forward_pre_hook(_hollow_call_guard)
-        _GUARDED.add(module)
-
-
-def _guard_eager_calls() -> None:
-    """Guard the module(s) of the frame being compiled, when Dynamo exposes it."""
+    if not callable(getattr(InstructionTranslator, "current_tx", None)):
+        raise RuntimeError("dlo: this torch's Dynamo has no InstructionTranslator.current_tx; "
+                           "dlo cannot find the module it compiles (to claim and guard it)")
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()
-        local_values = list(tx.f_locals.values()) if tx is not None else []
-    except Exception:  # private API: best effort only
-        return
-    for value in local_values:
-        if isinstance(value, torch.nn.Module) and any(is_hollow(p) for p in value.parameters()):
-            guard_module(value)
+    except AttributeError:  # its thread-local is unset: no frame is being compiled
+        tx = None
+    if tx is None:  # the backend called on a graph outside Dynamo
+        return []
+    return [v for v in tx.f_locals.values() if isinstance(v, torch.nn.Module)]

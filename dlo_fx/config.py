@@ -8,6 +8,7 @@ dataclass through `DLOConfig.from_options`; an unknown key or a bad value raises
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
@@ -37,8 +38,8 @@ class DLOConfig:
     Default: ``None``."""
 
     num_slots: int = 2
-    """Number of device slot buffers a block is streamed into (prefetch depth + 1).
-    Default: ``2``."""
+    """Number of device slot buffers a block is streamed into (prefetch depth + 1), from
+    2 to 64. Default: ``2``."""
 
     block_bytes: Optional[int] = None
     """Block budget in bytes: blocks are closed once adding the next parameters would
@@ -69,7 +70,7 @@ class DLOConfig:
 
     collective_timeout_s: float = 300.0
     """Timeout of the weight-gather process group; a rank that dies or raises makes the
-    others raise within it. Default: ``300.0``."""
+    others raise within it. Finite and > 0. Default: ``300.0``."""
 
     dump_dir: Optional[str] = None
     """Folder to write schedule dumps into (``DLO_FX_DUMP_DIR`` sets it too).
@@ -100,13 +101,18 @@ class DLOConfig:
 
     fault_delay_s: float = 0.0
     """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``
-    to prove that ``wait`` orders the slot. Default: ``0.0``."""
+    to prove that ``wait`` orders the slot. Finite and >= 0. Default: ``0.0``."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
         _check_choice("compiler", self.compiler, _COMPILERS)
         _check_choice("host_store", self.host_store, _HOST_STORES)
         _check_int("num_slots", self.num_slots, minimum=2)
+        if self.num_slots > MAX_SLOTS:
+            raise ValueError(
+                f"DLOConfig option 'num_slots'={self.num_slots!r} is not allowed: expected an "
+                f"integer from 2 to {MAX_SLOTS} (each slot holds the largest block on the device)"
+            )
         if self.block_bytes is not None:
             _check_int("block_bytes", self.block_bytes, minimum=1)
         _check_int("resident_bytes", self.resident_bytes, minimum=0)
@@ -124,10 +130,11 @@ class DLOConfig:
                 )
         for name in ("collective_timeout_s", "fault_delay_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
                 raise ValueError(
                     f"DLOConfig option {name!r}={value!r} is not allowed: "
-                    "expected a number of seconds >= 0"
+                    "expected a finite number of seconds >= 0"
                 )
         if self.collective_timeout_s == 0:
             raise ValueError(
@@ -171,6 +178,11 @@ class DLOConfig:
         """
         if isinstance(options, DLOConfig):
             return options
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(
+                f"dlo options={options!r} is not allowed: expected a mapping of option names "
+                "to values (a dict) or a DLOConfig"
+            )
         options = dict(options or {})
         allowed = {f.name for f in dataclasses.fields(cls)}
         for key in options:
@@ -190,13 +202,60 @@ class DLOConfig:
             options["shard_group"] = tuple(options["shard_group"])
         return cls(**options)
 
-    def key(self) -> tuple:
-        """What makes two configs share one runtime (slots, host store, streams)."""
-        group = self.shard_group
-        group_key = id(group) if _is_process_group(group) else group
-        return (self.mode, self.num_slots, self.device, self.pin_memory, self.alignment,
-                group_key, self.collective_timeout_s, self.fault_delay_s, self.trace,
-                self.host_store)
+    def differing(self, given: Mapping[str, Any]) -> list[str]:
+        """The options in ``given`` (as passed to ``torch.compile``) that ask for something
+        other than this config in what the model's runtime was built with, one line each
+        (empty when they agree). Per-compile options (`PER_COMPILE_OPTIONS`) never differ."""
+        other = DLOConfig.from_options(given)
+        lines = []
+        for name in given:
+            if name in PER_COMPILE_OPTIONS:
+                continue
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if name == "device":
+                same = mine is None or theirs is None or same_device(mine, theirs)
+            elif name == "shard_group" and (_is_process_group(mine) or _is_process_group(theirs)):
+                same = mine is theirs
+            else:
+                same = mine == theirs
+            if not same:
+                lines.append(f"{name}={theirs!r} (the model's runtime has {name}={mine!r})")
+        return lines
+
+    def merged(self, given: Mapping[str, Any]) -> "DLOConfig":
+        """This config with the per-compile options of ``given`` replaced."""
+        other = DLOConfig.from_options(given)
+        return dataclasses.replace(self, **{n: getattr(other, n) for n in PER_COMPILE_OPTIONS})
+
+
+MAX_SLOTS = 64
+"""Most slots a runtime may have: each is the size of the largest block on the device."""
+
+PER_COMPILE_OPTIONS = ("dump_dir", "debug_passes", "user_passes", "compiler", "trace")
+"""Options each ``torch.compile`` call may set for itself. Every other option shapes the
+model's runtime (host store layout, slots, mode, blocks) and is given once: at
+``dlo_fx.load`` or at the first compile; later compiles inherit it."""
+
+
+def same_device(a: Any, b: Any) -> bool:
+    """Whether two device spellings name one device (``"cpu"``, ``"cpu:0"``,
+    ``torch.device("cpu", 0)`` do; ``"cuda"`` is the current CUDA device)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cpu" or a.index == b.index:
+        return True
+    current = _current_index(a.type)
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current)
+
+
+def _current_index(kind: str) -> int:
+    module = getattr(torch, kind, None)
+    try:
+        return module.current_device() if module is not None else 0
+    except (AssertionError, AttributeError, RuntimeError):  # no device of that kind: index 0
+        return 0
 
 
 def _is_process_group(obj: Any) -> bool:

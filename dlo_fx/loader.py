@@ -20,8 +20,10 @@ before a single step runs. `load` never holds a private copy of the model:
    dropped before the next block. A dtype cast or a non-contiguous parameter costs one
    temporary of that tensor, never a whole-model copy.
 5. The block's parameters end *hollow* (real shape, dtype, strides and device over a
-   zero-byte storage) and the host store is the one `torch.compile(backend="dlo")` finds
-   for the same options, so compiling maps the graph's parameters onto the stored blocks.
+   zero-byte storage). The host store belongs to the module's own runtime, which
+   `torch.compile(backend="dlo")` finds from the parameters (see [Note: the model owns
+   its runtime]): compiling maps the graph's parameters onto the stored blocks and
+   inherits the options given here.
 
 Peak host memory is then about this rank's shards plus one block of mapped pages. With
 ``host_store="mmap"`` step 4 records where each block's bytes are in the files instead of
@@ -42,12 +44,12 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .backend import guard_module
 from .checkpoint import Checkpoint, open_views, resolve_checkpoint
 from .config import DLOConfig
 from .load_plan import KeyMap, LoadPlan, Target, plan_load
+from .module_guard import guard_module
 from .runtime.layout import span_as_bytes
-from .runtime.runtime import Runtime, runtime_for
+from .runtime.runtime import Runtime, claim
 from .shard_dir import ShardDir, checkpoint_extents
 
 log = logging.getLogger(__name__)
@@ -82,9 +84,9 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
         strict: unexpected checkpoint keys (and missing persistent buffers) are an error;
             with ``strict=False`` they get one warning, and a missing buffer keeps the
             value its constructor gave it. Missing parameters are always an error.
-        options: the dlo options (dict or `DLOConfig`) you will pass to
-            ``torch.compile(model, backend="dlo", options=...)``: the blocks go to the
-            runtime that compile call uses, on ``options["device"]`` (default CPU).
+        options: the dlo options (dict or `DLOConfig`) of the module's runtime, on
+            ``options["device"]`` (default CPU). ``torch.compile(model, backend="dlo")``
+            inherits them; a compile that passes different ones raises ValueError.
         resident: FQNs or module prefixes (``"patch_embed"``) of parameters to materialise
             on the device instead of streaming, on top of those smaller than
             ``options["resident_bytes"]``. Needed for parameters that code Dynamo runs
@@ -102,7 +104,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     device = torch.device(cfg.device) if cfg.device is not None else torch.device("cpu")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dlo_fx.load: dtype={dtype!r} is not a floating-point torch.dtype")
-    runtime = runtime_for(cfg, device)
+    runtime = Runtime(cfg, device)
     error: Optional[BaseException] = None
     plan: Optional[LoadPlan] = None
     shards: Optional[ShardDir] = None
@@ -122,8 +124,13 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     if plan is None:  # _agree re-raises every planning error
         raise RuntimeError("dlo_fx.load: internal error: no load plan and no error")
     if runtime.mode is None and plan.blocks:  # mode="auto": a collective probe, as at compile
-        runtime.decide_mode([sum(t.nbytes for t in block) for block in plan.blocks])
+        from .policy.measured import choose_mode
+
+        runtime.set_mode(*choose_mode(device, runtime.group,
+                                      [sum(t.nbytes for t in block) for block in plan.blocks],
+                                      runtime.slots.num_slots))
     _commit(plan, runtime, device, shards)  # into runtime.store, which the mode decides
+    claim(module.parameters(), runtime)  # the resident ones too: compiling finds the runtime
     module.eval()
     guard_module(module)
     log.info("dlo_fx.load: %s from %s: %d blocks (%d bytes of host shards on this rank), "

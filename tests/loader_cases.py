@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from dlo_fx.loader import load
 from dlo_fx.models import ReferenceDiT
 from dlo_fx.config import DLOConfig
-from dlo_fx.runtime.runtime import reset_runtimes, runtime_for, runtimes_holding
+from dlo_fx.runtime.runtime import live_runtimes, reset_runtimes, runtimes_holding
 
 from models import call, runtime_figures, tiny_dit, tiny_wan
 
@@ -132,6 +132,5 @@ def load_cases(rank: int, world: int, dit_path: str, dit_config, wan_dir: str,
         out["bad-rank"] = None
     except ValueError as exc:
         out["bad-rank"] = str(exc)
-    out["bad-rank-blocks"] = len(runtime_for(DLOConfig.from_options(options),
-                                             torch.device("cpu")).store.blocks)
+    out["bad-rank-blocks"] = sum(len(rt.store.blocks) for rt in live_runtimes())
     return out

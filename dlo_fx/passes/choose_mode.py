@@ -1,9 +1,11 @@
 """Pass 5: settle the streaming mode before the schedule is written.
 
-With ``mode="auto"`` the runtime measures H2D and AllGather bandwidth on the shard group
+With ``mode="auto"`` this pass measures H2D and AllGather bandwidth on the shard group
 and decides through the policy model, using this plan's block sizes (see
-`dlo_fx.policy.measured`). Every other mode was fixed when the runtime was made. The
-choice decides whether `insert_schedule` writes ``allgather`` nodes.
+`dlo_fx.policy.measured`), before anything is stored. Every other mode was fixed when
+the runtime was made (or by the loader, which decides ``"auto"`` the same way). The
+choice decides whether `insert_schedule` writes ``allgather`` nodes. The runtime never
+decides it: it stores blocks and never reaches into the policy.
 
 Before/after: no graph change; the runtime's ``mode`` and ``mode_reason`` are set.
 """
@@ -16,6 +18,10 @@ from .context import PassContext
 
 
 def choose_mode(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if ctx.runtime is not None:
-        ctx.runtime.decide_mode([b.nbytes for b in ctx.blocks])
+    runtime = ctx.runtime
+    if runtime is not None and runtime.mode is None:
+        from ..policy.measured import choose_mode as decide  # a collective probe on every rank
+
+        runtime.set_mode(*decide(runtime.device, runtime.group, [b.nbytes for b in ctx.blocks],
+                                 runtime.slots.num_slots))
     return gm

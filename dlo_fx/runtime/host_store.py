@@ -10,9 +10,10 @@ zero-byte storage, so Dynamo's guards keep holding while the module holds no wei
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -21,6 +22,8 @@ from .file_store import Extent, FileShard, FileStore, read_extents
 from .layout import Entry, ShardSpec, copy_into_shard, plan_offsets, span_as_bytes, span_bytes
 
 log = logging.getLogger(__name__)
+
+_STORE_IDS = itertools.count()
 
 
 @dataclass
@@ -31,7 +34,6 @@ class HostBlock:
     entries: list[Entry]
     spec: ShardSpec
     shard: torch.Tensor  # uint8, this rank's bytes (the whole padded block when dp == 1)
-    params: list[torch.nn.Parameter] = field(repr=False, default_factory=list)
     source: Optional[FileShard] = None  # host_store="mmap": the bytes are read from files
 
     @property
@@ -71,7 +73,11 @@ def hollow(params: Sequence[torch.Tensor]) -> None:
 
 
 class HostStore:
-    """Blocks in registration order; parameters looked up by identity."""
+    """Blocks in registration order; parameters looked up by identity.
+
+    The store never holds the parameters themselves (only their ids): the model owns
+    them, and the model's runtime, which owns the store, lives as long as they do.
+    """
 
     def __init__(self, *, alignment: int, rank: int = 0, dp: int = 1,
                  pin: bool = False, files: Optional[FileStore] = None) -> None:
@@ -82,7 +88,10 @@ class HostStore:
         self.pin = pin
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
-        self._next_uid = 0
+        # Entry uids are unique across stores: slot views are cached by uid in slots
+        # that runtimes on one device share (see [Note: what a model owns and what a
+        # device shares]).
+        self._next_uid = next(_STORE_IDS) << 32
 
     # -- lookup -------------------------------------------------------------------------
     def entry(self, param: torch.Tensor) -> Optional[Entry]:
@@ -144,8 +153,7 @@ class HostStore:
             if sources is None:
                 sources = [span_as_bytes(p) if e.nbytes else None for p, e in zip(params, entries)]
             copy_into_shard(shard, entries, sources, start)
-        block = HostBlock(index=index, entries=entries, spec=spec, shard=shard,
-                          params=list(params), source=source)
+        block = HostBlock(index=index, entries=entries, spec=spec, shard=shard, source=source)
         self.blocks.append(block)
         for p, e in zip(params, entries):
             self._entries[id(p)] = e
@@ -156,9 +164,7 @@ class HostStore:
     def drop_blocks(self, first: int) -> None:
         """Forget blocks ``first`` onwards (undoing a failed load); their parameters stay
         hollow and must not be used again."""
-        for block in self.blocks[first:]:
-            for p in block.params:
-                self._entries.pop(id(p), None)
+        self._entries = {k: e for k, e in self._entries.items() if e.block < first}
         del self.blocks[first:]
         if self.files is not None:
             self.files.drop(first)

@@ -9,10 +9,13 @@ keeps them. See [Note: slot reuse and stream ordering] in runtime.py.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any, Mapping, Optional, Sequence
+
 import torch
 from torch.fx.node import has_side_effect
 
-from .runtime import Runtime
+from .runtime import Runtime, claim, owner_of
 
 
 class GraphSchedule(torch.nn.Module):
@@ -25,12 +28,71 @@ class GraphSchedule(torch.nn.Module):
     def __init__(self, runtime: Runtime, slot_of: list[int], fqns: list[list[str]]) -> None:
         super().__init__()
         self.runtime = runtime
+        self.config = runtime.config
+        self.mode = runtime.mode
+        self._device = runtime.device
+        self.given: Mapping[str, Any] = {}  # the options the compile call passed itself
         self.slot_of = slot_of
         self.fqns = fqns
         self.bound = [-1] * len(slot_of)
 
+    # The runtime is held weakly: it belongs to the model (see [Note: the model owns its
+    # runtime]); a graph that Dynamo keeps cached must not keep a dead model's store.
+    @property
+    def runtime(self) -> Runtime:
+        runtime = self._runtime_ref()
+        if runtime is None:
+            raise RuntimeError("dlo: internal error: the graph is not bound to a runtime")
+        return runtime
+
+    @runtime.setter
+    def runtime(self, runtime: Runtime) -> None:
+        self._runtime_ref = weakref.ref(runtime)
+
+    def bind(self, params: Sequence[torch.Tensor]) -> Runtime:
+        """Bind this call to the runtime of the model whose ``params`` it is called with.
+
+        Dynamo reuses one graph for every model of the same class compiled with the same
+        options, so the runtime is found from the parameters on every call. A model no
+        runtime owns yet gets its own (the graph's options, and the mode settled when the
+        graph was compiled). Options the compile call gave that differ from the owning
+        runtime's are refused before anything runs.
+        """
+        runtime = self._runtime_ref()
+        if runtime is not None and params and owner_of(params[:1]) is runtime:
+            return runtime
+        runtime = owner_of(params)
+        if runtime is None or runtime.closed:
+            runtime = Runtime(self.config, self._device)
+            if runtime.mode is None:
+                runtime.set_mode(self.mode, "the mode settled when the graph was compiled")
+            claim(params, runtime)
+        elif self.given:
+            differing = runtime.config.differing(self.given)
+            if differing:
+                raise ValueError(conflict_message(differing))
+        if runtime.slots.num_slots < len(set(self.slot_of)):
+            raise ValueError(
+                f"dlo: this graph was scheduled for {len(set(self.slot_of))} slots but the "
+                f"model it is called with has a runtime of {runtime.slots.num_slots} "
+                "(num_slots); compile each model with its own options, or call "
+                "torch._dynamo.reset() before compiling this one")
+        if self.config.trace and runtime.tracer is None:
+            from .trace import Tracer
+
+            runtime.tracer = Tracer()
+        self.runtime = runtime
+        return runtime
+
     def extra_repr(self) -> str:
-        return f"blocks={len(self.slot_of)}, slots={self.runtime.slots.num_slots}"
+        return f"blocks={len(self.slot_of)}, slots={self.config.num_slots}"
+
+
+def conflict_message(differing: Sequence[str]) -> str:
+    return ("dlo: torch.compile options differ from the options this model's runtime was "
+            "built with (at dlo_fx.load or its first compile): " + "; ".join(differing) +
+            ". Options are given once: compile with options=None to inherit them, or call "
+            "dlo_fx.release(model) and load or compile again")
 
 
 def prefetch(sched: GraphSchedule, block: int, *params: torch.nn.Parameter) -> None:

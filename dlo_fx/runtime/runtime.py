@@ -1,5 +1,7 @@
-"""`Runtime`: the host store, the slots and the executor shared by every graph compiled
-with one configuration, and the slot state machine the schedule nodes drive.
+"""`Runtime`: one model's host store, mode and resident copies, the slots and executor it
+shares with the other models on its device, and the slot state machine the schedule
+nodes drive. A runtime is found from the parameters it stores (`owner_of`), never from
+options; see [Note: the model owns its runtime].
 
 [Note: slot reuse and stream ordering]
 Graph block ``g`` lives in slot ``g % num_slots``. The schedule guarantees, in program
@@ -16,20 +18,23 @@ itself, so a stale slot is never read.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from typing import Optional, Sequence
+import weakref
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from ..config import DLOConfig
+from torch.utils.weak import WeakIdKeyDictionary
+
 from .collectives import ShardGroup, gather_in_place, resolve_shard_group
 from . import platform
-from .executor import make_executor
+from .device_slots import SlotBlocks, device_slots
 from .file_store import FileStore
 from .host_store import HostStore
-from .slots import SlotPool
 from .trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -39,18 +44,24 @@ class Runtime:
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.group: ShardGroup = resolve_shard_group(config.shard_group,
-                                                     config.collective_timeout_s)
+        # See [Note: what a model owns and what a device shares].
+        self.shared = device_slots(device, config.num_slots, config.fault_delay_s)
+        self.group: ShardGroup = self.shared.shard_group(config.shard_group,
+                                                         config.collective_timeout_s,
+                                                         resolve_shard_group)
         self.mode: Optional[str] = None  # decided before the first block is stored
         self.mode_reason = ""
-        self.store = HostStore(alignment=config.alignment)  # replaced by `decide_mode`
+        self.store = HostStore(alignment=config.alignment)  # replaced by `set_mode`
         if self.group.dp == 1:
-            self._set_mode("rank_local", "one rank in the shard group: nothing to gather")
+            self.set_mode("rank_local", "one rank in the shard group: nothing to gather")
         elif config.mode in (None, "allgather", "rank_local"):
-            self._set_mode(config.mode or "allgather", f"mode={config.mode!r} option")
-        self.slots = SlotPool(config.num_slots, device)
-        self.executor = make_executor(device, config.num_slots, config.fault_delay_s)
-        self.slot_block: list[Optional[int]] = [None] * config.num_slots
+            self.set_mode(config.mode or "allgather", f"mode={config.mode!r} option")
+        self.slots = self.shared.pool
+        self.executor = self.shared.executor
+        self._token = next(_TOKENS)
+        _LIVE.add(self)
+        self.closed = False
+        self._host_cache: Optional[tuple[int, torch.Tensor]] = None  # last gathered block
         self._pending: list = [None] * config.num_slots
         self._gathered: list[bool] = [True] * config.num_slots
         self._resident: dict[int, torch.Tensor] = {}
@@ -60,7 +71,14 @@ class Runtime:
         self._ready_ns: list[int] = [0] * config.num_slots  # when each slot's wait returned
 
     # -- the mode and the store it implies ---------------------------------------------
-    def _set_mode(self, mode: str, reason: str) -> None:
+    def set_mode(self, mode: str, reason: str) -> None:
+        """Settle the mode (and so the store's shard geometry): before any block is stored.
+        ``mode="auto"`` is decided by the caller (`passes.choose_mode`, the loader)."""
+        if mode not in ("allgather", "rank_local"):
+            raise ValueError(f"dlo: mode {mode!r} is not 'allgather' or 'rank_local'")
+        if self.store.blocks:
+            raise RuntimeError(f"dlo: the mode is {self.mode!r} and blocks are stored; it "
+                               f"cannot become {mode!r}")
         sharded = mode == "allgather"
         self.mode, self.mode_reason = mode, reason
         pin = self.config.pin_memory and platform.can_pin(self.device)
@@ -71,15 +89,17 @@ class Runtime:
                                dp=self.group.dp if sharded else 1, files=files)
         log.info("dlo: %s mode over the %s (%s)", mode, self.group.describe(), reason)
 
-    def decide_mode(self, block_bytes: Sequence[int]) -> str:
-        """Settle ``mode="auto"`` from the first plan's block sizes (a collective probe:
-        every rank of the shard group calls it at the same point)."""
-        if self.mode is None:
-            from ..policy.measured import choose_mode
+    @property
+    def slot_block(self) -> SlotBlocks:
+        """Host block of this runtime each slot holds (``None``: nothing of this
+        runtime's, or another runtime's block since)."""
+        return SlotBlocks(self.shared, self._token)
 
-            self._set_mode(*choose_mode(self.device, self.group, block_bytes,
-                                        self.slots.num_slots))
-        return self.mode
+    @slot_block.setter
+    def slot_block(self, value: Sequence[Optional[int]]) -> None:
+        if any(v is not None for v in value):
+            raise ValueError("slot_block can only be reset to None")
+        self.shared.forget()  # buffers replaced, or a failed copy: trust no slot
 
     # -- registration (compile time, or first call of a reused graph) --------------------
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
@@ -89,10 +109,12 @@ class Runtime:
         ``sources`` are flat uint8 images of each parameter's storage span (the loader
         passes mmap views); by default the parameters' own bytes are read."""
         if self.mode is None:
-            from .layout import span_bytes
-
-            self.decide_mode([sum(span_bytes(p) for p in params)])
+            raise RuntimeError("dlo: internal error: a block is stored before the mode is "
+                               "decided (passes.choose_mode or the loader decides it)")
+        if self.closed:
+            raise RuntimeError("dlo: this runtime was released; compile the model again")
         block = self.store.add_block(params, fqns, sources, extents)
+        claim(params, self)
         self.fit_slots(block.slot_bytes)
         return block.index
 
@@ -142,7 +164,9 @@ class Runtime:
             # Through the executor, behind every gather already queued: collectives keep
             # one issue order on every rank.
             self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
-            tensor = self._resident[id(param)] = entry.view_of(flat).clone()
+            # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
+            tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
+            self._resident[id(param)] = tensor
         return tensor
 
     @property
@@ -224,7 +248,7 @@ class Runtime:
         entry = self.store.entry(param)
         if entry.block != block:  # held by another host block: see `resolve`
             return self.resident_tensor(param)
-        return self.slots.view(slot, entry)
+        return self.slots.view(slot, entry, param.requires_grad)
 
     def drain(self, *, raise_errors: bool = True) -> None:
         for slot, pending in enumerate(self._pending):
@@ -236,32 +260,113 @@ class Runtime:
                     raise
 
 
-# -- one runtime per configuration ------------------------------------------------------
-_RUNTIMES: dict[tuple, Runtime] = {}
+    # -- the weights outside the graph ----------------------------------------------------
+    def host_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """A new host (CPU) tensor with the stored weights of ``param``. In allgather mode
+        this gathers the block from every rank: every rank of the shard group must ask
+        for the same parameters in the same order (``state_dict``, `release` do)."""
+        entry = self.store.entry(param)
+        if entry is None:
+            raise ValueError(f"dlo: a parameter of shape {tuple(param.shape)} is not in this "
+                             "model's host store")
+        block = self.store.blocks[entry.block]
+        if self.store.dp == 1:
+            if block.source is None:
+                return entry.view_of(block.shard).clone()
+            with torch.inference_mode(False):
+                flat = torch.empty(block.shard_nbytes, dtype=torch.uint8)
+            block.copy_to(flat)  # host_store="mmap": read from the file
+            return entry.view_of(flat).clone()
+        cached = self._host_cache
+        if cached is None or cached[0] != entry.block:
+            with torch.inference_mode(False):
+                flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
+            what = f"host block {entry.block} (weights of {entry.fqn!r} read outside the graph)"
+
+            def fill_and_gather() -> None:
+                self._fill(flat, entry.block)
+                gather_in_place(flat, block.spec.shard_bytes, self.group, what)
+
+            self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
+            cached = self._host_cache = (entry.block, flat.cpu())
+        return entry.view_of(cached[1]).clone()
+
+    def close(self) -> None:
+        """Free the host store and resident copies, forget the slots this runtime filled
+        and let go of its parameters. The runtime cannot run anything afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        self.drain(raise_errors=False)
+        for slot in range(len(self.slot_block)):
+            if self.slot_block[slot] is not None:
+                self.slot_block[slot] = None
+        unclaim(self)
+        if self.store.files is not None:
+            self.store.files.close()
+        self.store = HostStore(alignment=self.config.alignment)
+        self._resident.clear()
+        self._host_cache = None
+
+
+# -- who owns which parameters ----------------------------------------------------------
+# [Note: the model owns its runtime]
+# A runtime is found from the parameters it stores: `_OWNERS` maps each parameter (by
+# identity, weakly) to its runtime, and that entry is the only lasting strong reference
+# to the runtime (graphs hold theirs weakly between calls, the store keeps parameter ids
+# only). So the runtime, its host store and, with the last runtime on the device, the
+# slots and the executor's thread go when the model's parameters are collected, and
+# `torch._dynamo.reset()` has nothing to free. Options are the runtime's: a model loaded
+# with options compiles with none and inherits them; a compile whose options differ is
+# refused before anything changes (`DLOConfig.differing`).
+_OWNERS = WeakIdKeyDictionary()
+_LIVE: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+_TOKENS = itertools.count()
 _LOCK = threading.Lock()
 
 
-def runtime_for(config: DLOConfig, device: torch.device) -> Runtime:
-    key = config.key() + (str(device),)
-    with _LOCK:
-        runtime = _RUNTIMES.get(key)
-        if runtime is None:
-            runtime = _RUNTIMES[key] = Runtime(config, device)
-        return runtime
+def owner_of(params: Iterable[torch.Tensor]) -> Optional[Runtime]:
+    """The runtime that stores (or has claimed) the first of ``params`` any runtime holds."""
+    for p in params:
+        runtime = _OWNERS.get(p)
+        if runtime is not None:
+            return runtime
+    return None
 
 
-def reset_runtimes() -> None:
-    """Drop every runtime (their host stores and slots). Called by ``torch._dynamo.reset()``."""
+def claim(params: Iterable[torch.Tensor], runtime: Runtime) -> None:
+    """Make ``runtime`` the owner of ``params`` (those it stores, or will: a model's
+    parameters are claimed as a whole when its first graph is compiled)."""
     with _LOCK:
-        runtimes = list(_RUNTIMES.values())
-        _RUNTIMES.clear()
-    for rt in runtimes:
-        rt.drain(raise_errors=False)
-        rt.executor.shutdown()
+        for p in params:
+            if _OWNERS.get(p) is None:
+                _OWNERS[p] = runtime
+
+
+def unclaim(runtime: Runtime) -> None:
+    with _LOCK:
+        for p in [p for p, rt in _OWNERS.items() if rt is runtime]:
+            del _OWNERS[p]
 
 
 def runtimes_holding(params: Sequence[torch.Tensor]) -> list[Runtime]:
-    """Runtimes whose host store holds any of ``params``."""
+    """The runtimes that own any of ``params`` (one per model, usually)."""
+    found: list[Runtime] = []
+    for p in params:
+        runtime = _OWNERS.get(p)
+        if runtime is not None and all(runtime is not r for r in found):
+            found.append(runtime)
+    return found
+
+
+def live_runtimes() -> list[Runtime]:
+    """Every runtime neither closed nor collected (tests and memory checks)."""
     with _LOCK:
-        found = list(_RUNTIMES.values())
-    return [rt for rt in found if any(p in rt.store for p in params)]
+        return [rt for rt in _LIVE if not rt.closed]
+
+
+def reset_runtimes() -> None:
+    """Close every live runtime (tests: no host store outlives its test). The models they
+    stored stay hollow and unusable."""
+    for rt in live_runtimes():
+        rt.close()

@@ -1,0 +1,167 @@
+"""What keeps a module with hollow parameters safe outside the graph, and `release`.
+
+[Note: hollow parameters outside the graph]
+A module whose weights dlo stores has hollow parameters (real metadata, zero-byte
+storage). Ordinary module habits must not read them as if they held data:
+
+- an eager call raises, telling the user to compile the module (a forward pre-hook);
+- ``module.to(...)``, ``.cpu()``, ``.half()`` and every other ``nn.Module._apply``: the
+  conversion function is first tried on an empty tensor of each hollow parameter's dtype
+  and device. Where it changes neither (``.to("cpu:0")`` on a CPU runtime, which
+  accelerate's offload hooks call) the hollow parameters are skipped and the rest of the
+  module (buffers, resident parameters) is converted as usual. Where it would change
+  either, ``ValueError`` names the parameter and the way out (`release` first, or load
+  with ``dtype=``) before anything is converted: ``_apply`` converts parameter by
+  parameter, so a check that came later would leave the module half converted;
+- ``state_dict()`` returns the stored weights (new host tensors) in place of the hollow
+  parameters, so ``safetensors.torch.save_file`` and ``save_pretrained`` work.
+
+`release` puts the weights back into the parameters and closes the runtime: the module
+is an ordinary module again.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .config import same_device
+from .runtime.host_store import is_hollow
+from .runtime.runtime import owner_of, runtimes_holding
+
+__all__ = ["HOLLOW_CALL_MESSAGE", "guard_module", "release"]
+
+HOLLOW_CALL_MESSAGE = (
+    "this model's weights were moved into a dlo host store (its parameters are hollow), "
+    "so it cannot run eagerly; call it through torch.compile(model, backend=\"dlo\"), or "
+    "call dlo_fx.release(model) to put the weights back")
+
+# module -> the hook handles guard_module installed on it
+_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def _stored(t: torch.Tensor) -> bool:
+    """A hollow tensor whose weights a live dlo runtime stores."""
+    if not is_hollow(t):
+        return False
+    runtime = owner_of((t,))
+    return runtime is not None and t in runtime.store
+
+
+# -- eager calls ------------------------------------------------------------------------
+def _under_torch_compile() -> bool:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    return get_eval_frame_callback() not in (None, False)
+
+
+def _hollow_call_guard(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling() or _under_torch_compile():
+        return
+    if any(is_hollow(p) for p in module.parameters()):
+        raise RuntimeError(f"{type(module).__name__}: {HOLLOW_CALL_MESSAGE}")
+
+
+# -- .to() and every other _apply -------------------------------------------------------
+def _check_conversion(module: nn.Module, fn: Callable) -> None:
+    seen: set[int] = set()
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen or not _stored(p):
+            continue
+        seen.add(id(p))
+        probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+        if isinstance(probe, torch.Tensor) and (
+                not same_device(probe.device, p.device) or probe.dtype != p.dtype):
+            raise ValueError(
+                f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
+                f"{probe.dtype}: parameter {fqn!r} ({p.device}, {p.dtype}) is hollow, its "
+                "weights are in a dlo host store, and the module is left unchanged. Call "
+                "dlo_fx.release(model) first to put the weights back into the parameters, or "
+                "load the model with dlo_fx.load(..., dtype=...) and options={'device': ...} "
+                "for the dtype and device it should run in")
+
+
+def _guarded_apply(module_ref: "weakref.ReferenceType[nn.Module]", original: Callable,
+                   fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
+    module = module_ref()
+    if module is None:  # pragma: no cover - the bound method outlived its module
+        raise RuntimeError("dlo: internal error: _apply of a collected module")
+    _check_conversion(module, fn)
+
+    def skip_hollow(t: torch.Tensor) -> torch.Tensor:
+        return t if _stored(t) else fn(t)
+
+    return original(module, skip_hollow, *args, **kwargs)
+
+
+# -- state_dict ---------------------------------------------------------------------------
+def _real_weights(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for name, p in module._parameters.items():
+        key = prefix + name
+        if p is not None and key in state_dict and _stored(p):
+            state_dict[key] = owner_of((p,)).host_tensor(p)
+
+
+# -- installing and removing ----------------------------------------------------------------
+def guard_module(module: nn.Module) -> None:
+    """Guard ``module`` and its submodules that hold stored (hollow) parameters: see
+    [Note: hollow parameters outside the graph]. Idempotent."""
+    for sub in module.modules():
+        if sub in _GUARDS:
+            continue
+        direct = [p for p in sub._parameters.values() if p is not None and _stored(p)]
+        if sub is not module and not any(_stored(p) for p in sub.parameters()):
+            continue
+        handles = []
+        if sub is module:
+            handles.append(sub.register_forward_pre_hook(_hollow_call_guard))
+        if direct:
+            handles.append(sub.register_state_dict_post_hook(_real_weights))
+        # An instance attribute shadows nn.Module._apply for this module only.
+        original = type(sub)._apply
+        sub.__dict__["_apply"] = functools.partial(_guarded_apply, weakref.ref(sub), original)
+        _GUARDS[sub] = handles
+
+
+def unguard_module(module: nn.Module) -> None:
+    for sub in module.modules():
+        handles = _GUARDS.pop(sub, None)
+        if handles is None:
+            continue
+        for handle in handles:
+            handle.remove()
+        sub.__dict__.pop("_apply", None)
+
+
+def release(model: nn.Module) -> nn.Module:
+    """Put the weights dlo stores for ``model`` back into its parameters and free its
+    runtime (host store, resident copies, and slots nothing else uses).
+
+    Afterwards the module runs eagerly, can be saved, moved or cast like any module;
+    compiling it with ``backend="dlo"`` again stores it again. Every rank of an allgather
+    shard group must call it (the blocks are gathered). Returns ``model``.
+    Raises ValueError when no parameter of ``model`` is stored by dlo.
+    """
+    params = list(dict.fromkeys(model.parameters()))
+    runtimes = runtimes_holding(params)
+    if not runtimes:
+        raise ValueError(f"dlo_fx.release: no parameter of {type(model).__name__} is in a dlo "
+                         "host store (was it loaded with dlo_fx.load or compiled with "
+                         "backend='dlo' and called?)")
+    for runtime in runtimes:
+        runtime.drain(raise_errors=False)
+    values = []
+    for p in params:  # read everything first: a failure leaves the model as it was
+        runtime = owner_of((p,))
+        if runtime is not None and p in runtime.store:
+            values.append((p, runtime.host_tensor(p).to(p.device)))
+    with torch.no_grad():
+        for p, value in values:
+            p.data = value
+    for runtime in runtimes:
+        runtime.close()
+    unguard_module(model)
+    return model

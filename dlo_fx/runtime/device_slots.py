@@ -1,0 +1,112 @@
+"""`DeviceSlots`: what the models on one device share: the slot pool, the executor that
+fills it, and which model's block each slot holds.
+
+[Note: what a model owns and what a device shares]
+A model's `Runtime` owns its host store, its mode and its resident copies: host blocks
+are never shared. Slot memory may be: a pipeline's text encoder and transformer run one
+after the other, so they can stream through the same ``num_slots`` buffers, which is
+the largest device cost dlo adds; so may the weight-gather group. Every runtime on one device with the same
+``num_slots`` and ``fault_delay_s`` gets the same `DeviceSlots`, held weakly here and
+strongly by the runtimes: when the last of them is gone, the slots are freed and the
+executor's worker thread stops.
+
+Sharing the buffers means sharing what they hold. ``holder[slot]`` is the
+``(runtime token, host block)`` whose bytes the slot holds or is receiving; a runtime
+reads it through `Runtime.slot_block`, which shows ``None`` for a slot another runtime
+filled since, so its next ``wait`` copies its own block again instead of reading
+another model's bytes. One executor per device keeps one issue order for copies and
+gathers, and (on a device) orders a slot's next copy after the last read of whichever
+model used it. Graphs that share slots run one after another, as a pipeline's stages
+do; ``lock`` is the one lock to hold to run them from several threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from .executor import make_executor
+from .slots import SlotPool
+
+
+class DeviceSlots:
+    def __init__(self, device: torch.device, num_slots: int, fault_delay_s: float) -> None:
+        self.device = device
+        self.pool = SlotPool(num_slots, device)
+        self.executor = make_executor(device, num_slots, fault_delay_s)
+        self.holder: list[Optional[tuple[int, int]]] = [None] * num_slots
+        self.lock = threading.RLock()
+        self._groups: dict[tuple, tuple[Any, Any]] = {}
+        weakref.finalize(self, _shutdown, self.executor)
+
+    def shard_group(self, spec: Any, timeout_s: float, make: Callable[[Any, float], Any]) -> Any:
+        """The weight-gather group for ``spec``, made once per `DeviceSlots`: runtimes
+        sharing this executor issue their gathers on one worker in one order, so they can
+        share one group (a group per model would be a new communicator per model)."""
+        key = (spec if spec is None or isinstance(spec, tuple) else ("group", id(spec)),
+               float(timeout_s))
+        found = self._groups.get(key)
+        if found is None:
+            found = self._groups[key] = (spec, make(spec, timeout_s))  # spec pins the id
+        return found[1]
+
+    def forget(self) -> None:
+        """No slot holds a known block any more (buffers replaced, or a failed copy)."""
+        self.holder = [None] * self.pool.num_slots
+
+
+def _shutdown(executor) -> None:
+    """Stop ``executor`` once its queued work is done. Runs when the last runtime using
+    the slots is collected, which may happen on the worker thread itself: never join it."""
+    pool = getattr(executor, "_pool", None)
+    if pool is not None:
+        executor._pool = None
+        pool.shutdown(wait=False)
+    elif not hasattr(executor, "_pool"):
+        executor.shutdown()  # a device executor: wait for the streams before slots go
+
+
+class SlotBlocks:
+    """One runtime's view of ``DeviceSlots.holder``: the host block each slot holds for
+    it, ``None`` where the slot holds nothing of this runtime's."""
+
+    __slots__ = ("_shared", "_token")
+
+    def __init__(self, shared: DeviceSlots, token: int) -> None:
+        self._shared, self._token = shared, token
+
+    def __getitem__(self, slot: int) -> Optional[int]:
+        held = self._shared.holder[slot]
+        return held[1] if held is not None and held[0] == self._token else None
+
+    def __setitem__(self, slot: int, block: Optional[int]) -> None:
+        self._shared.holder[slot] = None if block is None else (self._token, block)
+
+    def __len__(self) -> int:
+        return len(self._shared.holder)
+
+    def __iter__(self):
+        return (self[s] for s in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, SlotBlocks)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+_SHARED: "weakref.WeakValueDictionary[tuple, DeviceSlots]" = weakref.WeakValueDictionary()
+_LOCK = threading.Lock()
+
+
+def device_slots(device: torch.device, num_slots: int, fault_delay_s: float) -> DeviceSlots:
+    """The `DeviceSlots` every runtime on ``device`` with these settings shares."""
+    key = (device.type, device.index or 0, num_slots, float(fault_delay_s))
+    with _LOCK:
+        shared = _SHARED.get(key)
+        if shared is None:
+            shared = _SHARED[key] = DeviceSlots(device, num_slots, fault_delay_s)
+        return shared

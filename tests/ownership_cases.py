@@ -1,0 +1,131 @@
+"""Cases for `test_ownership`: ordinary module operations on a dlo model, run as a script
+in a subprocess (a crash must show as a return code, not take pytest down), and the
+allgather ``state_dict`` / `release` case run on every rank by `distributed.spawn`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import dlo_fx
+from dlo_fx.models import ReferenceDiT, example_inputs
+from dlo_fx.runtime.host_store import is_hollow
+from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
+
+from loader_cases import SHARED, resident_dit, resident_wan, save_dit, save_wan
+
+OPTIONS = {"block_bytes": 300_000}
+
+
+def _hollow_count(model: torch.nn.Module) -> int:
+    return sum(is_hollow(p) for p in model.parameters())
+
+
+def _dtypes(model: torch.nn.Module) -> list[str]:
+    return sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()]})
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # the text is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def module_operations(out_dir: str) -> dict:
+    """Each operation on a loaded, compiled and called DiT: error text and the module's
+    state after it (still hollow, still exact)."""
+    dit_path, cfg = save_dit(out_dir)
+    wan_dir = save_wan(os.path.join(out_dir, "wan-src"))
+    ref = resident_dit(dit_path, cfg)
+    inputs = example_inputs(cfg, batch=2, height=8, width=8, seed=1)
+    with torch.no_grad():
+        expected = ref(*inputs)
+    model = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=OPTIONS)
+    compiled = torch.compile(model, backend="dlo")
+    hollow = _hollow_count(model)
+
+    def exact() -> bool:
+        with torch.no_grad():
+            return torch.equal(compiled(*inputs), expected)
+
+    out: dict = {"hollow": hollow, "exact_before": exact()}
+    # 1. .to() the runtime's own device, in every spelling: a no-op.
+    for spelling in (torch.device("cpu", 0), "cpu", "cpu:0", torch.device("cpu")):
+        out[f"to {spelling!r}"] = _error(lambda: model.to(spelling))
+    out["cpu()"] = _error(model.cpu)
+    out["hollow_after_to_cpu"] = _hollow_count(model)
+    out["exact_after_to_cpu"] = exact()
+    # 2. .to() another dtype (the DiT is bfloat16): refused, nothing converted.
+    out["dtypes_before"] = _dtypes(model)
+    out["to_fp16"] = _error(lambda: model.to(torch.float16))
+    out["float"] = _error(model.float)
+    out["dtypes_after_fp16"] = _dtypes(model)
+    out["exact_after_fp16"] = exact()
+    # 3. state_dict() holds the real weights: save_file writes them.
+    path = os.path.join(out_dir, "saved.safetensors")
+    state = model.state_dict()
+    out["save_file"] = _error(lambda: save_file({k: v.contiguous() for k, v in state.items()},
+                                                path))
+    saved = load_file(path) if not out["save_file"] else {}
+    ref_state = ref.state_dict()
+    out["saved_equal"] = saved.keys() == ref_state.keys() and all(
+        torch.equal(saved[k], ref_state[k]) for k in ref_state)
+    out["state_strides"] = all(state[k].stride() == ref_state[k].stride() for k in ref_state)
+    out["exact_after_state_dict"] = exact()
+    # release: the weights go back into the parameters; the module is ordinary again.
+    blocks = runtimes_holding(list(model.parameters()))[0].store.blocks
+    out["blocks_before_release"] = len(blocks)
+    out["release"] = _error(lambda: dlo_fx.release(model))
+    out["hollow_after_release"] = _hollow_count(model)
+    out["runtimes_after_release"] = len(runtimes_holding(list(model.parameters())))
+    with torch.no_grad():
+        out["eager_after_release"] = torch.equal(model(*inputs), expected)
+    out["to_fp16_after_release"] = _error(lambda: model.to(torch.float16))
+    out["dtypes_after_release_fp16"] = _dtypes(model)
+    # A diffusers model: save_pretrained from the host store.
+    from diffusers import WanTransformer3DModel
+
+    wan = dlo_fx.load(WanTransformer3DModel, wan_dir)
+    folder = os.path.join(out_dir, "wan")
+    out["save_pretrained"] = _error(lambda: wan.save_pretrained(folder))
+    got = {}
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name.endswith(".safetensors"):
+            got.update(load_file(os.path.join(folder, name)))
+    want = resident_wan(wan_dir).state_dict()
+    out["save_pretrained_equal"] = got.keys() == want.keys() and all(
+        torch.equal(got[k], want[k]) for k in want)
+    return out
+
+
+def allgather_state_dict(rank: int, world: int, dit_path: str, config) -> dict:
+    """dp=2, allgather: state_dict gathers every block (each rank holds half of it),
+    release puts the whole weights back on every rank."""
+    ref = resident_dit(dit_path, config)
+    model = dlo_fx.load(ReferenceDiT, dit_path, config=config, resident=SHARED,
+                        options={"mode": "allgather", "collective_timeout_s": 30, **OPTIONS})
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    out = {"mode": runtime.mode, "dp": runtime.store.dp,
+           "host_bytes": runtime.store.host_bytes,
+           "total_bytes": sum(b.nbytes for b in runtime.store.blocks)}
+    state = model.state_dict()
+    ref_state = ref.state_dict()
+    out["state_equal"] = state.keys() == ref_state.keys() and all(
+        torch.equal(state[k], ref_state[k]) for k in ref_state)
+    dlo_fx.release(model)
+    out["release_equal"] = all(torch.equal(p, ref_state[k]) for k, p in model.named_parameters())
+    out["live_after_release"] = sum(len(rt.store.blocks) for rt in live_runtimes())
+    return out
+
+
+if __name__ == "__main__":
+    result = module_operations(sys.argv[1])
+    print("RESULT " + json.dumps(result))

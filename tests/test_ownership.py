@@ -1,0 +1,298 @@
+"""The model owns its runtime: options given once and inherited, memory given back when
+the model goes, hollow parameters safe under ordinary module operations, harmful
+options refused up front, and no import from the runtime up into the policy."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import dlo_fx
+from distributed import spawn
+from dlo_fx.config import DLOConfig
+from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
+from dlo_fx.runtime import device_slots
+from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
+from loader_cases import resident_dit, save_dit
+from models import run_dlo, tiny_dit
+
+import ownership_cases
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dit(tmp_path_factory):
+    path, config = save_dit(str(tmp_path_factory.mktemp("own")))
+    ref = resident_dit(path, config)
+    inputs = example_inputs(config, batch=2, height=8, width=8, seed=1)
+    with torch.no_grad():
+        expected = ref(*inputs)
+    return {"path": path, "config": config, "inputs": inputs, "expected": expected}
+
+
+def inner(exc: BaseException) -> BaseException:
+    """The backend's own exception (Dynamo wraps it in BackendCompilerFailed)."""
+    return getattr(exc, "inner_exception", None) or exc
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(*inputs)
+
+
+# -- options given once -----------------------------------------------------------------------
+def test_load_then_compile_without_options_inherits(dit):
+    options = {"num_slots": 3, "block_bytes": 120_000}
+    model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"], options=options)
+    out = run(torch.compile(model, backend="dlo"), dit["inputs"])
+    assert torch.equal(out, dit["expected"])
+    runtimes = runtimes_holding(list(model.parameters()))
+    assert len(runtimes) == 1
+    runtime = runtimes[0]
+    assert runtime.config.num_slots == 3 and runtime.slots.num_slots == 3
+    assert runtime.config.block_bytes == 120_000 and len(runtime.store.blocks) > 3
+
+
+def test_conflicting_options_refused_and_model_intact(dit):
+    model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"],
+                        options={"num_slots": 3})
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    blocks, host = len(runtime.store.blocks), runtime.store.host_bytes
+    bad = torch.compile(model, backend="dlo",
+                        options={"num_slots": 2, "resident_bytes": 4096, "dump_dir": None})
+    with pytest.raises(Exception) as info:
+        run(bad, dit["inputs"])
+    err = inner(info.value)
+    assert isinstance(err, ValueError), err
+    assert "num_slots=2" in str(err) and "resident_bytes=4096" in str(err)
+    assert "dump_dir" not in str(err)  # a per-compile option never conflicts
+    assert "dlo_fx.release" in str(err)
+    # Nothing changed: same runtime, same store; the model compiles and runs.
+    assert runtimes_holding(list(model.parameters())) == [runtime]
+    assert (len(runtime.store.blocks), runtime.store.host_bytes) == (blocks, host)
+    torch._dynamo.reset()
+    assert torch.equal(run(torch.compile(model, backend="dlo",
+                                         options={"num_slots": 3, "trace": True}),
+                           dit["inputs"]), dit["expected"])
+
+
+def test_conflict_found_when_dynamo_reuses_a_graph(dit):
+    """Dynamo reuses a graph for another model of the class compiled with the same
+    options, without calling the backend: the call binds to the second model's runtime
+    and refuses options that differ from it."""
+    first = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"],
+                        options={"num_slots": 3})
+    options = {"num_slots": 3}
+    assert torch.equal(run(torch.compile(first, backend="dlo", options=options),
+                           dit["inputs"]), dit["expected"])
+    second = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"],
+                         options={"num_slots": 4})
+    with pytest.raises(ValueError, match="num_slots=3"):
+        run(torch.compile(second, backend="dlo", options=options), dit["inputs"])
+    third = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"],
+                        options={"num_slots": 3, "block_bytes": 100_000})
+    out = run(torch.compile(third, backend="dlo", options=options), dit["inputs"])
+    assert torch.equal(out, dit["expected"])  # bound to its own runtime, its own blocks
+    runtime = runtimes_holding(list(third.parameters()))[0]
+    assert runtime.config.block_bytes == 100_000
+    assert runtime is not runtimes_holding(list(first.parameters()))[0]
+
+
+def test_compile_only_model_options_given_once():
+    model, inputs = tiny_dit()
+    ref_model, _ = tiny_dit()
+    expected = run(ref_model, inputs)
+    assert torch.equal(run(torch.compile(model, backend="dlo", options={"num_slots": 3}),
+                           inputs), expected)
+    with pytest.raises(Exception) as info:
+        torch._dynamo.reset()
+        run(torch.compile(model, backend="dlo", options={"num_slots": 2}), inputs)
+    assert isinstance(inner(info.value), ValueError) and "num_slots=2" in str(info.value)
+    assert torch.equal(run(torch.compile(model, backend="dlo"), inputs), expected)
+
+
+def test_graph_breaks_one_runtime_per_model():
+    """Every graph of one model (a graph break in each layer) finds the model's runtime."""
+    ref, outs, model = run_dlo(tiny_dit, {"num_slots": 2}, calls=2, fullgraph=False,
+                               graph_break=True)
+    assert all(torch.equal(o, ref) for o in outs)
+    assert len(runtimes_holding(list(model.parameters()))) == 1
+
+
+def test_models_on_one_device_share_slots_not_blocks():
+    """Two models alternate through the same slots; each call is exact (a slot another
+    model filled since is copied again, never read)."""
+    a, inputs = tiny_dit(depth=2, seed=0)
+    b, _ = tiny_dit(depth=2, seed=5)
+    ref_a, ref_b = run(tiny_dit(depth=2, seed=0)[0], inputs), run(tiny_dit(depth=2, seed=5)[0],
+                                                                   inputs)
+    ca = torch.compile(a, backend="dlo", options={"num_slots": 3})
+    cb = torch.compile(b, backend="dlo", options={"num_slots": 3})
+    for _ in range(2):
+        assert torch.equal(run(ca, inputs), ref_a)
+        assert torch.equal(run(cb, inputs), ref_b)
+    (ra,), (rb,) = runtimes_holding(list(a.parameters())), runtimes_holding(list(b.parameters()))
+    assert ra is not rb and ra.store is not rb.store
+    assert ra.shared is rb.shared
+    stored_a = {id(p) for p in a.parameters() if p in ra.store}
+    assert stored_a and not any(p in rb.store for p in a.parameters())
+
+
+# -- lifetime ---------------------------------------------------------------------------------
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _copy_threads(wait_s: float = 0.0) -> int:
+    """Live copy-worker threads; waits up to ``wait_s`` for them to finish exiting."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        count = sum(t.name.startswith("dlo-copy") and t.is_alive() for t in threading.enumerate())
+        if count == 0 or time.monotonic() >= deadline:
+            return count
+        time.sleep(0.05)
+
+
+def test_twenty_rounds_give_memory_back():
+    """Build, compile, run and drop a 13 MiB model twenty times: the host store, the slots
+    and the copy thread go with each model (RSS flat within a bound far below one model
+    per round), and no runtime outlives its model, with or without torch._dynamo.reset()."""
+    inputs = None
+    rss, store_bytes = [], []
+    model_bytes = 0
+    for i in range(20):
+        model = reference_dit(width=256, depth=4, heads=4, seed=i, dtype=torch.float32)
+        if inputs is None:
+            inputs = example_inputs(model.config, batch=1, height=8, width=8, seed=1)
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        compiled = torch.compile(model, backend="dlo", options={"num_slots": 2})
+        run(compiled, inputs)
+        assert runtimes_holding(list(model.parameters()))[0].store.host_bytes > 0
+        assert _copy_threads() >= 1  # blocks over 256 KiB: copies run on the worker
+        del model, compiled
+        if i == 10:
+            torch._dynamo.reset()
+        gc.collect()
+        store_bytes.append(sum(rt.store.host_bytes for rt in live_runtimes()))
+        rss.append(_rss_bytes())
+    assert store_bytes == [0] * 20
+    assert live_runtimes() == []
+    assert len(device_slots._SHARED) == 0  # slots freed with the last runtime
+    assert _copy_threads(wait_s=10.0) == 0
+    growth = max(rss[5:]) - rss[4]
+    assert growth < 3 * model_bytes, (growth, model_bytes, rss)  # leaking: 15 x model
+
+
+def test_release_frees_the_runtime_and_gives_back_an_ordinary_module(dit):
+    model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"])
+    assert torch.equal(run(torch.compile(model, backend="dlo"), dit["inputs"]), dit["expected"])
+    assert dlo_fx.release(model) is model
+    gc.collect()
+    assert live_runtimes() == [] and runtimes_holding(list(model.parameters())) == []
+    assert torch.equal(run(model, dit["inputs"]), dit["expected"])  # eager again
+    with pytest.raises(ValueError, match="no parameter of ReferenceDiT"):
+        dlo_fx.release(model)
+
+
+# -- hollow parameters under module operations (a subprocess: a crash is a return code) ------
+def test_module_operations_in_subprocess(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "ownership_cases.py"),
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    r = json.loads(line[len("RESULT "):])
+    assert r["hollow"] > 0 and r["exact_before"]
+    # .to() the runtime's own device, any spelling: a no-op.
+    for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
+                "to device(type='cpu')", "cpu()"):
+        assert r[key] == "", (key, r[key])
+    assert r["hollow_after_to_cpu"] == r["hollow"] and r["exact_after_to_cpu"]
+    # another dtype: ValueError naming dlo and the way out; nothing converted.
+    for key in ("to_fp16", "float"):
+        assert r[key].startswith("ValueError: dlo:"), r[key]
+        assert "dlo_fx.release(model)" in r[key] and "dtype=" in r[key]
+        assert "modulation_table" in r[key]  # the parameter FQN
+    assert r["dtypes_after_fp16"] == r["dtypes_before"] and r["exact_after_fp16"]
+    # state_dict: the real weights, saved by safetensors.
+    assert r["save_file"] == "" and r["saved_equal"] and r["state_strides"]
+    assert r["exact_after_state_dict"]
+    # release: an ordinary module again.
+    assert r["release"] == "" and r["hollow_after_release"] == 0
+    assert r["runtimes_after_release"] == 0 and r["eager_after_release"]
+    assert r["to_fp16_after_release"] == "" and r["dtypes_after_release_fp16"] == ["torch.float16"]
+    # diffusers' save_pretrained from the host store.
+    assert r["save_pretrained"] == "" and r["save_pretrained_equal"]
+
+
+def test_state_dict_and_release_allgather_two_ranks(tmp_path):
+    path, config = save_dit(str(tmp_path))
+    results = spawn(2, ownership_cases.allgather_state_dict, path, config, timeout=300)
+    for rank, r in results.items():
+        assert r["mode"] == "allgather" and r["dp"] == 2, r
+        assert r["host_bytes"] < r["total_bytes"]  # each rank holds about half
+        assert r["state_equal"] and r["release_equal"], (rank, r)
+        assert r["live_after_release"] == 0
+
+
+# -- options that can only hurt ------------------------------------------------------------------
+@pytest.mark.parametrize("name, value", [
+    ("num_slots", 10**9), ("num_slots", 65), ("num_slots", 1),
+    ("collective_timeout_s", math.nan), ("collective_timeout_s", math.inf),
+    ("collective_timeout_s", -1.0), ("collective_timeout_s", 0),
+    ("fault_delay_s", math.nan), ("fault_delay_s", math.inf), ("fault_delay_s", -0.5),
+])
+def test_harmful_option_refused(name, value):
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        DLOConfig.from_options({name: value})
+
+
+@pytest.mark.parametrize("options", [5, "num_slots=3", [("num_slots", 3)]])
+def test_options_must_be_a_mapping(options, dit):
+    with pytest.raises(ValueError, match="options=.*mapping"):
+        DLOConfig.from_options(options)
+    with pytest.raises(ValueError, match="mapping"):
+        dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"], options=options)
+    assert live_runtimes() == []  # nothing was stored
+
+
+def test_harmful_option_at_compile_leaves_model_intact():
+    model, inputs = tiny_dit()
+    expected = run(tiny_dit()[0], inputs)
+    with pytest.raises(Exception) as info:
+        run(torch.compile(model, backend="dlo", options={"fault_delay_s": math.inf}), inputs)
+    assert isinstance(inner(info.value), ValueError) and "fault_delay_s" in str(info.value)
+    assert not any(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert torch.equal(run(model, inputs), expected)  # still an ordinary, eager module
+
+
+# -- the runtime never reaches up into the policy ------------------------------------------------
+def test_runtime_imports_nothing_from_policy():
+    bad = []
+    for path in sorted((ROOT / "dlo_fx" / "runtime").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if (node.level >= 2 and module.split(".")[0] == "policy") or \
+                        module.startswith("dlo_fx.policy") or \
+                        (node.level >= 2 and not module and any(a.name == "policy"
+                                                                 for a in node.names)):
+                    bad.append(f"{path.name}:{node.lineno}")
+            elif isinstance(node, ast.Import):
+                if any(a.name.startswith("dlo_fx.policy") for a in node.names):
+                    bad.append(f"{path.name}:{node.lineno}")
+    assert bad == [], bad
