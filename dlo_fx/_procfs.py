@@ -57,6 +57,53 @@ def cgroup_memory() -> dict[str, Optional[int]]:
     return out
 
 
+def meminfo() -> dict[str, int]:
+    """Fields of ``/proc/meminfo`` in bytes (empty when unreadable)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2:
+                    out[parts[0].rstrip(":")] = int(parts[1]) * (1024 if parts[-1] == "kB" else 1)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def free_memory() -> Optional[int]:
+    """Memory free without evicting anything: the host's ``MemFree``, or the cgroup's
+    ``memory.max - memory.current`` when that is less (page cache is charged to the cgroup)."""
+    free = meminfo().get("MemFree")
+    base = _cgroup_dir()
+    if base is not None:
+        try:
+            with open(os.path.join(base, "memory.max")) as f:
+                limit = f.read().strip()
+            if limit != "max":
+                current = cgroup_memory()["current"]
+                if current is not None:
+                    left = int(limit) - current
+                    free = left if free is None else min(free, left)
+        except (OSError, ValueError):
+            pass
+    return free
+
+
+def anon_memory() -> dict[str, Optional[int]]:
+    """This process's anonymous memory: ``RssAnon`` (``/proc/self/status``) and
+    ``Private_Dirty`` (``smaps_rollup``), in bytes."""
+    rss_anon = None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    rss_anon = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return {"rss_anon": rss_anon, "private_dirty": smaps_rollup().get("Private_Dirty")}
+
+
 def tree_pss(root_pid: int) -> int:
     """PSS summed over ``root_pid`` and all its descendants (bytes)."""
     total = 0

@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump", help="compile a model with dlo and write its schedule dumps")
     add_dump_arguments(dump)
 
+    from .shard_dir import add_shard_arguments
+
+    shard = sub.add_parser("shard", help="write per-rank shard files of a checkpoint, so "
+                           "each rank reads only its own 1/N (dlo_fx.load accepts the folder)")
+    add_shard_arguments(shard)
+
     from .policy.study.cli import add_plan_arguments
 
     plan = sub.add_parser("plan", help="predict memory and time of both modes")
@@ -61,6 +67,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .dump.cli import run_dump
 
         return run_dump(args)
+    if args.command == "shard":
+        from .shard_dir import run_shard
+
+        return run_shard(args)
     if args.command == "plan":
         from .policy.study.cli import run_plan
 

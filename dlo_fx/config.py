@@ -17,9 +17,11 @@ import torch
 
 Mode = Optional[Literal["auto", "allgather", "rank_local"]]
 Compiler = Literal["eager", "inductor"]
+HostStoreKind = Literal["memory", "mmap"]
 
 _MODES = (None, "auto", "allgather", "rank_local")
 _COMPILERS = ("eager", "inductor")
+_HOST_STORES = ("memory", "mmap")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,14 @@ class DLOConfig:
     compiler: Compiler = "eager"
     """How the compute between schedule nodes runs. Default: ``"eager"``."""
 
+    host_store: HostStoreKind = "memory"
+    """Where this rank's host shards live. ``"memory"``: copied into process memory
+    (pinned where the platform supports it) at load. ``"mmap"``: served from the
+    checkpoint files themselves (the safetensors files `dlo_fx.load` read, or the per-rank
+    files of ``dlo-fx shard``) through the OS page cache, with read-ahead and no copy in
+    anonymous memory: for models larger than host RAM. Needs `dlo_fx.load`. See
+    `dlo_fx.runtime.file_store`. Default: ``"memory"``."""
+
     fault_delay_s: float = 0.0
     """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``
     to prove that ``wait`` orders the slot. Finite and >= 0. Default: ``0.0``."""
@@ -96,6 +106,7 @@ class DLOConfig:
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
         _check_choice("compiler", self.compiler, _COMPILERS)
+        _check_choice("host_store", self.host_store, _HOST_STORES)
         _check_int("num_slots", self.num_slots, minimum=2)
         if self.num_slots > MAX_SLOTS:
             raise ValueError(

@@ -25,7 +25,10 @@ before a single step runs. `load` never holds a private copy of the model:
    its runtime]): compiling maps the graph's parameters onto the stored blocks and
    inherits the options given here.
 
-Peak host memory is then about this rank's shards plus one block of mapped pages.
+Peak host memory is then about this rank's shards plus one block of mapped pages. With
+``host_store="mmap"`` step 4 records where each block's bytes are in the files instead of
+copying them (see [Note: file-backed host store]); a folder written by ``dlo-fx shard``
+is read through its manifest (see [Note: pre-sharded checkpoints]).
 
 [Note: the dtype rule]
 As diffusers' ``from_pretrained``: the model's dtype wins. Without ``dtype=`` every
@@ -58,6 +61,7 @@ from .load_plan import KeyMap, LoadPlan, Target, plan_load
 from .module_guard import guard_module
 from .runtime.layout import span_as_bytes
 from .runtime.runtime import Runtime, claim
+from .shard_dir import ShardDir, checkpoint_extents
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +85,9 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
             when ``config`` is None, from the ``config.json`` beside the weights.
         checkpoint: a ``.safetensors`` file, a folder of them (with or without a
             ``*.safetensors.index.json``), an index file, a local Hugging Face cache repo
-            folder, or a hub id already in the local cache. Never downloads.
+            folder, a hub id already in the local cache, or a folder written by
+            ``dlo-fx shard`` (its manifest must match the model and options). Never
+            downloads.
         subfolder: a folder inside ``checkpoint`` holding the weights and config.json: the
             component of a diffusers pipeline folder (``"transformer"``, ``"text_encoder_2"``).
         config: constructor configuration: a dict (keyword arguments, or a diffusers /
@@ -120,11 +126,18 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     runtime = Runtime(cfg, device)
     error: Optional[BaseException] = None
     plan: Optional[LoadPlan] = None
+    shards: Optional[ShardDir] = None
     try:
-        ckpt = resolve_checkpoint(checkpoint, subfolder)
+        source = os.path.join(checkpoint, subfolder) if subfolder else checkpoint
+        shards = ShardDir.open(source)
+        ckpt = (shards.checkpoint(os.fspath(source)) if shards is not None
+                else resolve_checkpoint(checkpoint, subfolder))
         module = _construct(model, config, ckpt)
-        plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map, strict=strict,
-                         resident=resident)
+        plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map if shards is None
+                         else None, strict=strict, resident=resident)
+        if shards is not None:
+            shards.check(plan, cfg, dp=runtime.group.dp, mode=runtime.mode,
+                         rank=runtime.group.rank, dtype=dtype, resident=resident, key_map=key_map)
     except BaseException as exc:
         error = exc
     _agree(runtime, plan, error)
@@ -136,7 +149,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
         runtime.set_mode(*choose_mode(device, runtime.group,
                                       [sum(t.nbytes for t in block) for block in plan.blocks],
                                       runtime.slots.num_slots))
-    _commit(plan, runtime, device)  # into runtime.store, which the mode decides
+    _commit(plan, runtime, device, shards)  # into runtime.store, which the mode decides
     claim(module.parameters(), runtime)  # the resident ones too: compiling finds the runtime
     module.eval()
     guard_module(module)
@@ -300,7 +313,8 @@ def _install(target: Target, value: torch.Tensor) -> None:
             mod._buffers[name] = value
 
 
-def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device) -> None:
+def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
+            shards: Optional[ShardDir] = None) -> None:
     store = runtime.store
     first = len(store.blocks)
     total = sum(t.info.nbytes for t in plan.params + plan.buffers if t.info is not None)
@@ -319,10 +333,18 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device) -> None:
                     value = nn.Parameter(value, requires_grad=False)
                 values.append((t, value))
                 progress.update(t.info.nbytes if t.info is not None else 0, t.info is not None)
-        for block in plan.blocks:
+        for b, block in enumerate(plan.blocks):
             params = [_hollow_like(t, device) for t in block]
             fqns = [t.fqn for t in block]
             entries, spec = store.layout(params, fqns)
+            if shards is not None or store.files is not None:  # read from (or served by) files
+                extents = (shards.block_extents(b, store.rank, spec)
+                           if shards is not None else checkpoint_extents(block, entries))
+                host = store.blocks[runtime.register_block(params, fqns, extents=extents)]
+                plan.host_bytes += host.shard.numel()
+                values += list(zip(block, params))
+                progress.update(sum(t.info.nbytes for t in block), len(block))
+                continue
             lo, hi = spec.rank_range(store.rank) if store.dp > 1 else (0, spec.padded_bytes)
             need = [e.nbytes > 0 and e.offset < hi and e.offset + e.nbytes > lo for e in entries]
             with open_views([t.info for t, n in zip(block, need) if n]) as views:

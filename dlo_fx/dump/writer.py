@@ -91,7 +91,7 @@ def write_dump(gm: fx.GraphModule, ctx: Any, runtime: Any,
 def _shard_bytes(peers: Sequence[GraphDump], runtime: Any) -> dict[int, int]:
     """host block -> bytes one H2D copy moves."""
     if runtime is not None:
-        return {b.index: b.shard.numel() for b in runtime.store.blocks}
+        return {b.index: b.shard_nbytes for b in runtime.store.blocks}
     return {row.host_block: row.shard_bytes for d in peers for row in d.blocks}
 
 
@@ -227,7 +227,7 @@ def write_trace(target: Any, path: Union[str, os.PathLike]) -> Path:
             host = rt.store.blocks[s.block] if 0 <= s.block < len(rt.store.blocks) else None
             args = {"host_block": s.block, "slot": s.slot}
             if host is not None:
-                args.update(bytes=host.shard.numel() if s.kind == "prefetch" else host.slot_bytes,
+                args.update(bytes=host.shard_nbytes if s.kind == "prefetch" else host.slot_bytes,
                             first=host.fqns[0], last=host.fqns[-1])
             return f"{s.kind} block {s.block}", args
 

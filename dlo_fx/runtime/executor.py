@@ -70,7 +70,12 @@ class CpuExecutor:
         return self._worker().submit(task)
 
     def gather(self, slot: int, task: Callable[[], Any], after: Any) -> Future:
-        return self._worker().submit(task)  # FIFO: runs after the copy it follows
+        def gather_after_copy() -> None:
+            if isinstance(after, Future):
+                after.result()  # a failed copy fails the gather: never gather a stale slot
+            task()
+
+        return self._worker().submit(gather_after_copy)  # FIFO: after the copy it follows
 
     @staticmethod
     def wait(handle: Optional[Future]) -> None:

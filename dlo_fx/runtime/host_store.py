@@ -1,5 +1,9 @@
 """`HostStore`: every streamed block's bytes in host memory (this rank's shard of them).
 
+With ``host_store="mmap"`` a block's bytes stay in the checkpoint files and are read from
+there at every prefetch (`FileShard`; see [Note: file-backed host store] in
+`file_store.py`); ``shard`` is then empty.
+
 Parameters handed to the store end *hollow*: real shape, dtype, device and strides over a
 zero-byte storage, so Dynamo's guards keep holding while the module holds no weight memory.
 """
@@ -14,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .file_store import Extent, FileShard, FileStore, read_extents
 from .layout import Entry, ShardSpec, copy_into_shard, plan_offsets, span_as_bytes, span_bytes
 
 log = logging.getLogger(__name__)
@@ -29,6 +34,19 @@ class HostBlock:
     entries: list[Entry]
     spec: ShardSpec
     shard: torch.Tensor  # uint8, this rank's bytes (the whole padded block when dp == 1)
+    source: Optional[FileShard] = None  # host_store="mmap": the bytes are read from files
+
+    @property
+    def shard_nbytes(self) -> int:
+        """Bytes of this rank's host shard (in files with host_store="mmap")."""
+        return self.source.nbytes if self.source is not None else self.shard.numel()
+
+    def copy_to(self, dest: torch.Tensor) -> None:
+        """Copy this rank's host shard into ``dest`` (``shard_nbytes`` bytes, any device)."""
+        if self.source is not None:
+            self.source.read_into(dest)
+        else:
+            dest.copy_(self.shard, non_blocking=True)
 
     @property
     def nbytes(self) -> int:
@@ -62,8 +80,9 @@ class HostStore:
     """
 
     def __init__(self, *, alignment: int, rank: int = 0, dp: int = 1,
-                 pin: bool = False) -> None:
+                 pin: bool = False, files: Optional[FileStore] = None) -> None:
         self.alignment = alignment
+        self.files = files  # host_store="mmap"
         self.rank = rank
         self.dp = dp
         self.pin = pin
@@ -99,24 +118,42 @@ class HostStore:
         return entries, ShardSpec.of(total, self.dp, self.alignment)
 
     def add_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
-                  sources: Optional[Sequence[torch.Tensor]] = None) -> HostBlock:
+                  sources: Optional[Sequence[torch.Tensor]] = None,
+                  extents: Optional[Sequence[Extent]] = None) -> HostBlock:
         """Lay ``params`` out as a new block and copy this rank's shard of their bytes.
 
         ``sources`` are flat uint8 images of each parameter's storage span (the loader
-        passes mmap views); by default the parameters' own bytes are read. The parameters
-        are hollowed afterwards.
+        passes mmap views); by default the parameters' own bytes are read. ``extents``
+        say instead where the block's bytes are in files: a file-backed store keeps them
+        (nothing is copied), a memory store reads them once. The parameters are hollowed
+        afterwards.
         """
         for p, fqn in zip(params, fqns):
             if id(p) in self._entries:
                 raise RuntimeError(f"parameter {fqn!r} is already in host block "
                                    f"{self._entries[id(p)].block}")
         entries, spec = self.layout(params, fqns)
-        shard = self._allocate(spec.shard_bytes if self.dp > 1 else spec.padded_bytes)
+        size = spec.shard_bytes if self.dp > 1 else spec.padded_bytes
         start, _ = spec.rank_range(self.rank) if self.dp > 1 else (0, 0)
-        if sources is None:
-            sources = [span_as_bytes(p) if e.nbytes else None for p, e in zip(params, entries)]
-        copy_into_shard(shard, entries, sources, start)
-        block = HostBlock(index=len(self.blocks), entries=entries, spec=spec, shard=shard)
+        index, source = len(self.blocks), None
+        if self.files is not None:
+            if extents is None:
+                raise ValueError(
+                    f"dlo: host_store='mmap' serves weights from checkpoint files, but "
+                    f"{fqns[0]!r} (and {len(fqns) - 1} more) are in process memory; load the "
+                    "model with dlo_fx.load(cls, checkpoint, options={..., 'host_store': "
+                    "'mmap'}) or use host_store='memory'")
+            source = self.files.shard(index, extents, start, start + size)
+            shard = torch.empty(0, dtype=torch.uint8)
+        elif extents is not None:
+            shard = self._allocate(size)
+            read_extents(extents, start, shard, f"host block {index}")
+        else:
+            shard = self._allocate(size)
+            if sources is None:
+                sources = [span_as_bytes(p) if e.nbytes else None for p, e in zip(params, entries)]
+            copy_into_shard(shard, entries, sources, start)
+        block = HostBlock(index=index, entries=entries, spec=spec, shard=shard, source=source)
         self.blocks.append(block)
         for p, e in zip(params, entries):
             self._entries[id(p)] = e
@@ -129,6 +166,8 @@ class HostStore:
         hollow and must not be used again."""
         self._entries = {k: e for k, e in self._entries.items() if e.block < first}
         del self.blocks[first:]
+        if self.files is not None:
+            self.files.drop(first)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         with torch.inference_mode(False):  # written by the worker thread

@@ -40,6 +40,12 @@ def can_pin(device: torch.device) -> bool:
     return device.type != "cpu" and accelerator() is not None
 
 
+def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A host uint8 buffer that device copies read from (page-locked when ``pin``)."""
+    with torch.inference_mode(False):
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
 def new_stream(device: torch.device) -> torch.Stream:
     return torch.Stream(device=device)
 

@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .collectives import ShardGroup, gather_in_place, resolve_shard_group
 from . import platform
 from .device_slots import SlotBlocks, device_slots
+from .file_store import FileStore
 from .host_store import HostStore
 from .trace import Tracer
 
@@ -80,10 +81,12 @@ class Runtime:
                                f"cannot become {mode!r}")
         sharded = mode == "allgather"
         self.mode, self.mode_reason = mode, reason
-        self.store = HostStore(alignment=self.config.alignment,
-                               pin=self.config.pin_memory and platform.can_pin(self.device),
-                               rank=self.group.rank if sharded else 0,
-                               dp=self.group.dp if sharded else 1)
+        pin = self.config.pin_memory and platform.can_pin(self.device)
+        rank = self.group.rank if sharded else 0
+        files = (FileStore(device=self.device, num_slots=self.config.num_slots, rank=rank, pin=pin)
+                 if self.config.host_store == "mmap" else None)
+        self.store = HostStore(alignment=self.config.alignment, pin=pin, rank=rank,
+                               dp=self.group.dp if sharded else 1, files=files)
         log.info("dlo: %s mode over the %s (%s)", mode, self.group.describe(), reason)
 
     @property
@@ -100,7 +103,8 @@ class Runtime:
 
     # -- registration (compile time, or first call of a reused graph) --------------------
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
-                       sources: Optional[Sequence[torch.Tensor]] = None) -> int:
+                       sources: Optional[Sequence[torch.Tensor]] = None,
+                       extents: Optional[Sequence] = None) -> int:
         """Store ``params`` as a new host block (this rank's shard of it) and hollow them.
         ``sources`` are flat uint8 images of each parameter's storage span (the loader
         passes mmap views); by default the parameters' own bytes are read."""
@@ -109,7 +113,7 @@ class Runtime:
                                "decided (passes.choose_mode or the loader decides it)")
         if self.closed:
             raise RuntimeError("dlo: this runtime was released; compile the model again")
-        block = self.store.add_block(params, fqns, sources)
+        block = self.store.add_block(params, fqns, sources, extents)
         claim(params, self)
         self.fit_slots(block.slot_bytes)
         return block.index
@@ -174,7 +178,7 @@ class Runtime:
         """Copy this rank's host shard of ``block`` to its place in ``flat``."""
         host = self.store.blocks[block]
         start = host.spec.rank_range(self.store.rank)[0] if self.store.dp > 1 else 0
-        flat[start : start + host.shard.numel()].copy_(host.shard, non_blocking=True)
+        host.copy_to(flat[start : start + host.shard_nbytes])
 
     def prefetch(self, block: int, slot: int) -> None:
         """H2D of this rank's shard of ``block`` into its slice of ``slot``."""
@@ -185,7 +189,11 @@ class Runtime:
         task = lambda: self._fill(flat, block)  # noqa: E731
         if self.tracer is not None:
             task = self.tracer.timed("prefetch", block, slot, task)
-        self._pending[slot] = self.executor.copy(slot, task, self.store.blocks[block].shard.numel())
+        try:
+            self._pending[slot] = self.executor.copy(slot, task, self.store.blocks[block].shard_nbytes)
+        except BaseException:  # a copy run inline failed (a file-backed read): slot is stale
+            self.slot_block[slot] = None
+            raise
         self._gathered[slot] = self.mode != "allgather"
         self.copies += 1
 
@@ -263,7 +271,12 @@ class Runtime:
                              "model's host store")
         block = self.store.blocks[entry.block]
         if self.store.dp == 1:
-            return entry.view_of(block.shard).clone()
+            if block.source is None:
+                return entry.view_of(block.shard).clone()
+            with torch.inference_mode(False):
+                flat = torch.empty(block.shard_nbytes, dtype=torch.uint8)
+            block.copy_to(flat)  # host_store="mmap": read from the file
+            return entry.view_of(flat).clone()
         cached = self._host_cache
         if cached is None or cached[0] != entry.block:
             with torch.inference_mode(False):
@@ -289,6 +302,8 @@ class Runtime:
             if self.slot_block[slot] is not None:
                 self.slot_block[slot] = None
         unclaim(self)
+        if self.store.files is not None:
+            self.store.files.close()
         self.store = HostStore(alignment=self.config.alignment)
         self._resident.clear()
         self._host_cache = None

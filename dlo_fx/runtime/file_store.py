@@ -1,0 +1,384 @@
+"""`FileStore`: host shards served from files (``host_store="mmap"``), not process memory.
+
+[Note: file-backed host store]
+With ``host_store="memory"`` every rank copies its shard of every block into anonymous
+memory at load: a model larger than host RAM, or many ranks per node, does not fit. With
+``host_store="mmap"`` a block's host shard is a list of *runs*: byte ranges of the
+checkpoint files (the safetensors files `dlo_fx.load` read, or the per-rank files written
+by ``dlo-fx shard``) and where they go in the rank's slice of the block. The OS page cache
+is the host store: it is shared by every rank on the host, evictable, and costs no
+anonymous memory.
+
+* **Reads.** A prefetch reads the runs with ``os.preadv`` straight into the slot (CPU) or
+  into one of ``num_slots`` pinned staging buffers that the copy stream then copies to the
+  slot (devices). Runs that are adjacent both in the file and in the block are merged, so a
+  block of a pre-sharded file is one read; a block whose tensors are not laid out in the
+  file as in the block (alignment padding, another order, several files) is read tensor by
+  tensor, and a tensor whose dtype or strides differ from the parameter's (a dtype cast, a
+  transposed weight) is read into a temporary of that one tensor and copied into place. `FileStore.stats` counts
+  and times those copies.
+* **Why pread, not the mapping.** Touching a mapped page of a file that was truncated
+  meanwhile raises SIGBUS, which kills the process; a read past the end of a file returns
+  short, which is an exception naming the file. So nothing here touches a mapped page.
+* **A file that changed.** Every read first compares the file's size and mtime with those
+  seen at load, and again after the read (a rewrite racing the read): a difference raises
+  `FileChangedError` naming the file, the block and the rank, never a wrong output.
+* **Read-ahead.** A daemon thread, woken by every block read, asks the OS for the next
+  ``depth`` blocks' ranges (``posix_fadvise(WILLNEED)``, asynchronous) and, when free
+  memory (host or cgroup) is below twice the read-ahead window, lets go of the block just
+  read (``POSIX_FADV_DONTNEED``): under pressure the pages given up are the ones used
+  longest ago in the ring, not the ones about to be read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .. import _procfs
+from . import platform
+from .layout import span_as_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Convert", "Extent", "FileChangedError", "FileShard", "FileStore", "read_extents"]
+
+
+class FileChangedError(RuntimeError):
+    """A file a host shard is served from was truncated, rewritten or removed."""
+
+
+@dataclass(frozen=True)
+class Convert:
+    """A tensor stored in the file as ``src_dtype``, contiguous, that the block holds in
+    ``dtype`` with ``stride``."""
+
+    src_dtype: torch.dtype
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes ``[dest, dest + nbytes)`` of a block's flat image, found in ``path`` at
+    ``offset`` (``src_nbytes`` bytes there; they differ only when ``convert`` is set)."""
+
+    dest: int
+    nbytes: int
+    path: str
+    offset: int
+    src_nbytes: int
+    what: str  # a parameter FQN or "block 3", for messages
+    convert: Optional[Convert] = None
+
+
+@dataclass(frozen=True)
+class _Run:
+    dest: int  # offset inside the rank's shard
+    nbytes: int
+    path: str
+    offset: int
+    src_nbytes: int
+    what: str
+    convert: Optional[Convert] = None
+    skip: int = 0  # converted runs: bytes of the converted span before ``dest``
+
+
+class _ServedFile:
+    """One open file and the size and mtime it had when it was opened."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise FileChangedError(f"dlo: cannot open {path} to serve weights from it "
+                                   f"({exc})") from None
+        st = os.fstat(self.fd)
+        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+
+    def check(self, what: str) -> None:
+        st = os.fstat(self.fd)
+        if (st.st_size, st.st_mtime_ns) != (self.size, self.mtime_ns):
+            how = (f"truncated or extended from {self.size} to {st.st_size} bytes"
+                   if st.st_size != self.size else "rewritten (its mtime changed)")
+            raise FileChangedError(
+                f"dlo: {self.path} was {how} while host_store='mmap' serves {what} from it; "
+                "the weights would be wrong. Restore the file (or never write to a "
+                "checkpoint being served) and load the model again")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _pread_into(f: _ServedFile, dest: torch.Tensor, offset: int, what: str) -> None:
+    """Fill the CPU uint8 tensor ``dest`` with ``dest.numel()`` bytes of ``f`` at ``offset``."""
+    view = memoryview(dest.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(f.fd, [view[done:]], offset + done)
+        if n <= 0:
+            f.check(what)  # names a truncation when that is why
+            raise FileChangedError(f"dlo: {f.path} ended at byte {offset + done} while reading "
+                                   f"{what} ({len(view) - done} bytes missing); the file is "
+                                   "truncated: restore it and load the model again")
+        done += n
+
+
+def _clip(extents: Sequence[Extent], lo: int, hi: int) -> list[_Run]:
+    """The parts of ``extents`` inside block bytes ``[lo, hi)``, relative to ``lo``, with
+    runs adjacent both in the block and in one file merged into one read."""
+    runs: list[_Run] = []
+    for e in sorted(extents, key=lambda e: e.dest):
+        a, b = max(e.dest, lo), min(e.dest + e.nbytes, hi)
+        if a >= b:
+            continue
+        if e.convert is not None:
+            runs.append(_Run(a - lo, b - a, e.path, e.offset, e.src_nbytes, e.what, e.convert,
+                             skip=a - e.dest))
+            continue
+        run = _Run(a - lo, b - a, e.path, e.offset + (a - e.dest), b - a, e.what)
+        last = runs[-1] if runs else None
+        if (last is not None and last.convert is None and last.path == run.path
+                and last.dest + last.nbytes == run.dest and last.offset + last.nbytes == run.offset):
+            runs[-1] = _Run(last.dest, last.nbytes + run.nbytes, last.path, last.offset,
+                            last.nbytes + run.nbytes, last.what)
+        else:
+            runs.append(run)
+    return runs
+
+
+class FileShard:
+    """This rank's bytes of one block, as runs of file bytes."""
+
+    def __init__(self, store: "FileStore", index: int, nbytes: int, runs: list[_Run]) -> None:
+        self.store = store
+        self.index = index
+        self.nbytes = nbytes
+        self.runs = runs
+
+    @property
+    def split(self) -> bool:
+        """Whether this block needs more than one read (tensor by tensor)."""
+        return len(self.runs) > 1
+
+    def read_into(self, dest: torch.Tensor) -> None:
+        self.store.read(self, dest)
+
+
+def _span_nbytes(c: Convert) -> int:
+    span = 1 + sum((n - 1) * st for n, st in zip(c.shape, c.stride)) if all(c.shape) else 0
+    return span * torch.empty((), dtype=c.dtype).element_size()
+
+
+def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.Tensor,
+               what: str) -> int:
+    """Read ``runs`` into the CPU uint8 tensor ``dest``; returns the tensors converted."""
+    used = {r.path: files[r.path] for r in runs}
+    for f in used.values():
+        f.check(what)
+    converted = 0
+    for r in runs:
+        f = files[r.path]
+        if r.convert is None:
+            _pread_into(f, dest[r.dest : r.dest + r.nbytes], r.offset, f"{r.what} of {what}")
+            continue
+        c = r.convert
+        with torch.inference_mode(False):
+            raw = torch.empty(r.src_nbytes, dtype=torch.uint8)
+            _pread_into(f, raw, r.offset, f"{r.what} of {what}")
+            src = raw.view(c.src_dtype).view(c.shape)
+            span = dest[r.dest : r.dest + r.nbytes]
+            if r.skip == 0 and r.nbytes == _span_nbytes(c):  # the whole tensor: in place
+                typed = span.view(c.dtype)
+                typed.as_strided(c.shape, c.stride, typed.storage_offset()).copy_(src)
+            else:  # part of it (a shard boundary cuts it): through a temporary
+                out = torch.empty_strided(c.shape, c.stride, dtype=c.dtype)
+                out.copy_(src)
+                span.copy_(span_as_bytes(out)[r.skip : r.skip + r.nbytes])
+        converted += 1
+    for f in used.values():  # a rewrite that raced the reads
+        f.check(what)
+    return converted
+
+
+def read_extents(extents: Sequence[Extent], lo: int, dest: torch.Tensor, what: str) -> None:
+    """Read the block bytes ``[lo, lo + dest.numel())`` that ``extents`` hold into ``dest``
+    (a CPU uint8 tensor) once, without keeping the files open (``host_store="memory"``)."""
+    runs = _clip(extents, lo, lo + dest.numel())
+    files = {r.path: _ServedFile(r.path) for r in runs}
+    try:
+        _read_runs(files, runs, dest, what)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+class _Staging:
+    """``count`` pinned host buffers that device copies go through, used in turn; a buffer
+    is refilled only once the copy that last read it has finished (its event)."""
+
+    def __init__(self, device: torch.device, count: int, pin: bool) -> None:
+        self.device, self.count, self.pin = device, count, pin
+        self.buffers: list[Optional[torch.Tensor]] = [None] * count
+        self.events: list = [None] * count
+        self.turn = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        i = self.turn
+        self.turn = (i + 1) % self.count
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # the copy that last read it
+            self.events[i] = None
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < nbytes:
+            self.buffers[i] = buf = platform.host_buffer(nbytes, pin=self.pin)
+        return i, buf[:nbytes]
+
+    def copied(self, i: int) -> None:
+        event = platform.new_event(self.device)
+        event.record(platform.current_stream(self.device))
+        self.events[i] = event
+
+
+class FileStore:
+    """The open files and the file shards of one host store; read-ahead; read statistics."""
+
+    def __init__(self, *, device: torch.device, num_slots: int, rank: int = 0,
+                 pin: bool = False, depth: Optional[int] = None) -> None:
+        self.device = device
+        self.rank = rank
+        self.files: dict[str, _ServedFile] = {}
+        self.shards: list[FileShard] = []
+        self.staging = _Staging(device, num_slots, pin) if device.type != "cpu" else None
+        self.depth = depth if depth is not None else num_slots + 1
+        self.drop_behind: Optional[bool] = None  # None: only under memory pressure
+        self.stats = {"block_reads": 0, "reads": 0, "bytes": 0, "seconds": 0.0,
+                      "split_block_reads": 0, "tensor_reads": 0, "split_seconds": 0.0,
+                      "converted": 0, "advised": 0, "dropped": 0}
+        self._lock = threading.Lock()
+        self._queue: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- building --------------------------------------------------------------------------
+    def shard(self, index: int, extents: Sequence[Extent], lo: int, hi: int) -> FileShard:
+        """The runs of block bytes ``[lo, hi)`` (this rank's range); opens their files."""
+        runs = _clip(extents, lo, hi)
+        for r in runs:
+            if r.path not in self.files:
+                self.files[r.path] = _ServedFile(r.path)
+        shard = FileShard(self, index, hi - lo, runs)
+        self.shards.append(shard)
+        return shard
+
+    def drop(self, first: int) -> None:
+        """Forget shards of blocks ``first`` onwards (undoing a failed load)."""
+        self.shards = [s for s in self.shards if s.index < first]
+
+    # -- serving ---------------------------------------------------------------------------
+    def read(self, shard: FileShard, dest: torch.Tensor) -> None:
+        """Copy ``shard``'s bytes into ``dest`` (``shard.nbytes`` bytes, on any device)."""
+        what = f"host block {shard.index} (rank {self.rank})"
+        start = time.perf_counter()
+        if dest.device.type == "cpu":
+            converted = _read_runs(self.files, shard.runs, dest, what)
+        else:
+            i, buf = self.staging.take(shard.nbytes)
+            converted = _read_runs(self.files, shard.runs, buf, what)
+            dest.copy_(buf, non_blocking=True)
+            self.staging.copied(i)
+        seconds = time.perf_counter() - start
+        with self._lock:
+            s = self.stats
+            s["block_reads"] += 1
+            s["reads"] += len(shard.runs)
+            s["bytes"] += shard.nbytes
+            s["seconds"] += seconds
+            s["converted"] += converted
+            if shard.split:
+                s["split_block_reads"] += 1
+                s["tensor_reads"] += len(shard.runs)
+                s["split_seconds"] += seconds
+        self._notify(shard.index)
+
+    # -- read-ahead ------------------------------------------------------------------------
+    def _notify(self, index: int) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=_read_ahead,
+                                            args=(self._queue, weakref.ref(self)),
+                                            name="dlo-read-ahead", daemon=True)
+            self._thread.start()
+        self._queue.put(index)
+
+    def window_bytes(self) -> int:
+        return sum(s.nbytes for s in sorted(self.shards, key=lambda s: -s.nbytes)[: self.depth])
+
+    def under_pressure(self) -> bool:
+        if self.drop_behind is not None:
+            return self.drop_behind
+        free = _procfs.free_memory()
+        return free is not None and free < 2 * self.window_bytes()
+
+    def advise(self, index: int, advice: int) -> None:
+        """``posix_fadvise`` over the file ranges of the shard of block ``index``."""
+        shard = next((s for s in self.shards if s.index == index), None)
+        if shard is None:
+            return
+        for r in shard.runs:
+            f = self.files.get(r.path)
+            if f is not None and f.fd >= 0:
+                try:
+                    os.posix_fadvise(f.fd, r.offset, r.src_nbytes, advice)
+                except OSError:  # advisory only (a closed file, a filesystem without it)
+                    pass
+
+    def close(self) -> None:
+        self._queue.put(None)
+        for f in self.files.values():
+            f.close()
+
+    def __del__(self) -> None:  # the read-ahead thread holds no reference to the store
+        try:
+            self._queue.put(None)
+        except Exception:
+            pass
+
+
+def _read_ahead(q: "queue.SimpleQueue[Optional[int]]", ref: "weakref.ref[FileStore]") -> None:
+    while True:
+        index = q.get()
+        if index is None:
+            return
+        while True:  # only the latest block matters
+            try:
+                nxt = q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                return
+            index = nxt
+        store = ref()
+        if store is None:
+            return
+        indices = sorted(s.index for s in store.shards)
+        if indices and index in indices:
+            pos = indices.index(index)
+            ahead = {indices[(pos + k) % len(indices)] for k in range(1, store.depth + 1)}
+            for b in sorted(ahead):
+                store.advise(b, os.POSIX_FADV_WILLNEED)
+            store.stats["advised"] += len(ahead)
+            if index not in ahead and store.under_pressure():
+                store.advise(index, os.POSIX_FADV_DONTNEED)
+                store.stats["dropped"] += 1
+        del store

@@ -1,0 +1,376 @@
+"""Pre-sharded checkpoints (``dlo-fx shard``) and where a block's bytes are in files.
+
+[Note: pre-sharded checkpoints]
+``dlo-fx shard CKPT --dp N --out DIR`` plans the load once (the same blocks `dlo_fx.load`
+makes for the same options) and writes:
+
+* ``rank-RRRRR-of-NNNNN.safetensors``: one uint8 tensor ``block.B`` per block holding rank
+  R's host shard of block B, already in the block's layout (dtype cast, strides, alignment
+  and zero padding applied), so serving it is one read per block; every tensor starts at a
+  multiple of ``alignment`` bytes of the file. A rank on another node needs only its own
+  file: 1/N of the model on its local disk;
+* ``common.safetensors``: resident parameters and the checkpoint's buffers, by model FQN
+  (every rank reads it; small);
+* ``dlo-shards.json``: the manifest: the model class, N, the mode, the options that shape
+  the blocks (``alignment``, ``block_bytes``, ``resident_bytes``, ``resident``, ``dtype``),
+  the plan digest (every block's FQNs, shapes, strides, dtypes and offsets), an id that
+  every rank file repeats in its metadata, and each file's size.
+
+``dlo_fx.load(cls, DIR, options=...)`` recognises the manifest, plans the load as usual,
+and raises ValueError listing every field that differs from what the manifest was written
+for (a shard file that is missing, of another ``dlo-fx shard`` run, or of another size is
+an error too) before anything is registered. With ``host_store="mmap"`` the blocks are then
+served from the rank file; with ``"memory"`` each rank reads its file once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from .checkpoint import Checkpoint, CheckpointError, TensorInfo, open_views
+from .config import DLOConfig
+from .load_plan import LoadPlan, Target
+from .runtime.file_store import Convert, Extent
+from .runtime.layout import Entry, ShardSpec, copy_into_shard, plan_offsets
+
+__all__ = ["MANIFEST", "ShardDir", "checkpoint_extents", "write_shard_dir"]
+
+MANIFEST = "dlo-shards.json"
+FORMAT = "dlo-fx-shards/1"
+COMMON = "common.safetensors"
+
+
+def rank_file(rank: int, dp: int) -> str:
+    return f"rank-{rank:05d}-of-{dp:05d}.safetensors"
+
+
+def tensor_offsets(path: str) -> dict[str, tuple[int, int]]:
+    """Absolute file byte range of every tensor of a safetensors file (header only)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    base = 8 + length
+    return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def _metadata(path: str) -> dict[str, str]:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)).get("__metadata__") or {}
+
+
+def checkpoint_extents(block: Sequence[Target], entries: Sequence[Entry]) -> list[Extent]:
+    """Where each parameter of a block is in the checkpoint's files: the tensor's own bytes
+    when its dtype and layout are the parameter's, else a conversion of that tensor."""
+    offsets: dict[str, dict[str, tuple[int, int]]] = {}
+    out = []
+    for t, e in zip(block, entries):
+        if e.nbytes == 0 or t.info is None:
+            continue
+        info = t.info
+        if info.path not in offsets:
+            offsets[info.path] = tensor_offsets(info.path)
+        start, _ = offsets[info.path][info.key]
+        convert = None
+        if info.dtype != e.dtype or not t.tensor.is_contiguous():
+            convert = Convert(info.dtype, tuple(t.tensor.shape), e.dtype, e.stride)
+        out.append(Extent(dest=e.offset, nbytes=e.nbytes, path=info.path, offset=start,
+                          src_nbytes=info.nbytes, what=repr(t.fqn), convert=convert))
+    return out
+
+
+# -- the plan, as the manifest records it ----------------------------------------------------
+def _layout_rows(plan: LoadPlan, alignment: int) -> list[list]:
+    rows = []
+    for b, block in enumerate(plan.blocks):
+        offsets, _ = plan_offsets([t.nbytes for t in block], alignment)
+        for t, off in zip(block, offsets):
+            rows.append([b, t.fqn, list(t.tensor.shape), list(t.tensor.stride()), str(t.dtype),
+                         off, t.nbytes])
+    return rows
+
+
+def _shape_fields(plan: LoadPlan, cfg: DLOConfig, dp: int, mode: str,
+                  dtype: Optional[torch.dtype], resident: Sequence[str]) -> dict[str, Any]:
+    module = plan.module
+    rows = _layout_rows(plan, cfg.alignment)
+    return {
+        "model": f"{type(module).__module__}.{type(module).__qualname__}",
+        "dp": dp, "mode": mode, "alignment": cfg.alignment, "block_bytes": cfg.block_bytes,
+        "resident_bytes": cfg.resident_bytes,
+        "resident": sorted([resident] if isinstance(resident, str) else resident),
+        "dtype": str(dtype) if dtype is not None else None,
+        "blocks": len(plan.blocks),
+        "plan_digest": hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:32],
+    }
+
+
+def _block_bytes(plan: LoadPlan, b: int, alignment: int) -> tuple[list[int], int]:
+    sizes = [t.nbytes for t in plan.blocks[b]]
+    return plan_offsets(sizes, alignment)
+
+
+# -- writing ---------------------------------------------------------------------------------
+def _padded_block(block: Sequence[Target], offsets: list[int], spec: ShardSpec) -> torch.Tensor:
+    """A block's whole padded flat image, read from the checkpoint."""
+    from .loader import _model_layout_bytes  # the loader's own conversion
+
+    flat = torch.zeros(spec.padded_bytes, dtype=torch.uint8)
+    entries = [Entry(uid=i, fqn=t.fqn, block=0, offset=off, nbytes=t.nbytes,
+                     shape=tuple(t.tensor.shape), stride=tuple(t.tensor.stride()), dtype=t.dtype)
+               for i, (t, off) in enumerate(zip(block, offsets))]
+    with open_views([t.info for t in block if t.nbytes]) as views:
+        sources = [_model_layout_bytes(t, views[t.info.key]) if t.nbytes else None for t in block]
+        copy_into_shard(flat, entries, sources, 0)
+    return flat
+
+
+def _safetensors_header(tensors: list[tuple[str, int]], metadata: dict[str, str],
+                        alignment: int) -> bytes:
+    """Header of a file of uint8 tensors (name, nbytes) written back to back, padded with
+    spaces so the data starts at a multiple of ``alignment``."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    cursor = 0
+    for name, n in tensors:
+        header[name] = {"dtype": "U8", "shape": [n], "data_offsets": [cursor, cursor + n]}
+        cursor += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    pad = (-(8 + len(raw))) % alignment
+    return struct.pack("<Q", len(raw) + pad) + raw + b" " * pad
+
+
+def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.PathLike, *,
+                    dp: int, config: Any = None, dtype: Optional[torch.dtype] = None,
+                    key_map: Any = None, strict: bool = True,
+                    options: Mapping[str, Any] | DLOConfig | None = None,
+                    resident: Sequence[str] = ()) -> dict[str, Any]:
+    """Write the per-rank shard files of ``checkpoint`` for ``dp`` ranks into ``out`` (see
+    [Note: pre-sharded checkpoints]); returns the manifest. ``dp=1`` writes whole blocks
+    (for rank-local mode or one rank). The arguments are `dlo_fx.load`'s."""
+    from .checkpoint import resolve_checkpoint
+    from .load_plan import plan_load
+    from .loader import _construct, _materialised
+
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dlo-fx shard: --dp {dp!r} must be an integer >= 1")
+    cfg = DLOConfig.from_options(options)
+    ckpt = resolve_checkpoint(checkpoint)
+    module = _construct(model, config, ckpt)
+    plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map, strict=strict,
+                     resident=resident)
+    mode = "allgather" if dp > 1 else "rank_local"
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        (out / MANIFEST).unlink()  # a half-written folder is never taken for a finished one
+    shard_id = uuid.uuid4().hex
+    specs, offsets = [], []
+    for b in range(len(plan.blocks)):
+        offs, total = _block_bytes(plan, b, cfg.alignment)
+        offsets.append(offs)
+        specs.append(ShardSpec.of(total, dp, cfg.alignment))
+    sizes = [s.shard_bytes if dp > 1 else s.padded_bytes for s in specs]
+    names = [rank_file(r, dp) for r in range(dp)]
+    handles = [open(out / n, "wb") for n in names]
+    try:
+        for r, f in enumerate(handles):
+            f.write(_safetensors_header([(f"block.{b}", n) for b, n in enumerate(sizes)],
+                                        {"format": FORMAT, "shard_id": shard_id, "rank": str(r),
+                                         "dp": str(dp)}, cfg.alignment))
+        for b, block in enumerate(plan.blocks):
+            flat = _padded_block(block, offsets[b], specs[b])
+            for r, f in enumerate(handles):
+                lo = specs[b].rank_range(r)[0] if dp > 1 else 0
+                f.write(flat[lo : lo + sizes[b]].numpy().tobytes())
+            del flat
+    finally:
+        for f in handles:
+            f.close()
+    common: dict[str, torch.Tensor] = {}
+    small = [t for t in plan.buffers + plan.resident if t.info is not None]
+    with open_views([t.info for t in small]) as views:
+        for t in small:
+            common[t.fqn] = _materialised(t, views[t.info.key], torch.device("cpu")).contiguous()
+    from safetensors.torch import save_file
+
+    save_file(common, str(out / COMMON), metadata={"format": FORMAT, "shard_id": shard_id})
+    if ckpt.folder is not None and (Path(ckpt.folder) / "config.json").is_file():
+        shutil.copy(Path(ckpt.folder) / "config.json", out / "config.json")
+    tensors = {}
+    for t in plan.params + plan.buffers:
+        if t.info is not None:
+            tensors[t.fqn] = {"dtype": str(t.dtype), "shape": list(t.tensor.shape)}
+    manifest = {
+        "format": FORMAT, "shard_id": shard_id, "source": str(checkpoint),
+        **_shape_fields(plan, cfg, dp, mode, dtype, resident),
+        "block_shard_bytes": sizes,
+        "files": {n: (out / n).stat().st_size for n in names + [COMMON]},
+        "tensors": tensors,
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / MANIFEST)
+    return manifest
+
+
+# -- reading ---------------------------------------------------------------------------------
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+@dataclass
+class ShardDir:
+    """A folder written by ``dlo-fx shard``, as `dlo_fx.load` reads it."""
+
+    folder: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Optional["ShardDir"]:
+        """The shard folder at ``path``, or None when ``path`` is no such folder."""
+        folder = Path(path)
+        if not (folder / MANIFEST).is_file():
+            return None
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{folder / MANIFEST}: unreadable manifest ({exc}); rerun "
+                                  "`dlo-fx shard`") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{folder / MANIFEST}: not a {FORMAT} manifest; rerun "
+                                  "`dlo-fx shard` with this version of dlo-fx")
+        return cls(folder, manifest)
+
+    @property
+    def dp(self) -> int:
+        return int(self.manifest["dp"])
+
+    def _check_file(self, name: str) -> Path:
+        path = self.folder / name
+        want = self.manifest["files"].get(name)
+        if not path.is_file():
+            raise CheckpointError(f"pre-sharded checkpoint {self.folder}: shard file {name} is "
+                                  "missing; copy it from where `dlo-fx shard` wrote it, or "
+                                  "rerun `dlo-fx shard`")
+        size = path.stat().st_size
+        if size != want:
+            raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {name} has {size} "
+                                  f"bytes, the manifest says {want}; the file is truncated or "
+                                  "from another `dlo-fx shard` run: rerun it")
+        got = _metadata(str(path)).get("shard_id")
+        if got != self.manifest["shard_id"]:
+            raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {name} belongs to "
+                                  f"another `dlo-fx shard` output (shard id {got}, the manifest "
+                                  f"says {self.manifest['shard_id']}); do not mix shard "
+                                  "folders: copy all files of one run")
+        return path
+
+    def checkpoint(self, source: str) -> Checkpoint:
+        """The tensors the manifest promises, for planning the load (`plan_load`)."""
+        common = str(self._check_file(COMMON))
+        in_common = tensor_offsets(common)
+        tensors = {}
+        for fqn, meta in self.manifest["tensors"].items():
+            dtype, shape = _dtype(meta["dtype"]), tuple(meta["shape"])
+            nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            tensors[fqn] = TensorInfo(key=fqn, path=common if fqn in in_common else "", dtype=dtype,
+                                      shape=shape, nbytes=nbytes)
+        return Checkpoint(source=source, files=(common,), tensors=tensors,
+                          folder=str(self.folder))
+
+    def check(self, plan: LoadPlan, cfg: DLOConfig, *, dp: int, mode: Optional[str],
+              rank: int, dtype: Optional[torch.dtype], resident: Sequence[str],
+              key_map: Any) -> None:
+        """Raise ValueError naming every field in which this load differs from the one the
+        folder was written for, or a shard file this rank needs that is missing or foreign."""
+        where = f"dlo_fx.load: pre-sharded checkpoint {self.folder}"
+        if key_map is not None:
+            raise ValueError(f"{where}: its keys are model FQNs already; drop key_map=")
+        if mode is None:
+            raise ValueError(f"{where} was written for mode={self.manifest['mode']!r}; mode='auto' "
+                             "cannot choose another: pass options={'mode': "
+                             f"{self.manifest['mode']!r}}}")
+        shards = dp if mode == "allgather" else 1
+        mine = _shape_fields(plan, cfg, shards, mode, dtype, resident)
+        diffs = [f"{k}: written for {self.manifest.get(k)!r}, this load has {v!r}"
+                 for k, v in mine.items() if self.manifest.get(k) != v]
+        if diffs:
+            raise ValueError(
+                f"{where} does not match this load:\n  " + "\n  ".join(diffs) +
+                f"\nload with the options it was written for, or rerun `dlo-fx shard "
+                f"{self.manifest.get('source')} --dp {shards} --out {self.folder}` with yours")
+        self._check_file(rank_file(rank if shards > 1 else 0, shards))
+
+    def block_extents(self, index: int, rank: int, spec: ShardSpec) -> list[Extent]:
+        """Block ``index``'s bytes of ``rank``'s range, in that rank's file."""
+        shards = self.dp
+        name = rank_file(rank if shards > 1 else 0, shards)
+        path = str(self.folder / name)
+        start, end = tensor_offsets(path)[f"block.{index}"]
+        lo = spec.rank_range(rank)[0] if shards > 1 else 0
+        return [Extent(dest=lo, nbytes=end - start, path=path, offset=start,
+                       src_nbytes=end - start, what=f"block.{index} of {name}")]
+
+
+# -- the command -----------------------------------------------------------------------------
+def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="safetensors file, folder, index or cached hub id")
+    parser.add_argument("--dp", type=int, required=True, help="ranks of the shard group")
+    parser.add_argument("--out", required=True, help="folder to write the shard files into")
+    parser.add_argument("--model", default=None,
+                        help="module:attr of the model class or factory (default: the diffusers "
+                        "class named by the checkpoint's config.json)")
+    parser.add_argument("--config", default=None,
+                        help="JSON object of constructor arguments (default: config.json)")
+    parser.add_argument("--dtype", default=None, help="cast floating-point weights, e.g. bfloat16")
+    parser.add_argument("--options", default="{}",
+                        help="JSON dlo options the model will be loaded with (alignment, "
+                        "block_bytes, resident_bytes)")
+    parser.add_argument("--resident", action="append", default=[],
+                        help="parameter FQN or module prefix to keep resident (repeatable)")
+
+
+def _model_from(spec: Optional[str], ckpt_path: str) -> Any:
+    if spec is not None:
+        module, _, attr = spec.partition(":")
+        if not attr:
+            raise ValueError(f"dlo-fx shard: --model {spec!r} must be module:attr")
+        return getattr(importlib.import_module(module), attr)
+    from .checkpoint import resolve_checkpoint
+
+    folder = resolve_checkpoint(ckpt_path).folder
+    config = Path(folder) / "config.json" if folder else None
+    if config is None or not config.is_file():
+        raise ValueError("dlo-fx shard: no config.json next to the checkpoint; pass --model")
+    name = json.loads(config.read_text()).get("_class_name")
+    import diffusers
+
+    if not name or not hasattr(diffusers, name):
+        raise ValueError(f"dlo-fx shard: config.json names class {name!r}, not a diffusers "
+                         "class; pass --model")
+    return getattr(diffusers, name)
+
+
+def run_shard(args: argparse.Namespace) -> int:
+    manifest = write_shard_dir(
+        _model_from(args.model, args.checkpoint), args.checkpoint, args.out, dp=args.dp,
+        config=json.loads(args.config) if args.config else None,
+        dtype=_dtype(args.dtype) if args.dtype else None, options=json.loads(args.options),
+        resident=tuple(args.resident))
+    total = sum(manifest["files"].values())
+    print(f"wrote {len(manifest['files'])} files ({total} bytes) for dp={manifest['dp']}, "
+          f"{manifest['blocks']} blocks, plan {manifest['plan_digest'][:12]}, into {args.out}")
+    return 0

@@ -1,0 +1,100 @@
+"""Case functions for the file-backed host store run on every rank by `distributed.spawn`,
+and the child script of the truncation tests (run in a subprocess: a SIGBUS would show as
+its return code)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from dlo_fx.loader import load
+from dlo_fx.models import ReferenceDiT
+from dlo_fx.runtime.file_store import FileChangedError
+from dlo_fx.runtime.runtime import runtimes_holding
+
+from loader_cases import SHARED, compare, fresh, resident_dit, resident_wan
+from models import call, tiny_dit, tiny_wan
+
+
+def store_of(model: torch.nn.Module):
+    return runtimes_holding(list(model.parameters()))[0].store
+
+
+def served(model: torch.nn.Module) -> dict:
+    """Where the model's host shards are: anonymous bytes, and what the files served."""
+    store = store_of(model)
+    return {"anon_bytes": sum(b.shard.numel() for b in store.blocks),
+            "file_backed": all(b.source is not None for b in store.blocks),
+            "stats": dict(store.files.stats) if store.files is not None else None}
+
+
+def dp2_cases(rank: int, world: int, dit_path: str, dit_config, wan_dir: str, shards2: str,
+              shards1: str, broken: str) -> dict:
+    out = {}
+    _, dit_inputs = tiny_dit()
+    _, wan_inputs = tiny_wan()
+    reference = resident_dit(dit_path, dit_config)
+    for key, source, options in [
+        ("mmap-allgather", dit_path, {"mode": "allgather", "host_store": "mmap"}),
+        ("mmap-rank-local", dit_path, {"mode": "rank_local", "host_store": "mmap"}),
+        ("mmap-allgather-shards", shards2, {"mode": "allgather", "host_store": "mmap"}),
+        ("memory-allgather-shards", shards2, {"mode": "allgather"}),
+        ("mmap-rank-local-shards", shards1, {"mode": "rank_local", "host_store": "mmap"}),
+    ]:
+        fresh()
+        model = load(ReferenceDiT, source, config=dit_config, options=options, resident=SHARED)
+        out[key] = {**compare(model, reference, dit_inputs, options), **served(model)}
+    fresh()
+    from diffusers import WanTransformer3DModel
+
+    options = {"mode": "allgather", "host_store": "mmap", "num_slots": 3}
+    model = load(WanTransformer3DModel, wan_dir, options=options)
+    out["wan-mmap-allgather"] = {**compare(model, resident_wan(wan_dir), wan_inputs, options),
+                                 **served(model)}
+    # Rank 1's shard file is missing: every rank raises, none hangs.
+    fresh()
+    try:
+        load(ReferenceDiT, broken, config=dit_config, resident=SHARED,
+             options={"mode": "allgather", "host_store": "mmap", "collective_timeout_s": 30})
+        out["missing-rank-file"] = None
+    except ValueError as exc:
+        out["missing-rank-file"] = str(exc)
+    return out
+
+
+def serve_then_break(dit_path: str, how: str, slots: str) -> None:
+    """Child process: serve the DiT from ``dit_path`` with host_store="mmap", then truncate
+    or rewrite the file in place and call again; prints what happened."""
+    config = tiny_dit()[0].config
+    options = {"host_store": "mmap", "num_slots": int(slots)}
+    model = load(ReferenceDiT, dit_path, config=config, options=options)
+    compiled = torch.compile(model, backend="dlo", options=options)
+    inputs = tiny_dit()[1]
+    with torch.no_grad():
+        first = call(compiled, inputs)
+        expected = call(resident_dit(dit_path, config), inputs)
+    print("first-equal", torch.equal(first, expected), flush=True)
+    size = os.path.getsize(dit_path)
+    if how == "truncate":
+        os.truncate(dit_path, size // 2)
+    else:  # rewrite in place: same size, other bytes
+        with open(dit_path, "r+b") as f:
+            f.seek(size // 2)
+            f.write(b"\x7f" * 4096)
+        st = os.stat(dit_path)
+        os.utime(dit_path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    for attempt in range(2):
+        try:
+            with torch.no_grad():
+                again = call(compiled, inputs)
+            print("no-error", torch.equal(again, expected), flush=True)
+        except FileChangedError as exc:
+            print("FileChangedError", str(exc).replace("\n", " "), flush=True)
+        except RuntimeError as exc:
+            print("RuntimeError", str(exc).replace("\n", " "), flush=True)
+
+
+if __name__ == "__main__":
+    serve_then_break(*sys.argv[1:])

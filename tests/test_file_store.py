@@ -1,0 +1,224 @@
+"""host_store="mmap": blocks served from the checkpoint files, bit-identical to the resident
+model at dp=1 and dp=2 (both modes); `dlo-fx shard` round trips; every bad input (a file
+truncated or rewritten while served, a missing or foreign shard file, a manifest that does
+not match) is a clear error, never a SIGBUS or a wrong output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import file_store_cases
+from distributed import spawn
+from dlo_fx.checkpoint import CheckpointError
+from dlo_fx.config import DLOConfig
+from dlo_fx.loader import load
+from dlo_fx.models import ReferenceDiT
+from dlo_fx.shard_dir import MANIFEST, write_shard_dir
+from file_store_cases import served
+from loader_cases import SHARED
+from loader_cases import (compare, fresh, resident_dit, resident_wan, save_dit, save_wan,
+                          stored_state)
+from models import tiny_dit, tiny_wan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def shard_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    return subprocess.run([sys.executable, "-m", "dlo_fx.cli", "shard", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    dit_path, dit_config = save_dit(str(root))
+    wan_dir = save_wan(str(root / "wan"))
+    wan1 = str(root / "wan-dp1")  # through the command line: the round trip
+    done = shard_cli(wan_dir, "--dp", "1", "--out", wan1)
+    assert done.returncode == 0, done.stderr
+    assert "dp=1" in done.stdout
+    for dp in (1, 2):
+        write_shard_dir(ReferenceDiT, dit_path, str(root / f"dit-dp{dp}"), dp=dp,
+                        config=dit_config, resident=SHARED)
+    return {"root": root, "dit": dit_path, "config": dit_config, "wan": wan_dir,
+            "wan1": wan1, "dit1": str(root / "dit-dp1"),
+            "dit2": str(root / "dit-dp2")}
+
+
+def test_option_is_validated():
+    assert DLOConfig.from_options({"host_store": "mmap"}).host_store == "mmap"
+    with pytest.raises(ValueError, match="'host_store'='disk'.*'memory', 'mmap'"):
+        DLOConfig.from_options({"host_store": "disk"})
+
+
+# -- bit identity, dp = 1 ----------------------------------------------------------------------
+@pytest.mark.parametrize("options", [
+    {"host_store": "mmap"}, {"host_store": "mmap", "num_slots": 3, "block_bytes": 40_000},
+], ids=["default", "slots3-small-blocks"])
+def test_dit_served_from_its_file_bit_identical(ckpts, options):
+    fresh()
+    model = load(ReferenceDiT, ckpts["dit"], config=ckpts["config"], options=options)
+    r = compare(model, resident_dit(ckpts["dit"], ckpts["config"]), tiny_dit()[1], options)
+    s = served(model)
+    assert r["equal"] and s["file_backed"] and s["anon_bytes"] == 0
+    stats = s["stats"]
+    # The checkpoint is not in the blocks' layout (256-byte alignment, transposed fc2):
+    # blocks are read tensor by tensor, fc2_weight converted, and all of it counted.
+    assert stats["split_block_reads"] > 0 and stats["tensor_reads"] > stats["split_block_reads"]
+    assert stats["converted"] >= 3 and stats["bytes"] > 0 and stats["split_seconds"] > 0
+
+
+def test_wan_folder_and_dtype_cast_served_from_files(ckpts):
+    from diffusers import WanTransformer3DModel
+
+    fresh()
+    options = {"host_store": "mmap"}
+    model = load(WanTransformer3DModel, ckpts["wan"], options=options)
+    r = compare(model, resident_wan(ckpts["wan"]), tiny_wan()[1], options)
+    assert r["equal"] and served(model)["anon_bytes"] == 0
+    # dtype=bfloat16: every tensor is cast while read; the same values, dtypes and strides
+    # as the memory store, which casts once at load.
+    states = {}
+    for store in ("memory", "mmap"):
+        fresh()
+        model = load(WanTransformer3DModel, ckpts["wan"], options={"host_store": store},
+                     dtype=torch.bfloat16)
+        states[store] = stored_state(model)
+    assert states["memory"].keys() == states["mmap"].keys()
+    for name, value in states["memory"].items():
+        other = states["mmap"][name]
+        assert value.dtype == other.dtype and value.stride() == other.stride(), name
+        assert torch.equal(value, other), name
+    assert states["mmap"]["blocks.0.attn1.to_q.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("store", ["mmap", "memory"])
+def test_pre_sharded_dp1_round_trip(ckpts, store):
+    from diffusers import WanTransformer3DModel
+
+    fresh()
+    options = {"host_store": store}
+    model = load(WanTransformer3DModel, ckpts["wan1"], options=options)  # config.json copied
+    r = compare(model, resident_wan(ckpts["wan"]), tiny_wan()[1], options)
+    assert r["equal"]
+    s = served(model)
+    if store == "mmap":  # already in the block layout: one read per block, no conversion
+        stats = s["stats"]
+        assert s["anon_bytes"] == 0 and stats["reads"] == stats["block_reads"] > 0
+        assert stats["split_block_reads"] == 0 and stats["converted"] == 0
+    else:
+        assert s["anon_bytes"] == r["sum_shard"]
+    manifest = json.loads(open(os.path.join(ckpts["wan1"], MANIFEST)).read())
+    assert manifest["dp"] == 1 and manifest["mode"] == "rank_local"
+    assert manifest["model"].endswith("WanTransformer3DModel")
+
+
+def test_mmap_needs_a_loaded_model():
+    fresh()
+    model, inputs = tiny_dit()
+    compiled = torch.compile(model, backend="dlo", options={"host_store": "mmap"})
+    with pytest.raises(Exception, match="host_store='mmap' serves weights from checkpoint files"):
+        with torch.no_grad():
+            compiled(*inputs)
+    torch._dynamo.reset()
+
+
+# -- dp = 2 -------------------------------------------------------------------------------------
+def test_two_ranks_both_modes_from_files_and_shards(ckpts, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpts["dit2"], broken)
+    os.remove(broken / "rank-00001-of-00002.safetensors")
+    results = spawn(2, file_store_cases.dp2_cases, ckpts["dit"], ckpts["config"], ckpts["wan"],
+                    ckpts["dit2"], ckpts["dit1"], str(broken), timeout=600)
+    for rank, out in results.items():
+        for key in ("mmap-allgather", "mmap-rank-local", "mmap-allgather-shards",
+                    "memory-allgather-shards", "mmap-rank-local-shards", "wan-mmap-allgather"):
+            assert out[key]["equal"], (rank, key)
+        for key in ("mmap-allgather", "mmap-allgather-shards", "wan-mmap-allgather"):
+            assert out[key]["mode"] == "allgather" and out[key]["anon_bytes"] == 0, (rank, key)
+            assert out[key]["file_backed"], (rank, key)
+        assert out["mmap-rank-local"]["mode"] == "rank_local"
+        shards = out["mmap-allgather-shards"]["stats"]
+        assert shards["reads"] == shards["block_reads"] > 0  # its own file: one read per block
+        assert out["memory-allgather-shards"]["anon_bytes"] == \
+            out["memory-allgather-shards"]["sum_shard"]
+        assert "rank-00001-of-00002.safetensors is missing" in out["missing-rank-file"]
+    assert "failed on global rank 1" in results[0]["missing-rank-file"]
+
+
+# -- bad inputs -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["truncate", "rewrite"])
+def test_file_changed_while_served_is_an_error_not_sigbus(ckpts, tmp_path, how):
+    path = str(tmp_path / "dit.safetensors")
+    shutil.copy(ckpts["dit"], path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, os.path.join(HERE, "file_store_cases.py"), path, how,
+                           "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])  # -7 would be SIGBUS
+    lines = done.stdout.splitlines()
+    assert lines[0] == "first-equal True"
+    word = "truncated or extended" if how == "truncate" else "rewritten"
+    assert lines[1].startswith("FileChangedError") and word in lines[1] and path in lines[1]
+    assert "host block" in lines[1] and "rank 0" in lines[1]
+    assert not any(line.startswith("no-error") for line in lines[1:]), lines
+
+
+def test_missing_and_foreign_shard_files(ckpts, tmp_path):
+    missing = tmp_path / "missing"
+    shutil.copytree(ckpts["dit1"], missing)
+    os.remove(missing / "rank-00000-of-00001.safetensors")
+    fresh()
+    with pytest.raises(CheckpointError, match="rank-00000-of-00001.safetensors is missing"):
+        load(ReferenceDiT, str(missing), config=ckpts["config"], options={"host_store": "mmap"},
+             resident=SHARED)
+    # Shard files of another `dlo-fx shard` run of the same checkpoint: same sizes, other id.
+    other = tmp_path / "other"
+    write_shard_dir(ReferenceDiT, ckpts["dit"], str(other), dp=1, config=ckpts["config"],
+                    resident=SHARED)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(ckpts["dit1"], mixed)
+    shutil.copy(other / "rank-00000-of-00001.safetensors", mixed)
+    with pytest.raises(CheckpointError, match="belongs to another `dlo-fx shard` output"):
+        load(ReferenceDiT, str(mixed), config=ckpts["config"], options={"host_store": "mmap"},
+             resident=SHARED)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(ckpts["dit1"], truncated)
+    name = truncated / "rank-00000-of-00001.safetensors"
+    os.truncate(name, os.path.getsize(name) - 512)
+    with pytest.raises(CheckpointError, match="has .* bytes, the manifest says"):
+        load(ReferenceDiT, str(truncated), config=ckpts["config"], resident=SHARED)
+
+
+def test_manifest_that_does_not_match_names_what_differs(ckpts):
+    from diffusers import WanTransformer3DModel
+
+    fresh()
+    cases = [
+        (ckpts["dit1"], ReferenceDiT, {"alignment": 512}, "alignment: written for 256"),
+        (ckpts["dit1"], ReferenceDiT, {"block_bytes": 40_000}, "block_bytes: written for None"),
+        (ckpts["dit2"], ReferenceDiT, {}, "dp: written for 2, this load has 1"),
+        (ckpts["dit1"], WanTransformer3DModel, {}, None),  # another model: its keys differ
+    ]
+    for folder, cls, options, words in cases:
+        config = ckpts["config"] if cls is ReferenceDiT else None
+        with pytest.raises(ValueError) as info:
+            load(cls, folder, config=config, options={"host_store": "mmap", **options},
+                 resident=SHARED if cls is ReferenceDiT else ())
+        assert words is None or words in str(info.value), (options, str(info.value))
+        assert "missing key" in str(info.value) if words is None else True
+    with pytest.raises(ValueError, match=r"resident: written for \['modulation_table'\], this load has \[\]"):
+        load(ReferenceDiT, ckpts["dit1"], config=ckpts["config"])
+
+
+def test_shard_command_errors(ckpts, tmp_path):
+    done = shard_cli(ckpts["dit"], "--dp", "2", "--out", str(tmp_path / "x"))
+    assert done.returncode != 0 and "pass --model" in done.stderr
