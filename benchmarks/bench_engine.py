@@ -7,8 +7,8 @@ one run, interleaved (A B C, C B A, ...; see benchmarks/_timing.py), medians ove
 repetitions after warm-up waves:
 
 - ``wave of 2``: ``engine.run_wave([a, b])``, two different requests, one per rank;
-- ``wave of 1``: ``engine.run_wave([a])``, the spare rank repeats ``a`` (every rank must
-  run the same forwards) and its duplicate is dropped;
+- ``wave of 1``: ``engine.run_wave([a])``, the spare rank runs padding forwards (every
+  rank must run the same forwards, see [Note: the collective clock]);
 - ``resident``: request ``a`` alone in this process on a resident model, one thread.
 
 Figure: throughput(wave of 2) / throughput(wave of 1) = 2 x t(wave of 1) / t(wave of 2),
@@ -18,6 +18,11 @@ wave of 2 are checked bit-identical to the resident runs first.
     python benchmarks/bench_engine.py             # full mode (~3 min on 2 cores)
     python benchmarks/bench_engine.py --quick     # smoke mode (~1 min)
     python benchmarks/bench_engine.py --markdown  # also print the docs/benchmarks.md section
+
+``--mixed`` measures instead a mixed workload of 8 requests (2 resolutions x 2 step
+counts, 3/1/1/3 of each) on dp=2: `Engine.generate` packing any requests into the
+fewest waves, against grouping the requests by shape (waves of equal resolution and
+steps, as a pipeline without a forward clock must), interleaved, median of ``--reps``.
 """
 
 from __future__ import annotations
@@ -107,6 +112,67 @@ def run(p: dict, wait_quiet_s: float = 0.0) -> dict:
     }
 
 
+MIXED = dict(width=256, depth=4, heads=4, sizes=(128, 64), steps=(4, 2), counts=(3, 1, 1, 3),
+             reps=3, warmup=1)
+
+
+def run_mixed(p: dict) -> dict:
+    from dlo_fx.engine.request import plan_waves
+
+    dit = dict(width=p["width"], depth=p["depth"], heads=p["heads"])
+    shapes = [(size, steps) for size in p["sizes"] for steps in p["steps"]]
+    requests = [Request(prompt=f"request {i}", seed=i, height=size, width=size,
+                        num_inference_steps=steps)
+                for (size, steps), count in zip(shapes, p["counts"]) for i in range(count)]
+    by_shape = [[requests[i] for i in w] for w in plan_waves(requests, 2, mixed=False)]
+    packed = [[requests[i] for i in w] for w in plan_waves(requests, 2, mixed=True)]
+    torch.set_num_threads(1)
+    ref = resident(**dit)
+    with Engine(PIPELINE, 2, pipeline_kwargs=dit, num_threads=1) as engine:
+        results = engine.generate(requests)  # compiles every shape
+        identical = all(r.ok and torch.equal(r.output, ref(r.request)) for r in results)
+        variants = {"packed": lambda: [engine.run_wave(w) for w in packed],
+                    "by shape": lambda: [engine.run_wave(w) for w in by_shape]}
+        samples = T.interleaved(variants, reps=p["reps"], warmup=p["warmup"])
+    n = len(requests)
+    return {
+        "setup": (f"reference DiT width {p['width']}, {p['depth']} layers, bf16; {n} "
+                  f"requests: sizes {p['sizes']} px x steps {p['steps']}, counts "
+                  f"{p['counts']}; dp=2 allgather, 1 thread per rank"),
+        "bit_identical": identical,
+        "waves": {"packed": len(packed), "by shape": len(by_shape)},
+        "median_s": {k: samples.median(k) for k in variants},
+        "requests_per_s": {k: n / samples.median(k) for k in variants},
+        "ratio": samples.paired_ratio("by shape", "packed"),
+        "reps": samples.reps, "warmup": samples.warmup, "samples": samples.summary(),
+    }
+
+
+def markdown_mixed(r: dict, result: dict) -> str:
+    m = result["machine"]
+    rows = [f"| {k} | {r['waves'][k]} | {r['median_s'][k]:.2f} s | "
+            f"{r['requests_per_s'][k]:.2f} req/s |" for k in ("packed", "by shape")]
+    return "\n".join([
+        "## CPU: DP wave engine, mixed workload",
+        "",
+        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']}. Command: "
+        f"`{result['command']}` ({result['elapsed_s']:.0f} s). Setup: {r['setup']}; "
+        f"medians of {r['reps']} interleaved repetitions after {r['warmup']} warm-up "
+        f"round(s); every output bit-identical to the request run alone on a resident "
+        f"model: {r['bit_identical']}.",
+        "",
+        "| packing | waves | median for all requests | throughput |",
+        "| --- | --- | --- | --- |",
+        *rows,
+        "",
+        f"Packing any requests into a wave (`Engine.generate`) vs waves of one shape: "
+        f"**{r['ratio']:.2f}x** the requests per second (median of the per-repetition "
+        "ratios). A wave lasts as long as its longest request; the ranks with less work "
+        "run padding forwards (one forward at the smallest compiled shape each), so the "
+        "gain is the waves saved minus that padding.",
+    ])
+
+
 def markdown(r: dict, result: dict) -> str:
     m = result["machine"]
     med, thr = r["median_s"], r["throughput_per_s"]
@@ -126,7 +192,7 @@ def markdown(r: dict, result: dict) -> str:
         "| --- | --- | --- | --- |",
         f"| wave of 2 (one request per rank) | 2 | {med['wave of 2']:.3f} s | "
         f"{thr['wave of 2']:.3f} req/s |",
-        f"| wave of 1 (spare rank repeats it) | 1 | {med['wave of 1']:.3f} s | "
+        f"| wave of 1 (spare rank pads) | 1 | {med['wave of 1']:.3f} s | "
         f"{thr['wave of 1']:.3f} req/s |",
         f"| resident, one process, one thread | 1 | {med['resident']:.3f} s | "
         f"{thr['resident']:.3f} req/s |",
@@ -139,9 +205,10 @@ def markdown(r: dict, result: dict) -> str:
         f"and {r['slot_bytes_per_rank'] / 2**20:.1f} MiB of slots. The first wave "
         f"(compile included) took {r['first_wave_s']:.1f} s.",
         "",
-        "A wave of 1 costs as much as a wave of 2 because the spare rank has to run the "
-        "same forwards for the weight AllGathers to stay matched, so the ratio measures "
-        "how well a full wave amortises that fixed cost. The ratio to the resident "
+        "A wave of 1 costs about as much as a wave of 2 because the spare rank has to run "
+        "as many forwards (padding, at the smallest compiled shape) for the weight "
+        "AllGathers to stay matched, so the ratio measures how well a full wave amortises "
+        "that fixed cost. The ratio to the resident "
         "process includes the AllGathers, the slot copies (on CPU they take cycles from "
         "the same cores as the compute) and the engine's control plane; it is also the "
         "figure most hurt by a shared machine: the resident variant runs while both "
@@ -160,7 +227,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="before timing, wait up to SECONDS until other processes use less "
                          "than 0.3 cores (for shared machines); default 0: do not wait")
     ap.add_argument("--markdown", action="store_true", help="print the docs section")
+    ap.add_argument("--mixed", action="store_true",
+                    help="the mixed workload: packed waves vs waves grouped by shape")
     args = ap.parse_args(argv)
+    if args.mixed:
+        return main_mixed(args)
     plan = dict(QUICK if args.quick else FULL)
     if args.reps is not None:
         plan["reps"] = max(5, args.reps)
@@ -186,6 +257,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.out:
         T.write_json(args.out, result)
     return 0 if r["passed"] else 1
+
+
+def main_mixed(args: argparse.Namespace) -> int:
+    plan = dict(MIXED)
+    if args.reps is not None:
+        plan["reps"] = max(3, args.reps)
+    command = f"python benchmarks/bench_engine.py --mixed --reps {plan['reps']}"
+    result: dict[str, Any] = {"command": command, "machine": T.machine_info(), "plan": plan}
+    start = time.perf_counter()
+    r = run_mixed(plan)
+    result["elapsed_s"] = time.perf_counter() - start
+    result["mixed"] = r
+    result["markdown"] = markdown_mixed(r, result)
+    print(result["markdown"])
+    if args.out:
+        T.write_json(args.out.replace(".json", "-mixed.json"), result)
+    return 0 if r["bit_identical"] else 1
 
 
 if __name__ == "__main__":

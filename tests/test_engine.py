@@ -1,5 +1,6 @@
 """The DP wave engine: real worker processes on gloo, outputs checked with torch.equal
-against the same request run alone on a resident model in this process."""
+against the same request run alone on a resident model in this process (what dp=1
+computes). One engine serves many sub-cases, so its start-up is paid once."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from dlo_fx.engine import Engine, Request, Topology
+from dlo_fx.engine.cli import main as generate_main
 from dlo_fx.engine.png import encode_png, latents_preview
 from dlo_fx.engine.reference_pipeline import resident, write_checkpoint
 from dlo_fx.engine.request import plan_waves
@@ -26,7 +26,8 @@ DIT = dict(width=64, depth=3, heads=4)
 
 
 def req(prompt: str = "a red fox", seed: int = 0, **kw) -> Request:
-    return Request(prompt=prompt, seed=seed, height=64, width=64, num_inference_steps=3, **kw)
+    return Request(**{"prompt": prompt, "seed": seed, "height": 64, "width": 64,
+                      "num_inference_steps": 3, **kw})
 
 
 def alone(request: Request, **dit) -> torch.Tensor:
@@ -51,19 +52,20 @@ def test_empty_prompt_is_rejected_up_front():
         Request.from_dict({"prompt": "x", "colour": "red"})
 
 
-def test_incompatible_wave_is_rejected_naming_the_fields_before_any_worker():
-    engine = Engine(PIPELINE, 2, pipeline_kwargs=DIT)
+def test_waves_of_a_pipeline_without_a_forward_clock_must_agree_on_the_wave_key():
+    from dlo_fx.engine.request import check_wave
+
     with pytest.raises(ValueError, match="height, num_inference_steps") as info:
-        engine.run_wave([req(seed=1), Request(prompt="b", height=128, width=64,
-                                              num_inference_steps=4)])
+        check_wave([req(seed=1), Request(prompt="b", height=128, width=64,
+                                         num_inference_steps=4)], 2, mixed=False)
     assert "request 1 has height=128, num_inference_steps=4" in str(info.value)
     with pytest.raises(ValueError, match="extra_args"):
-        engine.run_wave([req(extra_args={"a": 1}), req(extra_args={"a": 2})])
+        check_wave([req(extra_args={"a": 1}), req(extra_args={"a": 2})], 2, mixed=False)
+    check_wave([req(extra_args={"a": 1}), req(height=128)], 2, mixed=True)
     with pytest.raises(ValueError, match="at most dp_size=2"):
-        engine.run_wave([req(seed=s) for s in range(3)])
+        Engine(PIPELINE, 2).run_wave([req(seed=s) for s in range(3)])
     with pytest.raises(ValueError, match="at least one"):
-        engine.run_wave([])
-    assert engine.generations == 0  # nothing was started
+        check_wave([], 2, mixed=True)
     # request-local fields may differ; extra_args compare as canonical JSON
     assert req("a", 1, extra_args={"x": 1, "y": [1, 2]}).wave_key() == \
         req("b", 2, negative_prompt="n", extra_args={"y": [1, 2], "x": 1}).wave_key()
@@ -71,12 +73,12 @@ def test_incompatible_wave_is_rejected_naming_the_fields_before_any_worker():
 
 def test_requests_are_planned_into_waves_of_at_most_dp():
     a, b = req(seed=1), req(seed=2, guidance_scale=3.0)
-    assert plan_waves([a, a, a], 2) == [[0, 1], [2]]
-    assert plan_waves([a, b, a, b, a], 2) == [[0, 2], [4], [1, 3]]
+    assert plan_waves([a, a, a], 2, mixed=False) == [[0, 1], [2]]
+    assert plan_waves([a, b, a, b, a], 2, mixed=False) == [[0, 2], [4], [1, 3]]
 
 
 def test_request_round_trips_and_is_read_only():
-    r = req("a cat", 7, extra_args={"k": [1, {"z": None}]}, lora_id="style", fps=24.0)
+    r = req("a cat", 7, extra_args={"k": [1, {"z": None}]}, lora_id="style")
     assert Request.from_dict(json.loads(json.dumps(r.to_dict()))) == r
     assert pickle.loads(pickle.dumps(r)) == r
     with pytest.raises(TypeError):
@@ -124,49 +126,105 @@ def _expect_failed(results, requests, needle: str, elapsed: float) -> None:
     assert elapsed < 10, elapsed
 
 
-def test_waves_are_bit_identical_and_fail_closed():
-    with Engine(PIPELINE, 2, pipeline_kwargs=DIT, wave_timeout_s=120) as engine:
-        # Two compatible requests with different seeds: one wave, two different outputs,
-        # each equal to the request run alone on a resident model.
-        pair = [req("a red fox", seed=1), req("a blue bird", seed=2)]
-        results = engine.generate(pair)
-        assert [r.ok for r in results] == [True, True], [r.error for r in results]
-        assert results[0].wave_id == results[1].wave_id
-        assert [r.dp_rank for r in results] == [0, 1]
-        assert not torch.equal(results[0].output, results[1].output)
-        for result, request in zip(results, pair):
+def _listening(pids) -> list[str]:
+    """``host:port`` of every listening TCP socket the processes ``pids`` hold."""
+    inodes = {}
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes[target[8:-1]] = pid
+    found = []
+    for table, size in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    host, port = cols[1].split(":")
+                    raw = bytes.fromhex(host)
+                    words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+                    addr = b"".join(words)
+                    import ipaddress
+
+                    found.append(f"{ipaddress.ip_address(addr)}:{int(port, 16)}")
+    return found
+
+
+def test_engine_serves_mixed_waves_and_per_request_failures():
+    kwargs = {**DIT, "fault_hooks": True}
+    with Engine(PIPELINE, 2, pipeline_kwargs=kwargs, wave_timeout_s=240) as engine:
+        # Mixed shapes, steps and guidance: 4 requests in 2 waves, each output equal to
+        # the request run alone; the two long ones share a wave, as do the short ones.
+        mixed = [req("a red fox", 1),
+                 Request(prompt="a blue bird", seed=2, height=32, width=32,
+                         num_inference_steps=2, guidance_scale=2.0),
+                 Request(prompt="a cow", seed=3, height=32, width=64, num_inference_steps=1),
+                 req("a hill", 4, num_inference_steps=2)]
+        results = engine.generate(mixed)
+        assert [r.ok for r in results] == [True] * 4, [r.error for r in results]
+        assert [r.wave for r in results] == [0, 1, 1, 0]
+        for result, request in zip(results, mixed):
             assert torch.equal(result.output, alone(request))
-        info = results[1].info
+        info = results[0].info
         assert info["host_shard_bytes"] > 0 and info["slot_bytes"] > 0
-        pids = {r.dp_rank: r.info["pid"] for r in results}
+        pids = sorted({r.info["pid"] for r in results})
+        assert len(pids) == 2 and engine.generations == 1
 
-        # Three requests: two waves; the partial one repeats a request on the spare rank
-        # and drops the duplicate.
-        three = [req("one", seed=3), req("two", seed=4, guidance_scale=2.0),
-                 req("three", seed=5)]
-        results = engine.generate(three)
-        assert all(r.ok for r in results), [r.error for r in results]
-        assert results[0].wave_id == results[2].wave_id != results[1].wave_id
-        assert [r.dp_rank for r in results] == [0, 0, 1]
-        for result, request in zip(results, three):
-            assert torch.equal(result.output, alone(request))
-        assert engine.generations == 1
+        # The engine's processes listen on loopback only (gloo), the front end on nothing
+        # once its workers are connected.
+        sockets = _listening(pids + [os.getpid()])
+        assert all(s.startswith(("127.", "::1")) for s in sockets), sockets
 
-        # A worker raising mid-wave: every request fails, with its message.
-        wave = [req("x", seed=6, extra_args={"fault": "raise", "fault_rank": 1}),
-                req("y", seed=7, extra_args={"fault": "raise", "fault_rank": 1})]
+        # Requests outside the pipeline's limits: refused before any wave, naming them.
+        waves = engine._next_wave
+        with pytest.raises(ValueError, match="request 1: Request.height=524288"):
+            engine.generate([req(seed=5), Request(prompt="x", height=2**19, width=64)])
+        with pytest.raises(ValueError, match="request 0: Request.width=72.*multiple of 16"):
+            engine.run_wave([req(width=72)])
+        assert engine._next_wave == waves
+
+        # One request raises between two forwards (rank 1, step 1): it gets its own
+        # error; the other request of the wave, three times longer, completes exactly,
+        # with rank 1 padding its gathers; no worker is restarted.
+        bad = req("bad", 6, num_inference_steps=2,
+                  extra_args={"fault": "raise", "fault_rank": 1, "fault_step": 1})
+        good = req("good", 7, num_inference_steps=6)
+        first, second = engine.run_wave([good, bad])
+        assert first.ok and torch.equal(first.output, alone(good))
+        assert not second.ok and second.dp_rank == 1
+        assert "failed on dp rank 1: RuntimeError: injected fault on rank 1 at step 1" \
+            in second.error
+        (again,) = engine.run_wave([req("after", 8)])  # a partial wave: rank 1 only pads
+        assert again.ok and torch.equal(again.output, alone(again.request))
+        assert engine.generations == 1 and again.info["pid"] in pids
+
+        # A worker that dies mid-wave fails its wave closed; generate keeps the results
+        # of the waves before it, and the waves after it run on fresh workers.
+        dies = Request(prompt="dies", seed=9, height=32, width=32, num_inference_steps=2,
+                       extra_args={"fault": "exit", "fault_rank": 0, "fault_step": 1})
+        batch = [req("one", 10, num_inference_steps=3), req("two", 11, num_inference_steps=3),
+                 dies, Request(prompt="its peer", seed=12, height=32, width=32,
+                               num_inference_steps=2),
+                 Request(prompt="later", seed=13, height=32, width=32,
+                         num_inference_steps=1)]
         start = time.monotonic()
-        results = engine.run_wave(wave)
-        _expect_failed(results, wave, "injected fault on rank 1 at step 1",
-                       time.monotonic() - start)
-        check_fresh_workers(engine, generations=2)
+        results = engine.generate(batch)
+        assert [r.wave for r in results] == [waves + 2] * 2 + [waves + 3] * 2 + [waves + 4]
+        # Its peer had run both its forwards (rank 0 exits after its second): kept.
+        assert [r.ok for r in results] == [True, True, False, True, True]
+        for i in (0, 1, 3, 4):
+            assert torch.equal(results[i].output, alone(batch[i]))
+        assert "failed closed" in results[2].error and "exited with code 3" \
+            in results[2].error, results[2].error
+        assert results[4].info["pid"] not in pids and engine.generations == 2
 
-        # A worker killed mid-wave: noticed within seconds, not at the wave timeout.
-        first = engine.generate([req(seed=8), req(seed=9)])
-        pid = first[1].info["pid"]
-        assert pid != pids[1]  # a fresh generation
-        wave = [req("x", seed=6, extra_args={"fault": "hang", "fault_rank": 0}),
-                req("y", seed=7, extra_args={"fault": "hang", "fault_rank": 0})]
+        # A worker killed while it hangs: noticed within seconds, not at the timeout.
+        pid = engine._workers.procs[1].pid
+        wave = [req("x", 14, extra_args={"fault": "hang", "fault_rank": 1}),
+                req("y", 15, extra_args={"fault": "hang", "fault_rank": 1})]
         killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
         killer.start()
         start = time.monotonic()
@@ -174,47 +232,42 @@ def test_waves_are_bit_identical_and_fail_closed():
         killer.join()
         _expect_failed(results, wave, f"(pid {pid}) exited with code -9",
                        time.monotonic() - start)
-        check_fresh_workers(engine, generations=3)
-
-        # A wave over its timeout (rank 1 hangs).
-        wave = [req("x", seed=6, extra_args={"fault": "hang"})]
-        start = time.monotonic()
-        results = engine.run_wave(wave, timeout_s=4)
-        _expect_failed(results, wave, "timed out after 4 s", time.monotonic() - start)
-        check_fresh_workers(engine, generations=4)
+        assert engine._workers is None  # shut down; the next wave starts fresh ones
 
 
-def check_fresh_workers(engine: Engine, generations: int) -> None:
-    request = req("after the failure", seed=11)
-    (result,) = engine.generate([request])
-    assert result.ok, result.error
-    assert torch.equal(result.output, alone(request))
-    assert engine.generations == generations
+def test_engine_start_over_its_timeout_fails_and_leaves_no_worker():
+    engine = Engine(PIPELINE, 2, pipeline_kwargs=DIT, wave_timeout_s=0.5)
+    with pytest.raises(RuntimeError, match="timed out after 0.5 s .* while starting"):
+        engine.start()
+    assert engine._workers is None
 
 
-def test_cli_generates_from_a_checkpoint(tmp_path):
+def test_cli_generates_from_a_checkpoint_in_rank_local_mode(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path / "ckpt", width=64, depth=2, heads=4, seed=3)
     requests = [dict(prompt="a red fox", seed=1, height=64, width=64, num_inference_steps=2),
-                dict(prompt="a blue bird", seed=2, height=64, width=64, num_inference_steps=2),
-                dict(prompt="a cow", seed=3, height=32, width=32, num_inference_steps=2)]
+                dict(prompt="a blue bird", seed=2, height=32, width=32, num_inference_steps=3),
+                dict(prompt="a cow", seed=3, height=32, width=32, num_inference_steps=1,
+                     extra_args={"fault": "raise", "fault_rank": 0, "fault_step": 0})]
     (tmp_path / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in requests))
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "dlo_fx.engine.cli", "--dp", "2", "--threads", "1",
-         "--requests", str(tmp_path / "requests.jsonl"), "--out", str(out),
-         "--checkpoint", str(ckpt), "--wave-timeout", "120"],
-        capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "3/3 requests succeeded in 2 wave(s)" in proc.stdout
+    status = generate_main(["--dp", "2", "--threads", "1", "--requests",
+                            str(tmp_path / "requests.jsonl"), "--out", str(out),
+                            "--checkpoint", str(ckpt), "--wave-timeout", "240",
+                            "--option", 'mode="rank_local"', "--pipeline-arg",
+                            "fault_hooks=true"])
+    printed = capsys.readouterr()
+    assert status == 1, printed
+    assert "2/3 requests succeeded in 2 wave(s)" in printed.out
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["error"] for r in rows] == [None] * 3
+    assert [r["error"] is None for r in rows] == [True, True, False]
+    assert "failed on dp rank 0: RuntimeError: injected fault on rank 0" in rows[2]["error"]
     from safetensors.torch import load_file
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         pipe = resident(checkpoint=ckpt)
-        for row, data in zip(rows, requests):
+        for row, data in zip(rows[:2], requests):
             latents = load_file(str(out / row["file"]))["output"]
             assert torch.equal(latents, pipe(Request.from_dict(data)))
             assert (out / row["preview"]).read_bytes()[:4] == b"\x89PNG"

@@ -1,39 +1,92 @@
-"""`WaveChannel`: the engine's control plane, as keys of a ``torch.distributed`` store.
+"""The engine's control plane: messages between the front end and its workers, and the
+loopback transport of a local engine.
 
 [Note: the wave protocol]
-The front end and the workers talk through a key-value store (a ``TCPStore`` hosted by
-the front end), never through a collective, so a dead or hung rank cannot block the
-front end: it polls keys, worker liveness and the clock. The store lives as long as one
-generation of workers; a fresh generation gets a fresh store, so no key is ever stale.
+The front end and the workers exchange messages, never collectives, so a dead or hung
+rank cannot block the front end: it polls its channel, worker liveness and the clock. A
+message is a JSON header and optional bytes (a request list, or an output as
+safetensors): nothing is unpickled. Front end to every worker: ``wave`` (sequence number,
+engine wave number, the requests, which replica runs which) and ``stop``. Worker to
+front end: ``ready`` (its rank and what its pipeline declares: limits, forward clock),
+``reply`` (one per request, from the first rank of the replica that ran it: the output,
+or the error it raised), ``done`` (the rank finished the wave, padding included) and
+``fatal`` (why the worker stops).
 
-- ``ready/{rank}``: a worker built its pipeline.
-- ``wave/{seq}``: the one broadcast of a wave (JSON: engine wave id and the request
-  list), or a stop message. Every rank reads it and runs ``requests[dp_rank % len]``.
-- ``reply/{seq}/{dp_rank}/{i}`` chunks, then ``reply/{seq}/{dp_rank}/n`` (the chunk
-  count, written last), then ``replies/{seq}`` is incremented: the first rank of each
-  replica posts its output (safetensors bytes, the reply metadata in the header).
-- ``fatal/{rank}``, then ``fatal`` incremented: why a worker stopped (JSON).
-
-Nothing here unpickles: requests travel as JSON and outputs as safetensors.
+[Note: the control plane's trust model]
+A local engine listens on 127.0.0.1 only, on an ephemeral port, and only until every
+worker has connected: then the listening socket is closed. Each connection starts with a
+mutual challenge-response over HMAC-SHA256 with the engine's random 32-byte secret
+(`handshake`), which the workers get through the spawn pipe (never argv or the
+environment); a process that knows the port but not the secret is refused before it can
+read a request or send a reply. The process group meets in a ``FileStore`` in a private
+(0700) temporary folder and gloo is bound to the loopback interface, so no rendezvous
+port is published. What this does not cover: gloo's own loopback connections are not
+authenticated (torch.distributed has no authentication); a local user who finds and
+connects to them can disturb the collectives, though not read or forge the control
+plane. Under ``torchrun`` (`serve`) the control plane lives in the job's store, which
+listens where torchrun says; every message there carries an HMAC-SHA256 of its key and
+value under a secret from ``DLO_FX_ENGINE_SECRET`` or a 0600 file named by
+``DLO_FX_ENGINE_SECRET_FILE``, so forged or replayed messages are refused, and keys are
+deleted once read. Messages there are not encrypted: run the job on a network you trust
+with what the prompts say.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
+import secrets
+import socket
 import struct
 import time
-from typing import Any, Mapping, Optional
+from multiprocessing.connection import Connection, wait
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-_CHUNK = 4 << 20  # the libuv TCPStore refuses values above 8 MiB
+log = logging.getLogger(__name__)
+
 _META = "dlo_fx_reply"
+_HELLO = b"dlo-fx-engine-1\0"
+_HANDSHAKE_S = 2
 
 
-def encode_output(output: Any, meta: Mapping[str, Any]) -> bytes:
-    """A pipeline's output (tensor or dict of tensors) and ``meta`` as safetensors bytes."""
+class ChannelError(RuntimeError):
+    """The control plane failed: a lost connection, or a message that failed
+    authentication."""
+
+
+class Message(NamedTuple):
+    rank: int
+    header: dict
+    payload: bytes
+
+
+def pack(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
+    """A header (JSON) and bytes as one message body."""
+    text = json.dumps(header).encode()
+    return struct.pack("<I", len(text)) + text + payload
+
+
+def unpack(data: bytes) -> tuple[dict, bytes]:
+    (size,) = struct.unpack("<I", data[:4])
+    return json.loads(data[4 : 4 + size]), bytes(data[4 + size :])
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"\0".join(parts), hashlib.sha256).digest()
+
+
+def encode_output(output: Any) -> bytes:
+    """A pipeline's output (tensor or dict of tensors) as safetensors bytes."""
     if isinstance(output, torch.Tensor):
         tensors, kind = {"output": output}, "tensor"
     elif isinstance(output, Mapping) and all(
@@ -43,17 +96,16 @@ def encode_output(output: Any, meta: Mapping[str, Any]) -> bytes:
         raise TypeError(f"the pipeline returned a {type(output).__name__}; an engine pipeline "
                         "must return a torch.Tensor or a dict of str -> torch.Tensor")
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    return save_tensors(tensors, metadata={_META: json.dumps({**meta, "kind": kind})})
+    return save_tensors(tensors, metadata={_META: kind})
 
 
-def decode_output(blob: bytes) -> tuple[Any, dict]:
-    """Inverse of `encode_output`: ``(output, meta)``."""
+def decode_output(blob: bytes) -> Any:
+    """Inverse of `encode_output`."""
     (header_len,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + header_len])
-    meta = json.loads(header.get("__metadata__", {}).get(_META, "{}"))
     tensors = load_tensors(blob)
-    output = tensors["output"] if meta.get("kind") == "tensor" else tensors
-    return output, meta
+    kind = header.get("__metadata__", {}).get(_META)
+    return tensors["output"] if kind == "tensor" else tensors
 
 
 class Backoff:
@@ -69,66 +121,135 @@ class Backoff:
         self.delay = min(2 * self.delay, self.max_s)
 
 
-class WaveChannel:
-    """Both ends of the wave protocol over one store."""
+# -- the local transport: one authenticated loopback connection per worker ------------------
+def _recv_timeout(conn: Connection, seconds: float) -> None:
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+    finally:
+        sock.detach()
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
 
-    def _has(self, key: str) -> bool:
-        return bool(self.store.check([key]))
+def handshake(conn: Connection, secret: bytes, *, server: bool) -> None:
+    """Mutual challenge-response: each side proves it holds ``secret`` over the other's
+    fresh nonce; ``ChannelError`` when the peer does not."""
+    mine = secrets.token_bytes(32)
+    if server:
+        conn.send_bytes(_HELLO + mine)
+        answer = conn.recv_bytes(128)
+        theirs, proof = answer[:32], answer[32:]
+        if not hmac.compare_digest(proof, mac(secret, b"worker", mine, theirs)):
+            raise ChannelError("a connection to the engine failed authentication")
+        conn.send_bytes(mac(secret, b"front", theirs, mine))
+        return
+    hello = conn.recv_bytes(128)
+    if not hello.startswith(_HELLO):
+        raise ChannelError("the engine's control port answered with an unknown protocol")
+    theirs = hello[len(_HELLO):]
+    conn.send_bytes(mine + mac(secret, b"worker", theirs, mine))
+    try:
+        proof = conn.recv_bytes(128)
+    except EOFError:
+        raise ChannelError("this worker failed authentication: the engine closed the "
+                           "connection (a secret of another engine?)") from None
+    if not hmac.compare_digest(proof, mac(secret, b"front", mine, theirs)):
+        raise ChannelError("the engine's control port failed authentication")
 
-    def _count(self, key: str) -> int:
-        return int(self.store.add(key, 0))
 
-    # -- front end -----------------------------------------------------------------------
-    def publish(self, seq: int, message: Mapping[str, Any]) -> None:
-        self.store.set(f"wave/{seq}", json.dumps(message))
+class LocalFront:
+    """The front end of a local engine: listens on loopback until every worker rank has
+    connected and authenticated, then talks to each over its own connection."""
 
-    def ready_count(self, world: int) -> int:
-        return sum(self._has(f"ready/{r}") for r in range(world))
+    def __init__(self, world: int, secret: bytes) -> None:
+        self.world = world
+        self.secret = secret
+        self._listener: Optional[socket.socket] = socket.socket(socket.AF_INET,
+                                                                socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(2 * world)
+        self._listener.setblocking(False)
+        self.address: tuple[str, int] = self._listener.getsockname()
+        self.conns: dict[int, Connection] = {}
+        self.lost: dict[int, str] = {}
+        """Ranks whose connection closed, and how."""
 
-    def reply_count(self, seq: int) -> int:
-        return self._count(f"replies/{seq}")
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while len(self.conns) < self.world:
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
+            try:
+                _recv_timeout(conn, _HANDSHAKE_S)  # a silent peer cannot stall the front end
+                handshake(conn, self.secret, server=True)
+                header, _ = unpack(conn.recv_bytes(4096))
+                rank = header.get("rank")
+                if not isinstance(rank, int) or not 0 <= rank < self.world or rank in self.conns:
+                    raise ChannelError(f"a worker connected as rank {rank!r}")
+                _recv_timeout(conn, 0)
+            except (ChannelError, OSError, EOFError, ValueError, struct.error) as exc:
+                log.warning("dlo engine: refused a control connection from %s: %s", peer, exc)
+                conn.close()
+                continue
+            self.conns[rank] = conn
+        self._listener.close()
+        self._listener = None
 
-    def take_reply(self, seq: int, dp_rank: int) -> Optional[tuple[Any, dict]]:
-        prefix = f"reply/{seq}/{dp_rank}"
-        if not self._has(f"{prefix}/n"):
-            return None
-        n = int(self.store.get(f"{prefix}/n"))
-        blob = b"".join(self.store.get(f"{prefix}/{i}") for i in range(n))
-        for i in range(n):
-            self.store.delete_key(f"{prefix}/{i}")
-        return decode_output(blob)
+    def receive(self, timeout_s: float) -> list[Message]:
+        """Messages that arrived within ``timeout_s`` (accepting workers meanwhile)."""
+        waitables: list[Any] = [c for r, c in self.conns.items() if r not in self.lost]
+        if self._listener is not None:
+            waitables.append(self._listener)
+        messages = []
+        for ready in wait(waitables, timeout_s):
+            if ready is self._listener:
+                self._accept()
+                continue
+            rank = next(r for r, c in self.conns.items() if c is ready)
+            try:
+                header, payload = unpack(ready.recv_bytes())
+            except (EOFError, OSError) as exc:
+                self.lost[rank] = f"its control connection closed ({type(exc).__name__})"
+                continue
+            messages.append(Message(rank, header, payload))
+        return messages
 
-    def fatal_count(self) -> int:
-        return self._count("fatal")
+    def broadcast(self, header: Mapping[str, Any]) -> None:
+        data = pack(header)
+        for rank, conn in self.conns.items():
+            try:
+                conn.send_bytes(data)
+            except OSError as exc:
+                self.lost[rank] = f"its control connection failed ({exc})"
 
-    def fatal(self, world: int) -> dict[int, dict]:
-        """Every ``fatal/{rank}`` posted so far."""
-        return {r: json.loads(self.store.get(f"fatal/{r}")) for r in range(world)
-                if self._has(f"fatal/{r}")}
+    def retire(self) -> None:
+        """Nothing to clean up between waves (see `StoreFront.retire`)."""
 
-    # -- workers -------------------------------------------------------------------------
-    def post_ready(self, rank: int) -> None:
-        self.store.set(f"ready/{rank}", "1")
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for conn in self.conns.values():
+            conn.close()
 
-    def next_message(self, seq: int) -> dict:
-        """Block until wave ``seq`` is published (polling; a lost store raises)."""
-        key = f"wave/{seq}"
-        backoff = Backoff()
-        while not self._has(key):
-            backoff.sleep()
-        return json.loads(self.store.get(key))
 
-    def post_reply(self, seq: int, dp_rank: int, blob: bytes) -> None:
-        prefix = f"reply/{seq}/{dp_rank}"
-        chunks = [blob[i : i + _CHUNK] for i in range(0, len(blob), _CHUNK)] or [b""]
-        for i, chunk in enumerate(chunks):
-            self.store.set(f"{prefix}/{i}", chunk)
-        self.store.set(f"{prefix}/n", str(len(chunks)))
-        self.store.add(f"replies/{seq}", 1)
+class LocalWorker:
+    """A worker's end of `LocalFront`."""
 
-    def post_fatal(self, rank: int, report: Mapping[str, Any]) -> None:
-        self.store.set(f"fatal/{rank}", json.dumps(report))
-        self.store.add("fatal", 1)
+    def __init__(self, address: tuple[str, int], secret: bytes, rank: int) -> None:
+        sock = socket.create_connection(tuple(address), timeout=30)
+        sock.settimeout(None)
+        self.conn = Connection(sock.detach())
+        handshake(self.conn, secret, server=False)
+        self.conn.send_bytes(pack({"rank": rank}))
+
+    def receive(self) -> dict:
+        """The next message from the front end (blocking); ``EOFError`` once it is gone."""
+        return unpack(self.conn.recv_bytes())[0]
+
+    def send(self, header: Mapping[str, Any], payload: bytes = b"") -> None:
+        self.conn.send_bytes(pack(header, payload))

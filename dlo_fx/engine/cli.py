@@ -7,8 +7,10 @@ Each line of the requests file is a JSON object with the fields of `Request` (``
 at least). For request ``i`` the output folder gets ``{i:04d}.safetensors`` (the output
 tensors), ``{i:04d}.png`` (a preview of image latents) and one line of
 ``results.jsonl``. The exit status is 0 when every request succeeded, 1 otherwise.
-Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) every rank runs the same command;
-rank 0 hosts the front end and writes the outputs.
+Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) every rank runs the same command
+with the same control-plane secret (``DLO_FX_ENGINE_SECRET``, hex, or
+``DLO_FX_ENGINE_SECRET_FILE``, a 0600 file); rank 0 hosts the front end and writes the
+outputs.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def write_outputs(results: Sequence[Any], out: Path, *, preview: bool = True) ->
     with open(out / "results.jsonl", "w", encoding="utf-8") as log_file:
         for index, result in enumerate(results):
             row = {"index": index, "prompt": result.request.prompt, "seed": result.request.seed,
-                   "wave_id": result.wave_id, "dp_rank": result.dp_rank,
+                   "wave": result.wave, "dp_rank": result.dp_rank,
                    "seconds": round(result.seconds, 4), "error": result.error}
             if result.ok:
                 output = result.output
@@ -129,7 +131,7 @@ def run_generate(args: argparse.Namespace) -> int:
         results = engine.generate(requests)
     write_outputs(results, args.out, preview=not args.no_preview)
     failed = [i for i, r in enumerate(results) if not r.ok]
-    waves = len({r.wave_id for r in results})
+    waves = len({r.wave for r in results})
     print(f"{len(results) - len(failed)}/{len(results)} requests succeeded in {waves} "
           f"wave(s) on dp={engine.dp_size}; outputs in {args.out}")
     for i in failed:

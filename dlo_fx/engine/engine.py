@@ -1,20 +1,23 @@
-"""`Engine`: serve N requests at once, one per DP replica, in waves that fail closed.
+"""`Engine`: serve N requests at once, one per DP replica, in waves.
 
 The AllGather of a wave gathers weights, not activations, so the DP ranks can each run a
-different request while staying in lock-step for the gathers. The engine forms waves of
-compatible requests (see [Note: the wave key] in request.py), broadcasts each wave to
-every worker, and matches the replicas' replies to the requests (see [Note: the wave
-protocol] in channel.py). A partial wave repeats requests on the spare replicas, so
-every rank runs the same number of forwards, and drops their duplicate replies.
+different request while staying in lock-step for the gathers. Before any wave the engine
+checks every request against the limits the pipeline declared (`Limits`). It packs the
+requests into waves (any requests together when the pipeline keeps a forward clock, see
+[Note: the collective clock] in clock.py; equal wave keys otherwise, see [Note: the wave
+key] in request.py), broadcasts each wave to every worker and matches the replies to the
+requests (see [Note: the wave protocol] in channel.py). A request that raises in its
+worker gets its own error `Result`; the others of its wave complete on the same workers.
 
 [Note: failing closed]
-A rank that raises, dies or hangs leaves its peers blocked inside a weight AllGather,
-and the process group is unusable afterwards. So the first sign of trouble (an error
-posted by a worker, a worker process that exited, the wave timeout) ends the wave: every
-request of it gets an error `Result` (none is lost, none is answered twice), all workers
-of the generation are killed, and the next call starts a fresh generation. Worker
-processes are polled every few milliseconds, so a dead worker is noticed at once, not
-at the timeout.
+A rank that dies, hangs, or leaves its collectives out of step (an error inside a
+forward; any error in a pipeline without a forward clock) leaves its peers blocked
+inside a weight AllGather, and the process group is unusable afterwards. So that ends
+the wave: every request of it that has no reply yet gets an error `Result` (none is
+lost, none is answered twice, the replies that did arrive are kept), all workers of the
+generation are killed, and the next wave starts a fresh generation. Worker processes and
+their connections are polled every few milliseconds, so a dead worker is noticed at
+once, not at the timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from ..config import DLOConfig
+from .limits import Limits
 from .request import Request, check_wave, plan_waves
 from .result import Result
 from .topology import Topology
@@ -47,7 +51,9 @@ class Engine:
             ``dlo_fx.load``\\ s the DiT, compiles it with
             ``torch.compile(model, backend="dlo", options=options)`` and wraps it in a
             sampling loop. An optional ``pipeline.describe() -> dict`` is attached to
-            every reply as `Result.info`.
+            every reply as `Result.info`; an optional ``pipeline.limits`` (`Limits`)
+            declares what it serves; ``clock``, ``forwards``, ``graph_key`` and ``warmup``
+            let requests of any shapes share a wave (see [Note: the collective clock]).
         dp_size: number of replicas, i.e. requests per wave.
         sp_size: ranks per replica (sequence parallelism inside the pipeline); each
             replica's ranks run the same request. Default 1.
@@ -60,6 +66,8 @@ class Engine:
         num_threads: ``torch.set_num_threads`` of each worker (``None``: torch default).
         device: device type the workers compute on; default ``options["device"]`` or
             ``"cpu"``. Accelerator ranks use device index ``rank % device_count``.
+        launcher: how a generation of workers starts; default: worker processes on this
+            node. `serve` passes the ranks of a torchrun job.
 
     Workers start on the first call (or `start`) as processes on this node; use
     `dlo_fx.engine.serve` for ranks started by ``torchrun``. Use the engine as a context
@@ -70,7 +78,8 @@ class Engine:
                  sp_size: int = 1, options: Optional[Mapping[str, Any]] = None,
                  backend: Optional[str] = None, wave_timeout_s: float = 600.0,
                  pipeline_kwargs: Optional[Mapping[str, Any]] = None,
-                 num_threads: Optional[int] = 1, device: Optional[str] = None) -> None:
+                 num_threads: Optional[int] = 1, device: Optional[str] = None,
+                 launcher: Optional[Callable[[WorkerSpec], WorkerSet]] = None) -> None:
         self.topology = Topology(dp_size, sp_size)
         _check_seconds("wave_timeout_s", wave_timeout_s)
         options = dict(options or {})
@@ -89,9 +98,9 @@ class Engine:
                                options=options, pipeline_kwargs=dict(pipeline_kwargs or {}),
                                backend=backend, device=device_type, num_threads=num_threads,
                                timeout_s=max(self.wave_timeout_s, 60.0))
-        self._launch: Callable[[WorkerSpec], WorkerSet] = LocalWorkers
+        self._launch: Callable[[WorkerSpec], WorkerSet] = launcher or LocalWorkers
         self._workers: Optional[WorkerSet] = None
-        self._next_wave_id = 0
+        self._next_wave = 0
         self.generations = 0
         """How many generations of workers were started (a failed wave ends one)."""
 
@@ -147,64 +156,118 @@ class Engine:
             pass
 
     # -- waves --------------------------------------------------------------------------
-    def run_wave(self, requests: Sequence[Request], *,
-                 timeout_s: Optional[float] = None) -> list[Result]:
-        """Run one wave of at most ``dp_size`` compatible requests; one `Result` each, in
-        order. An incompatible wave raises ``ValueError`` naming the differing fields
-        before anything reaches a worker. ``timeout_s`` overrides ``wave_timeout_s``."""
-        requests = check_wave(requests, self.dp_size)
-        if timeout_s is not None:
-            _check_seconds("timeout_s", timeout_s)
-        timeout = self.wave_timeout_s if timeout_s is None else float(timeout_s)
-        wave_id = self._next_wave_id
-        self._next_wave_id += 1
-        start = time.perf_counter()
-        try:
-            workers = self._ensure_workers()
-            start = time.perf_counter()
-            replies = workers.run(wave_id, requests, timeout)
-        except WaveFailed as exc:
-            self._shutdown(kill=True)
-            message = (f"wave {wave_id} failed closed: {exc}; the engine shut its workers "
-                       "down and the next call starts fresh ones")
-            log.error("dlo engine: %s", message)
-            seconds = time.perf_counter() - start
-            return [Result(request=r, wave_id=wave_id, error=message, seconds=seconds)
-                    for r in requests]
-        except BaseException:  # KeyboardInterrupt, a lost store: no worker state is trusted
-            self._shutdown(kill=True)
-            raise
-        seconds = time.perf_counter() - start
-        results = []
-        for index, request in enumerate(requests):
-            # dp_rank d ran request d % len(requests): replica `index` answers request
-            # `index`; replicas >= len(requests) ran duplicates, which are dropped.
-            output, meta = replies[index]
-            if meta.get("wave_id") != wave_id or meta.get("request_index") != index:
-                self._shutdown(kill=True)
-                raise RuntimeError(f"dlo engine: reply of dp rank {index} is for wave "
-                                   f"{meta.get('wave_id')} request {meta.get('request_index')}"
-                                   f", expected wave {wave_id} request {index}")
-            results.append(Result(request=request, wave_id=wave_id, output=output,
-                                  dp_rank=index, seconds=seconds, info=meta.get("info", {})))
-        return results
+    @property
+    def limits(self) -> Limits:
+        """What the pipeline serves, as its workers declared it (starts them if needed)."""
+        self.start()
+        assert self._workers is not None
+        return self._workers.limits
 
-    def generate(self, requests: Sequence[Request], *,
-                 timeout_s: Optional[float] = None) -> list[Result]:
-        """Run any number of requests: compatible ones are grouped into waves of at most
-        ``dp_size``; one `Result` per request, in request order. A failed wave fails
-        its own requests only; later waves run on fresh workers."""
+    def _check(self, requests: Sequence[Request], what: str) -> list[Request]:
         requests = list(requests)
         for index, request in enumerate(requests):
             if not isinstance(request, Request):
-                raise ValueError(f"request {index} is a {type(request).__name__}; expected "
+                raise ValueError(f"{what} {index} is a {type(request).__name__}; expected "
                                  "dlo_fx.engine.Request (Request.from_dict builds one)")
+        return requests
+
+    def run_wave(self, requests: Sequence[Request], *,
+                 timeout_s: Optional[float] = None) -> list[Result]:
+        """Run one wave of at most ``dp_size`` requests; one `Result` each, in order. A
+        request outside the pipeline's limits, or (for a pipeline without a forward
+        clock) requests that may not share a wave, raise ``ValueError`` naming the field
+        before anything reaches a worker. ``timeout_s`` overrides ``wave_timeout_s``."""
+        requests = self._check(requests, "request")
+        if len(requests) > self.dp_size:
+            check_wave(requests, self.dp_size, mixed=True)  # raises, naming the count
+        timeout = self._timeout(timeout_s)
+        try:
+            workers = self._ensure_workers()
+        except WaveFailed as exc:
+            return self._failed(requests, self._take_wave(), str(exc), {}, 0.0)
+        check_wave(requests, self.dp_size, mixed=workers.mixed)
+        for index, request in enumerate(requests):
+            workers.limits.check(request, f"request {index}")
+        return self._run(workers, requests, timeout)
+
+    def generate(self, requests: Sequence[Request], *,
+                 timeout_s: Optional[float] = None) -> list[Result]:
+        """Run any number of requests, packed into the fewest waves of at most ``dp_size``
+        (see `plan_waves`); one `Result` per request, in request order. Every request is
+        checked against the pipeline's limits first (``ValueError`` naming the request and
+        the field, before any wave). A request that fails gets an error `Result`; a wave
+        that fails closed keeps the replies that arrived, and later waves still run."""
+        requests = self._check(requests, "request")
+        timeout = self._timeout(timeout_s)
+        try:
+            workers = self._ensure_workers()
+        except WaveFailed as exc:
+            raise RuntimeError(f"dlo engine: starting the workers failed: {exc}") from None
+        for index, request in enumerate(requests):
+            workers.limits.check(request, f"request {index}")
         results: list[Optional[Result]] = [None] * len(requests)
-        for wave in plan_waves(requests, self.dp_size):
-            for index, result in zip(wave, self.run_wave([requests[i] for i in wave],
-                                                         timeout_s=timeout_s)):
+        for wave in plan_waves(requests, self.dp_size, mixed=workers.mixed):
+            batch = [requests[i] for i in wave]
+            try:
+                workers = self._ensure_workers()
+                answers = self._run(workers, batch, timeout)
+            except WaveFailed as exc:
+                answers = self._failed(batch, self._take_wave(), str(exc), {}, 0.0)
+            for index, result in zip(wave, answers):
                 results[index] = result
         return results  # type: ignore[return-value]
+
+    def _timeout(self, timeout_s: Optional[float]) -> float:
+        if timeout_s is not None:
+            _check_seconds("timeout_s", timeout_s)
+        return self.wave_timeout_s if timeout_s is None else float(timeout_s)
+
+    def _take_wave(self) -> int:
+        wave = self._next_wave
+        self._next_wave += 1
+        return wave
+
+    def _run(self, workers: WorkerSet, requests: list[Request], timeout: float) -> list[Result]:
+        wave = self._take_wave()
+        n = len(requests)
+        # With a forward clock a spare replica only pads; without one it repeats a request
+        # (every rank must run the same forwards) and its duplicate reply is not sent.
+        assign = [d if d < n else None for d in range(self.dp_size)] if workers.mixed \
+            else [d % n for d in range(self.dp_size)]
+        start = time.perf_counter()
+        try:
+            replies = workers.run(wave, requests, assign, timeout)
+        except WaveFailed as exc:
+            self._shutdown(kill=True)
+            message = (f"wave {wave} failed closed: {exc}; the engine shut its workers down "
+                       "and the next wave starts fresh ones")
+            log.error("dlo engine: %s", message)
+            return self._failed(requests, wave, message, exc.replies,
+                                time.perf_counter() - start)
+        except BaseException:  # KeyboardInterrupt, a lost channel: no worker state is trusted
+            self._shutdown(kill=True)
+            raise
+        return self._failed(requests, wave, "", replies, time.perf_counter() - start)
+
+    @staticmethod
+    def _failed(requests: Sequence[Request], wave: int, failure: str,
+                replies: Mapping[int, dict], seconds: float) -> list[Result]:
+        """One `Result` per request: its reply (output or own error), else ``failure``."""
+        results = []
+        for index, request in enumerate(requests):
+            reply = replies.get(index)
+            if reply is None:
+                results.append(Result(request=request, wave=wave, error=failure,
+                                      seconds=seconds))
+                continue
+            error = reply.get("error")
+            if error is not None:
+                error = (f"request {index} of wave {wave} failed on dp rank "
+                         f"{reply['dp_rank']}: {error}")
+            results.append(Result(request=request, wave=wave, output=reply.get("output"),
+                                  error=error, dp_rank=reply["dp_rank"], seconds=seconds,
+                                  info=reply.get("info", {})))
+        return results
 
 
 def _factory_name(pipeline: Union[str, Callable[..., Any]]) -> str:

@@ -6,19 +6,21 @@ the text tensor), the seed fixes the initial noise, and the output is the final 
 [num_outputs_per_prompt, C, height / 8, width / 8] in float32. ``build`` is the factory
 the engine calls in every worker (``"dlo_fx.engine.reference_pipeline:build"``);
 ``resident`` builds the same pipeline without dlo, for single-process reference runs.
+The pipeline keeps a forward clock (see [Note: the collective clock] in clock.py), so
+requests of any size, step count and guidance share a wave, and declares its `Limits`.
 
-Test hook (for fault-injection tests, not for production): ``extra_args`` may hold
-``{"fault": "raise" | "exit" | "hang", "fault_rank": R, "fault_step": S}``; global rank
-``R`` (default 1) then raises, exits with code 3, or sleeps forever just before the
-Euler update of step ``S`` (default 1), i.e. in the middle of a wave while its peers
-wait in a weight AllGather. Other ``extra_args`` keys are ignored.
+Fault hooks, for fault-injection tests only and off unless the factory is called with
+``fault_hooks=True`` (``Engine(..., pipeline_kwargs={"fault_hooks": True})``): then
+``extra_args`` may hold ``{"fault": "raise" | "exit" | "hang", "fault_rank": R,
+"fault_step": S}``; global rank ``R`` (default 1) raises, exits with code 3, or sleeps
+forever just before the Euler update of step ``S`` (default 1), i.e. between two forwards
+of a wave while its peers run theirs. Without the switch ``extra_args`` are ignored.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import json
 import os
 import time
@@ -29,6 +31,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 
 from ..models.reference_dit import DiTConfig, ReferenceDiT, reference_dit
+from .clock import ForwardClock
+from .limits import Limits
 from .request import Request
 
 VAE_SCALE = 8
@@ -38,20 +42,56 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 
+MAX_SIZE = 2048
+"""Largest height and width in pixels the reference pipeline serves."""
+MAX_STEPS = 1000
+"""Most Euler steps it runs."""
+MAX_OUTPUTS = 16
+"""Most outputs per prompt (the batch of one forward)."""
+MAX_PROMPT_BYTES = 64 << 10
+"""Largest prompt it hashes, in UTF-8 bytes."""
+
+
 class ReferencePipeline:
     """``pipeline(request) -> latents``: Euler steps of a flow-matching sampler."""
 
     def __init__(self, model: Callable[..., torch.Tensor], config: DiTConfig,
-                 module: torch.nn.Module, dump_dir: Optional[str] = None) -> None:
-        self.model = model
-        """What computes the velocity: the compiled DiT, or the module itself."""
+                 module: torch.nn.Module, dump_dir: Optional[str] = None,
+                 fault_hooks: bool = False) -> None:
+        self.clock = ForwardClock(model)
+        """What computes the velocity (the compiled DiT, or the module itself), counted."""
         self.config = config
         self.module = module
         self.dump_dir = dump_dir
+        self.fault_hooks = fault_hooks
+        self.limits = Limits(max_height=MAX_SIZE, max_width=MAX_SIZE,
+                             size_multiple=VAE_SCALE * config.patch_size, max_frames=1,
+                             max_inference_steps=MAX_STEPS, max_outputs_per_prompt=MAX_OUTPUTS,
+                             max_prompt_bytes=MAX_PROMPT_BYTES)
+        """What it serves; the engine refuses anything else before a wave starts."""
 
     def __call__(self, request: Request) -> torch.Tensor:
         with torch.inference_mode():
-            return sample(self.model, self.config, request)
+            return sample(self.clock, self.config, request,
+                          fault_hook=_fault_hook if self.fault_hooks else None)
+
+    def forwards(self, request: Request) -> int:
+        """Model forwards of ``request``: one per step, two with guidance."""
+        return request.num_inference_steps * (2 if request.guidance_scale > 1.0 else 1)
+
+    def graph_key(self, request: Request) -> str:
+        """The compiled graph ``request`` runs: its latent batch and size."""
+        return f"{request.num_outputs_per_prompt}x{request.height}x{request.width}"
+
+    def warmup(self, request: Request) -> None:
+        """One forward at ``request``'s shapes on zeros (compiles its graph)."""
+        count = request.num_outputs_per_prompt
+        cell = request.height // VAE_SCALE, request.width // VAE_SCALE
+        with torch.inference_mode():
+            text = torch.zeros(1, self.config.text_len, self.config.text_dim,
+                               dtype=self.config.dtype)  # expanded as `sample` does
+            self.clock(torch.zeros(count, self.config.in_channels, *cell),
+                       torch.zeros(count), text.expand(count, -1, -1))
 
     def describe(self) -> dict:
         """Memory figures of this rank's model (see `dlo_fx.memory_report`)."""
@@ -95,8 +135,8 @@ def initial_noise(request: Request, config: DiTConfig) -> torch.Tensor:
     return torch.randn(latent_shape(request, config), generator=generator)
 
 
-def sample(model: Callable[..., torch.Tensor], config: DiTConfig,
-           request: Request) -> torch.Tensor:
+def sample(model: Callable[..., torch.Tensor], config: DiTConfig, request: Request,
+           fault_hook: Optional[Callable[[Request, int], None]] = None) -> torch.Tensor:
     """Integrate the flow from noise (sigma 1) to data (sigma 0) in
     ``num_inference_steps`` Euler steps. With ``guidance_scale > 1`` each step also runs
     the negative prompt and mixes the two velocities (classifier-free guidance),
@@ -119,13 +159,14 @@ def sample(model: Callable[..., torch.Tensor], config: DiTConfig,
                 norm = velocity.flatten(1).norm(dim=1) / mixed.flatten(1).norm(dim=1)
                 mixed = mixed * norm.clamp_max(1.0)[:, None, None, None]
             velocity = mixed
-        _fault_hook(request, step)
+        if fault_hook is not None:
+            fault_hook(request, step)
         x = x + float(sigmas[step + 1] - sigmas[step]) * velocity
     return x
 
 
 def _fault_hook(request: Request, step: int) -> None:
-    """The test hook of the module docstring."""
+    """The fault hooks of the module docstring."""
     fault = request.extra_args.get("fault")
     if fault is None or step != int(request.extra_args.get("fault_step", 1)):
         return
@@ -148,14 +189,16 @@ def _fault_hook(request: Request, step: int) -> None:
 # -- building the pipeline ---------------------------------------------------------------
 def build(options: Optional[Mapping[str, Any]] = None, *,
           checkpoint: Optional[Union[str, os.PathLike]] = None, width: int = 256,
-          depth: int = 4, heads: int = 4, seed: int = 0) -> ReferencePipeline:
+          depth: int = 4, heads: int = 4, seed: int = 0,
+          fault_hooks: bool = False) -> ReferencePipeline:
     """The engine's factory: the reference DiT compiled with ``backend="dlo"``.
 
     With ``checkpoint`` (a folder written by `write_checkpoint`, or its weights file)
-    the model is loaded from it, through ``dlo_fx.load`` when the package has it, and
-    ``width``/``depth``/``heads``/``seed`` are ignored; otherwise it is built in memory
-    from ``seed``, identically on every rank. ``options`` are the dlo options (the
-    engine adds this rank's DP group as ``shard_group``: AllGather mode when dp > 1).
+    the model is loaded from it with ``dlo_fx.load``, and ``width``/``depth``/``heads``/
+    ``seed`` are ignored; otherwise it is built in memory from ``seed``, identically on
+    every rank. ``options`` are the dlo options (the engine adds this rank's DP group as
+    ``shard_group``: AllGather mode when dp > 1). ``fault_hooks`` turns the test hooks
+    of the module docstring on.
     """
     options = dict(options or {})
     if checkpoint is not None:
@@ -164,7 +207,8 @@ def build(options: Optional[Mapping[str, Any]] = None, *,
         model = reference_dit(width=width, depth=depth, heads=heads, seed=seed)
     compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True,
                              dynamic=False)
-    return ReferencePipeline(compiled, model.config, model, dump_dir=options.get("dump_dir"))
+    return ReferencePipeline(compiled, model.config, model, dump_dir=options.get("dump_dir"),
+                             fault_hooks=fault_hooks)
 
 
 def resident(*, checkpoint: Optional[Union[str, os.PathLike]] = None, width: int = 256,
@@ -223,28 +267,13 @@ def _load_state_dict(checkpoint: Union[str, os.PathLike]) -> ReferenceDiT:
     return model.eval().requires_grad_(False)
 
 
-def dlo_load() -> Optional[Callable[..., torch.nn.Module]]:
-    """``dlo_fx.load`` when this installation has it, else ``None``."""
-    try:
-        from .. import load
-    except ImportError:
-        try:
-            from ..loader import load
-        except ImportError:
-            return None
-    return load
-
-
 def load_dit(checkpoint: Union[str, os.PathLike],
              options: Optional[Mapping[str, Any]] = None) -> ReferenceDiT:
-    """Load a reference DiT checkpoint: with ``dlo_fx.load`` (meta init, mmap, this rank's
-    shard only) when the package provides it, else with ``load_state_dict``."""
-    load = dlo_load()
-    if load is None:
-        return _load_state_dict(checkpoint)
+    """Load a reference DiT checkpoint with ``dlo_fx.load`` (meta init, mmap, this rank's
+    shard only)."""
+    from ..loader import load
+
     weights, config = _paths(checkpoint)
-    kwargs: dict[str, Any] = {}
-    if "options" in inspect.signature(load).parameters:
-        kwargs["options"] = dict(options or {})
-    model = load(functools.partial(ReferenceDiT, config), str(weights), **kwargs)
+    model = load(functools.partial(ReferenceDiT, config), str(weights),
+                 options=dict(options or {}))
     return model.eval().requires_grad_(False)

@@ -1,14 +1,16 @@
-"""`Request`: one generation request, and the wave key that decides which requests may
-run together.
+"""`Request`: one generation request, the wave key, and how requests are packed into waves.
 
 [Note: the wave key]
 The ranks of a wave gather the same weights in lock-step, one AllGather per block per
 forward. A request field that changes how many forwards run, or their shapes, or which
 weights they read, would make one rank issue a different sequence of collectives than
-its peers and hang them. Those fields form the *wave key*: every request of a wave must
-agree on all of them. ``extra_args`` is pipeline-specific and may change the forward
-schedule, so it is part of the key, compared as canonical JSON. The request-local fields
-(prompt, negative prompt, seed) only change values, never the schedule, and may differ.
+its peers and hang them. A pipeline that keeps a forward clock (see [Note: the collective
+clock] in clock.py) pads every rank to the same forwards and compiles every shape on every
+rank at once, so any requests may share a wave. For any other pipeline those fields form
+the *wave key*: every request of a wave must agree on all of them. ``extra_args`` is
+pipeline-specific and may change the forward schedule, so it is part of the key, compared
+as canonical JSON. The request-local fields (prompt, negative prompt, seed) only change
+values, never the schedule, and may differ.
 """
 
 from __future__ import annotations
@@ -22,11 +24,18 @@ LOCAL_FIELDS = ("prompt", "negative_prompt", "seed")
 """Fields that may differ between the requests of one wave."""
 
 WAVE_KEY_FIELDS = (
-    "height", "width", "num_frames", "fps", "num_inference_steps", "guidance_scale",
-    "true_cfg_scale", "cfg_normalize", "lora_id", "lora_scale", "num_outputs_per_prompt",
-    "quality_mode", "extra_args",
+    "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
+    "true_cfg_scale", "cfg_normalize", "lora_id", "num_outputs_per_prompt", "extra_args",
 )
-"""Fields every request of one wave must agree on (see [Note: the wave key])."""
+"""Fields every request of one wave must agree on when the pipeline keeps no forward
+clock (see [Note: the wave key])."""
+
+MAX_SEED = 2**64 - 1
+"""Largest seed a torch generator takes."""
+
+MAX_TEXT_BYTES = 1 << 20
+"""Largest UTF-8 size of a prompt, and of ``extra_args`` as JSON, whatever the pipeline
+(pipelines declare tighter limits, see `Limits`)."""
 
 
 def canonical_json(value: Any) -> str:
@@ -50,8 +59,6 @@ class Request:
     """Output width in pixels. Default: ``256``."""
     num_frames: int = 1
     """Frames of a video; ``1`` for an image. Default: ``1``."""
-    fps: Optional[float] = None
-    """Frame rate of a video (pipelines that condition on it). Default: ``None``."""
     num_inference_steps: int = 8
     """Denoising steps. Default: ``8``."""
     guidance_scale: float = 1.0
@@ -63,12 +70,8 @@ class Request:
     """Rescale the guided prediction to the norm of the conditional one. Default: ``False``."""
     lora_id: Optional[Union[str, int]] = None
     """Which LoRA adapter to apply; ``None`` for none. Default: ``None``."""
-    lora_scale: float = 1.0
-    """Strength of the LoRA adapter. Default: ``1.0``."""
     num_outputs_per_prompt: int = 1
     """Outputs generated for this prompt (the batch of one forward). Default: ``1``."""
-    quality_mode: Optional[str] = None
-    """Pipeline-defined quality preset. Default: ``None``."""
     extra_args: Mapping[str, Any] = field(default_factory=dict, hash=False)
     """Pipeline-specific arguments, JSON-serialisable; stored read-only. Default: ``{}``."""
 
@@ -79,14 +82,17 @@ class Request:
         if not isinstance(self.negative_prompt, str):
             raise ValueError(f"Request.negative_prompt={self.negative_prompt!r} is not "
                              "allowed: expected a string")
+        for name in ("prompt", "negative_prompt"):
+            _check_text(name, getattr(self, name))
         _check_int("seed", self.seed, minimum=0)
+        if self.seed > MAX_SEED:
+            raise ValueError(f"Request.seed={self.seed!r} is not allowed: expected an integer "
+                             f"from 0 to 2**64 - 1")
         for name in ("height", "width", "num_frames", "num_inference_steps",
                      "num_outputs_per_prompt"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("guidance_scale", "true_cfg_scale", "lora_scale"):
+        for name in ("guidance_scale", "true_cfg_scale"):
             _check_number(name, getattr(self, name))
-        if self.fps is not None:
-            _check_number("fps", self.fps)
         if not isinstance(self.cfg_normalize, bool):
             raise ValueError(f"Request.cfg_normalize={self.cfg_normalize!r} is not allowed: "
                              "expected True or False")
@@ -94,9 +100,6 @@ class Request:
                                          or not isinstance(self.lora_id, (str, int))):
             raise ValueError(f"Request.lora_id={self.lora_id!r} is not allowed: expected a "
                              "string, an int or None")
-        if self.quality_mode is not None and not isinstance(self.quality_mode, str):
-            raise ValueError(f"Request.quality_mode={self.quality_mode!r} is not allowed: "
-                             "expected a string or None")
         if not isinstance(self.extra_args, Mapping) or not all(
                 isinstance(k, str) for k in self.extra_args):
             raise ValueError(f"Request.extra_args={self.extra_args!r} is not allowed: "
@@ -106,6 +109,9 @@ class Request:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"Request.extra_args={self.extra_args!r} is not allowed: it "
                              f"must be JSON-serialisable ({exc})") from None
+        if len(canonical) > MAX_TEXT_BYTES:
+            raise ValueError(f"Request.extra_args is {len(canonical)} bytes as JSON; at most "
+                             f"{MAX_TEXT_BYTES} are allowed")
         # A private deep copy, read-only: a frozen request cannot change under the engine.
         object.__setattr__(self, "extra_args", types.MappingProxyType(json.loads(canonical)))
 
@@ -156,7 +162,7 @@ def wave_mismatch(requests: Sequence[Request]) -> Optional[str]:
     return None
 
 
-def check_wave(requests: Sequence[Request], dp_size: int) -> list[Request]:
+def check_wave(requests: Sequence[Request], dp_size: int, *, mixed: bool) -> list[Request]:
     """Validate one wave before anything is sent to a worker; return it as a list."""
     requests = list(requests)
     if not requests:
@@ -168,16 +174,31 @@ def check_wave(requests: Sequence[Request], dp_size: int) -> list[Request]:
     if len(requests) > dp_size:
         raise ValueError(f"a wave holds at most dp_size={dp_size} requests, got "
                          f"{len(requests)}; use Engine.generate(...) to split them into waves")
-    mismatch = wave_mismatch(requests)
+    mismatch = None if mixed else wave_mismatch(requests)
     if mismatch is not None:
         raise ValueError(f"{mismatch}. Run them in separate waves, or call "
-                         "Engine.generate(...), which groups compatible requests")
+                         "Engine.generate(...), which groups compatible requests (this "
+                         "pipeline keeps no forward clock, so it cannot mix them)")
     return requests
 
 
-def plan_waves(requests: Sequence[Request], dp_size: int) -> list[list[int]]:
-    """Indices of ``requests`` grouped into waves: requests with equal wave keys, in order
-    of first appearance, at most ``dp_size`` per wave."""
+def cost(request: Request) -> int:
+    """Relative work of ``request``: forwards (steps, twice with guidance) x latent size."""
+    forwards = request.num_inference_steps * (2 if request.guidance_scale > 1.0 else 1)
+    return (forwards * request.height * request.width * request.num_frames
+            * request.num_outputs_per_prompt)
+
+
+def plan_waves(requests: Sequence[Request], dp_size: int, *, mixed: bool) -> list[list[int]]:
+    """Indices of ``requests`` grouped into waves of at most ``dp_size``.
+
+    ``mixed`` (the pipeline keeps a forward clock): any requests may share a wave, so the
+    fewest waves are ``ceil(n / dp_size)``; requests are sorted by `cost`, largest first,
+    so that the requests of one wave take about as long and the ranks pad little.
+    Otherwise requests with equal wave keys, in order of first appearance."""
+    if mixed:
+        order = sorted(range(len(requests)), key=lambda i: -cost(requests[i]))
+        return [order[i : i + dp_size] for i in range(0, len(order), dp_size)]
     groups: dict[tuple, list[int]] = {}
     for index, request in enumerate(requests):
         groups.setdefault(request.wave_key(), []).append(index)
@@ -194,3 +215,14 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
 def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"Request.{name}={value!r} is not allowed: expected a number")
+
+
+def _check_text(name: str, value: str) -> None:
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"Request.{name} is not valid text: {exc.reason} at character "
+                         f"{exc.start} ({value[exc.start:exc.end]!r})") from None
+    if size > MAX_TEXT_BYTES:
+        raise ValueError(f"Request.{name} is {size} bytes of UTF-8; at most {MAX_TEXT_BYTES} "
+                         "are allowed")

@@ -18,14 +18,15 @@ class Result:
 
     request: Request
     """The request this answers."""
-    wave_id: int
+    wave: int
     """The wave it ran in (engine-wide counter, starting at 0)."""
     output: Optional[Output] = None
     """What the pipeline returned: a tensor or a dict of tensors, on the CPU."""
     error: Optional[str] = None
-    """Why the request failed (its whole wave failed closed), or ``None``."""
+    """Why the request failed (it raised in its worker, or its wave failed closed), or
+    ``None``."""
     dp_rank: Optional[int] = None
-    """The DP rank (replica) whose reply this is; ``None`` for an error."""
+    """The DP rank (replica) that ran it; ``None`` when its wave failed before it replied."""
     seconds: float = 0.0
     """Wall time of the wave, as seen by the front end."""
     info: Mapping[str, Any] = field(default_factory=dict)

@@ -10,8 +10,10 @@ thread beside it. Every other rank serves waves until rank 0's engine closes, th
         with engine:
             results = engine.generate(requests)
 
-The control plane lives in the job's rendezvous store (see [Note: the wave protocol]),
-so nothing here needs a port of its own. Workers on other nodes are not this process's
+The control plane lives in the job's rendezvous store, every message authenticated with
+the job's secret (``DLO_FX_ENGINE_SECRET`` or ``DLO_FX_ENGINE_SECRET_FILE`` on every
+rank; see [Note: the control plane's trust model] in channel.py), so nothing here needs
+a port of its own. Workers on other nodes are not this process's
 children: a dead remote rank is noticed through the collective timeout of its peers or
 the wave timeout, not by polling. After a failed wave the job cannot start fresh
 workers by itself; the engine then fails every later wave with a message saying so, and
@@ -28,11 +30,11 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from .channel import WaveChannel
 from .engine import Engine
+from .store_channel import StoreFront, StoreWorker, secret_from_environment
 from .workers import WaveFailed, WorkerSet
-from .worker import (WorkerSpec, failure_report, process_group_backend, rank_device,
-                     run_worker_loop)
+from .worker import (WaveServer, WorkerSpec, failure_report, process_group_backend,
+                     rank_device)
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +42,23 @@ log = logging.getLogger(__name__)
 class TorchrunWorkers(WorkerSet):
     """The ranks of a torchrun job, seen from rank 0; rank 0's worker runs on a thread."""
 
-    def __init__(self, channel: WaveChannel, spec: WorkerSpec, device: str) -> None:
-        super().__init__(channel, spec)
+    def __init__(self, store: Any, secret: bytes, spec: WorkerSpec, device: str) -> None:
+        super().__init__(StoreFront(store, secret, spec.topology.world_size), spec)
         self._launched = False
         self._stopped = False
-        self._thread = threading.Thread(target=self._rank0, args=(device,), daemon=True,
-                                        name="dlo-engine-rank0")
+        self._thread = threading.Thread(target=self._rank0, args=(StoreWorker(store, secret, 0),
+                                                                  device),
+                                        daemon=True, name="dlo-engine-rank0")
         self._thread.start()
 
-    def _rank0(self, device: str) -> None:
+    def _rank0(self, channel: StoreWorker, device: str) -> None:
         try:
-            run_worker_loop(self.channel, self.spec, 0, device)
+            server = WaveServer(channel, self.spec, 0, device)
+            server.ready()
+            server.serve()
         except BaseException as exc:  # the front end, in this process, logs it
-            self.channel.post_fatal(0, failure_report(0, self.spec.topology, exc))
+            channel.send({"kind": "fatal", "rank": 0,
+                          "report": failure_report(0, self.spec.topology, exc)})
 
     def launch(self, spec: WorkerSpec) -> WorkerSet:
         if self._launched:
@@ -86,7 +92,8 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
     """Join the torchrun job described by ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
     ``MASTER_PORT`` as one engine of ``WORLD_SIZE / sp_size`` replicas. Returns the
     `Engine` on rank 0 and ``None`` on the other ranks once it closes. The arguments are
-    those of `Engine`."""
+    those of `Engine`; the control-plane secret comes from the environment (see
+    `secret_from_environment`)."""
     import torch.distributed as dist
 
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -95,13 +102,14 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
         raise ValueError(f"dlo_fx.engine.serve runs under torchrun, but {', '.join(missing)} "
                          "is not set; start the script with torchrun, or use Engine(...) "
                          "on a single node")
+    secret = secret_from_environment()
     world = int(os.environ["WORLD_SIZE"])
     if world % sp_size:
         raise ValueError(f"sp_size={sp_size} does not divide WORLD_SIZE={world}")
-    engine = Engine(pipeline, world // sp_size, sp_size=sp_size, options=options,
-                    backend=backend, wave_timeout_s=wave_timeout_s,
-                    pipeline_kwargs=pipeline_kwargs, num_threads=num_threads, device=device)
-    spec = engine.spec
+    common = dict(sp_size=sp_size, options=options, backend=backend,
+                  wave_timeout_s=wave_timeout_s, pipeline_kwargs=pipeline_kwargs,
+                  num_threads=num_threads, device=device)
+    spec = Engine(pipeline, world // sp_size, **common).spec  # validates every argument
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
     timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -112,22 +120,20 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
     dist.init_process_group(process_group_backend(device_name, backend),
                             store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=timeout)
-    channel = WaveChannel(dist.PrefixStore("dlo_engine", store))
+    control = dist.PrefixStore("dlo_engine", store)
     if rank == 0:
-        workers = TorchrunWorkers(channel, spec, device_name)
-        engine._launch = workers.launch
-        return engine
-    engine._launch = _not_on_this_rank
+        workers = TorchrunWorkers(control, secret, spec, device_name)
+        return Engine(pipeline, world // sp_size, launcher=workers.launch, **common)
+    channel = StoreWorker(control, secret, rank)
     try:
-        run_worker_loop(channel, spec, rank, device_name)
+        server = WaveServer(channel, spec, rank, device_name)
+        server.ready()
+        server.serve()
     except BaseException as exc:
         log.error("dlo engine: worker rank %d failed", rank, exc_info=True)
-        channel.post_fatal(rank, failure_report(rank, spec.topology, exc))
+        channel.send({"kind": "fatal", "rank": rank,
+                      "report": failure_report(rank, spec.topology, exc)})
         raise
     finally:
         dist.destroy_process_group()
     return None
-
-
-def _not_on_this_rank(spec: WorkerSpec) -> WorkerSet:
-    raise RuntimeError("only rank 0 of a torchrun job hosts the engine's front end")

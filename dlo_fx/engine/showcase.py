@@ -3,8 +3,8 @@ checkpoint, bit-identical to a single-process resident run.
 
 1. The reference DiT checkpoint is written once to a cache folder (``$DLO_FX_CACHE``,
    else ``$XDG_CACHE_HOME/dlo-fx``, else ``~/.cache/dlo-fx``) and reused afterwards.
-2. An `Engine` starts 2 worker ranks (one thread each); each loads the checkpoint (with
-   ``dlo_fx.load`` when available: only its half of every block reaches its memory) and
+2. An `Engine` starts 2 worker ranks (one thread each); each loads the checkpoint with
+   ``dlo_fx.load`` (only its half of every block reaches its memory) and
    compiles the DiT with ``backend="dlo"`` in AllGather mode.
 3. A wave of two requests runs twice (the first compiles); the outputs are compared
    with ``torch.equal`` against each request run alone on a resident model here.
@@ -17,7 +17,6 @@ checkpoint, bit-identical to a single-process resident run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ import torch
 from .._procfs import tree_pss
 from .cli import write_outputs
 from .engine import Engine
-from .reference_pipeline import CONFIG_FILE, WEIGHTS_FILE, dlo_load, resident, write_checkpoint
+from .reference_pipeline import CONFIG_FILE, WEIGHTS_FILE, resident, write_checkpoint
 from .request import Request
 
 PIPELINE = "dlo_fx.engine.reference_pipeline:build"
@@ -87,17 +86,13 @@ def run_showcase(*, width: int = 512, depth: int = 8, heads: int = 8, size: int 
     root = Path(root) if root is not None else cache_dir()
     checkpoint = cached_checkpoint(root, width=width, depth=depth, heads=heads, seed=0)
     weights_bytes = (checkpoint / WEIGHTS_FILE).stat().st_size
-    options: dict = {}
-    dump = None
-    if importlib.util.find_spec("dlo_fx.dump") is not None:
-        dump = root / "showcase-dump"
-        options["dump_dir"] = str(dump)
-    loader = "dlo_fx.load" if dlo_load() is not None else "load_state_dict (no dlo_fx.load)"
+    dump = root / "showcase-dump"
+    options = {"dump_dir": str(dump)}
     requests = [Request(prompt="a lighthouse at dusk", seed=1, height=size, width=size,
                         num_inference_steps=steps),
                 Request(prompt="a field of poppies", seed=2, height=size, width=size,
                         num_inference_steps=steps)]
-    print(f"2 CPU ranks, one thread each, load {checkpoint} with {loader} and serve a wave "
+    print(f"2 CPU ranks, one thread each, load {checkpoint} with dlo_fx.load and serve a wave "
           f"of 2 requests ({size}x{size} px, {steps} steps)", flush=True)
     start = time.perf_counter()
     with PssSampler() as pss:
@@ -140,7 +135,7 @@ def run_showcase(*, width: int = 512, depth: int = 8, heads: int = 8, size: int 
     rows += [
         ("peak PSS, process tree", f"{_mib(pss.peak)} (front end + 2 ranks)"),
         ("bit-identical to resident", str(identical)),
-        ("schedule dump", str(dump) if dump else "n/a (dlo_fx.dump not installed)"),
+        ("schedule dump", str(dump)),
         ("outputs", f"{outputs} (safetensors latents + PNG previews)"),
     ]
     width_ = max(len(k) for k, _ in rows)

@@ -1,19 +1,25 @@
-"""The worker side of the engine: build the pipeline once, then run one request per wave.
+"""The worker side of the engine: build the pipeline once, then serve waves.
 
-Each worker is one global rank. It reads every wave the front end broadcasts, runs
-``requests[dp_rank % len(requests)]`` through its pipeline (see `Topology`), and, if it
-is the first rank of its replica, posts the output. Any exception ends the worker: it
-posts why (``fatal``) and stops, because after a failed or abandoned collective its
-process group is unusable. The front end then fails the wave closed and starts fresh
-workers. See [Note: the wave protocol] in channel.py.
+Each worker is one global rank. It reads every wave the front end broadcasts, runs the
+request its replica was given (see [Note: the collective clock] in clock.py for the
+warm-up and padding forwards around it) and, if it is the first rank of its replica,
+replies with the output or the error. An error that leaves the collectives out of step
+(a forward cut short, a warm-up or padding forward failing, or any error in a pipeline
+without a forward clock) ends the worker: it reports why (``fatal``) and stops, because
+its process group is unusable. The front end then fails the wave closed and starts
+fresh workers. See [Note: the wave protocol] in channel.py.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import importlib
 import logging
 import os
+import signal
+import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -21,7 +27,9 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from .channel import WaveChannel, encode_output
+from .channel import LocalWorker, encode_output
+from .clock import keeps_clock
+from .limits import Limits
 from .request import Request
 from .topology import Topology, WorkerContext, set_worker_context
 
@@ -116,58 +124,139 @@ def describe(pipeline: Any) -> dict:
     return dict(fn()) if callable(fn) else {}
 
 
-def run_worker_loop(channel: WaveChannel, spec: WorkerSpec, rank: int, device: str) -> None:
-    """Build the pipeline, then serve waves until a stop message."""
-    topology = spec.topology
-    set_worker_context(WorkerContext(rank=rank, topology=topology, device=device))
-    factory = load_factory(spec.pipeline)
-    pipeline = factory(worker_options(spec, rank, device), **dict(spec.pipeline_kwargs))
-    channel.post_ready(rank)
-    dp_rank = topology.dp_rank(rank)
-    seq = 0
-    while True:
-        message = channel.next_message(seq)
-        if message.get("stop"):
-            return
+class WaveServer:
+    """One rank's pipeline and what it remembers between waves."""
+
+    def __init__(self, channel: Any, spec: WorkerSpec, rank: int, device: str) -> None:
+        self.channel = channel
+        self.spec = spec
+        self.rank = rank
+        self.topology = spec.topology
+        set_worker_context(WorkerContext(rank=rank, topology=self.topology, device=device))
+        factory = load_factory(spec.pipeline)
+        self.pipeline = factory(worker_options(spec, rank, device), **dict(spec.pipeline_kwargs))
+        self.mixed = keeps_clock(self.pipeline)
+        self.limits = Limits.from_value(getattr(self.pipeline, "limits", None))
+        self.warmed: set[str] = set()
+        """Graph keys every rank has compiled (the ranks see the same waves, so agree)."""
+
+    def ready(self) -> None:
+        self.channel.send({"kind": "ready", "rank": self.rank, "pid": os.getpid(),
+                           "mixed": self.mixed, "limits": self.limits.to_dict()})
+
+    def serve(self) -> None:
+        """Serve waves until a stop message."""
+        while True:
+            message = self.channel.receive()
+            if message.get("kind") == "stop":
+                return
+            with torch.inference_mode():
+                self.run_wave(message)
+
+    def run_wave(self, message: dict) -> None:
         requests = [Request.from_dict(r) for r in message["requests"]]
-        index = topology.request_index(rank, len(requests))
+        assign = message["assign"]
+        dp_rank = self.topology.dp_rank(self.rank)
+        index = assign[dp_rank]
+        pipeline, clock = self.pipeline, getattr(self.pipeline, "clock", None)
+        target = begin = 0
+        if self.mixed:
+            for request in requests:
+                key = str(pipeline.graph_key(request))
+                if key not in self.warmed:
+                    pipeline.warmup(request)
+                    self.warmed.add(key)
+            target = max(int(pipeline.forwards(r)) for r in requests)
+            begin = clock.finished
+        if index is not None:
+            self._run_request(message, requests, index, assign.index(index) == dp_rank)
+        if self.mixed:
+            done = clock.finished - begin
+            if done > target:
+                raise RuntimeError(f"the request on dp rank {dp_rank} ran {done} forwards, more "
+                                   f"than the {target} its pipeline's forwards() declared")
+            clock.pad(target - done)
+        self.channel.send({"kind": "done", "seq": message["seq"], "rank": self.rank})
+
+    def _run_request(self, message: dict, requests: list, index: int, primary: bool) -> None:
         start = time.perf_counter()
-        with torch.inference_mode():
-            output = pipeline(requests[index])
-        compute_s = time.perf_counter() - start
-        if topology.replies(rank):
-            meta = {"wave_id": message["wave_id"], "dp_rank": dp_rank, "rank": rank,
-                    "request_index": index, "info": {**describe(pipeline), "pid": os.getpid(),
-                                                      "compute_s": compute_s}}
-            channel.post_reply(seq, dp_rank, encode_output(output, meta))
-        seq += 1
+        header = {"kind": "reply", "seq": message["seq"], "wave": message["wave"],
+                  "index": index, "rank": self.rank, "dp_rank": self.topology.dp_rank(self.rank)}
+        try:
+            payload = encode_output(self.pipeline(requests[index]))
+        except Exception as exc:
+            clock = getattr(self.pipeline, "clock", None)
+            if not self.mixed or not clock.in_step:
+                raise  # the collectives are out of step: see [Note: the collective clock]
+            report = failure_report(self.rank, self.topology, exc)
+            log.warning("dlo engine: request %d of wave %d failed on rank %d:\n%s", index,
+                        message["wave"], self.rank, report["traceback"])
+            header["error"] = f"{report['error']} (at {report['where']})"
+            payload = b""
+        header["info"] = {**describe(self.pipeline), "pid": os.getpid(),
+                          "compute_s": time.perf_counter() - start}
+        if primary and self.topology.replies(self.rank):
+            self.channel.send(header, payload)
 
 
-def spawned_worker(rank: int, spec: WorkerSpec, host: str, port: int) -> None:
+def watch_parent(parent_pid: int, *, pdeathsig: bool) -> None:
+    """Exit when the front end dies: a parent-death signal (Linux; the front end started
+    the workers from its main thread, whose exit is the process's) and a thread polling
+    the parent pid every 0.25 s."""
+    if pdeathsig:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def poll() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.25)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=poll, daemon=True, name="dlo-engine-parent-watch").start()
+
+
+def loopback_gloo() -> None:
+    """Bind gloo to the loopback interface (unless the user chose one)."""
+    names = {name for _, name in socket.if_nameindex()}
+    if "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in names:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def spawned_worker(rank: int, spec: WorkerSpec, address: tuple, secret: bytes,
+                   rendezvous: str, parent_pid: int, pdeathsig: bool) -> None:
     """Entry point of a worker process started by `Engine` on this node."""
     import torch.distributed as dist
 
+    watch_parent(parent_pid, pdeathsig=pdeathsig)
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    channel = WaveChannel(store)
+    channel = LocalWorker(address, secret, rank)
     try:
         device = rank_device(spec.device, rank)
         if device != "cpu":
             torch.get_device_module(torch.device(device).type).set_device(device)
-        dist.init_process_group(process_group_backend(device, spec.backend),
-                                store=dist.PrefixStore("pg", store), rank=rank,
-                                world_size=spec.topology.world_size, timeout=timeout)
-        run_worker_loop(channel, spec, rank, device)
+        loopback_gloo()
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        store = dist.FileStore(rendezvous, spec.topology.world_size)
+        dist.init_process_group(process_group_backend(device, spec.backend), store=store,
+                                rank=rank, world_size=spec.topology.world_size,
+                                timeout=timeout)
+        server = WaveServer(channel, spec, rank, device)
+        server.ready()
+        server.serve()
+    except EOFError:  # the front end closed the connection: nothing to report to
+        os._exit(1)
     except BaseException as exc:  # tell the front end (it logs the traceback), then stop
         report = failure_report(rank, spec.topology, exc)
         try:
-            channel.post_fatal(rank, report)
+            channel.send({"kind": "fatal", "rank": rank, "report": report})
         except Exception:  # the front end is gone: this log is the only trace
             log.error("dlo engine: worker rank %d failed:\n%s", rank, report["traceback"])
         os._exit(1)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    # Stopped: exit at once. Tearing the process group down would wait on peers that
+    # may already be gone, and nothing here needs flushing.
+    os._exit(0)

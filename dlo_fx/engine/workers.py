@@ -1,22 +1,26 @@
 """Worker sets: one generation of worker processes, seen from the front end.
 
-A `WorkerSet` publishes waves on its `WaveChannel` and collects the replies while it
-watches three ways a wave can fail: a worker posts an error, a worker process dies, the
-wave outlives its timeout. Any of them raises `WaveFailed`; the engine then closes the
-set (killing its processes) and starts a fresh one for the next call.
-`LocalWorkers` starts the processes itself on this node; `serve.TorchrunWorkers` drives
-ranks started by ``torchrun``.
+A `WorkerSet` broadcasts waves on its channel and collects the replies while it watches
+the ways a wave can fail as a whole: a worker reports a fatal error, a worker process or
+its connection dies, the wave outlives its timeout. Any of them raises `WaveFailed`
+(carrying the replies that did arrive); the engine then closes the set (killing its
+processes) and starts a fresh one for the next call. `LocalWorkers` starts the processes
+itself on this node; `serve.TorchrunWorkers` drives ranks started by ``torchrun``.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
 import time
 from typing import Any, Optional, Sequence
 
-from .channel import Backoff, WaveChannel
+from .channel import LocalFront, Message, decode_output, new_secret
+from .limits import Limits
 from .request import Request
 from .worker import WorkerSpec, spawned_worker
 
@@ -24,16 +28,28 @@ log = logging.getLogger(__name__)
 
 
 class WaveFailed(Exception):
-    """A wave (or the start of the workers) failed; the message says why."""
+    """A wave (or the start of the workers) failed; the message says why. ``replies``
+    holds what did arrive: ``{request index: reply}``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.replies: dict[int, dict] = {}
 
 
 class WorkerSet:
     """The front end's view of one generation of workers."""
 
-    def __init__(self, channel: WaveChannel, spec: WorkerSpec) -> None:
+    def __init__(self, channel: Any, spec: WorkerSpec) -> None:
         self.channel = channel
         self.spec = spec
         self.world = spec.topology.world_size
+        self.ready: dict[int, dict] = {}
+        self.fatal: dict[int, dict] = {}
+        self.mixed = False
+        """Every rank's pipeline keeps a forward clock (see [Note: the collective clock])."""
+        self.limits = Limits(lora_ids=None)
+        """What the pipeline declared it serves (rank 0's, once ready)."""
+        self._inbox: list[Message] = []
         self._seq = 0
 
     # -- what subclasses provide ------------------------------------------------------------
@@ -45,12 +61,23 @@ class WorkerSet:
         """Stop the workers: ``kill`` at once (after a failure), or ask them to stop."""
 
     # -- the protocol -----------------------------------------------------------------------
+    def _pump(self, timeout_s: float) -> None:
+        for message in self.channel.receive(timeout_s):
+            kind = message.header.get("kind")
+            if kind == "fatal":
+                self.fatal[message.rank] = message.header.get("report", {})
+            elif kind == "ready":
+                self.ready[message.rank] = message.header
+            else:
+                self._inbox.append(message)
+
     def _check(self, deadline: float, waiting_for: str, timeout_s: float) -> None:
-        if self.channel.fatal_count():
+        if self.fatal:
             raise WaveFailed(self._fatal_message())
-        dead = self.dead()
+        dead = self.dead() + [f"worker rank {r}: {why}" for r, why in self.channel.lost.items()]
         if dead:
-            if self.channel.fatal_count():  # it posted why just before exiting
+            self._pump(0.05)  # it may have reported why just before exiting
+            if self.fatal:
                 raise WaveFailed(self._fatal_message())
             raise WaveFailed(f"{'; '.join(dead)} while {waiting_for}")
         if time.monotonic() > deadline:
@@ -58,79 +85,105 @@ class WorkerSet:
                              f"{waiting_for}")
 
     def _fatal_message(self) -> str:
-        reports = self.channel.fatal(self.world)
-        for rank, report in sorted(reports.items()):
+        for rank, report in sorted(self.fatal.items()):
             log.error("dlo engine: worker rank %d failed:\n%s", rank, report.get("traceback"))
-        return "; ".join(f"worker rank {rank} (dp_rank {r['dp_rank']}) raised {r['error']} "
-                         f"(at {r['where']})" for rank, r in sorted(reports.items()))
+        return "; ".join(f"worker rank {rank} (dp_rank {r.get('dp_rank')}) raised "
+                         f"{r.get('error')} (at {r.get('where')})"
+                         for rank, r in sorted(self.fatal.items()))
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        backoff = Backoff()
-        while self.channel.ready_count(self.world) < self.world:
+        while len(self.ready) < self.world:
             self._check(deadline, "starting the workers", timeout_s)
-            backoff.sleep()
+            self._pump(0.02)
+        self.mixed = all(h.get("mixed") for h in self.ready.values())
+        self.limits = Limits.from_value(self.ready[0].get("limits"))
 
-    def run(self, wave_id: int, requests: Sequence[Request],
-            timeout_s: float) -> dict[int, tuple[Any, dict]]:
-        """Broadcast one wave; return ``{dp_rank: (output, meta)}`` from every replica."""
+    def run(self, wave: int, requests: Sequence[Request], assign: Sequence[Optional[int]],
+            timeout_s: float) -> dict[int, dict]:
+        """Broadcast one wave (``assign[d]``: the request replica ``d`` runs, or ``None``);
+        return ``{request index: reply}`` once every rank is done with it."""
         seq = self._seq
         self._seq += 1
         deadline = time.monotonic() + timeout_s
-        self.channel.publish(seq, {"wave_id": wave_id,
-                                   "requests": [r.to_dict() for r in requests]})
-        dp = self.spec.topology.dp_size
-        replies: dict[int, tuple[Any, dict]] = {}
-        backoff = Backoff()
-        while len(replies) < dp:
-            if self.channel.reply_count(seq) > len(replies):
-                for dp_rank in range(dp):
-                    if dp_rank not in replies:
-                        reply = self.channel.take_reply(seq, dp_rank)
-                        if reply is not None:
-                            replies[dp_rank] = reply
-                continue
-            missing = [d for d in range(dp) if d not in replies]
-            self._check(deadline, f"waiting for the replies of dp rank(s) {missing}",
-                        timeout_s)
-            backoff.sleep()
+        self.channel.broadcast({"kind": "wave", "seq": seq, "wave": wave,
+                                "requests": [r.to_dict() for r in requests],
+                                "assign": list(assign)})
+        replier = {i: assign.index(i) for i in assign if i is not None}
+        replies: dict[int, dict] = {}
+        done: set[int] = set()
+        try:
+            while len(done) < self.world or len(replies) < len(replier):
+                for message in self._inbox:
+                    self._accept(message, seq, replier, replies, done)
+                self._inbox.clear()
+                if len(done) == self.world and len(replies) == len(replier):
+                    break
+                waiting = [d for i, d in sorted(replier.items()) if i not in replies]
+                self._check(deadline, f"waiting for wave {wave} on dp rank(s) "
+                            f"{waiting or sorted(set(range(self.world)) - done)}", timeout_s)
+                self._pump(0.02)
+        except WaveFailed as exc:
+            exc.replies = replies
+            raise
+        self.channel.retire()
         return replies
+
+    def _accept(self, message: Message, seq: int, replier: dict, replies: dict,
+                done: set) -> None:
+        header = message.header
+        if header.get("seq") != seq:
+            raise WaveFailed(f"worker rank {message.rank} sent a {header.get('kind')!r} for "
+                             f"message {header.get('seq')}, expected {seq}")
+        if header.get("kind") == "done":
+            done.add(message.rank)
+            return
+        index = header.get("index")
+        if (header.get("kind") != "reply" or index not in replier or index in replies
+                or header.get("dp_rank") != replier[index]):
+            raise WaveFailed(f"worker rank {message.rank} sent an unexpected reply for request "
+                             f"{index} (dp rank {header.get('dp_rank')})")
+        reply = dict(header)
+        if "error" not in header:
+            reply["output"] = decode_output(message.payload)
+        replies[index] = reply
 
     def problem(self) -> Optional[str]:
         """Why this set cannot take a wave (a worker failed or died while idle), or
         ``None`` when it is healthy."""
         try:
-            if self.channel.fatal_count():
-                return self._fatal_message()
-        except Exception as exc:  # the store itself is gone
-            return f"the control store failed ({exc})"
-        dead = self.dead()
+            self._pump(0)
+        except Exception as exc:  # the control plane itself failed
+            return f"the control plane failed ({exc})"
+        if self.fatal:
+            return self._fatal_message()
+        dead = self.dead() + [f"worker rank {r}: {why}" for r, why in self.channel.lost.items()]
         return "; ".join(dead) if dead else None
 
     def stop(self) -> None:
-        self.channel.publish(self._seq, {"stop": True})
+        self.channel.broadcast({"kind": "stop"})
 
 
 class LocalWorkers(WorkerSet):
-    """``world_size`` worker processes on this node (multiprocessing spawn), talking to a
-    ``TCPStore`` this process hosts on the loopback interface; their process group meets
-    in the same store."""
+    """``world_size`` worker processes on this node (multiprocessing spawn), each on its
+    own authenticated loopback connection (see [Note: the control plane's trust model] in
+    channel.py); their process group meets in a ``FileStore`` in a private folder."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=spec.timeout_s)
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timeout)
-        super().__init__(WaveChannel(self._store), spec)
+        world = spec.topology.world_size
+        secret = new_secret()
+        super().__init__(LocalFront(world, secret), spec)
+        self._dir = tempfile.mkdtemp(prefix="dlo-engine-")  # mode 0700
+        rendezvous = os.path.join(self._dir, "rendezvous")
+        pdeathsig = threading.current_thread() is threading.main_thread()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=spawned_worker, name=f"dlo-engine-rank{rank}",
-                                  args=(rank, spec, "127.0.0.1", self._store.port),
-                                  daemon=True)
-                      for rank in range(self.world)]
+                                  args=(rank, spec, self.channel.address, secret, rendezvous,
+                                        os.getpid(), pdeathsig), daemon=True)
+                      for rank in range(world)]
         for proc in self.procs:
             proc.start()
-        log.info("dlo engine: started %d worker processes (pids %s)", self.world,
+        log.info("dlo engine: started %d worker processes (pids %s)", world,
                  [p.pid for p in self.procs])
 
     def dead(self) -> list[str]:
@@ -149,4 +202,5 @@ class LocalWorkers(WorkerSet):
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=10)
-        self._store = None
+        self.channel.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -160,7 +160,9 @@ class Runtime:
             # Through the executor, behind every gather already queued: collectives keep
             # one issue order on every rank.
             self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
-            tensor = self._resident[id(param)] = entry.view_of(flat).clone()
+            # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
+            tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
+            self._resident[id(param)] = tensor
         return tensor
 
     @property
@@ -238,7 +240,7 @@ class Runtime:
         entry = self.store.entry(param)
         if entry.block != block:  # held by another host block: see `resolve`
             return self.resident_tensor(param)
-        return self.slots.view(slot, entry)
+        return self.slots.view(slot, entry, param.requires_grad)
 
     def drain(self, *, raise_errors: bool = True) -> None:
         for slot, pending in enumerate(self._pending):

@@ -2,6 +2,17 @@
 
 Slots are allocated once per size: a block larger than any seen grows every slot, which
 happens while a graph is compiled or a block is first registered, never in steady state.
+
+[Note: slot views keep requires_grad]
+A slot view stands in for its parameter, and must make every kernel choose what it chose
+for the parameter. One choice reads ``requires_grad`` even under ``torch.no_grad()``:
+``aten::matmul`` folds a batched input into one ``mm`` when either operand requires grad,
+and otherwise, when the input's leading dimensions cannot be flattened without a copy
+(a transposed activation, as ``F.linear`` gets after Sana's linear attention), runs a
+``bmm`` against the expanded weight. The two sum in a different order and differ in
+the last bit (3e-7 on Sana). So a view of a parameter that requires grad is a leaf that
+requires grad too (grad mode is off whenever a streamed parameter requires grad: the
+backend refuses it otherwise), and views are cached per (slot, parameter, flag).
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ class SlotPool:
         self.device = device
         self.slot_bytes = 0
         self.buffers: list[torch.Tensor] = []
-        self._views: list[dict[int, torch.Tensor]] = [{} for _ in range(num_slots)]
+        self._views: list[dict[tuple[int, bool], torch.Tensor]] = [{} for _ in range(num_slots)]
 
     @property
     def total_bytes(self) -> int:
@@ -37,10 +48,15 @@ class SlotPool:
         self._views = [{} for _ in range(self.num_slots)]
         return True
 
-    def view(self, slot: int, entry: Entry) -> torch.Tensor:
-        """The parameter described by ``entry`` as a view of ``slot`` (cached)."""
+    def view(self, slot: int, entry: Entry, requires_grad: bool = False) -> torch.Tensor:
+        """The parameter described by ``entry`` as a view of ``slot`` (cached), with the
+        parameter's ``requires_grad`` (see [Note: slot views keep requires_grad])."""
         cache = self._views[slot]
-        view = cache.get(entry.uid)
+        key = (entry.uid, requires_grad)
+        view = cache.get(key)
         if view is None:
-            view = cache[entry.uid] = entry.view_of(self.buffers[slot])
+            view = entry.view_of(self.buffers[slot])
+            if requires_grad:
+                view = view.detach().requires_grad_(True)
+            cache[key] = view
         return view

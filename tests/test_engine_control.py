@@ -1,0 +1,244 @@
+"""The engine's control plane and up-front checks, without worker processes (except the
+front-end-death case): authentication against a process that knows only the port,
+signed store messages for torchrun, limits, and the forward clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dlo_fx.engine import ForwardClock, Limits, Request
+from dlo_fx.engine.channel import ChannelError, LocalFront, LocalWorker, new_secret, pack
+from dlo_fx.engine.reference_pipeline import resident
+from dlo_fx.engine.request import plan_waves
+from dlo_fx.engine.store_channel import (SECRET_ENV, SECRET_FILE_ENV, StoreFront, StoreWorker,
+                                         secret_from_environment)
+
+
+class Pump:
+    """Runs a `LocalFront`'s receive loop on a thread (the front end accepts while it
+    receives) and collects the messages."""
+
+    def __init__(self, front: LocalFront) -> None:
+        self.front, self.messages, self._stop = front, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.messages += self.front.receive(0.05)
+
+    def wait(self, until, seconds: float = 10.0) -> None:
+        deadline = time.monotonic() + seconds
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert until(), "timed out"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_local_control_plane_refuses_a_process_that_only_knows_the_port():
+    secret = new_secret()
+    front = LocalFront(2, secret)
+    assert front.address[0] == "127.0.0.1"
+    pump = Pump(front)
+    try:
+        # A silent peer, then an attacker with a wrong secret: both refused, and neither
+        # keeps the front end from accepting the real workers.
+        silent = socket.create_connection(front.address)
+        attacker = Connection(socket.create_connection(front.address).detach())
+        assert attacker.poll(10)
+        assert attacker.recv_bytes().startswith(b"dlo-fx-engine")  # only a fresh nonce
+        attacker.send_bytes(os.urandom(64))
+        with pytest.raises((EOFError, OSError)):
+            attacker.recv_bytes()  # refused: closed, with nothing to read
+        assert front.conns == {}
+        # A worker holding another engine's secret fails the front end's proof.
+        with pytest.raises(ChannelError, match="failed authentication"):
+            LocalWorker(front.address, new_secret(), 0)
+        workers = {rank: LocalWorker(front.address, secret, rank) for rank in (1, 0)}
+        pump.wait(lambda: len(front.conns) == 2)
+        # Every worker connected: the port is closed, nobody else can even connect.
+        with pytest.raises(OSError):
+            socket.create_connection(front.address, timeout=2)
+        front.broadcast({"kind": "wave", "seq": 0})
+        assert workers[0].receive() == {"kind": "wave", "seq": 0}
+        workers[1].send({"kind": "done", "seq": 0}, b"xyz")
+        pump.wait(lambda: pump.messages)
+        (message,) = pump.messages
+        assert message.rank == 1 and message.header["kind"] == "done"
+        assert message.payload == b"xyz"
+        silent.close()
+    finally:
+        pump.stop()
+        front.close()
+
+
+def test_torchrun_control_messages_are_signed_and_deleted():
+    store = dist.HashStore()
+    secret = new_secret()
+    front = StoreFront(store, secret, 2)
+    workers = [StoreWorker(store, secret, r) for r in range(2)]
+    front.broadcast({"kind": "wave", "seq": 0, "requests": ["a prompt"]})
+    assert workers[1].receive()["requests"] == ["a prompt"]
+    workers[1].send({"kind": "reply", "seq": 0}, b"x" * (9 << 20))  # chunked past 8 MiB
+    (message,) = front.receive(5.0)
+    assert message.rank == 1 and len(message.payload) == 9 << 20
+    assert store.num_keys() == 1  # only the wave message, until the wave ends
+    front.retire()
+    assert store.num_keys() == 0
+    # A forged reply (no secret) and a genuine one replayed onto another key both fail.
+    store.set("msg/0/0", b"\0" * 32 + pack({"kind": "reply", "seq": 1, "_chunks": 0,
+                                            "_sha256": ""}))
+    with pytest.raises(ChannelError, match="'msg/0/0' failed authentication"):
+        front.receive(1.0)
+    front.broadcast({"kind": "stop"})
+    store.set("wave/2", store.get("wave/1"))
+    workers[0]._seq = 2
+    with pytest.raises(ChannelError, match="'wave/2' failed authentication"):
+        workers[0].receive()
+
+
+def test_torchrun_secret_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        secret_from_environment()
+    monkeypatch.setenv(SECRET_ENV, "ab" * 32)
+    assert secret_from_environment() == bytes.fromhex("ab" * 32)
+    monkeypatch.delenv(SECRET_ENV)
+    path = tmp_path / "secret"
+    path.write_bytes(b"s" * 32)
+    path.chmod(0o644)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
+    with pytest.raises(ValueError, match="chmod 600"):
+        secret_from_environment()
+    path.chmod(0o600)
+    assert secret_from_environment() == b"s" * 32
+
+
+def test_requests_are_refused_up_front_naming_the_field():
+    with pytest.raises(ValueError, match="Request.seed=.*2\\*\\*64"):
+        Request(prompt="x", seed=2**70)
+    with pytest.raises(ValueError, match="Request.prompt is not valid text"):
+        Request(prompt="a \ud800 b")
+    with pytest.raises(ValueError, match="Request.negative_prompt is 2097152 bytes"):
+        Request(prompt="x", negative_prompt="n" * (2 << 20))
+    with pytest.raises(ValueError, match="Request.extra_args is"):
+        Request(prompt="x", extra_args={"blob": "b" * (2 << 20)})
+    for removed in ("fps", "quality_mode", "lora_scale"):
+        with pytest.raises(ValueError, match=f"unknown request field.*'{removed}'"):
+            Request.from_dict({"prompt": "x", removed: 1})
+    limits = resident(width=64, depth=1, heads=4).limits
+    ok = dict(prompt="x", height=64, width=64)
+    limits.check(Request(**ok))
+    refused = [("height", dict(height=2**19), "at most 2048"),
+               ("width", dict(width=4096), "at most 2048"),
+               ("height", dict(height=60), "multiple of 16"),
+               ("width", dict(width=72), "multiple of 16"),
+               ("num_frames", dict(num_frames=5), "at most 1"),
+               ("num_inference_steps", dict(num_inference_steps=10**6), "at most 1000"),
+               ("num_outputs_per_prompt", dict(num_outputs_per_prompt=64), "at most 16"),
+               ("prompt", dict(prompt="p" * (65 << 10)), "reads at most 65536"),
+               ("negative_prompt", dict(negative_prompt="n" * (65 << 10)), "at most 65536"),
+               ("lora_id", dict(lora_id="style"), "LoRA adapters none")]
+    for field, change, why in refused:
+        with pytest.raises(ValueError, match=f"request 3: Request.{field}.*{why}"):
+            limits.check(Request(**{**ok, **change}), "request 3")
+    video = Limits(max_frames=81, frames_multiple=4)
+    video.check(Request(prompt="x", num_frames=81))
+    with pytest.raises(ValueError, match="num_frames=80.*4k \\+ 1"):
+        video.check(Request(prompt="x", num_frames=80))
+    with pytest.raises(ValueError, match="Limits.size_multiple=0"):
+        Limits(size_multiple=0)
+    assert Limits.from_value(limits.to_dict()) == limits
+
+
+def test_fault_hooks_are_off_by_default():
+    torch.set_num_threads(1)
+    request = Request(prompt="x", height=32, width=32, num_inference_steps=2,
+                      extra_args={"fault": "raise", "fault_rank": 0, "fault_step": 0})
+    pipeline = resident(width=64, depth=1, heads=4)
+    assert not pipeline.fault_hooks
+    assert pipeline(request).shape == (1, 4, 4, 4)  # the hook did not fire
+    pipeline.fault_hooks = True
+    with pytest.raises(RuntimeError, match="injected fault on rank 0 at step 0"):
+        pipeline(request)
+
+
+def test_forward_clock_counts_and_pads_on_the_smallest_input():
+    calls = []
+    clock = ForwardClock(lambda x: calls.append(x.shape) or x)
+    clock(torch.zeros(4, 4))
+    clock(torch.zeros(2, 2))
+    clock(torch.zeros(3, 3))
+    clock.pad(2)
+    assert calls[3:] == [(2, 2), (2, 2)] and clock.started == clock.finished == 5
+    broken = ForwardClock(lambda x: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        broken(torch.zeros(1))
+    assert not broken.in_step
+    with pytest.raises(RuntimeError, match="has not run its model yet"):
+        ForwardClock(lambda x: x).pad(1)
+
+
+def test_mixed_requests_are_packed_into_the_fewest_waves():
+    small = Request(prompt="s", height=32, width=32, num_inference_steps=2)
+    big = Request(prompt="b", height=64, width=64, num_inference_steps=4)
+    mixed = [small, big, small, big, small]
+    assert plan_waves(mixed, 2, mixed=True) == [[1, 3], [0, 2], [4]]  # costliest first
+    assert plan_waves(mixed, 2, mixed=False) == [[0, 2], [4], [1, 3]]  # by wave key
+
+
+FRONT_END = textwrap.dedent("""
+    import json, sys, time
+    from dlo_fx.engine import Engine, Request
+    engine = Engine("dlo_fx.engine.reference_pipeline:build", 2, wave_timeout_s=300,
+                    pipeline_kwargs=dict(width=64, depth=2, heads=4, fault_hooks=True))
+    engine.start()
+    print(json.dumps([p.pid for p in engine._workers.procs]), flush=True)
+    hang = {"fault": "hang", "fault_rank": 1, "fault_step": 0}
+    engine.run_wave([Request(prompt="x", height=32, width=32, num_inference_steps=2,
+                             extra_args=hang)] * 2)
+""")
+
+
+def test_workers_exit_within_5_s_of_the_front_end_being_killed_mid_wave():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", FRONT_END], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        time.sleep(2.0)  # the wave is running: rank 1 hangs, rank 0 waits in a gather
+        assert all(_alive(pid) for pid in pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), "orphaned workers"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
