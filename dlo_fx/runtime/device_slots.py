@@ -5,7 +5,8 @@ fills it, and which model's block each slot holds.
 A model's `Runtime` owns its host store, its mode and its resident copies: host blocks
 are never shared. Slot memory may be: a pipeline's text encoder and transformer run one
 after the other, so they can stream through the same ``num_slots`` buffers, which is
-the largest device cost dlo adds; so may the weight-gather group. Every runtime on one device with the same
+the largest device cost dlo adds; the weight-gather group is made once per device
+setting and kept. Every runtime on one device with the same
 ``num_slots`` and ``fault_delay_s`` gets the same `DeviceSlots`, held weakly here and
 strongly by the runtimes: when the last of them is gone, the slots are freed and the
 executor's worker thread stops.
@@ -34,23 +35,26 @@ from .slots import SlotPool
 
 class DeviceSlots:
     def __init__(self, device: torch.device, num_slots: int, fault_delay_s: float) -> None:
+        self.key = _key(device, num_slots, fault_delay_s)
         self.device = device
         self.pool = SlotPool(num_slots, device)
         self.executor = make_executor(device, num_slots, fault_delay_s)
         self.holder: list[Optional[tuple[int, int]]] = [None] * num_slots
         self.lock = threading.RLock()
-        self._groups: dict[tuple, tuple[Any, Any]] = {}
         weakref.finalize(self, _shutdown, self.executor)
 
     def shard_group(self, spec: Any, timeout_s: float, make: Callable[[Any, float], Any]) -> Any:
-        """The weight-gather group for ``spec``, made once per `DeviceSlots`: runtimes
-        sharing this executor issue their gathers on one worker in one order, so they can
-        share one group (a group per model would be a new communicator per model)."""
-        key = (spec if spec is None or isinstance(spec, tuple) else ("group", id(spec)),
+        """The weight-gather group for ``spec``: one per device setting, made the first
+        time it is asked for and kept for the process (like the group of a global
+        config). Runtimes sharing this executor issue their gathers on one worker in one
+        order, so they can share it; making a group per model, or again whenever the
+        slots were collected, would call ``new_group`` at points that differ by rank."""
+        key = (self.key, spec if spec is None or isinstance(spec, tuple) else ("group", id(spec)),
                float(timeout_s))
-        found = self._groups.get(key)
-        if found is None:
-            found = self._groups[key] = (spec, make(spec, timeout_s))  # spec pins the id
+        with _LOCK:
+            found = _GROUPS.get(key)
+            if found is None:
+                found = _GROUPS[key] = (spec, make(spec, timeout_s))  # spec pins the id
         return found[1]
 
     def forget(self) -> None:
@@ -99,12 +103,17 @@ class SlotBlocks:
 
 
 _SHARED: "weakref.WeakValueDictionary[tuple, DeviceSlots]" = weakref.WeakValueDictionary()
+_GROUPS: dict[tuple, tuple[Any, Any]] = {}
 _LOCK = threading.Lock()
+
+
+def _key(device: torch.device, num_slots: int, fault_delay_s: float) -> tuple:
+    return (device.type, device.index or 0, num_slots, float(fault_delay_s))
 
 
 def device_slots(device: torch.device, num_slots: int, fault_delay_s: float) -> DeviceSlots:
     """The `DeviceSlots` every runtime on ``device`` with these settings shares."""
-    key = (device.type, device.index or 0, num_slots, float(fault_delay_s))
+    key = _key(device, num_slots, fault_delay_s)
     with _LOCK:
         shared = _SHARED.get(key)
         if shared is None:
