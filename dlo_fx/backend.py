@@ -18,7 +18,10 @@ from torch import fx
 from .config import DLOConfig
 from .passes import PassContext, run_passes
 from .runtime.collectives import check_same_plan
+from .runtime.eager import fetch_eagerly
+from .runtime.graph_call import bind, run_graph
 from .runtime.host_store import is_hollow
+from .runtime.ops import SCHEDULE_OPS
 from .runtime.runtime import Runtime, runtime_for
 
 log = logging.getLogger(__name__)
@@ -41,13 +44,29 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         from .inductor import compile_pieces
 
         compiled = compile_pieces(gm, example_inputs, ctx)
-    commit(ctx, runtime)
-    _guard_eager_calls()
+    with runtime.lock:  # no graph of another thread gathers while this one compares plans
+        runtime.drain()
+        commit(ctx, runtime)
+    _guard_eager_calls(runtime)
     if config.dump_dir:
         from .dump import write_dump
 
         write_dump(gm, ctx, runtime, config.dump_dir)
-    return compiled
+    return _scheduled_call(gm, ctx, runtime, compiled)
+
+
+def _scheduled_call(gm: fx.GraphModule, ctx: PassContext, runtime: Runtime,
+                    compiled: Callable) -> Callable:
+    """``compiled`` run under the runtime's lock and collective clock (graph_call.py)."""
+    sched = getattr(ctx, "schedule", None)
+    if sched is None:
+        return compiled
+    bind(gm, sched, tuple(SCHEDULE_OPS))
+
+    def run(*args: Any) -> Any:
+        return run_graph(runtime, sched, compiled, args)
+
+    return run
 
 
 def resolve_device(config: DLOConfig, example_inputs: Sequence[Any]) -> torch.device:
@@ -128,8 +147,9 @@ def guard_module(module: torch.nn.Module) -> None:
         _GUARDED.add(module)
 
 
-def _guard_eager_calls() -> None:
-    """Guard the module(s) of the frame being compiled, when Dynamo exposes it."""
+def _guard_eager_calls(runtime: Runtime) -> None:
+    """Guard the module(s) of the frame being compiled, when Dynamo exposes it, and
+    fetch their hollow parameters for eager calls (see runtime/eager.py)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()
@@ -139,3 +159,4 @@ def _guard_eager_calls() -> None:
     for value in local_values:
         if isinstance(value, torch.nn.Module) and any(is_hollow(p) for p in value.parameters()):
             guard_module(value)
+            fetch_eagerly(value, runtime)

@@ -1,0 +1,112 @@
+"""Hollow parameters read outside a scheduled graph are fetched for that call.
+
+[Note: eager reads of streamed parameters]
+Dynamo does not compile everything a model runs: after a graph break the resumed frame may
+run eagerly, ``torch.nn`` modules called from an eager frame run eagerly, and code compiled
+for one instance of a class can send another instance's call down an eager path. Such
+code reads the module's own parameters, which are hollow (zero-byte storage) once their
+bytes are in the host store. So every module that directly owns hollow parameters gets a
+forward pre-hook and an always-called forward hook (`fetch_eagerly`):
+
+- while Dynamo traces, ``torch.compiler.is_compiling()`` is true and both hooks are no-ops
+  (they trace to nothing, so scheduled graphs are unchanged);
+- in an eager call, the pre-hook copies the parameters' blocks from the host store (in
+  allgather mode: gathered, behind a collective clock exchange, through the same worker as
+  every gather, so the ranks stay in step) and gives each parameter its bytes back; the
+  forward hook hollows them again, also when the forward raises. A counter per module
+  keeps nested and concurrent calls of one module materialised until the last one ends.
+
+The first eager fetch of a module logs a `RuntimeWarning` naming it: it is correct but
+slow (every call copies the blocks again), and a graph break moved into that module is
+usually the cause.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from .host_store import is_hollow
+
+_HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_WARNED: set[str] = set()
+_LOCK = threading.Lock()
+_users: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def _own_streamed(module: torch.nn.Module, runtime: Any) -> list[torch.nn.Parameter]:
+    return [p for p in module._parameters.values()
+            if p is not None and p.numel() and p in runtime.store]
+
+
+def fetch_eagerly(root: torch.nn.Module, runtime: Any) -> None:
+    """Hook every module under ``root`` that owns parameters in ``runtime``'s store."""
+    for module in root.modules():
+        if module in _HOOKED or not _own_streamed(module, runtime):
+            continue
+        ref = weakref.ref(runtime)
+        module.register_forward_pre_hook(lambda m, args, ref=ref: _enter(m, ref()))
+        module.register_forward_hook(lambda m, args, out, ref=ref: _leave(m, ref()),
+                                     always_call=True)
+        _HOOKED.add(module)
+
+
+def _enter(module: torch.nn.Module, runtime: Any) -> None:
+    if torch.compiler.is_compiling() or runtime is None:
+        return
+    with runtime.lock:
+        users = _users.get(module, 0)
+        _users[module] = users + 1
+        if users:
+            return
+        params = [p for p in _own_streamed(module, runtime) if is_hollow(p)]
+        if not params:
+            return
+        try:
+            _materialise(runtime, module, params)
+        except BaseException:
+            _users[module] = 0
+            _hollow(params)
+            raise
+
+
+def _leave(module: torch.nn.Module, runtime: Any) -> None:
+    if torch.compiler.is_compiling() or runtime is None:
+        return
+    with runtime.lock:
+        users = _users.get(module, 0) - 1
+        _users[module] = max(users, 0)
+        if users <= 0:
+            _hollow(_own_streamed(module, runtime))
+
+
+def _hollow(params: list[torch.nn.Parameter]) -> None:
+    for p in params:
+        p.untyped_storage().resize_(0)
+
+
+def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+    entries = [runtime.store.entry(p) for p in params]
+    name = entries[0].fqn.rsplit(".", 1)[0] if "." in entries[0].fqn else "<root>"
+    with _LOCK:
+        first = name not in _WARNED
+        _WARNED.add(name)
+    if first:
+        warnings.warn(
+            f"dlo: module {name!r} ({type(module).__name__}) runs outside a scheduled graph "
+            "(Dynamo runs this code eagerly), so its streamed parameters are copied from the "
+            "host store on every such call: correct, but slow. A graph break inside or "
+            "around this module usually causes it", RuntimeWarning, stacklevel=4)
+    flats = {}
+    for e in sorted({e.block for e in entries}):
+        flats[e] = runtime.fetch_block(e, f"the eager call of {name!r}")
+    with torch.no_grad():
+        for p, e in zip(params, entries):
+            src = e.view_of(flats[e.block])
+            need = p.storage_offset() * p.element_size() + e.nbytes
+            p.untyped_storage().resize_(need)
+            p.copy_(src)
