@@ -19,6 +19,8 @@ from .config import DLOConfig
 from .passes import PassContext, run_passes
 from .runtime.collectives import check_same_plan
 from .runtime.eager import fetch_eagerly
+from .runtime.fingerprint import block_fingerprint, check_same_weights
+from .runtime.layout import span_as_bytes
 from .runtime.graph_call import bind, run_graph
 from .runtime.host_store import is_hollow
 from .runtime.ops import SCHEDULE_OPS
@@ -113,9 +115,18 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
     if runtime.mode == "allgather":
         rows = [(len(b.params), b.nbytes, b.params[0].fqn) for b in ctx.blocks]
         check_same_plan(rows, runtime.group, f"a graph of {len(ctx.params)} parameters")
-    for block in ctx.blocks:
-        if block.host_block is None:
-            runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params])
+    new = [b for b in ctx.blocks if b.host_block is None]
+    if runtime.mode == "allgather":
+        fingerprints = []
+        for b in new:
+            params = [p.param for p in b.params]
+            entries, _ = runtime.store.layout(params, [p.fqn for p in b.params])
+            fingerprints.append(block_fingerprint(
+                entries, [span_as_bytes(p) if p.numel() else None for p in params]))
+        check_same_weights(runtime, fingerprints, [b.params[0].fqn for b in new],
+                           f"a graph of {len(ctx.params)} parameters")
+    for block in new:
+        runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params])
     log.info("dlo: scheduled a graph with %d blocks (budget %d bytes), %d resident parameters",
              len(ctx.blocks), ctx.budget, len(ctx.resident))
 

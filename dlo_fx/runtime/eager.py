@@ -29,6 +29,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._dynamo.eval_frame import skip_code
 
 from .host_store import is_hollow
 
@@ -36,6 +37,7 @@ _HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _WARNED: set[str] = set()
 _LOCK = threading.Lock()
 _users: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+_RUNTIME_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 def _own_streamed(module: torch.nn.Module, runtime: Any) -> list[torch.nn.Parameter]:
@@ -48,15 +50,36 @@ def fetch_eagerly(root: torch.nn.Module, runtime: Any) -> None:
     for module in root.modules():
         if module in _HOOKED or not _own_streamed(module, runtime):
             continue
-        ref = weakref.ref(runtime)
-        module.register_forward_pre_hook(lambda m, args, ref=ref: _enter(m, ref()))
-        module.register_forward_hook(lambda m, args, out, ref=ref: _leave(m, ref()),
-                                     always_call=True)
+        _RUNTIME_OF[module] = weakref.ref(runtime)
+        module.register_forward_pre_hook(_pre_hook)
+        module.register_forward_hook(_post_hook, always_call=True)
         _HOOKED.add(module)
 
 
-def _enter(module: torch.nn.Module, runtime: Any) -> None:
-    if torch.compiler.is_compiling() or runtime is None:
+# The hooks are traced into nothing while Dynamo traces a module call (is_compiling() is
+# true there). Called from an eager frame they must really run: Dynamo would otherwise
+# compile the hook itself as a frame of its own, where is_compiling() is true as well.
+# So their code is never compiled as a top-level frame, and what they call runs with
+# Dynamo disabled.
+def _pre_hook(module: torch.nn.Module, args: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _enter(module)
+
+
+def _post_hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _leave(module)
+
+
+skip_code(_pre_hook.__code__)
+skip_code(_post_hook.__code__)
+
+
+@torch._dynamo.disable
+def _enter(module: torch.nn.Module) -> None:
+    ref = _RUNTIME_OF.get(module)
+    runtime = ref() if ref is not None else None
+    if runtime is None:
         return
     with runtime.lock:
         users = _users.get(module, 0)
@@ -74,8 +97,11 @@ def _enter(module: torch.nn.Module, runtime: Any) -> None:
             raise
 
 
-def _leave(module: torch.nn.Module, runtime: Any) -> None:
-    if torch.compiler.is_compiling() or runtime is None:
+@torch._dynamo.disable
+def _leave(module: torch.nn.Module) -> None:
+    ref = _RUNTIME_OF.get(module)
+    runtime = ref() if ref is not None else None
+    if runtime is None:
         return
     with runtime.lock:
         users = _users.get(module, 0) - 1

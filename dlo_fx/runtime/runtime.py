@@ -28,8 +28,10 @@ from .collectives import ShardGroup, gather_in_place, resolve_shard_group
 from . import platform
 from .executor import make_executor
 from .host_store import HostStore
+from .fingerprint import block_fingerprint, check_same_weights
 from .graph_call import ClockMismatch, check_rows, exchange
 from .interrupts import deferred, install as install_interrupt_handler
+from .layout import span_as_bytes
 from .slots import SlotPool
 from .trace import Tracer
 
@@ -119,7 +121,14 @@ class Runtime:
         entries = [self.store.entry(p) for p in params]
         if None in entries:
             fresh = [(p, f) for p, f, e in zip(params, fqns, entries) if e is None]
-            return self.register_block([p for p, _ in fresh], [f for _, f in fresh])
+            new_params, new_fqns = [p for p, _ in fresh], [f for _, f in fresh]
+            if self.mode == "allgather":
+                layout, _ = self.store.layout(new_params, new_fqns)
+                fingerprint = block_fingerprint(
+                    layout, [span_as_bytes(p) if p.numel() else None for p in new_params])
+                check_same_weights(self, [fingerprint], new_fqns[:1],
+                                   f"the layer of {new_fqns[0]!r}")
+            return self.register_block(new_params, new_fqns)
         first = entries[0].block
         if all(e.block == first for e in entries):
             return first
