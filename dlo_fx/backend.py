@@ -21,7 +21,7 @@ from .runtime.collectives import check_same_plan
 from .runtime.eager import fetch_eagerly
 from .runtime.fingerprint import block_fingerprint, check_same_weights
 from .runtime.layout import span_as_bytes
-from .runtime.graph_call import bind, run_graph
+from .runtime.graph_call import bind, compile_clock, run_graph
 from .runtime.host_store import is_hollow
 from .runtime.ops import SCHEDULE_OPS
 from .runtime.runtime import Runtime, runtime_for
@@ -113,6 +113,7 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
                 f"computes on {runtime.device}; load the model with dlo_fx.load(...) so resident "
                 "parameters are placed on the device")
     if runtime.mode == "allgather":
+        compile_clock(runtime, len(ctx.blocks), f"compiling a graph of {len(ctx.params)} parameters")
         rows = [(len(b.params), b.nbytes, b.params[0].fqn) for b in ctx.blocks]
         check_same_plan(rows, runtime.group, f"a graph of {len(ctx.params)} parameters")
     new = [b for b in ctx.blocks if b.host_block is None]

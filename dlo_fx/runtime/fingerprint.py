@@ -35,7 +35,7 @@ def block_fingerprint(entries: Sequence[Entry], sources: Sequence[Optional[torch
             while k < len(positions) and positions[k] < e.offset + e.nbytes:
                 if src is not None:
                     at = positions[k] - e.offset
-                    h.update(src[at : at + WINDOW].cpu().numpy().tobytes())
+                    h.update(bytes(src[at : at + WINDOW].tolist()))  # never .numpy(): that pins the storage
                 else:
                     h.update(b"?")
                 k += 1

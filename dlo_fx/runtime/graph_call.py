@@ -27,7 +27,9 @@ could break that, and each has its guard:
   rank before any gather of that graph, so a gather never pairs with a different block
   (a silent mix of weights) or a different size (an abort inside gloo). Both ranks leave
   their state as it was; the next call starts in step.
-- eager fetches of hollow parameters (`eager.py`) exchange a clock word the same way.
+- eager fetches of hollow parameters (`eager.py`) exchange clock words the same way, in
+  the same worker task as their gather, and so does a compile before it compares plans
+  and weight fingerprints (`compile_clock`).
 
 A collective that fails (a rank died, the timeout passed) closes the runtime: the group is
 unusable afterwards.
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from .collectives import _all_gather_single
 from .interrupts import deferred
 
 CLOCK_WORDS = 4
@@ -92,7 +95,7 @@ def exchange(group: Any, device: torch.device, words: Sequence[int], what: str) 
     mine = torch.tensor(list(words), dtype=torch.int64, device=device)
     every = torch.empty(group.dp * len(words), dtype=torch.int64, device=device)
     try:
-        dist.all_gather_into_tensor(every, mine, group=group.pg)
+        _all_gather_single(every, mine, group=group.pg)
     except Exception as exc:
         raise RuntimeError(f"dlo: exchanging the collective clock before {what} over the "
                            f"{group.describe()} failed on global rank "
@@ -140,6 +143,17 @@ class Clock:
         if self.rows is None:  # a device executor: the exchange ran on the comm stream
             raise RuntimeError("dlo: internal error: clock words missing after the exchange")
         check_rows(runtime.group, self.rows, self.what)
+
+
+_COMPILE_WORD = _word("dlo-compile")
+
+
+def compile_clock(runtime: Any, blocks: int, what: str) -> None:
+    """Exchange clock words before a compile's own collectives (plan digest, fingerprints):
+    a rank still compiling while another already runs graphs raises instead of pairing a
+    plan exchange with a clock or a gather."""
+    if runtime.group.dp > 1:
+        Clock(runtime, [_COMPILE_WORD, blocks, 0, 2], what).check()
 
 
 def complete(runtime: Any, sched: Any, args: Sequence[Any], clock: Optional[Clock]) -> None:
