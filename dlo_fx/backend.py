@@ -165,10 +165,11 @@ def _guard_eager_calls(runtime: Runtime) -> None:
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()
-        local_values = list(tx.f_locals.values()) if tx is not None else []
+        local_values = list(tx.f_locals.items()) if tx is not None else []
+        forward_frame = tx is not None and tx.f_code.co_name == "forward"
     except Exception:  # private API: best effort only
         return
-    for value in local_values:
+    for name, value in local_values:
         if isinstance(value, torch.nn.Module) and any(is_hollow(p) for p in value.parameters()):
             guard_module(value)
-            fetch_eagerly(value, runtime)
+            fetch_eagerly(value, runtime, compiled_forward=forward_frame and name == "self")

@@ -19,6 +19,13 @@ forward pre-hook and an always-called forward hook (`fetch_eagerly`):
 The first eager fetch of a module logs a `RuntimeWarning` naming it: it is correct but
 slow (every call copies the blocks again), and a graph break moved into that module is
 usually the cause.
+
+The module whose ``forward`` Dynamo compiles as a frame (the model given to
+``torch.compile``) is the exception: ``nn.Module.__call__`` runs its hooks eagerly around
+the compiled code on every call, so a fetch there would copy its blocks on every call.
+Its own streamed parameters (modulation tables, positional embeddings: small) are kept
+materialised instead, fetched once when a graph is committed, so an eager run of its
+``forward`` (Dynamo may fall back to it) reads real bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ _HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _WARNED: set[str] = set()
 _LOCK = threading.Lock()
 _users: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+_KEPT: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # own params kept materialised
 _RUNTIME_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
@@ -45,10 +53,20 @@ def _own_streamed(module: torch.nn.Module, runtime: Any) -> list[torch.nn.Parame
             if p is not None and p.numel() and p in runtime.store]
 
 
-def fetch_eagerly(root: torch.nn.Module, runtime: Any) -> None:
-    """Hook every module under ``root`` that owns parameters in ``runtime``'s store."""
+def fetch_eagerly(root: torch.nn.Module, runtime: Any, compiled_forward: bool = False) -> None:
+    """Hook every module under ``root`` that owns parameters in ``runtime``'s store.
+
+    With ``compiled_forward`` (Dynamo compiles ``root.forward`` as a frame of its own), the
+    hooks of ``root`` itself run eagerly on every call, around the compiled code: its own
+    streamed parameters are instead kept materialised (fetched here, once per compile)."""
+    if compiled_forward:
+        with runtime.lock:
+            params = [p for p in _own_streamed(root, runtime) if is_hollow(p)]
+            if params:
+                _materialise(runtime, root, params, warn=False)
+                _KEPT.add(root)
     for module in root.modules():
-        if module in _HOOKED or not _own_streamed(module, runtime):
+        if module in _HOOKED or module in _KEPT or not _own_streamed(module, runtime):
             continue
         _RUNTIME_OF[module] = weakref.ref(runtime)
         module.register_forward_pre_hook(_pre_hook)
@@ -115,13 +133,14 @@ def _hollow(params: list[torch.nn.Parameter]) -> None:
         p.untyped_storage().resize_(0)
 
 
-def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Parameter],
+                 warn: bool = True) -> None:
     entries = [runtime.store.entry(p) for p in params]
     name = entries[0].fqn.rsplit(".", 1)[0] if "." in entries[0].fqn else "<root>"
     with _LOCK:
         first = name not in _WARNED
         _WARNED.add(name)
-    if first:
+    if first and warn:
         warnings.warn(
             f"dlo: module {name!r} ({type(module).__name__}) runs outside a scheduled graph "
             "(Dynamo runs this code eagerly), so its streamed parameters are copied from the "
@@ -129,7 +148,7 @@ def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Pa
             "around this module usually causes it", RuntimeWarning, stacklevel=4)
     flats = {}
     for e in sorted({e.block for e in entries}):
-        flats[e] = runtime.fetch_block(e, f"the eager call of {name!r}")
+        flats[e] = runtime.fetch_block(e, f"the eager call of {name!r}", clock=True)
     with torch.no_grad():
         for p, e in zip(params, entries):
             src = e.view_of(flats[e.block])

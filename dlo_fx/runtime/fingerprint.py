@@ -27,18 +27,18 @@ def block_fingerprint(entries: Sequence[Entry], sources: Sequence[Optional[torch
     total = max((e.offset + e.nbytes for e in entries), default=0)
     h = hashlib.sha256(str(total).encode())
     if total:
-        positions = sorted({i * total // SAMPLES for i in range(SAMPLES)})
-        k = 0
+        positions = torch.tensor(sorted({i * total // SAMPLES for i in range(SAMPLES)}))
+        window = torch.arange(WINDOW)
         for e, src in zip(entries, sources):
-            while k < len(positions) and positions[k] < e.offset:
-                k += 1  # a position in alignment padding
-            while k < len(positions) and positions[k] < e.offset + e.nbytes:
-                if src is not None:
-                    at = positions[k] - e.offset
-                    h.update(bytes(src[at : at + WINDOW].tolist()))  # never .numpy(): that pins the storage
-                else:
-                    h.update(b"?")
-                k += 1
+            inside = positions[(positions >= e.offset) & (positions < e.offset + e.nbytes)]
+            if not len(inside):
+                continue  # every sampled position of this entry is alignment padding
+            if src is None:
+                h.update(b"?")
+                continue
+            at = ((inside - e.offset)[:, None] + window).clamp_(max=e.nbytes - 1).reshape(-1)
+            # One gather per entry; bytes() of a list, never .numpy() (that pins the storage).
+            h.update(bytes(src.index_select(0, at.to(src.device)).tolist()))
     return int.from_bytes(h.digest()[:8], "little") >> 2
 
 
@@ -50,21 +50,16 @@ def check_same_weights(runtime: Any, fingerprints: Sequence[int], names: Sequenc
     group = runtime.group
     if group.dp == 1 or runtime.mode != "allgather":
         return
-    from .graph_call import exchange  # the same tensor exchange as the collective clock
+    from .graph_call import CLOCK_WORDS, check_rows, exchange, word
 
     rows: dict[str, list] = {}
+    clock = [word("dlo-fingerprints"), len(fingerprints)] + [3] * (CLOCK_WORDS - 2)
 
-    def task() -> None:
-        counts = exchange(group, runtime.device, [len(fingerprints)], what)
-        if len({c[0] for c in counts}) > 1:
-            rows["counts"] = counts
-            return
+    def task() -> None:  # a clock first: every control exchange has the same size
+        check_rows(group, exchange(group, runtime.device, clock, what), what)
         rows["every"] = exchange(group, runtime.device, list(fingerprints) or [0], what)
 
     runtime.executor.wait(runtime.executor.gather(-1, task, None))
-    if "counts" in rows:
-        raise ValueError(f"dlo: the ranks of the {group.describe()} registered different "
-                         f"numbers of blocks for {what}: {[c[0] for c in rows['counts']]}")
     every = rows["every"]
     mine = every[group.rank]
     for b in range(len(fingerprints)):

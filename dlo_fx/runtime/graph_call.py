@@ -54,7 +54,7 @@ class ClockMismatch(RuntimeError):
     """The ranks of a shard group reached different graphs (raised on every rank)."""
 
 
-def _word(text: str) -> int:
+def word(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
@@ -74,7 +74,7 @@ def bind(gm: fx.GraphModule, sched: Any, schedule_ops: Sequence[Callable]) -> No
                 spec.append(("const", a))
         plan.append((node.target, tuple(spec)))
     sched.replay = plan
-    sched.key = _word(repr([[len(f), f[0] if f else ""] for f in sched.fqns]))
+    sched.key = word(repr([[len(f), f[0] if f else ""] for f in sched.fqns]))
 
 
 def _args_of(spec: tuple, args: Sequence[Any]) -> list:
@@ -145,7 +145,7 @@ class Clock:
         check_rows(runtime.group, self.rows, self.what)
 
 
-_COMPILE_WORD = _word("dlo-compile")
+_COMPILE_WORD = word("dlo-compile")
 
 
 def compile_clock(runtime: Any, blocks: int, what: str) -> None:

@@ -11,7 +11,11 @@ store block it holds (``slot_block``): a prefetch of the block a slot already ho
 skipped, which is what makes the wrap-around prefetch of block 0 a warm start and lets a
 model of at most ``num_slots`` blocks stop copying after its first call. ``wait`` on a
 slot that does not hold its block (another graph used the slot in between) issues the copy
-itself, so a stale slot is never read.
+itself, so a stale slot is never read. A prefetch issues its copy after the slot's last
+task (``_pending``, kept until a ``wait`` on it succeeds): the wrap-around prefetch and
+gather of a slot that the next graph refills is never waited on, and an inline copy must
+not be overwritten by that gather landing later (the cause of wrong outputs in allgather
+mode with graph breaks; docs/architecture.md).
 """
 
 from __future__ import annotations
