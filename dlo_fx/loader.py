@@ -191,14 +191,11 @@ def _agree(runtime: Runtime, plan: Optional[LoadPlan], error: Optional[BaseExcep
         if error is not None:
             raise error
         return
-    import torch.distributed as dist
-
-    from .runtime.collectives import plan_digest
+    from .runtime.collectives import exchange_json, plan_digest
 
     mine = (f"{type(error).__name__}: {error}" if error is not None else None,
             plan_digest(plan.rows()) if plan is not None else None)
-    every: list = [None] * group.dp
-    dist.all_gather_object(every, mine, group=group.pg)
+    every = exchange_json(mine, group, "the load plans")
     if error is not None:
         raise error
     failed = [(group.ranks[i], e) for i, (e, _) in enumerate(every) if e is not None]

@@ -17,10 +17,9 @@ import time
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..runtime import platform
-from ..runtime.collectives import ShardGroup, gather_in_place
+from ..runtime.collectives import ShardGroup, exchange_json, gather_in_place
 from .inputs import PlanInputs
 from .prediction import predict
 
@@ -56,8 +55,7 @@ def probe_bandwidths(device: torch.device, group: ShardGroup,
         seconds = _median_seconds(lambda: gather_in_place(flat, shard, group, "the probe"),
                                   device)
         gather = shard * (group.dp - 1) / seconds / GB
-        figures: list = [None] * group.dp
-        dist.all_gather_object(figures, (h2d, gather), group=group.pg)
+        figures = exchange_json((h2d, gather), group, "the measured bandwidths")
         h2d = statistics.median(f[0] for f in figures)
         gather = min(f[1] for f in figures)
     return h2d, gather

@@ -13,7 +13,7 @@ import datetime
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,35 @@ def gather_in_place(flat: torch.Tensor, shard_bytes: int, group: ShardGroup, wha
                            f"global rank {group.ranks[group.rank]}: {exc}") from exc
 
 
+def exchange_json(value: Any, group: ShardGroup, what: str) -> list[Any]:
+    """Every rank's ``value`` (JSON-encodable), in shard-group order.
+
+    Two tensor all_gathers (lengths, then the padded UTF-8 bytes): unlike
+    ``all_gather_object`` nothing is pickled or unpickled, and nothing beyond torch is
+    needed (no numpy). Tuples come back as lists.
+    """
+    if group.dp == 1:
+        return [json.loads(json.dumps(value))]
+    from .platform import exchange_device
+
+    device = exchange_device(group.pg)
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    try:
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(group.dp)]
+        dist.all_gather(sizes, size, group=group.pg)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data.to(device)
+        every = [torch.empty_like(padded) for _ in range(group.dp)]
+        dist.all_gather(every, padded, group=group.pg)
+    except Exception as exc:  # a rank died, raised, or timed out
+        raise RuntimeError(f"dlo: exchanging {what} over the {group.describe()} failed on "
+                           f"global rank {group.ranks[group.rank]}: {exc}") from exc
+    return [json.loads(bytes(t[: int(n.item())].cpu().tolist()).decode())
+            for t, n in zip(every, sizes)]
+
+
 def plan_digest(items: Sequence[Any]) -> str:
     return hashlib.sha256(json.dumps(list(items), default=str).encode()).hexdigest()[:16]
 
@@ -94,13 +123,9 @@ def check_same_plan(rows: list[tuple], group: ShardGroup, what: str) -> None:
     """
     if group.dp == 1:
         return
+    rows = json.loads(json.dumps(list(rows), default=str))  # as every rank receives them
     mine = (plan_digest(rows), rows)
-    plans: list[Optional[tuple]] = [None] * group.dp
-    try:
-        dist.all_gather_object(plans, mine, group=group.pg)
-    except Exception as exc:
-        raise RuntimeError(f"dlo: comparing block plans of {what} over the "
-                           f"{group.describe()} failed: {exc}") from exc
+    plans = exchange_json(mine, group, f"the block plans of {what}")
     if all(p[0] == mine[0] for p in plans):
         return
     for other_index, (_, other_rows) in enumerate(plans):

@@ -37,6 +37,15 @@ def collective_backend(device: torch.device) -> str:
                                   f"{device.type!r}; supported: {sorted(_COLLECTIVE_BACKENDS)}")
 
 
+def exchange_device(pg) -> torch.device:
+    """Where small control tensors for process group ``pg`` must live: the CPU when the
+    group's backend serves CPU tensors (gloo), the current accelerator otherwise."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(pg)).lower()
+    return torch.device("cpu") if "gloo" in backend else default_device()
+
+
 def can_pin(device: torch.device) -> bool:
     """Whether host shards for ``device`` should be page-locked."""
     return device.type != "cpu" and accelerator() is not None
