@@ -92,6 +92,9 @@ def _first_host_block(runtime: Any, sched: Any, args: Sequence[Any]) -> int:
 
 def exchange(group: Any, device: torch.device, words: Sequence[int], what: str) -> list[list[int]]:
     """Every rank's clock words (run on the executor's worker, in the gathers' order)."""
+    from .platform import exchange_device
+
+    device = exchange_device(group.pg)  # the CPU for gloo, the accelerator otherwise
     mine = torch.tensor(list(words), dtype=torch.int64, device=device)
     every = torch.empty(group.dp * len(words), dtype=torch.int64, device=device)
     try:
