@@ -275,12 +275,13 @@ class Runtime:
 
     def drain(self, *, raise_errors: bool = True) -> None:
         for slot, pending in enumerate(self._pending):
-            self._pending[slot] = None
             try:
                 self.executor.wait(pending)
             except BaseException:
                 if raise_errors:
-                    raise
+                    raise  # the handle stays: an interrupted drain can be waited on again
+            if self._pending[slot] is pending:
+                self._pending[slot] = None
 
 
 # -- one runtime per configuration ------------------------------------------------------
