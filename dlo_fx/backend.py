@@ -166,10 +166,11 @@ def _guard_eager_calls(runtime: Runtime) -> None:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()
         local_values = list(tx.f_locals.items()) if tx is not None else []
-        forward_frame = tx is not None and tx.f_code.co_name == "forward"
+        code = tx.f_code if tx is not None else None
     except Exception:  # private API: best effort only
         return
     for name, value in local_values:
         if isinstance(value, torch.nn.Module) and any(is_hollow(p) for p in value.parameters()):
             guard_module(value)
-            fetch_eagerly(value, runtime, compiled_forward=forward_frame and name == "self")
+            forward = getattr(type(value).forward, "__code__", None)
+            fetch_eagerly(value, runtime, compiled_forward=code is not None and code is forward)

@@ -10,7 +10,10 @@ forward pre-hook and an always-called forward hook (`fetch_eagerly`):
 
 - while Dynamo traces, ``torch.compiler.is_compiling()`` is true and both hooks are no-ops
   (they trace to nothing, so scheduled graphs are unchanged);
-- in an eager call, the pre-hook copies the parameters' blocks from the host store (in
+- in an eager call of a module whose ``forward`` Dynamo has compiled as a frame of its
+  own (a graph break inside it makes Dynamo do that), the hooks run eagerly around the
+  compiled code: nothing is fetched (`_compiled_as_frame`);
+- in any other eager call, the pre-hook copies the parameters' blocks from the host store (in
   allgather mode: gathered, behind a collective clock exchange, through the same worker as
   every gather, so the ranks stay in step) and gives each parameter its bytes back; the
   forward hook hollows them again, also when the forward raises. A counter per module
@@ -36,6 +39,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.eval_frame import skip_code
 
 from .host_store import is_hollow
@@ -84,6 +88,18 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
         _enter(module)
 
 
+def _compiled_as_frame(module: torch.nn.Module) -> bool:
+    """Dynamo holds compiled code for this module's ``forward`` as a frame of its own:
+    ``nn.Module.__call__`` runs the hooks eagerly, then the compiled ``forward`` reads
+    the slots, so a fetch here would only copy the blocks for nothing."""
+    code = getattr(getattr(type(module).forward, "__code__", None), "co_name", None) and \
+        type(module).forward.__code__
+    try:
+        return bool(code) and bool(_debug_get_cache_entry_list(code))
+    except Exception:  # private API: fetch, which is always correct
+        return False
+
+
 def _post_hook(module: torch.nn.Module, args: Any, out: Any) -> None:
     if not torch.compiler.is_compiling():
         _leave(module)
@@ -105,7 +121,7 @@ def _enter(module: torch.nn.Module) -> None:
         if users:
             return
         params = [p for p in _own_streamed(module, runtime) if is_hollow(p)]
-        if not params:
+        if not params or _compiled_as_frame(module):
             return
         try:
             _materialise(runtime, module, params)
