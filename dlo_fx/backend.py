@@ -21,8 +21,12 @@ from .config import DLOConfig
 from .passes import PassContext, run_passes
 from .runtime.collectives import check_same_plan
 from .module_guard import guard_module
+from .runtime.eager import fetch_eagerly
+from .runtime.fingerprint import block_fingerprint, check_same_weights
+from .runtime.graph_call import compile_clock, record_schedule, run_graph
 from .runtime.host_store import is_hollow
-from .runtime.ops import conflict_message
+from .runtime.layout import span_as_bytes
+from .runtime.ops import SCHEDULE_OPS, conflict_message
 from .runtime.runtime import Runtime, claim, owner_of
 
 log = logging.getLogger(__name__)
@@ -54,16 +58,21 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         from .inductor import compile_pieces
 
         compiled = compile_pieces(gm, example_inputs, ctx)
-    commit(ctx, runtime)
+    with runtime.lock:  # no graph of another thread gathers while this one compares plans
+        runtime.drain()
+        commit(ctx, runtime)
     claim([*params, *(p for m in modules for p in m.parameters())], runtime)
+    code = frame_code()
     for module in modules:
         if any(is_hollow(p) for p in module.parameters()):
             guard_module(module)
+            forward = getattr(type(module).forward, "__code__", None)
+            fetch_eagerly(module, runtime, compiled_forward=code is not None and code is forward)
     if config.dump_dir:
         from .dump import write_dump
 
         write_dump(gm, ctx, runtime, config.dump_dir)
-    return bound_to_params(compiled, ctx, given, example_inputs)
+    return scheduled_call(gm, ctx, given, example_inputs, compiled)
 
 
 def given_options(options: Any) -> dict[str, Any]:
@@ -74,19 +83,21 @@ def given_options(options: Any) -> dict[str, Any]:
     return dict(options or {})
 
 
-def bound_to_params(compiled: Callable, ctx: PassContext, given: Mapping[str, Any],
-                    example_inputs: Sequence[Any]) -> Callable:
-    """``compiled``, binding each call to the runtime of the parameters it is called with
-    (`GraphSchedule.bind`): Dynamo reuses a graph for other models of the same class."""
+def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any],
+                   example_inputs: Sequence[Any], compiled: Callable) -> Callable:
+    """``compiled``, each call bound to the runtime of the parameters it is called with
+    (`GraphSchedule.bind`: Dynamo reuses a graph for other models of the same class) and
+    run under that runtime's lock and collective clock (graph_call.py)."""
     sched = ctx.schedule
-    positions = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)]
-    if sched is None or not positions:
+    if sched is None:
         return compiled
+    record_schedule(gm, sched, tuple(SCHEDULE_OPS))
+    positions = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)]
     sched.given = dict(given)
 
     def run(*args: Any) -> Any:
-        sched.bind([args[i] for i in positions])
-        return compiled(*args)
+        runtime = sched.bind([args[i] for i in positions]) if positions else sched.runtime
+        return run_graph(runtime, sched, compiled, args)
 
     return run
 
@@ -133,11 +144,21 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
                 f"computes on {runtime.device}; load the model with dlo_fx.load(...) so resident "
                 "parameters are placed on the device")
     if runtime.mode == "allgather":
+        compile_clock(runtime, len(ctx.blocks), f"compiling a graph of {len(ctx.params)} parameters")
         rows = [(len(b.params), b.nbytes, b.params[0].fqn) for b in ctx.blocks]
         check_same_plan(rows, runtime.group, f"a graph of {len(ctx.params)} parameters")
-    for block in ctx.blocks:
-        if block.host_block is None:
-            runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params])
+    new = [b for b in ctx.blocks if b.host_block is None]
+    if runtime.mode == "allgather":
+        fingerprints = []
+        for b in new:
+            params = [p.param for p in b.params]
+            entries, _ = runtime.store.layout(params, [p.fqn for p in b.params])
+            fingerprints.append(block_fingerprint(
+                entries, [span_as_bytes(p) if p.numel() else None for p in params]))
+        check_same_weights(runtime, fingerprints, [b.params[0].fqn for b in new],
+                           f"a graph of {len(ctx.params)} parameters")
+    for block in new:
+        runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params])
     log.info("dlo: scheduled a graph with %d blocks (budget %d bytes), %d resident parameters",
              len(ctx.blocks), ctx.budget, len(ctx.resident))
 
@@ -161,3 +182,15 @@ def frame_modules() -> list[torch.nn.Module]:
     if tx is None:  # the backend called on a graph outside Dynamo
         return []
     return [v for v in tx.f_locals.values() if isinstance(v, torch.nn.Module)]
+
+
+def frame_code() -> Any:
+    """The code object of the frame Dynamo is compiling (None outside Dynamo): a module
+    whose own ``forward`` is that frame runs its hooks around the compiled code."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:
+        return None
+    return getattr(tx, "f_code", None) if tx is not None else None

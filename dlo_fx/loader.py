@@ -59,6 +59,7 @@ from .checkpoint import Checkpoint, open_views, resolve_checkpoint
 from .config import DLOConfig
 from .load_plan import KeyMap, LoadPlan, Target, plan_load
 from .module_guard import guard_module
+from .runtime.fingerprint import block_fingerprint, check_same_weights
 from .runtime.layout import span_as_bytes
 from .runtime.runtime import Runtime, claim
 from .shard_dir import ShardDir, checkpoint_extents
@@ -323,6 +324,7 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
                          bar=store.rank == 0 and _stderr_is_terminal(),
                          level=logging.INFO if store.rank == 0 else logging.DEBUG)
     values: list[tuple[Target, torch.Tensor]] = []
+    fingerprints: list[int] = []
     try:
         small = plan.buffers + plan.resident
         with open_views([t.info for t in small if t.info is not None]) as views:
@@ -347,7 +349,11 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
                 continue
             lo, hi = spec.rank_range(store.rank) if store.dp > 1 else (0, spec.padded_bytes)
             need = [e.nbytes > 0 and e.offset < hi and e.offset + e.nbytes > lo for e in entries]
-            with open_views([t.info for t, n in zip(block, need) if n]) as views:
+            with open_views([t.info for t in block if t.info is not None]) as views:
+                if runtime.mode == "allgather":  # sampled from the checkpoint's own bytes
+                    fingerprints.append(block_fingerprint(entries, [
+                        views[t.info.key].reshape(-1).view(torch.uint8) if e.nbytes else None
+                        for t, e in zip(block, entries)]))
                 sources = [_model_layout_bytes(t, views[t.info.key]) if n else None
                            for t, n in zip(block, need)]
                 host = store.blocks[runtime.register_block(params, fqns, sources)]  # this rank's range only
@@ -355,6 +361,8 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
             plan.host_bytes += host.shard.numel()
             values += list(zip(block, params))
             progress.update(sum(t.info.nbytes for t in block), len(block))
+        check_same_weights(runtime, fingerprints, [b[0].fqn for b in plan.blocks],
+                           f"the checkpoint {plan.ckpt.source}")
     except BaseException:
         store.drop_blocks(first)
         raise

@@ -17,8 +17,10 @@ reads it through `Runtime.slot_block`, which shows ``None`` for a slot another r
 filled since, so its next ``wait`` copies its own block again instead of reading
 another model's bytes. One executor per device keeps one issue order for copies and
 gathers, and (on a device) orders a slot's next copy after the last read of whichever
-model used it. Graphs that share slots run one after another, as a pipeline's stages
-do; ``lock`` is the one lock to hold to run them from several threads.
+model used it. The last task issued into each slot (``pending``) is shared too, so a copy
+for one model is ordered after another model's never-waited gather into that slot, and
+every graph of every model using the slots runs under one ``lock``: calls from several
+threads are serialised graph by graph.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class DeviceSlots:
         self.pool = SlotPool(num_slots, device)
         self.executor = make_executor(device, num_slots, fault_delay_s)
         self.holder: list[Optional[tuple[int, int]]] = [None] * num_slots
+        # The last task issued into each slot, by whichever runtime: the next copy into
+        # the slot is ordered after it (see [Note: slot reuse and stream ordering]).
+        self.pending: list[Any] = [None] * num_slots
+        # Held around every graph call of every runtime using these slots
+        # (see [Note: one call at a time] in graph_call.py).
         self.lock = threading.RLock()
         weakref.finalize(self, _shutdown, self.executor)
 

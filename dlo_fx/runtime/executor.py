@@ -2,10 +2,14 @@
 
 Both keep one contract, driven by `Runtime` (see [Note: slot reuse and stream ordering]):
 
-- ``copy(slot, task, nbytes)``: run ``task`` (the H2D of a host shard into ``slot``) once every
-  earlier read of the slot is done; returns a handle;
+- ``copy(slot, task, nbytes, after)``: run ``task`` (the H2D of a host shard into ``slot``)
+  once every earlier read of the slot is done and ``after`` (the slot's last copy or
+  gather, which nobody may have waited on: a wrap-around prefetch another graph replaced)
+  has finished; returns a handle;
 - ``gather(slot, task, after)``: run ``task`` (the in-place AllGather) after ``after``;
-- ``wait(handle)``: compute may read what ``handle`` produced;
+- ``wait(handle)``: compute may read what ``handle`` produced (interruptible: the handle
+  stays valid and may be waited on again);
+- ``failed(handle)``: the task behind ``handle`` itself raised (not the wait);
 - ``release(slot)``: compute has issued its last read of ``slot``;
 - ``sync()``: everything issued has finished (compile time only).
 
@@ -37,7 +41,9 @@ class CpuExecutor:
 
     A copy smaller than ``inline_bytes`` runs on the calling thread instead: waking the
     worker costs tens of microseconds, more than copying a few hundred KiB. Gathers always
-    go to the worker, so collectives keep one issue order.
+    go to the worker, so collectives keep one issue order. An inline copy first waits for
+    the slot's last task (``after``): a gather still in flight into the same slot (a
+    wrap-around prefetch that the next graph replaces) would otherwise land on top of it.
     """
 
     inline_bytes = 256 * 1024
@@ -55,8 +61,10 @@ class CpuExecutor:
                     self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-copy")
         return self._pool
 
-    def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0) -> Optional[Future]:
+    def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0,
+             after: Any = None) -> Optional[Future]:
         if nbytes < self.inline_bytes and not self.fault_delay_s:
+            self.wait(after)  # FIFO: every earlier task touching the slot is done too
             task()
             return None
         if self.fault_delay_s:
@@ -67,7 +75,7 @@ class CpuExecutor:
                 time.sleep(delay)
                 inner()
 
-        return self._worker().submit(task)
+        return self._worker().submit(task)  # FIFO: after ``after``
 
     def gather(self, slot: int, task: Callable[[], Any], after: Any) -> Future:
         def gather_after_copy() -> None:
@@ -81,6 +89,11 @@ class CpuExecutor:
     def wait(handle: Optional[Future]) -> None:
         if handle is not None:
             handle.result()
+
+    @staticmethod
+    def failed(handle: Optional[Future]) -> bool:
+        return handle is not None and handle.done() and (
+            handle.cancelled() or handle.exception() is not None)
 
     def release(self, slot: int) -> None:
         """Compute on CPU is synchronous: the slot's reads are already done."""
@@ -104,11 +117,14 @@ class DeviceExecutor:
         self.comm_stream = platform.new_stream(device)
         self._released: list[Optional[torch.Event]] = [None] * num_slots
 
-    def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0) -> torch.Event:
+    def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0,
+             after: Optional[torch.Event] = None) -> torch.Event:
         with platform.on_stream(self.copy_stream):
             released = self._released[slot]
             if released is not None:
                 self.copy_stream.wait_event(released)
+            if after is not None:  # the slot's last gather, maybe never waited on
+                self.copy_stream.wait_event(after)
             task()
             done = platform.new_event(self.device)
             done.record(self.copy_stream)
@@ -126,6 +142,10 @@ class DeviceExecutor:
     def wait(self, handle: Optional[torch.Event]) -> None:
         if handle is not None:
             platform.current_stream(self.device).wait_event(handle)
+
+    @staticmethod
+    def failed(handle: Optional[torch.Event]) -> bool:
+        return True  # nothing blocks in `wait`: whatever raised there is a real failure
 
     def release(self, slot: int) -> None:
         event = platform.new_event(self.device)

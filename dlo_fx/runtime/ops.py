@@ -5,6 +5,10 @@ block index. Blocks are bound to host blocks at run time from the parameters the
 called with, never from those seen while compiling: Dynamo may reuse one graph for every
 layer of the same shape. They are registered as side-effecting so dead-code elimination
 keeps them. See [Note: slot reuse and stream ordering] in runtime.py.
+
+Each op counts itself in ``sched.step`` once done, so a graph whose call fails can run the
+rest of its schedule (see [Note: the collective clock] in graph_call.py); every op is
+idempotent on the slot state, so one interrupted half-way simply runs again.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class GraphSchedule(torch.nn.Module):
         self.bound = [-1] * len(slot_of)
         self.graph = next(_GRAPH_IDS)
         """A process-wide id; the tracer tags this graph's spans with it."""
+        self.step = 0  # schedule ops done in the current call
+        self.replay: list = []  # (target, argument sources) of every schedule op, in order
+        self.key = 0  # clock word naming this graph (see graph_call.record_schedule)
 
     def enter(self) -> Runtime:
         """The runtime, its tracer told that this graph's nodes run now."""
@@ -114,31 +121,39 @@ def prefetch(sched: GraphSchedule, block: int, *params: torch.nn.Parameter) -> N
     host_block = runtime.resolve(params, sched.fqns[block])
     sched.bound[block] = host_block
     runtime.prefetch(host_block, sched.slot_of[block])
+    sched.step += 1
 
 
 def allgather(sched: GraphSchedule, block: int) -> None:
     """Complete graph block ``block`` in its slot from every rank's shard (in place)."""
     sched.enter().allgather(sched.bound[block], sched.slot_of[block])
+    sched.step += 1
 
 
 def wait(sched: GraphSchedule, block: int) -> None:
     """Block until graph block ``block`` is complete in its slot."""
     sched.enter().wait(sched.bound[block], sched.slot_of[block])
+    sched.step += 1
 
 
 def slot_view(sched: GraphSchedule, block: int, token: None, param: torch.nn.Parameter) -> torch.Tensor:
     """``param`` as a view of its slot; ``token`` is the block's ``wait`` (ordering only)."""
-    return sched.runtime.view(sched.slot_of[block], sched.bound[block], param)
+    view = sched.runtime.view(sched.slot_of[block], sched.bound[block], param)
+    sched.step += 1
+    return view
 
 
 def swap_slot(sched: GraphSchedule, block: int) -> None:
     """Graph block ``block`` has been read for the last time: its slot may be refilled."""
     sched.enter().swap(sched.slot_of[block])
+    sched.step += 1
 
 
 def resident(sched: GraphSchedule, param: torch.nn.Parameter) -> torch.Tensor:
     """A stored parameter this graph keeps on the device (a shared table, say)."""
-    return sched.runtime.resident_tensor(param)
+    tensor = sched.runtime.resident_tensor(param)
+    sched.step += 1
+    return tensor
 
 
 for _fn in (prefetch, allgather, wait, swap_slot):

@@ -13,7 +13,11 @@ store block it holds (``slot_block``): a prefetch of the block a slot already ho
 skipped, which is what makes the wrap-around prefetch of block 0 a warm start and lets a
 model of at most ``num_slots`` blocks stop copying after its first call. ``wait`` on a
 slot that does not hold its block (another graph used the slot in between) issues the copy
-itself, so a stale slot is never read.
+itself, so a stale slot is never read. A prefetch issues its copy after the slot's last
+task (``_pending``, kept until a ``wait`` on it succeeds): the wrap-around prefetch and
+gather of a slot that the next graph refills is never waited on, and an inline copy must
+not be overwritten by that gather landing later (the cause of wrong outputs in allgather
+mode with graph breaks; docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -35,9 +39,15 @@ from . import platform
 from .device_slots import SlotBlocks, device_slots
 from .file_store import FileStore
 from .host_store import HostStore
+from .fingerprint import block_fingerprint, check_same_weights
+from .graph_call import ClockMismatch, check_rows, exchange
+from .interrupts import deferred, install as install_interrupt_handler
+from .layout import span_as_bytes
 from .trace import Tracer
 
 log = logging.getLogger(__name__)
+
+_EAGER_WORD = int.from_bytes(b"dlo-eager", "little") & (2**62 - 1)
 
 
 class Runtime:
@@ -62,13 +72,17 @@ class Runtime:
         _LIVE.add(self)
         self.closed = False
         self._host_cache: Optional[tuple[int, torch.Tensor]] = None  # last gathered block
-        self._pending: list = [None] * config.num_slots
+        self._pending: list = self.shared.pending  # shared with the models on the slots
         self._gathered: list[bool] = [True] * config.num_slots
         self._resident: dict[int, torch.Tensor] = {}
         self.copies = 0  # number of block copies issued (for tests and reports)
         self.broken: Optional[str] = None  # set when a copy or gather failed
         self.tracer: Optional[Tracer] = Tracer() if config.trace else None
         self._ready_ns: list[int] = [0] * config.num_slots  # when each slot's wait returned
+        # One graph at a time on these slots: the slot state machine and the collective
+        # order. See [Note: one call at a time] in graph_call.py.
+        self.lock = self.shared.lock
+        install_interrupt_handler()
 
     # -- the mode and the store it implies ---------------------------------------------
     def set_mode(self, mode: str, reason: str) -> None:
@@ -137,7 +151,14 @@ class Runtime:
         entries = [self.store.entry(p) for p in params]
         if None in entries:
             fresh = [(p, f) for p, f, e in zip(params, fqns, entries) if e is None]
-            return self.register_block([p for p, _ in fresh], [f for _, f in fresh])
+            new_params, new_fqns = [p for p, _ in fresh], [f for _, f in fresh]
+            if self.mode == "allgather":
+                layout, _ = self.store.layout(new_params, new_fqns)
+                fingerprint = block_fingerprint(
+                    layout, [span_as_bytes(p) if p.numel() else None for p in new_params])
+                check_same_weights(self, [fingerprint], new_fqns[:1],
+                                   f"the layer of {new_fqns[0]!r}")
+            return self.register_block(new_params, new_fqns)
         first = entries[0].block
         if all(e.block == first for e in entries):
             return first
@@ -151,23 +172,43 @@ class Runtime:
         tensor = self._resident.get(id(param))
         if tensor is None:
             entry = self.store.entry(param)
-            block = self.store.blocks[entry.block]
-            with torch.inference_mode(False):  # written by the worker thread
-                flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
-            what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
-
-            def fill_and_gather() -> None:
-                self._fill(flat, entry.block)
-                if self.store.dp > 1:
-                    gather_in_place(flat, block.spec.shard_bytes, self.group, what)
-
-            # Through the executor, behind every gather already queued: collectives keep
-            # one issue order on every rank.
-            self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
+            flat = self.fetch_block(entry.block, f"host block {entry.block} (resident copy "
+                                                 f"of {entry.fqn!r})")
             # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
             tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
             self._resident[id(param)] = tensor
         return tensor
+
+    def fetch_block(self, block: int, what: str, clock: bool = False) -> torch.Tensor:
+        """The whole of host block ``block`` in a fresh device buffer (gathered in
+        allgather mode). Through the executor, behind every gather already queued:
+        collectives keep one issue order on every rank. With ``clock``, the ranks first
+        exchange clock words in the same task (see [Note: the collective clock])."""
+        host = self.store.blocks[block]
+        with torch.inference_mode(False):  # written by the worker thread
+            flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
+        group, device = self.group, self.device
+
+        def fill_and_gather() -> None:
+            if self.store.dp > 1:
+                if clock:
+                    words = [_EAGER_WORD, block, len(host.entries), 1]
+                    check_rows(group, exchange(group, device, words, what), what)
+            self._fill(flat, block)
+            if self.store.dp > 1:
+                gather_in_place(flat, host.spec.shard_bytes, group, what)
+
+        with deferred():
+            handle = self.executor.gather(-1, fill_and_gather, None)
+        try:
+            self.executor.wait(handle)
+        except ClockMismatch:
+            raise
+        except BaseException as exc:
+            if self.executor.failed(handle):
+                self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+        return flat
 
     @property
     def resident_copy_bytes(self) -> int:
@@ -182,39 +223,46 @@ class Runtime:
 
     def prefetch(self, block: int, slot: int) -> None:
         """H2D of this rank's shard of ``block`` into its slice of ``slot``."""
-        if self.slot_block[slot] == block:
-            return  # already there, or on its way (the wrap-around prefetch)
-        self.slot_block[slot] = block
-        flat = self.slots.buffers[slot]
-        task = lambda: self._fill(flat, block)  # noqa: E731
-        if self.tracer is not None:
-            task = self.tracer.timed("prefetch", block, slot, task)
-        try:
-            self._pending[slot] = self.executor.copy(slot, task, self.store.blocks[block].shard_nbytes)
-        except BaseException:  # a copy run inline failed (a file-backed read): slot is stale
-            self.slot_block[slot] = None
-            raise
-        self._gathered[slot] = self.mode != "allgather"
-        self.copies += 1
+        with deferred():  # see [Note: interrupts and slot state]
+            if self.slot_block[slot] == block:
+                return  # already there, or on its way (the wrap-around prefetch)
+            self.slot_block[slot] = None  # unknown until the copy is issued and recorded
+            flat = self.slots.buffers[slot]
+            task = lambda: self._fill(flat, block)  # noqa: E731
+            if self.tracer is not None:
+                task = self.tracer.timed("prefetch", block, slot, task)
+            # Behind the slot's last task, which nobody may have waited on (see the Note).
+            handle = self.executor.copy(slot, task, self.store.blocks[block].shard_nbytes,
+                                        self._pending[slot])
+            self._pending[slot] = handle
+            self._gathered[slot] = self.mode != "allgather"
+            self.slot_block[slot] = block
+            self.copies += 1
 
     def allgather(self, block: int, slot: int) -> None:
         """Complete ``block`` in ``slot`` from every rank's slice, in place. Queued behind
         its copy on the same worker, so every rank issues its gathers in one order."""
-        if self._gathered[slot] or self.slot_block[slot] != block:
-            return
-        self._gathered[slot] = True
-        flat = self.slots.buffers[slot]
-        spec = self.store.blocks[block].spec
-        what = f"host block {block} into slot {slot}"
-        task = lambda: gather_in_place(flat, spec.shard_bytes, self.group, what)  # noqa: E731
-        if self.tracer is not None:
-            task = self.tracer.timed("allgather", block, slot, task)
-        self._pending[slot] = self.executor.gather(slot, task, self._pending[slot])
+        with deferred():
+            if self._gathered[slot] or self.slot_block[slot] != block:
+                return
+            flat = self.slots.buffers[slot]
+            spec = self.store.blocks[block].spec
+            what = f"host block {block} into slot {slot}"
+            task = lambda: gather_in_place(flat, spec.shard_bytes, self.group, what)  # noqa: E731
+            if self.tracer is not None:
+                task = self.tracer.timed("allgather", block, slot, task)
+            self._pending[slot] = self.executor.gather(slot, task, self._pending[slot])
+            self._gathered[slot] = True
 
-    def wait(self, block: int, slot: int) -> None:
+    def check_open(self) -> None:
         if self.broken is not None:
             raise RuntimeError(f"dlo: this runtime failed earlier and is closed ({self.broken}); "
                                "start a fresh process group and recompile")
+
+    def wait(self, block: int, slot: int) -> None:
+        """Block until ``slot`` holds ``block``, complete. Ctrl-C interrupts the wait and
+        leaves the copy pending: the next wait on the slot waits for it again."""
+        self.check_open()
         if self.slot_block[slot] != block:
             self.prefetch(block, slot)
         if not self._gathered[slot]:
@@ -223,15 +271,18 @@ class Runtime:
         tracer = self.tracer
         start = time.perf_counter_ns() if tracer is not None else 0
         if pending is not None:
-            self._pending[slot] = None
             try:
                 self.executor.wait(pending)
             except BaseException as exc:
-                # Fail closed: after a failed collective the group is unusable, and a
-                # slot may hold half a block. Nothing reads a slot of this runtime again.
-                self.broken = str(exc)
-                self.slot_block = [None] * self.slots.num_slots
+                if self.executor.failed(pending):
+                    # Fail closed: after a failed collective the group is unusable, and
+                    # a slot may hold half a block. Nothing reads a slot of this runtime
+                    # again. (An interrupted wait is no failure: the copy still runs.)
+                    self.broken = f"{type(exc).__name__}: {exc}"
+                    self.slot_block = [None] * self.slots.num_slots
                 raise
+            if self._pending[slot] is pending:
+                self._pending[slot] = None
         if tracer is not None:
             end = time.perf_counter_ns()
             tracer.add("wait", block, slot, start, end)
@@ -252,12 +303,13 @@ class Runtime:
 
     def drain(self, *, raise_errors: bool = True) -> None:
         for slot, pending in enumerate(self._pending):
-            self._pending[slot] = None
             try:
                 self.executor.wait(pending)
             except BaseException:
                 if raise_errors:
-                    raise
+                    raise  # the handle stays: an interrupted drain can be waited on again
+            if self._pending[slot] is pending:
+                self._pending[slot] = None
 
 
     # -- the weights outside the graph ----------------------------------------------------

@@ -1,0 +1,173 @@
+"""Hollow parameters read outside a scheduled graph are fetched for that call.
+
+[Note: eager reads of streamed parameters]
+Dynamo does not compile everything a model runs: after a graph break the resumed frame may
+run eagerly, ``torch.nn`` modules called from an eager frame run eagerly, and code compiled
+for one instance of a class can send another instance's call down an eager path. Such
+code reads the module's own parameters, which are hollow (zero-byte storage) once their
+bytes are in the host store. So every module that directly owns hollow parameters gets a
+forward pre-hook and an always-called forward hook (`fetch_eagerly`):
+
+- while Dynamo traces, ``torch.compiler.is_compiling()`` is true and both hooks are no-ops
+  (they trace to nothing, so scheduled graphs are unchanged);
+- in an eager call of a module whose ``forward`` Dynamo has compiled as a frame of its
+  own (a graph break inside it makes Dynamo do that), the hooks run eagerly around the
+  compiled code: nothing is fetched (`_compiled_as_frame`);
+- in any other eager call, the pre-hook copies the parameters' blocks from the host store (in
+  allgather mode: gathered, behind a collective clock exchange, through the same worker as
+  every gather, so the ranks stay in step) and gives each parameter its bytes back; the
+  forward hook hollows them again, also when the forward raises. A counter per module
+  keeps nested and concurrent calls of one module materialised until the last one ends.
+
+The first eager fetch of a module logs a `RuntimeWarning` naming it: it is correct but
+slow (every call copies the blocks again), and a graph break moved into that module is
+usually the cause.
+
+The module whose ``forward`` Dynamo compiles as a frame (the model given to
+``torch.compile``) is the exception: ``nn.Module.__call__`` runs its hooks eagerly around
+the compiled code on every call, so a fetch there would copy its blocks on every call.
+Its own streamed parameters (modulation tables, positional embeddings: small) are kept
+materialised instead, fetched once when a graph is committed, so an eager run of its
+``forward`` (Dynamo may fall back to it) reads real bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.eval_frame import skip_code
+
+from .host_store import is_hollow
+
+_HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_WARNED: set[str] = set()
+_LOCK = threading.Lock()
+_users: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+_KEPT: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # own params kept materialised
+_RUNTIME_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def _own_streamed(module: torch.nn.Module, runtime: Any) -> list[torch.nn.Parameter]:
+    return [p for p in module._parameters.values()
+            if p is not None and p.numel() and p in runtime.store]
+
+
+def fetch_eagerly(root: torch.nn.Module, runtime: Any, compiled_forward: bool = False) -> None:
+    """Hook every module under ``root`` that owns parameters in ``runtime``'s store.
+
+    With ``compiled_forward`` (Dynamo compiles ``root.forward`` as a frame of its own), the
+    hooks of ``root`` itself run eagerly on every call, around the compiled code: its own
+    streamed parameters are instead kept materialised (fetched here, once per compile)."""
+    if compiled_forward:
+        with runtime.lock:
+            params = [p for p in _own_streamed(root, runtime) if is_hollow(p)]
+            if params:
+                _materialise(runtime, root, params, warn=False)
+                _KEPT.add(root)
+    for module in root.modules():
+        if module in _HOOKED or module in _KEPT or not _own_streamed(module, runtime):
+            continue
+        _RUNTIME_OF[module] = weakref.ref(runtime)
+        module.register_forward_pre_hook(_pre_hook)
+        module.register_forward_hook(_post_hook, always_call=True)
+        _HOOKED.add(module)
+
+
+# The hooks are traced into nothing while Dynamo traces a module call (is_compiling() is
+# true there). Called from an eager frame they must really run: Dynamo would otherwise
+# compile the hook itself as a frame of its own, where is_compiling() is true as well.
+# So their code is never compiled as a top-level frame, and what they call runs with
+# Dynamo disabled.
+def _pre_hook(module: torch.nn.Module, args: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _enter(module)
+
+
+def _compiled_as_frame(module: torch.nn.Module) -> bool:
+    """Dynamo holds compiled code for this module's ``forward`` as a frame of its own:
+    ``nn.Module.__call__`` runs the hooks eagerly, then the compiled ``forward`` reads
+    the slots, so a fetch here would only copy the blocks for nothing."""
+    code = getattr(getattr(type(module).forward, "__code__", None), "co_name", None) and \
+        type(module).forward.__code__
+    try:
+        return bool(code) and bool(_debug_get_cache_entry_list(code))
+    except Exception:  # private API: fetch, which is always correct
+        return False
+
+
+def _post_hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _leave(module)
+
+
+skip_code(_pre_hook.__code__)
+skip_code(_post_hook.__code__)
+
+
+@torch._dynamo.disable
+def _enter(module: torch.nn.Module) -> None:
+    ref = _RUNTIME_OF.get(module)
+    runtime = ref() if ref is not None else None
+    if runtime is None:
+        return
+    with runtime.lock:
+        users = _users.get(module, 0)
+        _users[module] = users + 1
+        if users:
+            return
+        params = [p for p in _own_streamed(module, runtime) if is_hollow(p)]
+        if not params or _compiled_as_frame(module):
+            return
+        try:
+            _materialise(runtime, module, params)
+        except BaseException:
+            _users[module] = 0
+            _hollow(params)
+            raise
+
+
+@torch._dynamo.disable
+def _leave(module: torch.nn.Module) -> None:
+    ref = _RUNTIME_OF.get(module)
+    runtime = ref() if ref is not None else None
+    if runtime is None:
+        return
+    with runtime.lock:
+        users = _users.get(module, 0) - 1
+        _users[module] = max(users, 0)
+        if users <= 0:
+            _hollow(_own_streamed(module, runtime))
+
+
+def _hollow(params: list[torch.nn.Parameter]) -> None:
+    for p in params:
+        p.untyped_storage().resize_(0)
+
+
+def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Parameter],
+                 warn: bool = True) -> None:
+    entries = [runtime.store.entry(p) for p in params]
+    name = entries[0].fqn.rsplit(".", 1)[0] if "." in entries[0].fqn else "<root>"
+    with _LOCK:
+        first = name not in _WARNED
+        _WARNED.add(name)
+    if first and warn:
+        warnings.warn(
+            f"dlo: module {name!r} ({type(module).__name__}) runs outside a scheduled graph "
+            "(Dynamo runs this code eagerly), so its streamed parameters are copied from the "
+            "host store on every such call: correct, but slow. A graph break inside or "
+            "around this module usually causes it", RuntimeWarning, stacklevel=4)
+    flats = {}
+    for e in sorted({e.block for e in entries}):
+        flats[e] = runtime.fetch_block(e, f"the eager call of {name!r}", clock=True)
+    with torch.no_grad():
+        for p, e in zip(params, entries):
+            src = e.view_of(flats[e.block])
+            need = p.storage_offset() * p.element_size() + e.nbytes
+            p.untyped_storage().resize_(need)
+            p.copy_(src)

@@ -1,0 +1,193 @@
+"""Running one scheduled graph: one at a time per runtime, the ranks' collective clock, and
+completing the schedule of a graph whose call failed.
+
+[Note: one call at a time]
+A runtime has one slot state machine (which block each slot holds, what is pending) and,
+in allgather mode, one order of collectives shared with the other ranks. Every scheduled
+graph therefore runs under the runtime's lock (`run_graph`): calls from several threads
+into one model are serialised graph by graph. Each graph is self-contained -- a ``wait``
+on a slot that does not hold its block copies it -- so another thread's graph running
+between two graphs of a call never changes a result. With several ranks the threads must
+run their graphs in the same order on every rank (one calling thread per rank, as the
+engine does); a different interleaving is caught by the collective clock and raises.
+
+[Note: the collective clock]
+In allgather mode every rank must issue the same gathers in the same order. Three things
+could break that, and each has its guard:
+
+- a call that raises (or is interrupted) part-way through a graph: the rank completes the
+  rest of that graph's schedule without computing (`complete`: the remaining prefetch,
+  allgather, wait and swap nodes, run in order with their real arguments; they are
+  idempotent on the slot state, so an interrupted node simply runs again), then raises.
+  Its slot state and its collective count end exactly as the other ranks' do.
+- a call that raises between graphs, or a graph another rank never reaches: before the
+  first schedule node of a graph, the ranks exchange a small clock word (`CLOCK_WORDS`
+  int64: the graph's key, its block count, the host block its first block is bound to)
+  through the same worker as the gathers. Different words raise `RuntimeError` on every
+  rank before any gather of that graph, so a gather never pairs with a different block
+  (a silent mix of weights) or a different size (an abort inside gloo). Both ranks leave
+  their state as it was; the next call starts in step.
+- eager fetches of hollow parameters (`eager.py`) exchange clock words the same way, in
+  the same worker task as their gather, and so does a compile before it compares plans
+  and weight fingerprints (`compile_clock`).
+
+A collective that fails (a rank died, the timeout passed) closes the runtime: the group is
+unusable afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from .collectives import _all_gather_single
+from .interrupts import deferred
+
+CLOCK_WORDS = 4
+
+
+class ClockMismatch(RuntimeError):
+    """The ranks of a shard group reached different graphs (raised on every rank)."""
+
+
+def word(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def record_schedule(gm: fx.GraphModule, sched: Any, schedule_ops: Sequence[Callable]) -> None:
+    """Record the graph's schedule nodes (target and where each argument comes from) so
+    that `complete` can run the rest of them, and the graph's clock key."""
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    plan = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in schedule_ops:
+            continue
+        spec = []
+        for a in node.args[1:]:  # args[0] is the schedule itself
+            if isinstance(a, fx.Node):
+                spec.append(("arg", placeholders[a]) if a in placeholders else ("none", None))
+            else:
+                spec.append(("const", a))
+        plan.append((node.target, tuple(spec)))
+    sched.replay = plan
+    sched.key = word(repr([[len(f), f[0] if f else ""] for f in sched.fqns]))
+
+
+def _args_of(spec: tuple, args: Sequence[Any]) -> list:
+    return [args[v] if kind == "arg" else None if kind == "none" else v for kind, v in spec]
+
+
+def _first_host_block(runtime: Any, sched: Any, args: Sequence[Any]) -> int:
+    for target, spec in sched.replay:
+        for kind, v in spec:
+            if kind == "arg" and isinstance(args[v], torch.nn.Parameter):
+                entry = runtime.store.entry(args[v])
+                return entry.block if entry is not None else -1
+    return -1
+
+
+def exchange(group: Any, device: torch.device, words: Sequence[int], what: str) -> list[list[int]]:
+    """Every rank's clock words (run on the executor's worker, in the gathers' order)."""
+    from .platform import exchange_device
+
+    device = exchange_device(group.pg)  # the CPU for gloo, the accelerator otherwise
+    mine = torch.tensor(list(words), dtype=torch.int64, device=device)
+    every = torch.empty(group.dp * len(words), dtype=torch.int64, device=device)
+    try:
+        _all_gather_single(every, mine, group=group.pg)
+    except Exception as exc:
+        raise RuntimeError(f"dlo: exchanging the collective clock before {what} over the "
+                           f"{group.describe()} failed on global rank "
+                           f"{group.ranks[group.rank]}: {exc}") from exc
+    return every.cpu().view(group.dp, -1).tolist()
+
+
+def check_rows(group: Any, rows: list[list[int]], what: str) -> None:
+    """Raise `ClockMismatch` (on every rank: all see all rows) when the words differ."""
+    mine = rows[group.rank]
+    for i, row in enumerate(rows):
+        if row != mine:
+            raise ClockMismatch(
+                f"dlo: the ranks of the {group.describe()} are out of step: global rank "
+                f"{group.ranks[group.rank]} is about to run {what} (clock {mine}) but global "
+                f"rank {group.ranks[i]} runs clock {row} (words: graph key, blocks, first host "
+                "block, kind). A call failed or was interrupted on one rank only between two "
+                "graphs, or the ranks run different code, or call the model from several "
+                "threads in different orders. Every rank raises here before gathering "
+                "anything; the next call starts in step")
+
+
+class Clock:
+    """One exchange of clock words over the shard group, issued through the executor."""
+
+    def __init__(self, runtime: Any, words: Sequence[int], what: str) -> None:
+        self.runtime, self.what, self.rows = runtime, what, None
+        group, device = runtime.group, runtime.device
+
+        def task() -> None:
+            self.rows = exchange(group, device, words, what)
+
+        with deferred():  # issued and recorded together
+            self.handle = runtime.executor.gather(-1, task, None)
+
+    def check(self) -> None:
+        """Wait for the exchange; raise `ClockMismatch` when the ranks' words differ."""
+        runtime = self.runtime
+        try:
+            runtime.executor.wait(self.handle)
+        except BaseException as exc:
+            if runtime.executor.failed(self.handle):
+                runtime.broken = f"{type(exc).__name__}: {exc}"
+            raise
+        if self.rows is None:  # a device executor: the exchange ran on the comm stream
+            raise RuntimeError("dlo: internal error: clock words missing after the exchange")
+        check_rows(runtime.group, self.rows, self.what)
+
+
+_COMPILE_WORD = word("dlo-compile")
+
+
+def compile_clock(runtime: Any, blocks: int, what: str) -> None:
+    """Exchange clock words before a compile's own collectives (plan digest, fingerprints):
+    a rank still compiling while another already runs graphs raises instead of pairing a
+    plan exchange with a clock or a gather."""
+    if runtime.group.dp > 1:
+        Clock(runtime, [_COMPILE_WORD, 0, 0, 2], what).check()  # plans: check_same_plan
+
+
+def complete(runtime: Any, sched: Any, args: Sequence[Any], clock: Optional[Clock]) -> None:
+    """Run the rest of the graph's schedule without computing (after a failure)."""
+    if runtime.broken is not None:
+        return  # the group is unusable: the other ranks raise within the timeout
+    if clock is not None:
+        clock.check()  # raises `ClockMismatch`: nobody gathers anything for this graph
+    while sched.step < len(sched.replay):
+        target, spec = sched.replay[sched.step]
+        target(sched, *_args_of(spec, args))
+
+
+def run_graph(runtime: Any, sched: Any, compiled: Callable, args: Sequence[Any]) -> Any:
+    """Call ``compiled(*args)`` under the runtime's lock, keeping the collective clock."""
+    with runtime.lock:
+        runtime.check_open()
+        sched.step = 0
+        clock: Optional[Clock] = None
+        try:
+            if runtime.mode == "allgather" and runtime.group.dp > 1 and sched.replay:
+                what = f"a graph of {len(sched.fqns)} blocks (first {sched.fqns[0][0]!r})" \
+                    if sched.fqns and sched.fqns[0] else "a graph"
+                clock = Clock(runtime, [sched.key, len(sched.fqns),
+                                        _first_host_block(runtime, sched, args), 0], what)
+                clock.check()
+                clock = None
+            return compiled(*args)
+        except ClockMismatch:
+            raise
+        except BaseException:
+            with deferred():
+                complete(runtime, sched, args, clock)
+            raise
