@@ -89,14 +89,14 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
     (`GraphSchedule.bind`: Dynamo reuses a graph for other models of the same class) and
     run under that runtime's lock and collective clock (graph_call.py)."""
     sched = ctx.schedule
-    if sched is None:
+    positions = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)]
+    if sched is None or not positions:  # no parameter, nothing streamed: nothing to bind
         return compiled
     record_schedule(gm, sched, tuple(SCHEDULE_OPS))
-    positions = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)]
     sched.given = dict(given)
 
     def run(*args: Any) -> Any:
-        runtime = sched.bind([args[i] for i in positions]) if positions else sched.runtime
+        runtime = sched.bind([args[i] for i in positions])
         return run_graph(runtime, sched, compiled, args)
 
     return run
