@@ -64,6 +64,8 @@ class Runtime:
         self._pending: list = [None] * config.num_slots
         self._gathered: list[bool] = [True] * config.num_slots
         self._resident: dict[int, torch.Tensor] = {}
+        self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
+        self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.budget
         self.copies = 0  # number of block copies issued (for tests and reports)
         self.broken: Optional[str] = None  # set when a copy or gather failed
         self.tracer: Optional[Tracer] = Tracer() if config.trace else None
@@ -147,23 +149,34 @@ class Runtime:
         tensor = self._resident.get(id(param))
         if tensor is None:
             entry = self.store.entry(param)
-            block = self.store.blocks[entry.block]
-            with torch.inference_mode(False):  # written by the worker thread
-                flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
-            what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
-
-            def fill_and_gather() -> None:
-                self._fill(flat, entry.block)
-                if self.store.dp > 1:
-                    gather_in_place(flat, block.spec.shard_bytes, self.group, what)
-
-            # Through the executor, behind every gather already queued: collectives keep
-            # one issue order on every rank.
-            self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
+            cached = self._resident_flat
+            if cached is None or cached[0] != entry.block:
+                # The parameters of a block kept resident (device_budget) are asked for one
+                # after another: the block is copied (and gathered) once for all of them.
+                self._resident_flat = None
+                cached = self._resident_flat = (entry.block, self._gathered_copy(entry))
+            flat = cached[1]
             # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
             tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
             self._resident[id(param)] = tensor
         return tensor
+
+    def _gathered_copy(self, entry) -> torch.Tensor:
+        """A new device copy of ``entry``'s whole host block (gathered in allgather mode)."""
+        block = self.store.blocks[entry.block]
+        with torch.inference_mode(False):  # written by the worker thread
+            flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
+        what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
+
+        def fill_and_gather() -> None:
+            self._fill(flat, entry.block)
+            if self.store.dp > 1:
+                gather_in_place(flat, block.spec.shard_bytes, self.group, what)
+
+        # Through the executor, behind every gather already queued: collectives keep
+        # one issue order on every rank.
+        self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
+        return flat
 
     @property
     def resident_copy_bytes(self) -> int:
@@ -291,6 +304,7 @@ class Runtime:
         unclaim(self)
         self.store = HostStore(alignment=self.config.alignment)
         self._resident.clear()
+        self._resident_flat = None
         self._host_cache = None
 
 
