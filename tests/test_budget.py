@@ -118,7 +118,7 @@ def test_auto_on_cpu_streams_every_block():
 
 
 def test_two_ranks_both_modes_and_loaded(tmp_path):
-    results = spawn(2, budget_cases.budget_cases, _checkpoint(tmp_path))
+    results = spawn(2, budget_cases.budget_cases, _checkpoint(tmp_path), timeout=480)
     for rank in (0, 1):
         for key in ("allgather", "rank_local", "loaded"):
             check_sweep(results[rank][key], loaded=key == "loaded")
