@@ -8,7 +8,7 @@ benchmarks/_timing.py); the figures are medians over the repetitions after warm-
 the ratio to the resident model measured in the same run. Expected: latency falls
 monotonically with the budget and is within 5% of the resident model at 100%.
 
-    python benchmarks/bench_budget.py             # width 512, depth 8, 7 repetitions
+    python benchmarks/bench_budget.py             # width 768, depth 6, 9 repetitions
     python benchmarks/bench_budget.py --quick     # a smoke run in seconds
     python benchmarks/bench_budget.py --markdown  # also print the docs/benchmarks.md table
 """
@@ -102,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="bench-out/budget.json")
     args = ap.parse_args(argv)
     p = (dict(width=128, depth=4, heads=4, hw=4, reps=5, warmup=1) if args.quick else
-         dict(width=512, depth=8, heads=8, hw=4, reps=7, warmup=2))
+         dict(width=768, depth=6, heads=8, hw=2, reps=9, warmup=2))
     if args.reps is not None:
         p["reps"] = args.reps
     with torch.inference_mode(), T.CpuLoad() as load:
