@@ -68,9 +68,12 @@ def device_budget_bytes(ctx: PassContext) -> Optional[int]:
         log.info("dlo: device_budget='auto' on CPU: only explicit bytes apply, every block "
                  "streams")
         return None
-    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
-    if not total:
+    from ..runtime.platform import device_free_bytes
+
+    figures = device_free_bytes(device)
+    if figures is None:
         return None
+    free, total = figures
     reserve = cfg.activation_reserve_bytes
     return max(free - (total // 4 if reserve is None else reserve), 0)
 
