@@ -88,11 +88,13 @@ def bound_to_params(compiled: Callable, ctx: PassContext, given: Mapping[str, An
 
     def run(*args: Any) -> Any:
         sched.bind([args[i] for i in positions])
-        if plan is None:
-            return compiled(*args)
         start = time.perf_counter()
-        out = compiled(*args)
-        plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
+        try:
+            out = compiled(*args)
+        finally:
+            sched.runtime.drop_block_copy()  # resident copies are made: free their source
+        if plan is not None:
+            plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
         return out
 
     return run

@@ -178,6 +178,10 @@ class Runtime:
         self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
         return flat
 
+    def drop_block_copy(self) -> None:
+        """Free the block copy resident parameters were cut from (after each call)."""
+        self._resident_flat = None
+
     @property
     def resident_copy_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self._resident.values())
