@@ -217,10 +217,22 @@ def check_no_sync(cfg: dict, device: torch.device) -> dict:
             return {"steady_state_syncs": "found", "error": str(exc)[:300]}
 
 
+def check_budget(cfg: dict, device: torch.device) -> dict:
+    """Transfer-bound latency against ``device_budget`` (minimum + 0..100% of the streamed
+    bytes), interleaved, medians after warm-up (the sweep of benchmarks/bench_budget.py)."""
+    from bench_budget import budget_sweep
+
+    w, d, h = cfg["big"]
+    with torch.inference_mode():
+        return budget_sweep(w, d, h, cfg["transfer_hw"], device, reps=cfg["runs"], warmup=1,
+                            timer=lambda fn: timed(fn, device))
+
+
 VIA_LOAD = False  # --via-load: the accelerator's path (dlo_fx.load) on any device
 
 CHECKS = {"identity": check_identity, "memory": check_memory, "latency": check_latency,
-          "group_offload": check_group_offload, "no_sync": check_no_sync}
+          "group_offload": check_group_offload, "no_sync": check_no_sync,
+          "budget": check_budget}
 
 
 def main(argv=None) -> int:

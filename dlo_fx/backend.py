@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -94,10 +95,18 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
         return compiled
     record_schedule(gm, sched, tuple(SCHEDULE_OPS))
     sched.given = dict(given)
+    plan = ctx.budget_plan
 
     def run(*args: Any) -> Any:
         runtime = sched.bind([args[i] for i in positions])
-        return run_graph(runtime, sched, compiled, args)
+        start = time.perf_counter()
+        try:
+            out = run_graph(runtime, sched, compiled, args)
+        finally:
+            runtime.drop_block_copy()  # resident copies are made: free their source
+        if plan is not None:
+            plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
+        return out
 
     return run
 
@@ -159,6 +168,13 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
                            f"a graph of {len(ctx.params)} parameters")
     for block in new:
         runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params])
+    plan = ctx.budget_plan
+    if plan is not None:
+        runtime.budget_plans[tuple(p.fqn for p in ctx.params)] = plan
+        log.info("dlo: device_budget %d B keeps %d of %d blocks resident (%d B); predicted "
+                 "%.3f ms per call (%.3f ms with every block streamed)", plan.device_budget,
+                 len(plan.resident), len(plan.block_bytes), plan.resident_bytes,
+                 plan.predicted_s * 1e3, plan.streamed_s * 1e3)
     log.info("dlo: scheduled a graph with %d blocks (budget %d bytes), %d resident parameters",
              len(ctx.blocks), ctx.budget, len(ctx.resident))
 

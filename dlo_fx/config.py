@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -50,6 +50,19 @@ class DLOConfig:
     """Parameters smaller than this many bytes stay on the device for the whole run;
     ``0`` streams every parameter that can be streamed. Parameters used far apart
     (shared tables, tied weights) stay resident whatever the setting. Default: ``0``."""
+
+    device_budget: Union[int, str, None] = None
+    """Bytes of device memory the weights may use: the slots, the resident parameters and
+    the blocks kept resident. What is left after the slots and the parameters resident
+    anyway is filled with whole blocks chosen to minimise the predicted time per call
+    (`dlo_fx.budget`, see [Note: resident blocks spread through the stack]); a budget
+    below that minimum raises ``ValueError`` at compile. ``"auto"``: the device's free
+    memory minus ``activation_reserve_bytes`` (on CPU only explicit bytes apply: "auto"
+    keeps every block streamed). ``None``: every block streams. Default: ``None``."""
+
+    activation_reserve_bytes: Optional[int] = None
+    """With ``device_budget="auto"``: device bytes kept free for activations. ``None``
+    keeps a quarter of the device's memory. Default: ``None``."""
 
     device: Optional[str] = None
     """Device the slots live on and the graph computes on, e.g. ``"cpu"``, ``"cuda:0"``.
@@ -116,6 +129,22 @@ class DLOConfig:
         if self.block_bytes is not None:
             _check_int("block_bytes", self.block_bytes, minimum=1)
         _check_int("resident_bytes", self.resident_bytes, minimum=0)
+        if self.device_budget != "auto" and self.device_budget is not None:
+            if isinstance(self.device_budget, str):
+                raise ValueError(
+                    f"DLOConfig option 'device_budget'={self.device_budget!r} is not allowed: "
+                    "expected None, 'auto' or an integer number of bytes >= 0"
+                )
+            _check_int("device_budget", self.device_budget, minimum=0)
+        if self.activation_reserve_bytes is not None:
+            _check_int("activation_reserve_bytes", self.activation_reserve_bytes, minimum=0)
+            if self.device_budget != "auto":
+                raise ValueError(
+                    f"DLOConfig option 'activation_reserve_bytes'="
+                    f"{self.activation_reserve_bytes!r} applies only with device_budget='auto' "
+                    f"(device_budget={self.device_budget!r}); drop it or set "
+                    "device_budget='auto'"
+                )
         _check_int("alignment", self.alignment, minimum=16)
         if self.alignment & (self.alignment - 1):
             raise ValueError(

@@ -35,9 +35,18 @@ class MemoryReport:
     predicted: Optional[dict] = None
     """The policy model's figures for this run's plan (``host_shard_bytes``,
     ``slot_bytes``), printed beside the measured ones; None before anything streams."""
+    num_resident_blocks: int = 0
+    """Blocks the ``device_budget`` keeps on the device (summed over the model's graphs)."""
+    streamed_bytes_per_call: int = 0
+    """Bytes of blocks copied to the device per call (the streamed blocks of every graph)."""
+    predicted_s_per_call: Optional[float] = None
+    """The budget planner's predicted seconds per call (summed over graphs), printed
+    beside ``measured_s_per_call`` (the last call of each graph, on the host clock)."""
+    measured_s_per_call: Optional[float] = None
 
     def __str__(self) -> str:
-        rows = [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "predicted"]
+        rows = [(f.name, getattr(self, f.name)) for f in fields(self)
+                if f.name not in ("predicted", "predicted_s_per_call", "measured_s_per_call")]
         width = max(len(name) for name, _ in rows)
         lines = [f"{'figure':<{width}}  value", f"{'-' * width}  {'-' * 16}"]
         for name, value in rows:
@@ -46,6 +55,11 @@ class MemoryReport:
                 model = self.predicted[name]
                 line += f"   model {model / 2**20:.1f} MiB ({(value - model) / max(model, 1):+.1%})"
             lines.append(line)
+        if self.predicted_s_per_call is not None:
+            measured = self.measured_s_per_call
+            lines.append(f"{'s_per_call':<{width}}  "
+                         + (f"{measured * 1e3:.3f} ms" if measured is not None else "n/a")
+                         + f"   model {self.predicted_s_per_call * 1e3:.3f} ms")
         return "\n".join(lines)
 
 
@@ -66,6 +80,8 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
     resident = sum(span_bytes(p) for p in params if not is_hollow(p))
     device = params[0].device if params else torch.device("cpu")
     predicted: Optional[dict] = None
+    plans = []
+    streamed = 0
     for rt in runtimes:
         ids = {rt.store.entry(p).block for p in params if p in rt.store}
         mine = [rt.store.blocks[i] for i in sorted(ids)]
@@ -80,6 +96,12 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         num_slots = max(num_slots, rt.slots.num_slots)
         resident += rt.resident_copy_bytes
         device = rt.device
+        plans += list(rt.budget_plans.values())
+    if plans:
+        streamed = sum(p.streamed_bytes for p in plans)
+    else:
+        streamed = sum(b.nbytes for b in blocks)
+    measured = [p.measured_s for p in plans]
     host = process_memory()
     cgroup = cgroup_memory()
     return MemoryReport(
@@ -94,4 +116,8 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         shared_bytes=host["shared"], cgroup_current_bytes=cgroup["current"],
         cgroup_peak_bytes=cgroup["peak"], device_peak_bytes=max_memory_allocated(device),
         predicted=predicted,
+        num_resident_blocks=sum(len(p.resident) for p in plans),
+        streamed_bytes_per_call=streamed,
+        predicted_s_per_call=sum(p.predicted_s for p in plans) if plans else None,
+        measured_s_per_call=(sum(measured) if plans and None not in measured else None),
     )

@@ -18,7 +18,10 @@ A parameter is resident, for the first reason that applies, when it is:
 - ``read while num_slots later blocks are live``: once the blocks are formed, a
   parameter of block ``g`` still read after block ``g + num_slots`` (which reuses ``g``'s
   slot) is first read. Taking it out changes the blocks, so this repeats until no
-  parameter is late.
+  parameter is late;
+- ``device_budget``: in a block the device budget keeps resident (`dlo_fx.budget`): once
+  the blocks are settled, what the budget leaves after the slots and the parameters above
+  is filled with whole blocks, then the slot check runs once more.
 
 Only the first four apply at load time; the graph decides the rest for what it reads.
 """
@@ -63,15 +66,20 @@ class Residency:
 # Given the indices of the streamed candidates (in use order), the budget and the layering,
 # the blocks they form (lists of indices).
 BlocksOf = Callable[[list[int], int, Layering], list[list[int]]]
+# Given the blocks and the reasons so far, the blocks kept resident by the device budget.
+ChooseBlocks = Callable[[list[list[int]], list[Optional[str]]], dict[int, str]]
 
 
 def decide_residency(cands: Sequence[Candidate], *, resident_bytes: int,
                      block_bytes: Optional[int], num_slots: int,
-                     blocks_of: Optional[BlocksOf] = None) -> Residency:
+                     blocks_of: Optional[BlocksOf] = None,
+                     choose_blocks: Optional[ChooseBlocks] = None) -> Residency:
     """Decide every candidate's residency and the block budget (see the module docstring).
 
     ``blocks_of`` forms the blocks of a streamed set (the graph's: they may follow the
     host blocks of stored parameters); without it the slot check is skipped.
+    ``choose_blocks`` (the device budget, `dlo_fx.budget`) is given the settled blocks
+    and the reasons so far and names the blocks that stay resident, with why.
     """
     reasons: list[Optional[str]] = [_static_reason(c, resident_bytes) for c in cands]
     live = [i for i, r in enumerate(reasons) if r is None]
@@ -81,17 +89,30 @@ def decide_residency(cands: Sequence[Candidate], *, resident_bytes: int,
     for i in _far_apart(cands, live, budget):
         reasons[i] = "used far apart"
     if blocks_of is not None:
-        while True:
-            streamed = _in_use_order(cands, [i for i, r in enumerate(reasons) if r is None])
-            blocks = blocks_of(streamed, budget, layers)
-            first = [min(cands[i].first for i in b) for b in blocks]
-            late = [i for g in range(len(blocks) - num_slots) for i in blocks[g]
-                    if cands[i].last >= first[g + num_slots]]
-            if not late:
-                break
-            for i in late:
-                reasons[i] = f"read while {num_slots} later blocks are live (num_slots={num_slots})"
+        blocks = _settle_late(cands, reasons, budget, layers, num_slots, blocks_of)
+        if choose_blocks is not None:
+            for g, why in choose_blocks(blocks, reasons).items():
+                for i in blocks[g]:
+                    reasons[i] = why
+            # Fewer streamed blocks: a parameter may now be read too late (rare and small).
+            _settle_late(cands, reasons, budget, layers, num_slots, blocks_of)
     return Residency(reasons, budget, layers)
+
+
+def _settle_late(cands: Sequence[Candidate], reasons: list[Optional[str]], budget: int,
+                 layers: Layering, num_slots: int, blocks_of: BlocksOf) -> list[list[int]]:
+    """Make resident every parameter read while ``num_slots`` later blocks are live,
+    until none is; returns the blocks of the final streamed set."""
+    while True:
+        streamed = _in_use_order(cands, [i for i, r in enumerate(reasons) if r is None])
+        blocks = blocks_of(streamed, budget, layers)
+        first = [min(cands[i].first for i in b) for b in blocks]
+        late = [i for g in range(len(blocks) - num_slots) for i in blocks[g]
+                if cands[i].last >= first[g + num_slots]]
+        if not late:
+            return blocks
+        for i in late:
+            reasons[i] = f"read while {num_slots} later blocks are live (num_slots={num_slots})"
 
 
 def _static_reason(c: Candidate, resident_bytes: int) -> Optional[str]:

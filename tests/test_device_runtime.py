@@ -83,3 +83,4 @@ def test_gpu_check_runs_on_cpu(tmp_path, monkeypatch, capsys):
     assert all(v is True for v in result["identity"].values() if not isinstance(v, str))
     assert result["memory"]["weights_flat_in_depth"] is True
     assert result["latency"]["compute_bound"]["dlo_over_resident"] > 0
+    assert [r["resident_blocks"] for r in result["budget"]["rows"]][-1] == result["budget"]["blocks"]

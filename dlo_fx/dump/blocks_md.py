@@ -15,6 +15,29 @@ def _b(n: int) -> str:
     return f"{n:,}"
 
 
+def _resident_blocks(plan) -> list[str]:
+    """The blocks the device budget keeps on the device, and why (none without it)."""
+    if plan is None:
+        return []
+    lines = ["", "## Resident blocks (device_budget)", "",
+             f"device_budget {_b(plan.device_budget)} B: minimum {_b(plan.minimum)} B (slots "
+             f"for the largest block + parameters resident anyway), {_b(plan.capacity)} B "
+             "left for whole blocks, chosen to minimise the predicted time per call and spread",
+             "through the stack so each one's compute runs while the next streamed block copies",
+             f"(H2D {plan.h2d_gbps:.2f} GB/s, AllGather {plan.gather_gbps:.2f} GB/s). Predicted "
+             f"{plan.streamed_s * 1e3:.3f} ms per call with every block streamed, "
+             f"{plan.predicted_s * 1e3:.3f} ms with these resident.",
+             "Blocks are numbered before the resident ones are taken out.", ""]
+    if not plan.resident:
+        return lines + ["No block fits in what the budget leaves."]
+    lines += ["| block | FQNs | bytes | why |", "| ---: | --- | ---: | --- |"]
+    lines += [f"| {g} | {plan.labels[g] if g < len(plan.labels) else ''} | "
+              f"{_b(plan.block_bytes[g])} | {plan.reasons[g]} |" for g in plan.resident]
+    lines.append(f"| total ({len(plan.resident)} of {len(plan.block_bytes)}) | | "
+                 f"{_b(plan.resident_bytes)} | |")
+    return lines
+
+
 def blocks_markdown(dump: GraphDump, stalls: Optional[StallSummary] = None) -> str:
     """The text of ``blocks.md``; ``stalls`` (per graph block) after a traced run."""
     blocks, resident = dump.blocks, dump.resident
@@ -49,6 +72,7 @@ def blocks_markdown(dump: GraphDump, stalls: Optional[StallSummary] = None) -> s
     lines.append(f"| total | | | {sum(len(b.fqns) for b in blocks)} | "
                  f"{_b(sum(b.nbytes for b in blocks))} | | "
                  f"{_b(sum(b.shard_bytes for b in blocks))} | |")
+    lines += _resident_blocks(dump.budget_plan)
     lines += ["", "## Resident set", ""]
     if resident:
         lines += ["| FQN | bytes | reason |", "| --- | ---: | --- |"]

@@ -85,6 +85,7 @@ class GraphDump:
     runtime_ref: Optional[weakref.ReferenceType] = field(default=None, repr=False)
     flushed_spans: int = 0  # spans seen by the last flush
     graph_id: int = -1  # GraphSchedule.graph: the tag of this graph's spans
+    budget_plan: Any = None  # dlo_fx.budget.BudgetPlan, with the device_budget option
 
     @property
     def runtime(self) -> Any:
@@ -135,4 +136,5 @@ def snapshot(gm: fx.GraphModule, ctx: Any, runtime: Any, index: int, folder: Pat
         mode_reason=getattr(runtime, "mode_reason", ""),
         layers=ctx.layers.describe(),
         runtime_ref=weakref.ref(runtime) if runtime is not None else None,
-        graph_id=getattr(getattr(gm, "_dlo", None), "graph", -1))
+        graph_id=getattr(getattr(gm, "_dlo", None), "graph", -1),
+        budget_plan=getattr(ctx, "budget_plan", None))

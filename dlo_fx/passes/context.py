@@ -65,6 +65,7 @@ class PassContext:
     layers: Layering = field(default_factory=Layering)  # how FQNs map to layers
     blocks: list[GraphBlock] = field(default_factory=list)
     schedule: Any = None  # dlo_fx.runtime.ops.GraphSchedule
+    budget_plan: Any = None  # dlo_fx.budget.BudgetPlan, with device_budget
     escaping: set = field(default_factory=set)  # param nodes whose views reach the output
     ran: list[str] = field(default_factory=list)
 

@@ -8,16 +8,28 @@ forms them (`PassContext.form_blocks`) as often as it takes; `partition_blocks` 
 forms them once more from the final streamed set. Also fixes the block budget
 (``block_bytes`` or the largest layer) and how FQNs map to layers.
 
+With ``device_budget``, the settled blocks are handed to the budget planner
+(`dlo_fx.budget`, after measuring the H2D and AllGather bandwidths): the blocks it keeps
+resident get the reason ``device_budget: ...``; a budget below the minimum (slots for the
+largest block plus the parameters resident anyway) raises ``ValueError`` here, before
+anything is stored or hollowed.
+
 Before/after: no graph change; fills ``ctx.resident``, ``ctx.streamed``, ``ctx.budget``,
-``ctx.layers`` and each resident parameter's ``reason``.
+``ctx.layers``, ``ctx.budget_plan`` and each resident parameter's ``reason``.
 """
 
 from __future__ import annotations
 
 from torch import fx
 
+import logging
+from typing import Optional
+
+import torch
+
+from ..budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resident_blocks
 from ..partition import Layering
-from ..residency import Candidate, decide_residency
+from ..residency import Candidate, ChooseBlocks, decide_residency
 from .context import PassContext
 
 
@@ -33,10 +45,79 @@ def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
     decision = decide_residency(cands, resident_bytes=ctx.config.resident_bytes,
                                 block_bytes=ctx.config.block_bytes,
-                                num_slots=ctx.config.num_slots, blocks_of=blocks_of)
+                                num_slots=ctx.config.num_slots, blocks_of=blocks_of,
+                                choose_blocks=_budget_chooser(ctx, cands))
     for p, reason in zip(params, decision.reasons):
         p.reason = reason
     ctx.budget, ctx.layers = decision.budget, decision.layers
     ctx.streamed = [params[i] for i in decision.streamed_in_use_order(cands)]
     ctx.resident = [p for p in params if p.reason is not None]
     return gm
+
+
+log = logging.getLogger(__name__)
+
+
+def device_budget_bytes(ctx: PassContext) -> Optional[int]:
+    """The ``device_budget`` option in bytes (``"auto"`` resolved), or None: no budget."""
+    cfg = ctx.config
+    if cfg.device_budget != "auto":
+        return cfg.device_budget
+    device = ctx.runtime.device if ctx.runtime is not None else torch.device("cpu")
+    if device.type == "cpu":
+        log.info("dlo: device_budget='auto' on CPU: only explicit bytes apply, every block "
+                 "streams")
+        return None
+    from ..runtime.platform import device_free_bytes
+
+    figures = device_free_bytes(device)
+    if figures is None:
+        return None
+    free, total = figures
+    reserve = cfg.activation_reserve_bytes
+    return max(free - (total // 4 if reserve is None else reserve), 0)
+
+
+def _budget_chooser(ctx: PassContext, cands: list[Candidate]) -> Optional[ChooseBlocks]:
+    budget = device_budget_bytes(ctx)
+    if budget is None:
+        return None
+    num_slots = ctx.config.num_slots
+
+    def choose(blocks: list[list[int]], reasons: list[Optional[str]]) -> dict[int, str]:
+        sizes = [sum(cands[i].nbytes for i in b) for b in blocks]
+        always = sum(c.nbytes for c, r in zip(cands, reasons)
+                     if r is not None and (c.first is None or c.first >= 0))
+        minimum = minimum_bytes(sizes, num_slots, always)
+        if budget < minimum:
+            raise ValueError(
+                f"dlo option device_budget={ctx.config.device_budget!r} ({budget:,} B) is below "
+                f"the minimum of {minimum:,} B for this graph: num_slots={num_slots} slots of its "
+                f"largest block ({max(sizes, default=0):,} B) plus {always:,} B of parameters "
+                f"resident anyway; set device_budget >= {minimum} (or None to stream every "
+                "block), or lower num_slots / block_bytes")
+        runtime = ctx.runtime
+        dp = runtime.group.dp if runtime is not None else 1
+        allgather = dp > 1 and (runtime.mode or ctx.config.mode or "allgather") != "rank_local"
+        h2d = gather = 1.0
+        if runtime is not None and blocks and budget - minimum > 0:
+            from ..policy.measured import probe_bandwidths  # a collective probe on every rank
+
+            # Once per runtime, with nothing of its own in flight: the probe's gathers run on
+            # this thread, so none of the copy worker's may be queued on the group meanwhile.
+            with runtime.lock:
+                runtime.drain()
+                if runtime.probed_bandwidths is None:
+                    runtime.probed_bandwidths = probe_bandwidths(runtime.device, runtime.group)
+            h2d, gather = runtime.probed_bandwidths
+        copy_s = [copy_seconds(n, dp=dp, allgather=allgather, h2d_gbps=h2d,
+                               gather_gbps=min(gather, 1e6)) for n in sizes]
+        compute_s = [0.0] * len(sizes)  # estimated: transfer-bound (see docs/architecture.md)
+        plan = BudgetPlan(device_budget=budget, minimum=minimum, capacity=budget - minimum,
+                          h2d_gbps=h2d, gather_gbps=gather,
+                          labels=[f"{cands[b[0]].name} .. {cands[b[-1]].name}" for b in blocks])
+        ctx.budget_plan = plan_resident_blocks(sizes, copy_s, compute_s, num_slots=num_slots,
+                                               capacity=budget - minimum, plan=plan)
+        return {g: plan.reasons[g] for g in plan.resident}
+
+    return choose

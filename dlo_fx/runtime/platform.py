@@ -58,6 +58,17 @@ def new_event(device: torch.device, timing: bool = False) -> torch.Event:
     return torch.Event(device=device, enable_timing=timing)
 
 
+def device_free_bytes(device: torch.device) -> Optional[tuple[int, int]]:
+    """(free, total) memory of one device as its driver reports it (None on CPU)."""
+    if device.type == "cpu":
+        return None
+    try:
+        free, total = torch.get_device_module(device).mem_get_info(device)
+    except (AttributeError, RuntimeError):
+        return None
+    return int(free), int(total)
+
+
 @contextlib.contextmanager
 def on_stream(stream: torch.Stream) -> Iterator[None]:
     """Make ``stream`` current for the work issued inside."""

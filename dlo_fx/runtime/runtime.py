@@ -75,6 +75,9 @@ class Runtime:
         self._pending: list = self.shared.pending  # shared with the models on the slots
         self._gathered: list[bool] = [True] * config.num_slots
         self._resident: dict[int, torch.Tensor] = {}
+        self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
+        self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.budget
+        self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.copies = 0  # number of block copies issued (for tests and reports)
         self.broken: Optional[str] = None  # set when a copy or gather failed
         self.tracer: Optional[Tracer] = Tracer() if config.trace else None
@@ -172,8 +175,14 @@ class Runtime:
         tensor = self._resident.get(id(param))
         if tensor is None:
             entry = self.store.entry(param)
-            flat = self.fetch_block(entry.block, f"host block {entry.block} (resident copy "
-                                                 f"of {entry.fqn!r})")
+            cached = self._resident_flat
+            if cached is None or cached[0] != entry.block:
+                # The parameters of a block kept resident (device_budget) are asked for one
+                # after another: the block is copied (and gathered) once for all of them.
+                self._resident_flat = None
+                what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
+                cached = self._resident_flat = (entry.block, self.fetch_block(entry.block, what))
+            flat = cached[1]
             # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
             tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
             self._resident[id(param)] = tensor
@@ -209,6 +218,10 @@ class Runtime:
                 self.broken = f"{type(exc).__name__}: {exc}"
             raise
         return flat
+
+    def drop_block_copy(self) -> None:
+        """Free the block copy resident parameters were cut from (after each call)."""
+        self._resident_flat = None
 
     @property
     def resident_copy_bytes(self) -> int:
@@ -358,6 +371,7 @@ class Runtime:
             self.store.files.close()
         self.store = HostStore(alignment=self.config.alignment)
         self._resident.clear()
+        self._resident_flat = None
         self._host_cache = None
 
 
