@@ -170,4 +170,7 @@ def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Pa
             src = e.view_of(flats[e.block])
             need = p.storage_offset() * p.element_size() + e.nbytes
             p.untyped_storage().resize_(need)
-            p.copy_(src)
+            # A parameter made under inference_mode is an inference tensor: written only
+            # inside inference mode (and a normal one only outside it).
+            with torch.inference_mode(p.is_inference()):
+                p.copy_(src)
