@@ -81,8 +81,6 @@ def call_arguments(request: Request, params: Mapping[str, inspect.Parameter],
                                   "pipeline factory loads no LoRA adapters")
     if request.cfg_normalize:
         raise refuse("cfg_normalize", True, "diffusers pipelines have no such option")
-    if request.quality_mode is not None:
-        raise refuse("quality_mode", request.quality_mode, "diffusers pipelines have none")
     kwargs: dict[str, Any] = dict(prompt=request.prompt, height=request.height,
                                   width=request.width,
                                   num_inference_steps=request.num_inference_steps,
@@ -108,8 +106,6 @@ def call_arguments(request: Request, params: Mapping[str, inspect.Parameter],
         raise refuse("num_outputs_per_prompt", request.num_outputs_per_prompt,
                      "it makes one output per prompt")
     extra = dict(request.extra_args)
-    if request.fps is not None:
-        extra.setdefault("fps", request.fps)
     for key, value in extra.items():
         if key in kwargs or key in ("generator", "output_type", "return_dict", "latents"):
             raise refuse(f"extra_args[{key!r}]", value, "set by the request's own fields")
