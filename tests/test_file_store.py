@@ -209,7 +209,7 @@ def test_manifest_that_does_not_match_names_what_differs(ckpts):
         (ckpts["dit1"], WanTransformer3DModel, {}, None),  # another model: its keys differ
     ]
     for folder, cls, options, words in cases:
-        config = ckpts["config"] if cls is ReferenceDiT else None
+        config = ckpts["config"] if cls is ReferenceDiT else ckpts["wan"]  # its config.json
         with pytest.raises(ValueError) as info:
             load(cls, folder, config=config, options={"host_store": "mmap", **options},
                  resident=SHARED if cls is ReferenceDiT else ())
