@@ -58,10 +58,13 @@ def test_three_ranks_shard_geometry_without_processes():
             groups.setdefault(".".join(parts[:2] if parts[1:2] and parts[1].isdigit() else parts[:1]),
                               []).append(fqn)
         stores = [HostStore(alignment=alignment, rank=rank, dp=dp) for rank in range(dp)]
+        alive = []  # a store keeps parameter ids: the parameters must outlive it
         for fqns in groups.values():
             for store in stores:
-                store.add_block([torch.nn.Parameter(originals[f].detach().clone(),
-                                                    requires_grad=False) for f in fqns], fqns)
+                params = [torch.nn.Parameter(originals[f].detach().clone(), requires_grad=False)
+                          for f in fqns]
+                alive.append(params)
+                store.add_block(params, fqns)
         blocks = stores[0].blocks
         total = sum(b.nbytes for b in blocks)
         slots = SlotPool(num_slots, torch.device("cpu"))
@@ -102,10 +105,12 @@ def test_failed_or_dead_rank_makes_the_other_raise_within_timeout():
     timeout_s = 5.0
     results = spawn(2, dist_cases.failure_cases, timeout_s, allow_dead=(1,))
     raised = results[0]
-    for how in ("raise", "die"):
-        elapsed, message = raised[how]
-        assert elapsed < timeout_s + 15, (how, elapsed)
-        assert "AllGather of host block" in message and "weight group" in message, message
+    # A rank that raises keeps the collective clock (it completes the graph's gathers
+    # without computing): the other rank's call is exact and raises nothing.
+    assert raised["raise"] is None, raised["raise"]
+    elapsed, message = raised["die"]  # a dead rank: the other raises within the timeout
+    assert elapsed < timeout_s + 15, elapsed
+    assert "AllGather of host block" in message and "weight group" in message, message
     assert 1 not in results  # rank 1 raised in the first case, then died in the second
 
 
