@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import gc
 import json
+import re
 import math
 import os
 import pathlib
@@ -226,7 +227,7 @@ def test_module_operations_in_subprocess(tmp_path):
     for key in ("to_fp16", "float"):
         assert r[key].startswith("ValueError: dlo:"), r[key]
         assert "dlo_fx.release(model)" in r[key] and "dtype=" in r[key]
-        assert "modulation_table" in r[key]  # the parameter FQN
+        assert re.search(r"parameter '[\w.]+'", r[key]), r[key]  # names the parameter FQN
     assert r["dtypes_after_fp16"] == r["dtypes_before"] and r["exact_after_fp16"]
     # state_dict: the real weights, saved by safetensors.
     assert r["save_file"] == "" and r["saved_equal"] and r["state_strides"]
