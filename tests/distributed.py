@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -29,7 +30,9 @@ def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any
         result = ("ok", fn(rank, world, *args))
     except BaseException:  # report, never hang the parent
         result = ("error", traceback.format_exc())
-    out.put((rank, result))
+    # By value (plain pickle copies tensor bytes): a tensor put on a multiprocessing queue
+    # as is travels as a file descriptor that dies with this process.
+    out.put((rank, pickle.dumps(result)))
     try:
         dist.destroy_process_group()
     except Exception:
@@ -52,7 +55,7 @@ def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240.0,
         while len(results) < world and time.monotonic() < deadline:
             try:
                 rank, result = out.get(timeout=0.5)
-                results[rank] = result
+                results[rank] = pickle.loads(result)
                 continue
             except queue.Empty:
                 pass
