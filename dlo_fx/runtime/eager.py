@@ -171,6 +171,7 @@ def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Pa
             need = p.storage_offset() * p.element_size() + e.nbytes
             p.untyped_storage().resize_(need)
             # A parameter made under inference_mode is an inference tensor: written only
-            # inside inference mode (and a normal one only outside it).
-            with torch.inference_mode(p.is_inference()):
+            # inside inference mode (and a normal one only outside it). inference_mode(False)
+            # turns grad mode back on: no_grad inside it, for parameters that require grad.
+            with torch.inference_mode(p.is_inference()), torch.no_grad():
                 p.copy_(src)
