@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test zoo bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ demo: $(VENV)/.base
 	$(VENV)/bin/dlo-fx demo
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/test_zoo.py
+
+# The diffusers zoo (tests/test_zoo.py): about 30 transformer classes at dp 1 and 2, both
+# modes; about 10 minutes on 2 cores. `DLO_FX_ZOO_TABLE=docs/zoo.md make zoo` rewrites its table.
+zoo: $(VENV)/.test
+	$(PY) -m pytest -q tests/test_zoo.py
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/bench_core.py

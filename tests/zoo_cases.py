@@ -60,11 +60,14 @@ def _figures(model: torch.nn.Module) -> dict:
     total = sum(p.numel() * p.element_size() for p in params)
     runtimes = runtimes_holding(params)
     stored = [p for p in params if any(p in rt.store for rt in runtimes)]
+    own = {id(p) for p in model.parameters(recurse=False)}
     blocks = {(id(rt), rt.store.entry(p).block) for rt in runtimes for p in stored}
     return {
         "param_bytes": total,
         "streamed_bytes": sum(p.numel() * p.element_size() for p in stored),
-        "hollow": all(is_hollow(p) for p in stored),
+        # The compiled module's own parameters are materialised for its eager hooks
+        # (runtime/eager.py); every other stored parameter is hollow.
+        "hollow": all(is_hollow(p) for p in stored if id(p) not in own),
         "blocks": len(blocks),
         "mode": runtimes[0].mode if runtimes else None,
         "dp": runtimes[0].store.dp if runtimes else None,
