@@ -7,7 +7,7 @@ import torch
 from dlo_fx.runtime.graph_call import ClockMismatch
 from dlo_fx.runtime.runtime import reset_runtimes
 
-from models import call, tiny_dit
+from models import call, run_dlo, tiny_dit
 import safety_models
 from safety_models import FAIL, eager_head_dit, fail_after_half_the_waits, tiny_hidream
 
@@ -31,13 +31,8 @@ def _outcome(fn):
 
 def _exact(factory, options, calls: int = 2, fullgraph: bool = False, **kw) -> list:
     _fresh()
-    ref_model, inputs = factory(**kw)
-    with torch.no_grad():
-        ref = call(ref_model, inputs)
-    model, _ = factory(**kw)
-    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
-    with torch.no_grad():
-        return [torch.equal(call(compiled, inputs), ref) for _ in range(calls)]
+    ref, outs, _ = run_dlo(factory, options, calls=calls, fullgraph=fullgraph, **kw)
+    return [torch.equal(out, ref) for out in outs]
 
 
 def _failing(rank: int, mode: str, kind: str, graph_break: bool, calls: int) -> list:
