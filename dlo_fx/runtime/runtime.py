@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -203,7 +203,7 @@ class Runtime:
                 if clock:
                     words = [_EAGER_WORD, block, len(host.entries), 1]
                     check_rows(group, exchange(group, device, words, what), what)
-            self._fill(flat, block)
+            self._fill_task(flat, block)()
             if self.store.dp > 1:
                 gather_in_place(flat, host.spec.shard_bytes, group, what)
 
@@ -228,11 +228,14 @@ class Runtime:
         return sum(t.untyped_storage().nbytes() for t in self._resident.values())
 
     # -- the schedule -------------------------------------------------------------------
-    def _fill(self, flat: torch.Tensor, block: int) -> None:
-        """Copy this rank's host shard of ``block`` to its place in ``flat``."""
+    def _fill_task(self, flat: torch.Tensor, block: int) -> Callable[[], None]:
+        """The copy of this rank's host shard of ``block`` to its place in ``flat``. It holds
+        the host block and the slot slice, never the runtime: a wrap-around prefetch still
+        queued when the model is dropped must not keep its whole host store alive."""
         host = self.store.blocks[block]
         start = host.spec.rank_range(self.store.rank)[0] if self.store.dp > 1 else 0
-        host.copy_to(flat[start : start + host.shard_nbytes])
+        dst = flat[start : start + host.shard_nbytes]
+        return lambda: host.copy_to(dst)
 
     def prefetch(self, block: int, slot: int) -> None:
         """H2D of this rank's shard of ``block`` into its slice of ``slot``."""
@@ -241,7 +244,7 @@ class Runtime:
                 return  # already there, or on its way (the wrap-around prefetch)
             self.slot_block[slot] = None  # unknown until the copy is issued and recorded
             flat = self.slots.buffers[slot]
-            task = lambda: self._fill(flat, block)  # noqa: E731
+            task = self._fill_task(flat, block)
             if self.tracer is not None:
                 task = self.tracer.timed("prefetch", block, slot, task)
             # Behind the slot's last task, which nobody may have waited on (see the Note).
@@ -261,7 +264,8 @@ class Runtime:
             flat = self.slots.buffers[slot]
             spec = self.store.blocks[block].spec
             what = f"host block {block} into slot {slot}"
-            task = lambda: gather_in_place(flat, spec.shard_bytes, self.group, what)  # noqa: E731
+            group = self.group  # the task holds no runtime (see `_fill_task`)
+            task = lambda: gather_in_place(flat, spec.shard_bytes, group, what)  # noqa: E731
             if self.tracer is not None:
                 task = self.tracer.timed("allgather", block, slot, task)
             self._pending[slot] = self.executor.gather(slot, task, self._pending[slot])
@@ -349,7 +353,7 @@ class Runtime:
             what = f"host block {entry.block} (weights of {entry.fqn!r} read outside the graph)"
 
             def fill_and_gather() -> None:
-                self._fill(flat, entry.block)
+                self._fill_task(flat, entry.block)()
                 gather_in_place(flat, block.spec.shard_bytes, self.group, what)
 
             self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
