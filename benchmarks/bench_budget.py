@@ -1,12 +1,15 @@
 #!/usr/bin/env python
 """Transfer-bound latency against the device budget (``device_budget``), on CPU.
 
-One reference DiT (few tokens, so copies dominate) is compiled five times with a budget of
-the minimum plus 0, 25, 50, 75 and 100% of its streamed bytes, and once resident
-(``backend="eager"``). Every variant is called in turn in each repetition (see
+One reference DiT (few tokens, so that copies weigh most) is compiled five times with a
+budget of the minimum plus 0, 25, 50, 75 and 100% of its streamed bytes, and once
+resident (``backend="eager"``). Every variant is called in turn in each repetition (see
 benchmarks/_timing.py); the figures are medians over the repetitions after warm-up, with
 the ratio to the resident model measured in the same run. Expected: latency falls
-monotonically with the budget and is within 5% of the resident model at 100%.
+monotonically with the budget and is within 5% of the resident model at 100%. Beside
+each measured median: the planner's predicted time per call, with its parts: the
+streamed blocks' copies and every block's compute (FLOPs at the matmul rate measured at
+compile time).
 
     python benchmarks/bench_budget.py             # width 768, depth 6, 9 repetitions
     python benchmarks/bench_budget.py --quick     # a smoke run in seconds
@@ -61,7 +64,9 @@ def budget_sweep(width: int, depth: int, heads: int, hw: int, device: torch.devi
         report = dlo_fx.memory_report(m)
         info[f"{f}%"] = {"device_budget": budget, "resident_blocks": report.num_resident_blocks,
                          "streamed_bytes_per_call": report.streamed_bytes_per_call,
-                         "predicted_s": report.predicted_s_per_call}
+                         "predicted_s": report.predicted_s_per_call,
+                         "predicted_copy_s": report.predicted_copy_s_per_call,
+                         "predicted_compute_s": report.predicted_compute_s_per_call}
         models.append(m)
         variants[f"{f}%"] = (lambda cc: lambda: cc(*inputs))(compiled)
     resident = torch.compile(model(), backend="eager")
@@ -85,12 +90,14 @@ def budget_sweep(width: int, depth: int, heads: int, hw: int, device: torch.devi
 
 def markdown(result: dict) -> str:
     lines = ["| budget (of streamed bytes) | resident blocks | streamed B/call | median ms | "
-             "/ resident | predicted ms |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "/ resident | predicted ms | of which: copies ms | compute ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["rows"]:
         lines.append(f"| {r['budget']} | {r['resident_blocks']} of {result['blocks']} | "
                      f"{r['streamed_bytes_per_call']:,} | {r['median_s'] * 1e3:.1f} | "
-                     f"{r['ratio_to_resident']:.3f} | {r['predicted_s'] * 1e3:.1f} |")
-    lines.append(f"| resident model | | | {result['resident_median_s'] * 1e3:.1f} | 1.000 | |")
+                     f"{r['ratio_to_resident']:.3f} | {r['predicted_s'] * 1e3:.1f} | "
+                     f"{r['predicted_copy_s'] * 1e3:.1f} | {r['predicted_compute_s'] * 1e3:.1f} |")
+    lines.append(f"| resident model | | | {result['resident_median_s'] * 1e3:.1f} | 1.000 | | | |")
     return "\n".join(lines)
 
 
@@ -100,7 +107,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", default="bench-out/budget.json")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: a core left for the copy thread)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     p = (dict(width=128, depth=4, heads=4, hw=4, reps=5, warmup=1) if args.quick else
          dict(width=768, depth=6, heads=8, hw=2, reps=9, warmup=2))
     if args.reps is not None:
@@ -111,7 +121,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in result["rows"]:
         print(f"{r['budget']:>5}: {r['resident_blocks']} resident blocks, "
               f"{r['median_s'] * 1e3:8.2f} ms  ({r['ratio_to_resident']:.3f} x resident, "
-              f"predicted {r['predicted_s'] * 1e3:.2f} ms)")
+              f"predicted {r['predicted_s'] * 1e3:.2f} ms: copies "
+              f"{r['predicted_copy_s'] * 1e3:.2f}, compute {r['predicted_compute_s'] * 1e3:.2f})")
     print(f"resident: {result['resident_median_s'] * 1e3:.2f} ms; median of {result['reps']} "
           f"after {p['warmup']} warm-up; monotone: {result['monotone']}; "
           f"100% within 5%: {result['full_within_5pct']}")

@@ -7,7 +7,7 @@ own):
 * ``memory``: host_store="memory" from the checkpoint (today's behaviour);
 * ``mmap``: host_store="mmap" from the checkpoint (fc2_weight is stored contiguous but the
   model holds it transposed, and the file is not 256-byte aligned: blocks are read tensor
-  by tensor, fc2 converted through a temporary);
+  by tensor, fc2 converted through the store's reused scratch buffer);
 * ``mmap-shards``: host_store="mmap" from the pre-sharded folder (one read per block).
 
 In each process: Dynamo is warmed on a tiny model, then ``RssAnon`` (/proc/self/status)

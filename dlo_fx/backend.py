@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -24,7 +25,8 @@ from .runtime.collectives import check_same_plan
 from .module_guard import guard_module
 from .runtime.eager import fetch_eagerly
 from .runtime.fingerprint import block_fingerprint, check_same_weights
-from .runtime.graph_call import compile_clock, record_schedule, run_graph
+from .runtime.graph_call import (compile_clock, note_compile, note_graph, record_schedule,
+                                  run_graph)
 from .runtime.host_store import is_hollow
 from .runtime.layout import span_as_bytes
 from .runtime.ops import SCHEDULE_OPS, conflict_message
@@ -41,9 +43,12 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         raise ValueError(f"torch.compile mode={mode!r} is not supported by backend 'dlo'; "
                          "use options={'compiler': ...} instead")
     given = given_options(options)
+    note_compile()  # a forward that compiles is not replayed gather-only (graph_call.py)
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     modules = frame_modules()
-    runtime = owner_of(params) or owner_of(p for m in modules for p in m.parameters())
+    # The roots only find and claim the runtime; hooks go on the frame's own modules.
+    owners = modules + [m for m in compiled_roots(modules) if all(m is not k for k in modules)]
+    runtime = owner_of(params) or owner_of(p for m in owners for p in m.parameters())
     if runtime is not None and not runtime.closed:
         differing = runtime.config.differing(given)
         if differing:  # before anything changes
@@ -62,7 +67,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     with runtime.lock:  # no graph of another thread gathers while this one compares plans
         runtime.drain()
         commit(ctx, runtime)
-    claim([*params, *(p for m in modules for p in m.parameters())], runtime)
+    claim([*params, *(p for m in owners for p in m.parameters())], runtime)
     code = frame_code()
     for module in modules:
         if any(is_hollow(p) for p in module.parameters()):
@@ -98,7 +103,9 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
     plan = ctx.budget_plan
 
     def run(*args: Any) -> Any:
-        runtime = sched.bind([args[i] for i in positions])
+        bound = [args[i] for i in positions]
+        runtime = sched.bind(bound)
+        note_graph(sched, bound, args)  # for gather-only forwards (graph_call.py)
         start = time.perf_counter()
         try:
             out = run_graph(runtime, sched, compiled, args)
@@ -168,6 +175,9 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
                            f"a graph of {len(ctx.params)} parameters")
     for block in new:
         runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params])
+    for p in ctx.resident:  # this graph reads them from the module: never hollowed later
+        if p.first >= 0 and not ctx.in_store(p.param):
+            runtime.read_directly[id(p.param)] = p.param
     plan = ctx.budget_plan
     if plan is not None:
         runtime.budget_plans[tuple(p.fqn for p in ctx.params)] = plan
@@ -198,6 +208,34 @@ def frame_modules() -> list[torch.nn.Module]:
     if tx is None:  # the backend called on a graph outside Dynamo
         return []
     return [v for v in tx.f_locals.values() if isinstance(v, torch.nn.Module)]
+
+
+def compiled_roots(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules the user compiled (``torch.compile(model)``) whose call is on the stack
+    and which contain one of ``modules``.
+
+    Dynamo compiles the frames it can: when a model's own ``forward`` is skipped (its first
+    instruction breaks the graph, or a decorator Dynamo does not trace), each submodule's
+    ``forward`` becomes a graph of its own, with only that submodule in its locals
+    (diffusers' Mochi). Without the root, every such graph would find no runtime and make
+    one: six host stores for one model. The compiled module's call frame names the root."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not modules:
+        return []
+    ours = {id(p) for m in modules for p in m.parameters()}
+    if not ours:
+        return []
+    roots: list[torch.nn.Module] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        wrapper = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(wrapper, OptimizedModule) and isinstance(wrapper._orig_mod, torch.nn.Module):
+            root = wrapper._orig_mod
+            if all(root is not r for r in roots) and any(id(p) in ours for p in root.parameters()):
+                roots.append(root)
+        frame = frame.f_back
+    return roots
 
 
 def frame_code() -> Any:

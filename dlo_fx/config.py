@@ -54,8 +54,9 @@ class DLOConfig:
     device_budget: Union[int, str, None] = None
     """Bytes of device memory the weights may use: the slots, the resident parameters and
     the blocks kept resident. What is left after the slots and the parameters resident
-    anyway is filled with whole blocks chosen to minimise the predicted time per call
-    (`dlo_fx.budget`, see [Note: resident blocks spread through the stack]); a budget
+    anyway goes to whole blocks chosen to minimise the predicted time per call (copies at
+    the measured bandwidths, compute from each block's FLOPs at the measured matmul rate;
+    `dlo_fx.budget`, see [Note: resident blocks spread through the stack]); a budget
     below that minimum raises ``ValueError`` at compile. ``"auto"``: the device's free
     memory minus ``activation_reserve_bytes`` (on CPU only explicit bytes apply: "auto"
     keeps every block streamed). ``None``: every block streams. Default: ``None``."""

@@ -43,10 +43,16 @@ class MemoryReport:
     """The budget planner's predicted seconds per call (summed over graphs), printed
     beside ``measured_s_per_call`` (the last call of each graph, on the host clock)."""
     measured_s_per_call: Optional[float] = None
+    predicted_copy_s_per_call: Optional[float] = None
+    """Of the prediction: seconds of copies (H2D and AllGather) of the streamed blocks."""
+    predicted_compute_s_per_call: Optional[float] = None
+    """Of the prediction: seconds of compute of every block (their FLOPs over the measured
+    matmul rate). Copies and compute overlap, so the call takes less than their sum."""
 
     def __str__(self) -> str:
         rows = [(f.name, getattr(self, f.name)) for f in fields(self)
-                if f.name not in ("predicted", "predicted_s_per_call", "measured_s_per_call")]
+                if f.name not in ("predicted", "predicted_s_per_call", "measured_s_per_call",
+                                  "predicted_copy_s_per_call", "predicted_compute_s_per_call")]
         width = max(len(name) for name, _ in rows)
         lines = [f"{'figure':<{width}}  value", f"{'-' * width}  {'-' * 16}"]
         for name, value in rows:
@@ -59,7 +65,10 @@ class MemoryReport:
             measured = self.measured_s_per_call
             lines.append(f"{'s_per_call':<{width}}  "
                          + (f"{measured * 1e3:.3f} ms" if measured is not None else "n/a")
-                         + f"   model {self.predicted_s_per_call * 1e3:.3f} ms")
+                         + f"   model {self.predicted_s_per_call * 1e3:.3f} ms"
+                         + (f" (copies {self.predicted_copy_s_per_call * 1e3:.3f} ms, compute "
+                            f"{self.predicted_compute_s_per_call * 1e3:.3f} ms)"
+                            if self.predicted_copy_s_per_call is not None else ""))
         return "\n".join(lines)
 
 
@@ -120,4 +129,6 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         streamed_bytes_per_call=streamed,
         predicted_s_per_call=sum(p.predicted_s for p in plans) if plans else None,
         measured_s_per_call=(sum(measured) if plans and None not in measured else None),
+        predicted_copy_s_per_call=sum(p.streamed_copy_s for p in plans) if plans else None,
+        predicted_compute_s_per_call=sum(p.compute_total_s for p in plans) if plans else None,
     )

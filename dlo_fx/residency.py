@@ -8,6 +8,10 @@ A parameter is resident, for the first reason that applies, when it is:
 
 - ``empty``: no bytes to stream;
 - named in ``resident=`` at load time;
+- ``read directly by an earlier graph``: another graph of the model (a graph break, a
+  second resolution) kept it resident without storing it, and its compiled code reads the
+  module's tensor: streaming it here would hollow that tensor under the earlier graph
+  (an out-of-bounds storage error at best, a read of freed memory at worst);
 - ``unused by this graph``;
 - ``smaller than resident_bytes``;
 - ``returned by the graph``: a view of it escapes through the output, so it must outlive
@@ -48,6 +52,7 @@ class Candidate:
     last: Optional[int] = None
     escapes: bool = False  # a view of it is returned by the graph
     named: bool = False  # named in ``resident=`` at load time
+    pinned: Optional[str] = None  # resident for a reason decided elsewhere (an earlier graph)
 
 
 @dataclass
@@ -120,6 +125,8 @@ def _static_reason(c: Candidate, resident_bytes: int) -> Optional[str]:
         return "empty"
     if c.named:
         return "named in resident="
+    if c.pinned is not None and (c.first is None or c.first >= 0):
+        return c.pinned
     if c.first is not None and c.first < 0:
         return "unused by this graph"
     if c.nbytes < resident_bytes:

@@ -47,6 +47,8 @@ def run(options: dict, *, checkpoint: Optional[str] = None, calls: int = 2) -> d
     plan = plan_of(model)
     return {"equal": all(torch.equal(o, ref) for o in outs), "resident": plan.resident,
             "blocks": len(plan.block_bytes), "minimum": plan.minimum,
+            "capacity": plan.capacity, "predicted_s": plan.predicted_s,
+            "streamed_s": plan.streamed_s, "compute_s": plan.compute_s, "flops": plan.flops,
             "block_bytes": plan.block_bytes, "mode": runtime.mode,
             "copies_per_call": runtime.copies - copies,
             "hollow": sum(is_hollow(p) for p in model.parameters()),

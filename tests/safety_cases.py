@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import _thread
+import random
+import threading
+import time
+
 import torch
 
+from dlo_fx.engine.clock import ForwardClock
 from dlo_fx.runtime.graph_call import ClockMismatch
-from dlo_fx.runtime.runtime import reset_runtimes
+from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
 from models import call, run_dlo, tiny_dit
 import safety_models
@@ -53,6 +59,72 @@ def _failing(rank: int, mode: str, kind: str, graph_break: bool, calls: int) -> 
                           for _ in range(calls)]
 
 
+def _gather_only(rank: int) -> dict:
+    """The engine's padding: after a warm-up at both shapes (forwards that compile, so not
+    replayable), rank 0 runs three forwards at the large shape while rank 1 pads three
+    times: a real forward at its small shape, then two gather-only ones (the replayed
+    collectives of that forward: graph clocks, gathers and an eager fetch); then both run
+    the small shape."""
+    _fresh()
+    ref_model, (x,) = eager_head_dit()
+    model, _ = eager_head_dit()
+    options = {"mode": "allgather", "resident_bytes": 0, "collective_timeout_s": 30}
+    compiled = torch.compile(model, backend="dlo", options=options)
+    calls = []
+    clock = ForwardClock(lambda *a: calls.append(a[0].shape[0]) or compiled(*a))
+    small, big = x[:1], torch.cat([x, x])
+    outcome = []
+    with torch.no_grad():
+        expect = {1: ref_model(small), 4: ref_model(big)}
+        for inp in (small, big):  # the warm-up: every rank compiles every shape
+            outcome.append(torch.equal(clock(inp), expect[inp.shape[0]]))
+        if rank == 0:
+            outcome += [torch.equal(clock(big), expect[4]) for _ in range(3)]
+        else:
+            clock.pad(3)
+        outcome.append(torch.equal(clock(small), expect[1]))
+    return {"exact": outcome, "model_calls": calls, "gather_only": clock.gather_only,
+            "in_step": clock.in_step}
+
+
+def _interrupted_waits(rank: int, rounds: int = 8) -> dict:
+    """Ctrl-C on rank 1 at a random moment of its call (most land while ``wait`` blocks on
+    a delayed copy or gather), in allgather mode: rank 1 completes the graph's collectives
+    and raises KeyboardInterrupt, rank 0's call is exact, and the next call of both is."""
+    _fresh()
+    ref_model, inputs = tiny_dit(depth=4)
+    with torch.no_grad():
+        ref = call(ref_model, inputs)
+    model, _ = tiny_dit(depth=4)
+    options = {"mode": "allgather", "block_bytes": 20_000, "fault_delay_s": 0.01,
+               "collective_timeout_s": 60}
+    compiled = torch.compile(model, backend="dlo", fullgraph=True, options=options)
+    rng = random.Random(rank)
+    calls, after, interrupted = [], [], 0
+    with torch.no_grad():
+        calls.append(torch.equal(call(compiled, inputs), ref))  # compiles
+        start = time.perf_counter()
+        calls.append(torch.equal(call(compiled, inputs), ref))
+        duration = time.perf_counter() - start
+        for _ in range(rounds):
+            delay = rng.uniform(0.0, duration) if rank == 1 else 1e9  # rank 0: never
+            timer = threading.Timer(delay, _thread.interrupt_main)
+            done = False
+            try:
+                timer.start()
+                calls.append(torch.equal(call(compiled, inputs), ref))
+                done = True
+                if rank == 1:
+                    timer.join()
+                    time.sleep(0.02)  # an interrupt that came after the call lands here
+            except KeyboardInterrupt:
+                interrupted += not done
+            timer.cancel()
+            after.append(torch.equal(call(compiled, inputs), ref))
+    return {"calls": calls, "after": after, "interrupted": interrupted,
+            "broken": runtimes_holding(list(model.parameters()))[0].broken}
+
+
 def safety_cases(rank: int, world: int) -> dict:
     out = {}
     # 1. allgather with several graphs per forward (a copy racing a gather into its slot)
@@ -68,6 +140,10 @@ def safety_cases(rank: int, world: int) -> dict:
     # ... between graphs: the clock makes both raise once, then both are exact again
     out[("fail", "allgather", "index", "break")] = _failing(
         rank, "allgather", "index", True, calls=3 if rank == 0 else 4)
+    # the engine's gather-only padding forwards keep the ranks in step
+    out["gather_only"] = _gather_only(rank)
+    # 7. Ctrl-C during a wait on one rank only
+    out["interrupts"] = _interrupted_waits(rank)
     # 8. different weights of the same shapes on each rank
     _fresh()
     model, inputs = tiny_dit(seed=rank)

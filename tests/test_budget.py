@@ -24,10 +24,17 @@ def check_sweep(results: dict, loaded: bool = False) -> None:
     assert results["full"]["resident"] == list(range(blocks))
     assert results["full"]["copies_per_call"] == 0
     assert loaded or results["full"]["hollow"] == 0  # nothing stored: the model as it was
-    partial = results["partial"]["resident"]
-    assert len(partial) == 3 and 0 < results["partial"]["copies_per_call"] < blocks
-    # Spread through the stack, not the first blocks (see [Note: resident blocks spread...]).
-    assert partial != [0, 1, 2] and min(b - a for a, b in zip(partial, partial[1:])) >= 2
+    # Room for 3 of the largest blocks: which ones depends on the measured copy and compute
+    # times (the planner's choice on hand-made numbers is tested below); what any plan
+    # must do is fit, stream fewer blocks and predict no slower a call.
+    partial, sizes = results["partial"], results["full"]["block_bytes"]
+    assert partial["resident"] and sum(sizes[g] for g in partial["resident"]) <= partial["capacity"]
+    assert 0 < partial["copies_per_call"] < blocks
+    assert partial["predicted_s"] <= partial["streamed_s"]
+    # Compute is estimated from the graph's FLOPs: every block > 0, the DiT layers alike.
+    compute, flops = results["full"]["compute_s"], results["full"]["flops"]
+    assert len(compute) == blocks and all(c > 0 for c in compute)
+    assert len(set(flops[1:-1])) == 1 and flops[1] > max(flops[0], flops[-1])
     if "minimum" in results:
         assert results["minimum"]["resident"] == []
         assert results["minimum"]["copies_per_call"] == blocks
@@ -63,6 +70,58 @@ def test_planner_spreads_ties_and_follows_the_cost_model():
     assert minimum_bytes([5, 9, 7], 2, 4) == 22
 
 
+def test_compute_decides_which_block_stays_resident():
+    """Four blocks, two slots, room for one block. Block 2 has the largest copy (3 s):
+    transfer-bound (compute 0), keeping it resident saves the most. With 4 s of compute in
+    block 0, block 2's copy no longer matters as much as what block 0's compute can hide.
+
+    Steady call (the first ``num_slots`` streamed blocks come from the previous call's
+    wrap-around copies, issued once their slot is free for the last time):
+
+    - block 0 resident: blocks 1 and 2 come from the previous call's wrap copies (3 + 1 s,
+      done 4 s into this call, hidden by block 0's 4 s of compute), then block 3 copies
+      once slot 0 is free (at 4 s) for 1 s: 5 s.
+    - block 2 resident: the wrap copies of blocks 1 and 0 (1 s each) queue behind block
+      3's copy, which ends the previous call: block 0 is ready 2 s into the call, computes
+      until 6 s, and block 3's copy waits for its slot until then: 7 s.
+    """
+    copy, bytes_ = [1.0, 1.0, 3.0, 1.0], [10] * 4
+    idle, busy = [0.0] * 4, [4.0, 0.0, 0.0, 0.0]
+    assert predict_call_s(copy, idle, {2}, 2) == 3.0  # the three other copies
+    assert predict_call_s(copy, idle, {0}, 2) == 5.0
+    assert predict_call_s(copy, busy, {0}, 2) == 5.0
+    assert predict_call_s(copy, busy, {2}, 2) == 7.0
+    assert predict_call_s(copy, busy, (), 2) == 9.0
+    # The first call copies from t=0 (no wrap-around copies yet): block 0 resident, block
+    # 3's copy waits for block 1's slot, which block 0's compute keeps busy until 4 s.
+    assert predict_call_s(copy, busy, {0}, 2, steady=False) == 5.0
+
+    def plan(compute):
+        return plan_resident_blocks(bytes_, copy, compute, num_slots=2, capacity=10,
+                                    plan=BudgetPlan(device_budget=0, minimum=0, capacity=10))
+
+    transfer_bound, measured = plan(idle), plan(busy)
+    assert (transfer_bound.resident, transfer_bound.predicted_s) == ([2], 3.0)
+    assert (measured.resident, measured.predicted_s, measured.streamed_s) == ([0], 5.0, 9.0)
+    assert "predicted 9000.000 -> 5000.000 ms per call" in measured.reasons[0]
+    # Every block resident: no copy, the call is its compute.
+    assert predict_call_s(copy, busy, {0, 1, 2, 3}, 2) == 4.0
+    # Two streamed blocks or fewer stay in their slots after the first call: no copy.
+    assert predict_call_s(copy, busy, {0, 1}, 2) == 4.0
+
+
+def test_a_block_that_lengthens_the_call_is_not_kept():
+    """Only block 0 fits. Keeping it resident makes block 2 (a 3 s copy) one of the first
+    two streamed blocks, whose wrap-around copy nothing hides: the greedy choice is
+    dropped and nothing is kept."""
+    copy, compute = [1.0, 1.0, 3.0, 1.0], [0.0, 5.0, 0.0, 0.0]
+    assert predict_call_s(copy, compute, (), 2) == 8.0
+    assert predict_call_s(copy, compute, {0}, 2) == 10.0
+    plan = plan_resident_blocks([10, 20, 30, 20], copy, compute, num_slots=2, capacity=10,
+                                plan=BudgetPlan(device_budget=0, minimum=0, capacity=10))
+    assert plan.resident == [] and plan.predicted_s == plan.streamed_s == 8.0
+
+
 def test_budget_below_minimum_raises_before_hollowing():
     ref_model, inputs = tiny_dit(depth=3)
     model, _ = tiny_dit(depth=3)
@@ -82,20 +141,26 @@ def test_budget_below_minimum_raises_before_hollowing():
 def test_memory_report_and_blocks_md_show_the_resident_blocks(swept):
     r, sizes = swept["partial"], swept["full"]["block_bytes"]
     report = r["report"]
-    assert report.num_resident_blocks == 3
+    assert report.num_resident_blocks == len(r["resident"])
     assert report.streamed_bytes_per_call == sum(sizes) - sum(sizes[g] for g in r["resident"])
     assert report.predicted_s_per_call > 0 and report.measured_s_per_call > 0
+    plan = r["plan"]
+    assert report.predicted_copy_s_per_call == pytest.approx(
+        sum(plan.copy_s[g] for g in range(len(sizes)) if g not in r["resident"]))
+    assert report.predicted_compute_s_per_call == pytest.approx(sum(plan.compute_s))
+    # Blocks compute one after the other; copies overlap them.
+    assert 0 < report.predicted_compute_s_per_call <= report.predicted_s_per_call * (1 + 1e-9)
     assert "num_resident_blocks" in str(report) and "s_per_call" in str(report)
+    assert f"(copies {report.predicted_copy_s_per_call * 1e3:.3f} ms, compute" in str(report)
     from dlo_fx.dump.record import GraphDump
 
-    plan = r["plan"]
     dump = GraphDump(index=0, folder=None, mode="rank_local", dp=1, rank=0, num_slots=2,
                      budget=0, blocks=(), resident=(), program=(), budget_plan=plan)
     text = blocks_markdown(dump)
     assert "## Resident blocks (device_budget)" in text
     for g in r["resident"]:
         assert f"| {g} | {plan.labels[g]} |" in text
-    assert text.count("device_budget: predicted") == 3
+    assert text.count("device_budget: predicted") == len(r["resident"])
 
 
 def test_device_budget_options_are_validated():
@@ -125,3 +190,71 @@ def test_two_ranks_both_modes_and_loaded(tmp_path):
         assert results[rank]["allgather"]["partial"]["mode"] == "allgather"
         assert results[rank]["rank_local"]["partial"]["mode"] == "rank_local"
     assert results[0] == results[1]
+
+
+def test_timeline_and_blocks_md_show_resident_blocks(swept, tmp_path):
+    """The dump of a budgeted graph: each resident block computes in bars of its own on
+    the compute lane (``R<n>``) with a marker on the copy lane, and is never copied."""
+    import xml.etree.ElementTree as ET
+
+    from dump_cases import SVG, dump_model, svg_bars
+
+    full = swept["full"]
+    budget = full["minimum"] + 3 * max(full["block_bytes"])
+    budget_cases.fresh()
+    model, inputs = tiny_dit(depth=budget_cases.DEPTH)
+    _, (folder,) = dump_model(model, inputs, tmp_path, {"device_budget": budget})
+    plan = budget_cases.plan_of(model)
+    assert plan.resident
+    root = ET.parse(folder / "timeline.svg").getroot()
+    resident_bars = [r for r in root.iter(f"{SVG}rect") if r.get("class") == "resident-block"]
+    assert {int(r.get("data-resident-block")) for r in resident_bars} == set(plan.resident)
+    assert {r.get("data-lane") for r in resident_bars} == {"compute"}
+    markers = [p for p in root.iter(f"{SVG}path") if p.get("class") == "resident-marker"]
+    assert sorted(int(p.get("data-resident-block")) for p in markers) == plan.resident
+    title = root.find(f"{SVG}title").text
+    assert (f"device_budget keeps {len(plan.resident)} of {len(plan.block_bytes)} blocks "
+            "resident (never copied): " + ", ".join(f"R{g}" for g in plan.resident)) in title
+    # Only the streamed blocks are copied: one H2D bar per graph block, none for the rest.
+    bars = svg_bars(folder / "timeline.svg")
+    streamed = len(plan.block_bytes) - len(plan.resident)
+    assert bars["bar"]["h2d"] == set(range(streamed))
+    text = (folder / "blocks.md").read_text()
+    assert "| block | FQNs | bytes | copy ms (saved) | compute ms | why |" in text
+    assert "compute " in text and "GFLOP of matmuls" in text
+    for g in plan.resident:
+        assert (f"| {g} | {plan.labels[g]} | {plan.block_bytes[g]:,} | "
+                f"{plan.copy_s[g] * 1e3:.3f} | {plan.compute_s[g] * 1e3:.3f} |") in text
+
+
+def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypatch):
+    """Plans differ per graph (compute grows with the resolution): a block the first
+    resolution's graph keeps resident (read from the module, not stored) stays resident in
+    the second's, instead of being stored and hollowed under the first graph."""
+    import importlib
+
+    from dlo_fx.models import example_inputs
+    from dlo_fx.policy import measured
+
+    resident_set = importlib.import_module("dlo_fx.passes.resident_set")
+
+    monkeypatch.setattr(resident_set, "probed_flops", lambda runtime, dtype: 1e10)
+    monkeypatch.setattr(measured, "probe_bandwidths", lambda device, group, nbytes=0: (1.0, 1e9))
+    torch._dynamo.reset()
+    ref, _ = tiny_dit()
+    model, _ = tiny_dit()
+    compiled = torch.compile(model, backend="dlo", options={"device_budget": 600_000})
+    small, large = (example_inputs(model.config, batch=1, height=h, width=h, seed=1)
+                    for h in (4, 32))
+    from dlo_fx.runtime.runtime import runtimes_holding
+
+    kept = []
+    with torch.no_grad():
+        for inputs in (small, large, small, large):
+            assert torch.equal(call(compiled, inputs), call(ref, inputs))
+            runtime = runtimes_holding(list(model.parameters()))[0]
+            kept.append([plan.resident for plan in runtime.budget_plans.values()])
+            # what any graph reads from the module is never hollow
+            assert runtime.read_directly and not any(
+                is_hollow(p) for p in runtime.read_directly.values())
+    assert kept[0] != [[]]  # the small graph keeps blocks resident; the large one cannot

@@ -132,6 +132,33 @@ def test_graph_breaks_one_runtime_per_model():
     assert len(runtimes_holding(list(model.parameters()))) == 1
 
 
+class _TwoDiTs(torch.nn.Module):
+    """A model made of two sub-networks whose own ``forward`` Dynamo skips (as it does
+    diffusers' Mochi's): each sub-network's ``forward`` is a frame of its own."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.first, self.second = tiny_dit(seed=seed)[0], tiny_dit(seed=seed + 1)[0]
+
+    @torch.compiler.disable(recursive=False)
+    def forward(self, x, t, text):
+        return self.second(self.first(x, t, text), t, text)
+
+
+def test_skipped_root_forward_one_runtime_per_model():
+    """Graphs of frames below a skipped ``forward`` share the model's one runtime, found
+    from the compiled module on the call stack; the output is exact."""
+    _, inputs = tiny_dit()
+    expected = run(_TwoDiTs(seed=3), inputs)
+    model = _TwoDiTs(seed=3)
+    compiled = torch.compile(model, backend="dlo", options={"num_slots": 2, "resident_bytes": 0})
+    assert all(torch.equal(run(compiled, inputs), expected) for _ in range(2))
+    runtimes = runtimes_holding(list(model.parameters()))
+    assert len(runtimes) == 1
+    assert all(p in runtimes[0].store for b in (*model.first.blocks, *model.second.blocks)
+               for p in b.parameters())
+
+
 def test_models_on_one_device_share_slots_not_blocks():
     """Two models alternate through the same slots; each call is exact (a slot another
     model filled since is copied again, never read)."""

@@ -171,6 +171,19 @@ def test_ranks_stay_in_step_through_failures_and_eager_fetches():
         # rank 1 fails in the first graph; rank 0 meets its next call at the second graph
         expected = [True, "clock", True, True] if rank == 0 else [True, "index", "clock", True, True]
         assert out[("fail", "allgather", "index", "break")] == expected, rank
+        padded = out["gather_only"]
+        assert all(padded["exact"]) and padded["in_step"], (rank, padded)
+        if rank == 1:  # three padding forwards: one real (at the small shape), two replayed
+            assert padded["gather_only"] == 2 and padded["model_calls"] == [1, 4, 1, 1], padded
+        else:
+            assert len(padded["exact"]) == 6 and padded["gather_only"] == 0, padded
+        stops = out["interrupts"]
+        assert all(stops["calls"]) and all(stops["after"]) and stops["broken"] is None, stops
+        if rank == 1:  # interrupted inside the call (most of them inside a wait)
+            assert stops["interrupted"] >= 3, stops
+            assert len(stops["calls"]) + stops["interrupted"] == 10, stops
+        else:
+            assert stops["interrupted"] == 0 and len(stops["calls"]) == 10, stops
         kind, message = out["weights"]
         assert kind == "ValueError" and "different weights for block 0" in message, message
         assert "global rank 0" in message and "global rank 1" in message

@@ -94,6 +94,8 @@ def test_zoo_model_is_exact_and_streams(zoo: Zoo, name: str) -> None:
             failures.append(f"{key}: not bit-identical (max |diff| {r['max_abs_diff']:.3g})")
         if r["streamed_bytes"] * 2 < r["param_bytes"] or not r["hollow"]:
             failures.append(f"{key}: streamed {r['streamed_bytes']} of {r['param_bytes']} B")
+        if r["runtimes"] != 1:
+            failures.append(f"{key}: its parameters are held by {r['runtimes']} runtimes")
         dp, mode = key[1], key[2]
         want = (dp, mode) if dp > 1 and mode == "allgather" else (1, "rank_local")
         if (r["dp"], r["mode"]) != want:

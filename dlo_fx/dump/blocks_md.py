@@ -15,6 +15,10 @@ def _b(n: int) -> str:
     return f"{n:,}"
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
 def _resident_blocks(plan) -> list[str]:
     """The blocks the device budget keeps on the device, and why (none without it)."""
     if plan is None:
@@ -22,19 +26,32 @@ def _resident_blocks(plan) -> list[str]:
     lines = ["", "## Resident blocks (device_budget)", "",
              f"device_budget {_b(plan.device_budget)} B: minimum {_b(plan.minimum)} B (slots "
              f"for the largest block + parameters resident anyway), {_b(plan.capacity)} B "
-             "left for whole blocks, chosen to minimise the predicted time per call and spread",
-             "through the stack so each one's compute runs while the next streamed block copies",
-             f"(H2D {plan.h2d_gbps:.2f} GB/s, AllGather {plan.gather_gbps:.2f} GB/s). Predicted "
+             "left for whole blocks, chosen to minimise the predicted time per call (a steady",
+             "call; equal choices spread through the stack so each resident block's compute",
+             "runs while the next streamed block copies), from the measured figures",
+             f"({plan.describe_rates()}). Predicted "
              f"{plan.streamed_s * 1e3:.3f} ms per call with every block streamed, "
              f"{plan.predicted_s * 1e3:.3f} ms with these resident.",
+             *([f"Per call: copies {_ms(sum(plan.copy_s))} ms with every block streamed, "
+                f"{_ms(plan.streamed_copy_s)} ms with these resident; compute "
+                f"{_ms(plan.compute_total_s)} ms ({sum(plan.flops) / 1e9:.3g} GFLOP of "
+                "matmuls, attention and convolutions at the measured matmul rate)."]
+               if plan.copy_s else []),
              "Blocks are numbered before the resident ones are taken out.", ""]
     if not plan.resident:
         return lines + ["No block fits in what the budget leaves."]
-    lines += ["| block | FQNs | bytes | why |", "| ---: | --- | ---: | --- |"]
+    timed = len(plan.copy_s) == len(plan.block_bytes) == len(plan.compute_s)
+    lines += ["| block | FQNs | bytes | copy ms (saved) | compute ms | why |",
+              "| ---: | --- | ---: | ---: | ---: | --- |"]
     lines += [f"| {g} | {plan.labels[g] if g < len(plan.labels) else ''} | "
-              f"{_b(plan.block_bytes[g])} | {plan.reasons[g]} |" for g in plan.resident]
+              f"{_b(plan.block_bytes[g])} | {_ms(plan.copy_s[g]) if timed else ''} | "
+              f"{_ms(plan.compute_s[g]) if timed else ''} | {plan.reasons[g]} |"
+              for g in plan.resident]
     lines.append(f"| total ({len(plan.resident)} of {len(plan.block_bytes)}) | | "
-                 f"{_b(plan.resident_bytes)} | |")
+                 f"{_b(plan.resident_bytes)} | "
+                 + (f"{_ms(sum(plan.copy_s[g] for g in plan.resident))} | "
+                    f"{_ms(sum(plan.compute_s[g] for g in plan.resident))} |" if timed
+                    else " | |") + " |")
     return lines
 
 

@@ -57,12 +57,16 @@ class Step:
     ``kind`` is a schedule kind (`BLOCK_KINDS`) or ``"op"`` for a compute node; ``block``
     is the graph block of a schedule node, -1 for an op. ``resident_bytes``: bytes of
     resident parameters an op reads directly (its compute is not in any block's bytes).
+    ``resident_block``: the block the device budget keeps resident whose parameters the
+    op reads (numbered as in the budget plan, before resident blocks are taken out), -1
+    for none.
     """
 
     kind: str
     block: int = -1
     wrap: bool = False
     resident_bytes: int = 0
+    resident_block: int = -1
 
 
 @dataclass(eq=False)
@@ -114,6 +118,10 @@ def snapshot(gm: fx.GraphModule, ctx: Any, runtime: Any, index: int, folder: Pat
             host_block=host, reason=block.reason))
     resident = tuple(ResidentRow(p.fqn, p.nbytes, p.reason or "") for p in ctx.resident)
     resident_nodes = {p.node: p.nbytes for p in ctx.resident}
+    plan = getattr(ctx, "budget_plan", None)
+    budget_block = ({fqn: g for g in plan.resident if g < len(plan.fqns) for fqn in plan.fqns[g]}
+                    if plan is not None else {})
+    block_of_node = {p.node: budget_block[p.fqn] for p in ctx.resident if p.fqn in budget_block}
     program = []
     for node in gm.graph.nodes:
         meta = node.meta.get("dlo")
@@ -122,9 +130,13 @@ def snapshot(gm: fx.GraphModule, ctx: Any, runtime: Any, index: int, folder: Pat
                 program.append(Step(meta["kind"], meta["block"], bool(meta.get("wrap"))))
             elif meta["kind"] == "resident":
                 resident_nodes[node] = meta["bytes"]
+                if meta.get("fqn") in budget_block:
+                    block_of_node[node] = budget_block[meta["fqn"]]
         elif node.op in ("call_function", "call_method", "call_module"):
-            program.append(Step("op", resident_bytes=sum(
-                resident_nodes.get(a, 0) for a in node.all_input_nodes)))
+            inputs = node.all_input_nodes
+            program.append(Step("op", resident_bytes=sum(resident_nodes.get(a, 0) for a in inputs),
+                                resident_block=next((block_of_node[a] for a in inputs
+                                                     if a in block_of_node), -1)))
     mode = runtime.mode if runtime is not None else "rank_local"
     dp = store.dp if store is not None else 1
     return GraphDump(

@@ -4,7 +4,11 @@ One lane each for compute, H2D and AllGather; a bar per block per lane (``<rect
 class="bar" data-lane=... data-block=...>``, with a ``<title>`` tooltip); stalls are red
 bars in the compute lane, grey ones compute outside every block. A block keeps one
 colour on every lane, so its copy, gather and compute line up by eye. The wrap-around
-prefetches (the next call's first blocks) are drawn faded.
+prefetches (the next call's first blocks) are drawn faded. A block the device budget
+keeps resident (``device_budget``) computes in dark grey bars labelled ``R<n>`` (``<rect
+class="resident-block" data-resident-block=n>``, n numbered as in the budget plan) and
+has a marker on the copy lane where it would have been copied (``class="resident-marker"``):
+it is never copied.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ LANE_H = 34
 LANE_GAP = 10
 STALL = "#d62728"
 RESIDENT = "#bbbbbb"
+RESIDENT_BLOCK = "#8a8a8a"
 LANES = (("compute", "compute"), ("h2d", "H2D copy"), ("allgather", "AllGather"))
 
 
@@ -55,10 +60,17 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
     x = lambda t: LEFT + t / total * plot_w  # noqa: E731
     lanes_y = {name: TOP + i * (LANE_H + LANE_GAP) for i, (name, _) in enumerate(LANES)}
     height = TOP + len(LANES) * (LANE_H + LANE_GAP) + 56
+    height += 18 if dump.budget_plan is not None and dump.budget_plan.resident else 0
     call = "steady call (first blocks prefetched by the previous call)" if prediction.steady \
         else "first call"
     subtitle = (f"predicted {call}: {_ms(prediction.total_s)}, stalls "
                 f"{_ms(prediction.stall_s)}")
+    plan = dump.budget_plan
+    kept = list(plan.resident) if plan is not None else []
+    if plan is not None:
+        subtitle += (f"; device_budget keeps {len(kept)} of {len(plan.block_bytes)} blocks "
+                     f"resident (never copied): "
+                     + (", ".join(f"R{g}" for g in kept) if kept else "none"))
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
@@ -76,12 +88,29 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
             out.append(f'<text x="{LEFT + 8}" y="{y + LANE_H / 2 + 4}" fill="#777">'
                        f"none: rank-local mode, every rank holds whole blocks</text>")
     rows = {row.index: row for row in dump.blocks}
+    marked: set[int] = set()
     for bar in prediction.bars:
         y = lanes_y[bar.lane]
         x0, x1 = x(bar.start), x(bar.end)
         w = max(x1 - x0, 1.0)
         opacity = ' fill-opacity="0.45"' if bar.wrap else ""
-        if bar.block < 0:
+        extra = ""
+        if bar.block < 0 and bar.resident_block >= 0:
+            g = bar.resident_block
+            fill, label, cls = RESIDENT_BLOCK, f"R{g}", "resident-block"
+            extra = f' data-resident-block="{g}"'
+            what = plan.labels[g] if plan is not None and g < len(plan.labels) else ""
+            tip = (f"compute of block {g} ({what}), kept resident by device_budget: "
+                   f"{_ms(bar.end - bar.start)}")
+            if g not in marked:  # once per block: where its copy would have been
+                marked.add(g)
+                my = lanes_y["h2d"]
+                out.append(
+                    f'<path class="resident-marker" data-resident-block="{g}" '
+                    f'd="M{x0:.2f},{my + 3} l4,-6 h-8 z" fill="{RESIDENT_BLOCK}"><title>'
+                    f"{escape(f'block {g} ({what}) is resident (device_budget): no copy')}"
+                    "</title></path>")
+        elif bar.block < 0:
             fill, label, cls = RESIDENT, "r", "resident"
             tip = f"compute on resident parameters only: {_ms(bar.end - bar.start)}"
         else:
@@ -97,7 +126,7 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
                    f"{' - wrap-around prefetch for the next call' if bar.wrap else ''}")
         out.append(
             f'<rect class="{cls}" data-lane="{bar.lane}" '
-            f'data-kind="{bar.kind}" data-block="{bar.block}" x="{x0:.2f}" y="{y + 3}" '
+            f'data-kind="{bar.kind}" data-block="{bar.block}"{extra} x="{x0:.2f}" y="{y + 3}" '
             f'width="{w:.2f}" height="{LANE_H - 6}" fill="{fill}"{opacity} stroke="#333" '
             f'stroke-width="0.4"><title>{escape(tip)}</title></rect>')
         if w >= 7 * len(label) + 4:
@@ -121,5 +150,11 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
     out.append(f'<text x="{LEFT + 238}" y="{legend_y}">r: compute on resident weights only</text>')
     out.append(f'<text x="{LEFT + 450}" y="{legend_y}">bN: graph block N (one colour on every '
                f"lane); faded: wrap-around prefetch for the next call</text>")
+    if kept:
+        out.append(f'<rect x="{LEFT}" y="{legend_y + 8}" width="12" height="12" '
+                   f'fill="{RESIDENT_BLOCK}"/>')
+        out.append(f'<text x="{LEFT + 18}" y="{legend_y + 18}">RN: compute of block N of the '
+                   "budget plan, kept resident by device_budget (marked on the copy lane: "
+                   "never copied)</text>")
     out.append("</svg>")
     return "\n".join(out) + "\n"

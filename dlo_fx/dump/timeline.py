@@ -13,6 +13,9 @@ bandwidth otherwise (the measured one when other blocks were traced, else `Assum
   measurement a block computes its bytes, plus those of the resident parameters its
   nodes read, at `Assumptions.compute_gbps`; nodes outside every block compute the
   resident bytes they read (grey bars), other nodes outside blocks cost nothing.
+  Nodes that read a block the device budget keeps resident (`Step.resident_block`) are
+  such bars too, tagged with that block (``Bar.resident_block``): the picture shows where
+  each resident block computes, and it has no copy or gather, since it never moves.
 
 When the graph ends with the ring of wrap-around prefetches (the first ``num_slots``
 blocks), the picture is a steady call of a denoising loop: those blocks were prefetched by
@@ -73,6 +76,9 @@ class Bar:
     start: float
     end: float
     wrap: bool = False
+    resident_block: int = -1
+    """Compute of a block the device budget keeps resident (its number in the budget
+    plan; ``block`` is -1), -1 otherwise."""
 
     @property
     def lane(self) -> str:
@@ -168,13 +174,14 @@ def _run(dump: GraphDump, timing: Timing, ops: dict[int, int], steady: bool,
     bars: list[Bar] = []
     stall = 0.0
 
-    def compute(block: int, dt: float) -> None:
+    def compute(block: int, dt: float, resident_block: int = -1) -> None:
         nonlocal t
         last = bars[-1] if bars else None
-        if last is not None and last.kind == "compute" and last.block == block and last.end == t:
-            bars[-1] = Bar("compute", block, last.start, t + dt)
+        if (last is not None and last.kind == "compute" and last.block == block
+                and last.resident_block == resident_block and last.end == t):
+            bars[-1] = Bar("compute", block, last.start, t + dt, resident_block=resident_block)
         else:
-            bars.append(Bar("compute", block, t, t + dt))
+            bars.append(Bar("compute", block, t, t + dt, resident_block=resident_block))
         t += dt
 
     for step in dump.program:
@@ -217,7 +224,7 @@ def _run(dump: GraphDump, timing: Timing, ops: dict[int, int], steady: bool,
             g = open_blocks[-1]
             compute(g, timing.compute_s[g] / ops[g])
         elif step.kind == "op" and step.resident_bytes:
-            compute(-1, step.resident_bytes / timing.compute_bps)
+            compute(-1, step.resident_bytes / timing.compute_bps, step.resident_block)
     carry_out = ({g: max(0.0, end - t) for g, end in wrap_ready.items()},
                  max(0.0, h2d_free - t), max(0.0, gather_free - t))
     return bars, t, stall, carry_out

@@ -24,10 +24,16 @@ Each wave then runs in three steps on every rank (worker.py):
    largest ``forwards`` of the wave's requests, so a rank with a shorter, failed or no
    request keeps serving its peers' gathers until the longest request ends.
 
-A padding forward is the compiled model called again on the smallest input it has
-already run (so it never compiles; the input is kept by reference, so a pipeline must
-not change its model inputs in place afterwards); its output is dropped. It computes
-as well as gathers: its cost is one forward at the smallest shape. A request that raises inside
+A padding forward is gather-only: every forward through the clock is recorded
+(`graph_call.recording`), and a padding forward replays the collectives of the latest
+steady-state forward (one during which nothing compiled) -- each graph's clock words,
+copies and weight gathers in the same order -- without computing anything (see
+[Note: gather-only forwards] in runtime/graph_call.py). Its cost is the copies alone;
+with nothing to gather (rank-local mode, dp=1) it costs nothing. Until such a forward
+exists (a rank that only ran warm-ups), or for a model whose forwards dlo does not
+schedule, the padding forward is a real one on the smallest input already run (kept by
+reference, so a pipeline must not change its model inputs in place afterwards), its
+output dropped; it is recorded, so the next padding forward is gather-only. A request that raises inside
 a forward (the clock started a forward it did not finish), or runs more forwards than
 declared, leaves its rank's collectives out of step: the worker stops and the wave fails
 closed (see [Note: failing closed] in engine.py).
@@ -38,6 +44,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+
+from ..runtime.graph_call import recording, replay, replayable
 
 
 def _numel(args: tuple, kwargs: dict) -> int:
@@ -56,10 +64,20 @@ class ForwardClock:
         """Forwards that returned."""
         self._idle: Optional[tuple[tuple, dict]] = None
         self._idle_numel = 0
+        self._steps: Optional[list] = None
+        self.gather_only = 0
+        """Padding forwards run gather-only (replayed collectives, no compute)."""
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        with recording() as steps:
+            out = self.model(*args, **kwargs)
+        if replayable(steps):  # the latest steady-state forward, whatever its shapes
+            self._steps = steps
+        return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.started += 1
-        out = self.model(*args, **kwargs)
+        out = self._run(args, kwargs)
         self.finished += 1
         numel = _numel(args, kwargs)
         if self._idle is None or numel < self._idle_numel:
@@ -82,7 +100,11 @@ class ForwardClock:
         args, kwargs = self._idle
         for _ in range(count):
             self.started += 1
-            self.model(*args, **kwargs)
+            if self._steps is not None:
+                replay(self._steps)
+                self.gather_only += 1
+            else:  # no steady-state forward seen yet (or dlo schedules none): a real one
+                self._run(args, kwargs)
             self.finished += 1
 
 

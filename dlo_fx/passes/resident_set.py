@@ -9,10 +9,12 @@ forms them once more from the final streamed set. Also fixes the block budget
 (``block_bytes`` or the largest layer) and how FQNs map to layers.
 
 With ``device_budget``, the settled blocks are handed to the budget planner
-(`dlo_fx.budget`, after measuring the H2D and AllGather bandwidths): the blocks it keeps
-resident get the reason ``device_budget: ...``; a budget below the minimum (slots for the
-largest block plus the parameters resident anyway) raises ``ValueError`` here, before
-anything is stored or hollowed.
+(`dlo_fx.budget`): each block's copy time from the measured H2D and AllGather bandwidths,
+its compute time from the FLOPs of the nodes it spans (`dlo_fx.flops`) over the measured
+matmul rate (see `block_compute_seconds`). The blocks it keeps resident get the reason
+``device_budget: ...``; a budget below the minimum (slots for the largest block plus the
+parameters resident anyway) raises ``ValueError`` here, before anything is stored or
+hollowed.
 
 Before/after: no graph change; fills ``ctx.resident``, ``ctx.streamed``, ``ctx.budget``,
 ``ctx.layers``, ``ctx.budget_plan`` and each resident parameter's ``reason``.
@@ -23,11 +25,13 @@ from __future__ import annotations
 from torch import fx
 
 import logging
-from typing import Optional
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resident_blocks
+from ..flops import graph_flops
 from ..partition import Layering
 from ..residency import Candidate, ChooseBlocks, decide_residency
 from .context import PassContext
@@ -35,8 +39,12 @@ from .context import PassContext
 
 def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     params = ctx.params
+    direct = ctx.runtime.read_directly if ctx.runtime is not None else {}
     cands = [Candidate(p.fqn, p.nbytes, first=p.first, last=p.last,
-                       escapes=p.node in ctx.escaping) for p in params]
+                       escapes=p.node in ctx.escaping,
+                       pinned=("read directly by an earlier graph"
+                               if direct.get(id(p.param)) is p.param else None))
+             for p in params]
 
     def blocks_of(streamed: list[int], budget: int, layers: Layering) -> list[list[int]]:
         index = {id(params[i]): i for i in streamed}
@@ -46,7 +54,7 @@ def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     decision = decide_residency(cands, resident_bytes=ctx.config.resident_bytes,
                                 block_bytes=ctx.config.block_bytes,
                                 num_slots=ctx.config.num_slots, blocks_of=blocks_of,
-                                choose_blocks=_budget_chooser(ctx, cands))
+                                choose_blocks=_budget_chooser(gm, ctx, cands))
     for p, reason in zip(params, decision.reasons):
         p.reason = reason
     ctx.budget, ctx.layers = decision.budget, decision.layers
@@ -78,7 +86,52 @@ def device_budget_bytes(ctx: PassContext) -> Optional[int]:
     return max(free - (total // 4 if reserve is None else reserve), 0)
 
 
-def _budget_chooser(ctx: PassContext, cands: list[Candidate]) -> Optional[ChooseBlocks]:
+def block_spans(starts: Sequence[int], num_nodes: int) -> list[range]:
+    """The nodes each block's compute spans: from its first use (``starts``, ascending) to
+    the next block's; the first block also takes the nodes before it, the last those
+    after it (up to the output)."""
+    bounds = [0, *starts[1:], num_nodes]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])] if starts else []
+
+
+def block_compute_seconds(costs: Sequence[tuple[int, Optional[torch.dtype]]],
+                          spans: Sequence[range],
+                          rate: Callable[[torch.dtype], float]) -> tuple[list[int], list[float]]:
+    """(FLOPs, seconds) of each block: the FLOPs of the nodes it spans (``costs`` per node,
+    `dlo_fx.flops.graph_flops`) over ``rate(dtype)`` (FLOP/s) of each node's dtype."""
+    flops, seconds = [], []
+    for span in spans:
+        by_dtype: dict[torch.dtype, int] = {}
+        for i in span:
+            n, dtype = costs[i]
+            if n:
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+        flops.append(sum(by_dtype.values()))
+        seconds.append(sum(by_dtype[d] / rate(d) for d in sorted(by_dtype, key=str)))
+    return flops, seconds
+
+
+# Matmul FLOP/s per dtype, measured once per runtime (beside `Runtime.probed_bandwidths`)
+# and agreed over its shard group: {runtime: {dtype: FLOP/s}}.
+_PROBED_FLOPS: "weakref.WeakKeyDictionary[object, dict[torch.dtype, float]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def probed_flops(runtime, dtype: Optional[torch.dtype]) -> float:
+    """The runtime's measured matmul rate for ``dtype`` (FLOP/s), probed on first use (the
+    caller holds ``runtime.lock`` and drained it: the probe agrees over the group)."""
+    from ..policy.measured import probe_matmul_flops
+
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        dtype = torch.float32  # integer or float8 products: no torch.mm to time, take fp32's
+    rates = _PROBED_FLOPS.setdefault(runtime, {})
+    if dtype not in rates:
+        rates[dtype] = probe_matmul_flops(runtime.device, dtype, runtime.group)
+    return rates[dtype]
+
+
+def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
+                    cands: list[Candidate]) -> Optional[ChooseBlocks]:
     budget = device_budget_bytes(ctx)
     if budget is None:
         return None
@@ -99,23 +152,34 @@ def _budget_chooser(ctx: PassContext, cands: list[Candidate]) -> Optional[Choose
         runtime = ctx.runtime
         dp = runtime.group.dp if runtime is not None else 1
         allgather = dp > 1 and (runtime.mode or ctx.config.mode or "allgather") != "rank_local"
+        nodes = list(gm.graph.nodes)
+        costs = graph_flops(nodes)
+        spans = block_spans([max(min(cands[i].first for i in b), 0) for b in blocks], len(nodes))
+        dtypes = sorted({d for n, d in costs if n}, key=str)  # the same order on every rank
         h2d = gather = 1.0
-        if runtime is not None and blocks and budget - minimum > 0:
+        rates = {d: float("inf") for d in dtypes}  # no runtime to measure on: transfer-bound
+        if runtime is not None and blocks:
             from ..policy.measured import probe_bandwidths  # a collective probe on every rank
 
-            # Once per runtime, with nothing of its own in flight: the probe's gathers run on
-            # this thread, so none of the copy worker's may be queued on the group meanwhile.
+            # Once per runtime, with nothing of its own in flight: the probes' exchanges run
+            # on this thread, so none of the copy worker's gathers may be queued meanwhile.
+            # Every rank schedules the same graphs, so every rank probes here alike.
             with runtime.lock:
                 runtime.drain()
                 if runtime.probed_bandwidths is None:
                     runtime.probed_bandwidths = probe_bandwidths(runtime.device, runtime.group)
+                rates = {d: probed_flops(runtime, d) for d in dtypes}
             h2d, gather = runtime.probed_bandwidths
+        flops, compute_s = block_compute_seconds(costs, spans, rates.__getitem__)
         copy_s = [copy_seconds(n, dp=dp, allgather=allgather, h2d_gbps=h2d,
                                gather_gbps=min(gather, 1e6)) for n in sizes]
-        compute_s = [0.0] * len(sizes)  # estimated: transfer-bound (see docs/architecture.md)
         plan = BudgetPlan(device_budget=budget, minimum=minimum, capacity=budget - minimum,
                           h2d_gbps=h2d, gather_gbps=gather,
-                          labels=[f"{cands[b[0]].name} .. {cands[b[-1]].name}" for b in blocks])
+                          labels=[f"{cands[b[0]].name} .. {cands[b[-1]].name}" for b in blocks],
+                          fqns=[[cands[i].name for i in b] for b in blocks],
+                          copy_s=copy_s, compute_s=compute_s, flops=flops,
+                          flops_per_s={str(d).removeprefix("torch."): r
+                                       for d, r in rates.items() if r != float("inf")})
         ctx.budget_plan = plan_resident_blocks(sizes, copy_s, compute_s, num_slots=num_slots,
                                                capacity=budget - minimum, plan=plan)
         return {g: plan.reasons[g] for g in plan.resident}

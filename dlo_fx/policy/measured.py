@@ -6,7 +6,8 @@ a short probe, agrees on one set of figures across the group (so every rank deci
 same), and evaluates the same symbolic model as ``dlo-fx plan`` (`study`, loaded here on
 first use) with the block sizes of the plan. `predicted_weight_bytes` gives the model's
 host-shard and slot bytes for a runtime, which `memory_report` prints beside the
-measured ones.
+measured ones. The device budget uses the same bandwidth probe, and `probe_matmul_flops`
+(the device's matmul rate, agreed the same way) for the compute time of each block.
 """
 
 from __future__ import annotations
@@ -61,6 +62,38 @@ def probe_bandwidths(device: torch.device, group: ShardGroup,
         h2d = statistics.median(f[0] for f in figures)
         gather = min(f[1] for f in figures)
     return h2d, gather
+
+
+def probe_matmul_flops(device: torch.device, dtype: torch.dtype, group: ShardGroup,
+                       repeats: int = 5) -> float:
+    """FLOP/s of a square matmul of ``dtype`` on ``device``, agreed over the group.
+
+    The size doubles from 128 until one product takes 0.5 ms (at most 1024 on CPU, 4096
+    on a device); then the fastest of ``repeats`` runs after a warm-up (the device's rate
+    when nothing else holds it: on a shared machine a median swings with other
+    processes): a few ms in all. Each rank times its own device (no collective in the
+    timing); the ranks then take the slowest rank's rate, so a plan built from it is the
+    same on every rank."""
+    limit = 1024 if device.type == "cpu" else 4096
+    n = 128
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        seconds = _median_seconds(lambda: torch.mm(a, b), device, repeats=1)
+        if seconds >= 5e-4 or n >= limit:
+            break
+        n *= 2
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type != "cpu":
+            platform.synchronize(device)
+        times.append(time.perf_counter() - start)
+    rate = 2 * n**3 / max(min(times), 1e-9)
+    if group.dp > 1:
+        rate = min(exchange_json(rate, group, f"the measured {dtype} matmul rate"))
+    return float(rate)
 
 
 def host_ram_bytes() -> int:

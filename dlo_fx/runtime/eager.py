@@ -78,6 +78,13 @@ def fetch_eagerly(root: torch.nn.Module, runtime: Any, compiled_forward: bool = 
         _HOOKED.add(module)
 
 
+def kept_materialised(root: torch.nn.Module) -> set[int]:
+    """Ids of the parameters under ``root`` kept materialised because their module's own
+    ``forward`` is compiled as a frame (see the Note): in the host store, but not hollow."""
+    return {id(p) for m in root.modules() if m in _KEPT for p in m._parameters.values()
+            if p is not None}
+
+
 # The hooks are traced into nothing while Dynamo traces a module call (is_compiling() is
 # true there). Called from an eager frame they must really run: Dynamo would otherwise
 # compile the hook itself as a frame of its own, where is_compiling() is true as well.

@@ -15,7 +15,7 @@ anonymous memory.
   block of a pre-sharded file is one read; a block whose tensors are not laid out in the
   file as in the block (alignment padding, another order, several files) is read tensor by
   tensor, and a tensor whose dtype or strides differ from the parameter's (a dtype cast, a
-  transposed weight) is read into a temporary of that one tensor and copied into place. `FileStore.stats` counts
+  transposed weight) is read into a reused scratch buffer (`_Scratch`) and copied into place. `FileStore.stats` counts
   and times those copies.
 * **Why pread, not the mapping.** Touching a mapped page of a file that was truncated
   meanwhile raises SIGBUS, which kills the process; a read past the end of a file returns
@@ -182,8 +182,27 @@ def _span_nbytes(c: Convert) -> int:
     return span * torch.empty((), dtype=c.dtype).element_size()
 
 
+class _Scratch(threading.local):
+    """Grow-only scratch bytes for converted tensors, one set per reading thread.
+
+    A temporary per converted tensor per read would come and go on every call; glibc raises
+    its mmap threshold after such frees, so they end up as heap the process keeps
+    (anonymous memory growing by tens of MB with the converted tensors). Reusing one buffer
+    per role bounds it to the largest converted tensor."""
+
+    def __init__(self) -> None:
+        self.buffers: list[Optional[torch.Tensor]] = [None, None]
+
+    def take(self, role: int, nbytes: int) -> torch.Tensor:
+        buf = self.buffers[role]
+        if buf is None or buf.numel() < nbytes:
+            with torch.inference_mode(False):
+                buf = self.buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+
 def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.Tensor,
-               what: str) -> int:
+               what: str, scratch: _Scratch) -> int:
     """Read ``runs`` into the CPU uint8 tensor ``dest``; returns the tensors converted."""
     used = {r.path: files[r.path] for r in runs}
     for f in used.values():
@@ -196,15 +215,16 @@ def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.
             continue
         c = r.convert
         with torch.inference_mode(False):
-            raw = torch.empty(r.src_nbytes, dtype=torch.uint8)
+            raw = scratch.take(0, r.src_nbytes)
             _pread_into(f, raw, r.offset, f"{r.what} of {what}")
             src = raw.view(c.src_dtype).view(c.shape)
             span = dest[r.dest : r.dest + r.nbytes]
             if r.skip == 0 and r.nbytes == _span_nbytes(c):  # the whole tensor: in place
                 typed = span.view(c.dtype)
                 typed.as_strided(c.shape, c.stride, typed.storage_offset()).copy_(src)
-            else:  # part of it (a shard boundary cuts it): through a temporary
-                out = torch.empty_strided(c.shape, c.stride, dtype=c.dtype)
+            else:  # part of it (a shard boundary cuts it): through the second scratch
+                whole = scratch.take(1, _span_nbytes(c)).view(c.dtype)
+                out = whole.as_strided(c.shape, c.stride, 0)
                 out.copy_(src)
                 span.copy_(span_as_bytes(out)[r.skip : r.skip + r.nbytes])
         converted += 1
@@ -219,7 +239,7 @@ def read_extents(extents: Sequence[Extent], lo: int, dest: torch.Tensor, what: s
     runs = _clip(extents, lo, lo + dest.numel())
     files = {r.path: _ServedFile(r.path) for r in runs}
     try:
-        _read_runs(files, runs, dest, what)
+        _read_runs(files, runs, dest, what, _Scratch())
     finally:
         for f in files.values():
             f.close()
@@ -268,6 +288,7 @@ class FileStore:
                       "split_block_reads": 0, "tensor_reads": 0, "split_seconds": 0.0,
                       "converted": 0, "advised": 0, "dropped": 0}
         self._lock = threading.Lock()
+        self._scratch = _Scratch()
         self._queue: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
 
@@ -292,10 +313,10 @@ class FileStore:
         what = f"host block {shard.index} (rank {self.rank})"
         start = time.perf_counter()
         if dest.device.type == "cpu":
-            converted = _read_runs(self.files, shard.runs, dest, what)
+            converted = _read_runs(self.files, shard.runs, dest, what, self._scratch)
         else:
             i, buf = self.staging.take(shard.nbytes)
-            converted = _read_runs(self.files, shard.runs, buf, what)
+            converted = _read_runs(self.files, shard.runs, buf, what, self._scratch)
             dest.copy_(buf, non_blocking=True)
             self.staging.copied(i)
         seconds = time.perf_counter() - start

@@ -11,6 +11,7 @@ two checkpoints that differ only between the sampled windows pass.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from typing import Any, Optional, Sequence
 
@@ -23,20 +24,26 @@ WINDOW = 8
 
 
 def block_fingerprint(entries: Sequence[Entry], sources: Sequence[Optional[torch.Tensor]]) -> int:
-    """A 62-bit hash of sampled windows of a block (``sources``: each entry's flat bytes)."""
+    """A 62-bit hash of sampled windows of a block (``sources``: each entry's flat bytes).
+
+    The byte indices of every window are made once per block; an entry takes its slice of
+    them, so it costs a handful of tensor operations whatever its size."""
     total = max((e.offset + e.nbytes for e in entries), default=0)
     h = hashlib.sha256(str(total).encode())
     if total:
-        positions = torch.tensor(sorted({i * total // SAMPLES for i in range(SAMPLES)}))
-        window = torch.arange(WINDOW)
+        positions = sorted({i * total // SAMPLES for i in range(SAMPLES)})
+        every = (torch.tensor(positions)[:, None] + torch.arange(WINDOW)).reshape(-1)
         for e, src in zip(entries, sources):
-            inside = positions[(positions >= e.offset) & (positions < e.offset + e.nbytes)]
-            if not len(inside):
+            lo = bisect.bisect_left(positions, e.offset)
+            hi = bisect.bisect_left(positions, e.offset + e.nbytes)
+            if lo == hi:
                 continue  # every sampled position of this entry is alignment padding
             if src is None:
                 h.update(b"?")
                 continue
-            at = ((inside - e.offset)[:, None] + window).clamp_(max=e.nbytes - 1).reshape(-1)
+            at = every[lo * WINDOW : hi * WINDOW] - e.offset
+            if positions[hi - 1] - e.offset + WINDOW > e.nbytes:  # the last window runs over
+                at.clamp_(max=e.nbytes - 1)
             # One gather per entry; bytes() of a list, never .numpy() (that pins the storage).
             h.update(bytes(src.index_select(0, at.to(src.device)).tolist()))
     return int.from_bytes(h.digest()[:8], "little") >> 2

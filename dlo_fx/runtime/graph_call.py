@@ -37,8 +37,10 @@ unusable afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any, Callable, Optional, Sequence
+import threading
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -170,8 +172,10 @@ def complete(runtime: Any, sched: Any, args: Sequence[Any], clock: Optional[Cloc
         target(sched, *_args_of(spec, args))
 
 
-def run_graph(runtime: Any, sched: Any, compiled: Callable, args: Sequence[Any]) -> Any:
-    """Call ``compiled(*args)`` under the runtime's lock, keeping the collective clock."""
+def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequence[Any]) -> Any:
+    """Call ``compiled(*args)`` under the runtime's lock, keeping the collective clock.
+    With ``compiled=None`` the graph's schedule runs without computing (a gather-only
+    forward, see [Note: gather-only forwards])."""
     with runtime.lock:
         runtime.check_open()
         sched.step = 0
@@ -184,6 +188,9 @@ def run_graph(runtime: Any, sched: Any, compiled: Callable, args: Sequence[Any])
                                         _first_host_block(runtime, sched, args), 0], what)
                 clock.check()
                 clock = None
+            if compiled is None:
+                complete(runtime, sched, args, None)
+                return None
             return compiled(*args)
         except ClockMismatch:
             raise
@@ -191,3 +198,81 @@ def run_graph(runtime: Any, sched: Any, compiled: Callable, args: Sequence[Any])
             with deferred():
                 complete(runtime, sched, args, clock)
             raise
+
+
+# -- gather-only forwards ------------------------------------------------------------------
+# [Note: gather-only forwards]
+# The engine keeps the ranks of a wave in step by padding: a rank whose request is shorter
+# (or failed, or that has none) runs more forwards until the longest request ends, so its
+# peers' weight gathers always have a partner. A padding forward needs the collectives of
+# a forward, not its compute. So while a forward runs under `recording()`, every step that
+# issues collectives is noted in order: each scheduled graph (its schedule, the
+# parameters it was bound with, the arguments its schedule nodes read) and each clocked
+# eager fetch of a hollow parameter's block. `replay()` then runs the same steps without
+# computing: per graph the same clock words, then its schedule nodes (copies into the
+# slots, gathers, waits, swaps) in graph order; per eager fetch the same fetch, its bytes
+# dropped. The ranks therefore issue the same collectives in the same order as a real
+# forward of the recorded shapes would, at the cost of the copies alone. Weights do not
+# depend on activation shapes: a replay pairs with a peer's real forward at other shapes
+# exactly as a real padding forward did. Only a steady-state forward is replayed: one
+# during which the backend compiled (`note_compile`) is not, since a first call differs
+# from later ones (it compares plans; parameters read eagerly are not hollow yet).
+# Replayed schedule nodes act on the slot state as a real call's would, so a resident
+# block gathered once stays gathered once.
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Record, in this thread, the collective steps of the calls made inside the block."""
+    steps: list = []
+    outer = getattr(_RECORDING, "steps", None)
+    _RECORDING.steps = steps
+    try:
+        yield steps
+    finally:
+        _RECORDING.steps = outer
+
+
+def note_graph(sched: Any, bound: Sequence[Any], args: Sequence[Any]) -> None:
+    """A scheduled graph is about to run (bound with ``bound``): noted when recording."""
+    steps = getattr(_RECORDING, "steps", None)
+    if steps is not None and sched.replay:
+        used = {v for _, spec in sched.replay for kind, v in spec if kind == "arg"}
+        kept = tuple(a if i in used else None for i, a in enumerate(args))
+        steps.append(("graph", sched, tuple(bound), kept))
+
+
+def note_compile() -> None:
+    """The backend compiles a graph: the forward being recorded is not steady state (a
+    first call fetches nothing eagerly, a compile exchanges plans), so not replayable."""
+    steps = getattr(_RECORDING, "steps", None)
+    if steps is not None:
+        steps.append(("compile",))
+
+
+def replayable(steps: Sequence[tuple]) -> bool:
+    """Whether ``steps`` can stand for a forward: dlo scheduled it and nothing compiled."""
+    return bool(steps) and all(step[0] != "compile" for step in steps)
+
+
+def note_fetch(runtime: Any, block: int, what: str) -> None:
+    """A clocked eager fetch of host block ``block``: noted when recording."""
+    steps = getattr(_RECORDING, "steps", None)
+    if steps is not None:
+        steps.append(("fetch", runtime, block, what))
+
+
+def replay(steps: Sequence[tuple]) -> None:
+    """Issue the collectives of the recorded steps, computing nothing (steps that issue
+    none, as in rank-local mode, are skipped)."""
+    for step in steps:
+        if step[0] == "graph":
+            _, sched, bound, args = step
+            runtime = sched.bind(list(bound))
+            if runtime.mode == "allgather" and runtime.group.dp > 1:
+                run_graph(runtime, sched, None, args)
+        else:
+            _, runtime, block, what = step
+            if runtime.store.dp > 1:
+                runtime.fetch_block(block, what, clock=True)

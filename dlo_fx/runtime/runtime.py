@@ -40,7 +40,7 @@ from .device_slots import SlotBlocks, device_slots
 from .file_store import FileStore
 from .host_store import HostStore
 from .fingerprint import block_fingerprint, check_same_weights
-from .graph_call import ClockMismatch, check_rows, exchange
+from .graph_call import ClockMismatch, check_rows, exchange, note_fetch
 from .interrupts import deferred, install as install_interrupt_handler
 from .layout import span_as_bytes
 from .trace import Tracer
@@ -78,6 +78,11 @@ class Runtime:
         self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
+        # Parameters a committed graph reads straight from the module (resident, not in
+        # the host store): no later graph may stream (and so hollow) them.
+        # By id: a WeakSet would compare tensors with ``==``.
+        self.read_directly: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
+            weakref.WeakValueDictionary()
         self.copies = 0  # number of block copies issued (for tests and reports)
         self.broken: Optional[str] = None  # set when a copy or gather failed
         self.tracer: Optional[Tracer] = Tracer() if config.trace else None
@@ -197,6 +202,8 @@ class Runtime:
         with torch.inference_mode(False):  # written by the worker thread
             flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
         group, device = self.group, self.device
+        if clock:
+            note_fetch(self, block, what)  # for gather-only forwards (graph_call.py)
 
         def fill_and_gather() -> None:
             if self.store.dp > 1:
