@@ -168,8 +168,8 @@ def markdown_mixed(r: dict, result: dict) -> str:
         f"Packing any requests into a wave (`Engine.generate`) vs waves of one shape: "
         f"**{r['ratio']:.2f}x** the requests per second (median of the per-repetition "
         "ratios). A wave lasts as long as its longest request; the ranks with less work "
-        "run padding forwards (one forward at the smallest compiled shape each), so the "
-        "gain is the waves saved minus that padding.",
+        "run padding forwards, gather-only (the replayed copies and gathers of a forward, "
+        "no compute), so the gain is the waves saved minus that padding.",
     ])
 
 
@@ -205,10 +205,10 @@ def markdown(r: dict, result: dict) -> str:
         f"and {r['slot_bytes_per_rank'] / 2**20:.1f} MiB of slots. The first wave "
         f"(compile included) took {r['first_wave_s']:.1f} s.",
         "",
-        "A wave of 1 costs about as much as a wave of 2 because the spare rank has to run "
-        "as many forwards (padding, at the smallest compiled shape) for the weight "
-        "AllGathers to stay matched, so the ratio measures how well a full wave amortises "
-        "that fixed cost. The ratio to the resident "
+        "In a wave of 1 the spare rank runs as many padding forwards as the request for "
+        "the weight AllGathers to stay matched: gather-only once it has run a forward "
+        "(copies and gathers, no compute), so the ratio measures how well a full wave "
+        "amortises the gathers. The ratio to the resident "
         "process includes the AllGathers, the slot copies (on CPU they take cycles from "
         "the same cores as the compute) and the engine's control plane; it is also the "
         "figure most hurt by a shared machine: the resident variant runs while both "

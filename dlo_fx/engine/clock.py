@@ -33,10 +33,11 @@ with nothing to gather (rank-local mode, dp=1) it costs nothing. Until such a fo
 exists (a rank that only ran warm-ups), or for a model whose forwards dlo does not
 schedule, the padding forward is a real one on the smallest input already run (kept by
 reference, so a pipeline must not change its model inputs in place afterwards), its
-output dropped; it is recorded, so the next padding forward is gather-only. A request that raises inside
-a forward (the clock started a forward it did not finish), or runs more forwards than
-declared, leaves its rank's collectives out of step: the worker stops and the wave fails
-closed (see [Note: failing closed] in engine.py).
+output dropped; it is recorded, so the next padding forward is gather-only.
+
+A request that raises inside a forward (the clock started a forward it did not finish),
+or runs more forwards than declared, leaves its rank's collectives out of step: the
+worker stops and the wave fails closed (see [Note: failing closed] in engine.py).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class ForwardClock:
         return self.started == self.finished
 
     def pad(self, count: int) -> None:
-        """Run ``count`` padding forwards: the smallest input already run, output dropped."""
+        """Run ``count`` padding forwards: gather-only replays of the latest steady-state
+        forward, or (until there is one) the smallest input already run, output dropped."""
         if count <= 0:
             return
         if self._idle is None:
