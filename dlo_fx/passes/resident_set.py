@@ -25,7 +25,6 @@ from __future__ import annotations
 from torch import fx
 
 import logging
-import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -111,12 +110,6 @@ def block_compute_seconds(costs: Sequence[tuple[int, Optional[torch.dtype]]],
     return flops, seconds
 
 
-# Matmul FLOP/s per dtype, measured once per runtime (beside `Runtime.probed_bandwidths`)
-# and agreed over its shard group: {runtime: {dtype: FLOP/s}}.
-_PROBED_FLOPS: "weakref.WeakKeyDictionary[object, dict[torch.dtype, float]]" = (
-    weakref.WeakKeyDictionary())
-
-
 def probed_flops(runtime, dtype: Optional[torch.dtype]) -> float:
     """The runtime's measured matmul rate for ``dtype`` (FLOP/s), probed on first use (the
     caller holds ``runtime.lock`` and drained it: the probe agrees over the group)."""
@@ -124,7 +117,7 @@ def probed_flops(runtime, dtype: Optional[torch.dtype]) -> float:
 
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         dtype = torch.float32  # integer or float8 products: no torch.mm to time, take fp32's
-    rates = _PROBED_FLOPS.setdefault(runtime, {})
+    rates = runtime.probed_flops  # beside `Runtime.probed_bandwidths`, agreed over the group
     if dtype not in rates:
         rates[dtype] = probe_matmul_flops(runtime.device, dtype, runtime.group)
     return rates[dtype]

@@ -76,6 +76,8 @@ def record_schedule(gm: fx.GraphModule, sched: Any, schedule_ops: Sequence[Calla
                 spec.append(("const", a))
         plan.append((node.target, tuple(spec)))
     sched.replay = plan
+    # The placeholders the schedule nodes read: what a recorded graph call keeps.
+    sched.arg_positions = frozenset(v for _, spec in plan for kind, v in spec if kind == "arg")
     sched.key = word(repr([[len(f), f[0] if f else ""] for f in sched.fqns]))
 
 
@@ -161,6 +163,11 @@ def compile_clock(runtime: Any, blocks: int, what: str) -> None:
         Clock(runtime, [_COMPILE_WORD, 0, 0, 2], what).check()  # plans: check_same_plan
 
 
+def gathers(runtime: Any) -> bool:
+    """Whether ``runtime``'s graphs issue collectives (AllGather mode over several ranks)."""
+    return runtime.mode == "allgather" and runtime.group.dp > 1
+
+
 def complete(runtime: Any, sched: Any, args: Sequence[Any], clock: Optional[Clock]) -> None:
     """Run the rest of the graph's schedule without computing (after a failure)."""
     if runtime.broken is not None:
@@ -181,7 +188,7 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
         sched.step = 0
         clock: Optional[Clock] = None
         try:
-            if runtime.mode == "allgather" and runtime.group.dp > 1 and sched.replay:
+            if gathers(runtime) and sched.replay:
                 what = f"a graph of {len(sched.fqns)} blocks (first {sched.fqns[0][0]!r})" \
                     if sched.fqns and sched.fqns[0] else "a graph"
                 clock = Clock(runtime, [sched.key, len(sched.fqns),
@@ -238,8 +245,7 @@ def note_graph(sched: Any, bound: Sequence[Any], args: Sequence[Any]) -> None:
     """A scheduled graph is about to run (bound with ``bound``): noted when recording."""
     steps = getattr(_RECORDING, "steps", None)
     if steps is not None and sched.replay:
-        used = {v for _, spec in sched.replay for kind, v in spec if kind == "arg"}
-        kept = tuple(a if i in used else None for i, a in enumerate(args))
+        kept = tuple(a if i in sched.arg_positions else None for i, a in enumerate(args))
         steps.append(("graph", sched, tuple(bound), kept))
 
 
@@ -270,7 +276,7 @@ def replay(steps: Sequence[tuple]) -> None:
         if step[0] == "graph":
             _, sched, bound, args = step
             runtime = sched.bind(list(bound))
-            if runtime.mode == "allgather" and runtime.group.dp > 1:
+            if gathers(runtime):
                 run_graph(runtime, sched, None, args)
         else:
             _, runtime, block, what = step

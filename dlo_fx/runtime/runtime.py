@@ -78,6 +78,7 @@ class Runtime:
         self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
+        self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
         # Parameters a committed graph reads straight from the module (resident, not in
         # the host store): no later graph may stream (and so hollow) them.
         # By id: a WeakSet would compare tensors with ``==``.
