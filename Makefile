@@ -24,7 +24,7 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q --ignore=tests/test_zoo.py
 
 # The diffusers zoo (tests/test_zoo.py): about 30 transformer classes at dp 1 and 2, both
-# modes; about 10 minutes on 2 cores. `DLO_FX_ZOO_TABLE=docs/zoo.md make zoo` rewrites its table.
+# modes; about 5 minutes on 2 idle cores. `DLO_FX_ZOO_TABLE=docs/zoo.md make zoo` rewrites its table.
 zoo: $(VENV)/.test
 	$(PY) -m pytest -q tests/test_zoo.py
 

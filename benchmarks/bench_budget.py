@@ -38,7 +38,8 @@ FRACTIONS = (0, 25, 50, 75, 100)
 
 def budget_sweep(width: int, depth: int, heads: int, hw: int, device: torch.device, *,
                  reps: int, warmup: int,
-                 timer: Optional[Callable[[Callable[[], Any]], float]] = None) -> dict:
+                 timer: Optional[Callable[[Callable[[], Any]], float]] = None,
+                 fractions: tuple[int, ...] = FRACTIONS) -> dict:
     """Latency per budget (and resident), interleaved; shared with benchmarks/gpu_check.py."""
     torch._dynamo.reset()
     reset_runtimes()
@@ -56,7 +57,7 @@ def budget_sweep(width: int, depth: int, heads: int, hw: int, device: torch.devi
     total = sum(plan.block_bytes)
     variants: dict[str, Callable[[], Any]] = {}
     models, info = [], {}
-    for f in FRACTIONS:
+    for f in fractions:
         m = model()
         budget = plan.minimum + total * f // 100
         compiled = torch.compile(m, backend="dlo", options={"device_budget": budget})
@@ -77,7 +78,7 @@ def budget_sweep(width: int, depth: int, heads: int, hw: int, device: torch.devi
         variants = {k: (lambda fn: lambda: timer(fn))(fn) for k, fn in orig.items()}
     s = T.interleaved(variants, reps=reps, warmup=warmup)
     rows = []
-    for f in FRACTIONS:
+    for f in fractions:
         name = f"{f}%"
         rows.append({"budget": name, **info[name], "median_s": s.median(name),
                      "ratio_to_resident": s.paired_ratio(name, "resident")})

@@ -1,6 +1,11 @@
 """Tiny diffusers pipelines built locally: word-level tokenizers from the `tokenizers`
 package, tiny CLIP / T5 / UMT5 text encoders from `transformers` configs, tiny VAEs and
-transformers, every weight seeded. Nothing is downloaded."""
+transformers, every weight seeded. Nothing is downloaded.
+
+Each model has the fewest layers (Dynamo traces every layer at each compile, the tests'
+main cost) that still stream at least three blocks through the two slots, so a slot is
+reused within one call: Flux one double and one single block, Wan and UMT5 one layer,
+CLIP one layer, T5 two (one would give two blocks), SD3 two."""
 
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ def clip(seed: int, hidden: int = 32, projection: bool = False):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64,
-                            num_hidden_layers=2, num_attention_heads=2,
+                            num_hidden_layers=1, num_attention_heads=2,
                             max_position_embeddings=16, projection_dim=hidden,
                             pad_token_id=0, bos_token_id=1, eos_token_id=1)
     cls = CLIPTextModelWithProjection if projection else CLIPTextModel
@@ -59,7 +64,8 @@ def clip(seed: int, hidden: int = 32, projection: bool = False):
 def t5(seed: int, d_model: int = 32, umt5: bool = False):
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    kw = dict(vocab_size=VOCAB, d_model=d_model, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+    kw = dict(vocab_size=VOCAB, d_model=d_model, d_kv=8, d_ff=64, num_layers=1 if umt5 else 2,
+              num_heads=4,
               relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
               decoder_start_token_id=0)
     model = UMT5EncoderModel(UMT5Config(**kw)) if umt5 else T5EncoderModel(T5Config(**kw))
@@ -72,7 +78,7 @@ def flux(seed: int = 0):
 
     torch.manual_seed(seed)
     transformer = _seeded(FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
         pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 4, 8)), seed)
     vae = _seeded(AutoencoderKL(
@@ -95,7 +101,7 @@ def wan(seed: int = 0, two_transformers: bool = False):
         return _seeded(WanTransformer3DModel(
             patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
             in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64,
-            num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32), s)
 
     vae = _seeded(AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1],
@@ -132,8 +138,10 @@ def sd3(seed: int = 0):
 BUILDERS = {"flux": flux, "wan": wan, "sd3": sd3}
 
 
-def call_kwargs(kind: str, height: int = 16, width: int = 16, cfg: bool = True) -> dict:
-    """Arguments of a short pipeline call with classifier-free guidance."""
+def call_kwargs(kind: str, height: int = 16, width: int = 16, cfg: bool = True,
+                short_text: bool = True) -> dict:
+    """Arguments of a short pipeline call with classifier-free guidance; ``short_text=False``
+    leaves ``max_sequence_length`` at the pipeline's default (as the README calls Flux)."""
     kw = dict(prompt="a red cat over the tree", negative_prompt="blurry bad photo",
               height=height, width=width, num_inference_steps=2, output_type="pt",
               generator=torch.Generator().manual_seed(7))
@@ -143,6 +151,8 @@ def call_kwargs(kind: str, height: int = 16, width: int = 16, cfg: bool = True) 
         kw.update(guidance_scale=3.0 if cfg else 1.0, num_frames=5, max_sequence_length=16)
     else:
         kw.update(guidance_scale=3.0 if cfg else 1.0, max_sequence_length=16)
+    if not short_text:
+        del kw["max_sequence_length"]
     return kw
 
 

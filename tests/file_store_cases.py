@@ -1,11 +1,9 @@
-"""Case functions for the file-backed host store run on every rank by `distributed.spawn`,
-and the child script of the truncation tests (run in a subprocess: a SIGBUS would show as
-its return code)."""
+"""Case functions for the file-backed host store run on every rank by `distributed.spawn`
+(the truncation cases too: in a forked child, a SIGBUS shows as a dead rank)."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -64,18 +62,18 @@ def dp2_cases(rank: int, world: int, dit_path: str, dit_config, wan_dir: str, sh
     return out
 
 
-def serve_then_break(dit_path: str, how: str, slots: str) -> None:
-    """Child process: serve the DiT from ``dit_path`` with host_store="mmap", then truncate
-    or rewrite the file in place and call again; prints what happened."""
+def serve_then_break(rank: int, world: int, dit_path: str, how: str, slots: int) -> list[str]:
+    """Serve the DiT from ``dit_path`` with host_store="mmap", then truncate or rewrite the
+    file in place and call again twice; what happened, a line per call."""
     config = tiny_dit()[0].config
-    options = {"host_store": "mmap", "num_slots": int(slots)}
+    options = {"host_store": "mmap", "num_slots": slots}
     model = load(ReferenceDiT, dit_path, config=config, options=options)
     compiled = torch.compile(model, backend="dlo", options=options)
     inputs = tiny_dit()[1]
     with torch.no_grad():
         first = call(compiled, inputs)
         expected = call(resident_dit(dit_path, config), inputs)
-    print("first-equal", torch.equal(first, expected), flush=True)
+    lines = [f"first-equal {torch.equal(first, expected)}"]
     size = os.path.getsize(dit_path)
     if how == "truncate":
         os.truncate(dit_path, size // 2)
@@ -89,12 +87,9 @@ def serve_then_break(dit_path: str, how: str, slots: str) -> None:
         try:
             with torch.no_grad():
                 again = call(compiled, inputs)
-            print("no-error", torch.equal(again, expected), flush=True)
+            lines.append(f"no-error {torch.equal(again, expected)}")
         except FileChangedError as exc:
-            print("FileChangedError", str(exc).replace("\n", " "), flush=True)
+            lines.append("FileChangedError " + str(exc).replace("\n", " "))
         except RuntimeError as exc:
-            print("RuntimeError", str(exc).replace("\n", " "), flush=True)
-
-
-if __name__ == "__main__":
-    serve_then_break(*sys.argv[1:])
+            lines.append("RuntimeError " + str(exc).replace("\n", " "))
+    return lines

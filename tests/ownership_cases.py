@@ -1,14 +1,10 @@
-"""Cases for `test_ownership`: ordinary module operations on a dlo model, run as a script
-in a subprocess (a crash must show as a return code, not take pytest down), and the
-allgather ``state_dict`` / `release` case run on every rank by `distributed.spawn`."""
+"""Cases for `test_ownership`, run on every rank by `distributed.spawn` (a forked child: a
+crash shows as a dead rank, it cannot take pytest down): ordinary module operations on a
+dlo model, and the allgather ``state_dict`` / `release` case."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -39,7 +35,7 @@ def _error(fn) -> str:
     return ""
 
 
-def module_operations(out_dir: str) -> dict:
+def module_operations(rank: int, world: int, out_dir: str) -> dict:
     """Each operation on a loaded, compiled and called DiT: error text and the module's
     state after it (still hollow, still exact)."""
     dit_path, cfg = save_dit(out_dir)
@@ -126,8 +122,3 @@ def allgather_state_dict(rank: int, world: int, dit_path: str, config) -> dict:
     out["release_equal"] = all(torch.equal(p, ref_state[k]) for k, p in model.named_parameters())
     out["live_after_release"] = sum(len(rt.store.blocks) for rt in live_runtimes())
     return out
-
-
-if __name__ == "__main__":
-    result = module_operations(sys.argv[1])
-    print("RESULT " + json.dumps(result))

@@ -2,6 +2,13 @@
 bit-exact through ``pipe(...)``, the README quick start, and ``dlo-fx generate --diffusers``.
 
 Tiny pipelines are built locally (tests/diffusers_pipelines.py) and saved once per module.
+Every test runs torch with one intra-op thread, as the engine's workers do (``--threads
+1``): the tensors are tiny, and on a busy 2-core machine two OpenMP threads per process
+spin against each other (an eager tiny-Flux call took 1-4 s instead of 0.1 s). The
+``dlo-fx generate --diffusers`` runs start in a background thread with the module's first
+test, so their worker processes (torch + diffusers imports, their own compiles) overlap the
+in-process tests, whose Dynamo tracing keeps one core busy; each generate test waits for
+its own run, then checks it.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import logging
 import os
 import re
 import shutil
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -19,6 +28,7 @@ import torch
 import diffusers_pipelines as dp
 from dlo_fx import compile_pipeline, load
 from dlo_fx.checkpoint import CheckpointError
+from dlo_fx.cli import build_parser, main
 from dlo_fx.load_plan import MAX_REPORT_LINES
 from dlo_fx.runtime.host_store import is_hollow
 from dlo_fx.runtime.runtime import reset_runtimes
@@ -32,13 +42,21 @@ def fresh() -> None:
     reset_runtimes()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread for the module (see the module docstring), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Tiny Flux, SD3 and Wan2.2-style (two transformers) pipelines saved once."""
+    """Tiny Flux and Wan2.2-style (two transformers) pipelines saved once."""
     root = tmp_path_factory.mktemp("pipelines")
     out = {}
-    for kind, build in (("flux", dp.flux), ("sd3", dp.sd3),
-                        ("wan2", lambda: dp.wan(two_transformers=True))):
+    for kind, build in (("flux", dp.flux), ("wan2", lambda: dp.wan(two_transformers=True))):
         build().save_pretrained(root / kind)
         out[kind] = root / kind
     return out
@@ -55,7 +73,8 @@ def test_load_forms_of_a_pipeline_folder(saved, tmp_path):
     reference = load_state_dict(FluxTransformer2DModel, root / "transformer")
     fresh()
     model = load(FluxTransformer2DModel, root, subfolder="transformer")  # root + subfolder
-    assert model.config.num_layers == 2 and all(is_hollow(p) for p in model.parameters())
+    assert model.config.num_layers == reference.config.num_layers == 1
+    assert all(is_hollow(p) for p in model.parameters())
     assert same_state(model, reference)
     fresh()
     assert same_state(load(FluxTransformer2DModel, root / "transformer"), reference)  # folder
@@ -63,6 +82,7 @@ def test_load_forms_of_a_pipeline_folder(saved, tmp_path):
     sharded = tmp_path / "sharded"
     reference.save_pretrained(sharded, max_shard_size="20KB")
     index = next(sharded.glob("*.safetensors.index.json"))
+    assert len(set(json.loads(index.read_text())["weight_map"].values())) > 1
     for source in (sharded, index):
         fresh()
         assert same_state(load(FluxTransformer2DModel, source), reference)
@@ -124,15 +144,18 @@ def test_wrong_config_report_is_summarised(saved):
 
 
 # -- compile_pipeline: resident vs dlo through pipe(...) -------------------------------------------
-@pytest.mark.parametrize("kind", ["flux", "wan", "sd3"])
-def test_compile_pipeline_bit_exact_with_cfg_two_resolutions(kind):
-    fresh()
-    reference, pipe = dp.BUILDERS[kind](), dp.BUILDERS[kind]()
-    assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe
-    sizes = [(16, 16), (32, 16)] if kind != "wan" else [(32, 32), (32, 48)]
+SIZES = {"flux": [(16, 16), (32, 16)], "wan": [(32, 32), (32, 48)], "sd3": [(16, 16), (32, 16)]}
+"""Two resolutions per kind: the second recompiles the transformer with dynamic shapes."""
+
+
+def check_bit_exact_with_cfg_two_resolutions(kind: str, reference, pipe, **kw) -> None:
+    """``pipe`` (compiled with `compile_pipeline`) equals ``reference`` bit for bit with CFG
+    at both resolutions and back at the first; its transformer and text encoders are
+    streamed, its VAE is not."""
+    sizes = SIZES[kind]
     for height, width in sizes + sizes[:1]:
-        expected = dp.images(reference, kind, height=height, width=width)
-        assert torch.equal(dp.images(pipe, kind, height=height, width=width), expected), \
+        expected = dp.images(reference, kind, height=height, width=width, **kw)
+        assert torch.equal(dp.images(pipe, kind, height=height, width=width, **kw), expected), \
             (kind, height, width)
     streamed = [n for n in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
                 if getattr(pipe, n, None) is not None]
@@ -143,6 +166,14 @@ def test_compile_pipeline_bit_exact_with_cfg_two_resolutions(kind):
     assert not any(is_hollow(p) for p in pipe.vae.parameters())  # the VAE only if asked
 
 
+@pytest.mark.parametrize("kind", ["wan", "sd3"])  # Flux: the README quick start test below
+def test_compile_pipeline_bit_exact_with_cfg_two_resolutions(kind):
+    fresh()
+    reference, pipe = dp.BUILDERS[kind](), dp.BUILDERS[kind]()
+    assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe
+    check_bit_exact_with_cfg_two_resolutions(kind, reference, pipe)
+
+
 def test_compile_pipeline_rejects_unknown_components_and_options():
     pipe = dp.flux()
     with pytest.raises(ValueError, match=r"components='tokenizer' is a .*not a torch module; "
@@ -150,10 +181,15 @@ def test_compile_pipeline_rejects_unknown_components_and_options():
         compile_pipeline(pipe, components=["tokenizer"])
     with pytest.raises(ValueError, match="unknown dlo option 'num_slot'"):
         compile_pipeline(pipe, options={"num_slot": 2})
+    assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe  # compiled in place
 
 
 def test_readme_diffusers_quick_start_runs_and_is_exact(saved):
-    """Both README snippets, on the tiny saved Flux at a tiny size: same image as resident."""
+    """Both README snippets, on the tiny saved Flux at a tiny size: same image as resident.
+    The first snippet's pipeline (bfloat16, compiled by `compile_pipeline`) is also Flux's
+    case of test_compile_pipeline_bit_exact_with_cfg_two_resolutions, checked before the
+    second snippet starts afresh: its calls keep the README's text length, so the
+    transformer compiles once more only for the second resolution."""
     import numpy as np
     from diffusers import FluxPipeline
 
@@ -166,7 +202,7 @@ def test_readme_diffusers_quick_start_runs_and_is_exact(saved):
                                     num_inference_steps=2,
                                     generator=torch.Generator().manual_seed(0)).images[0])
     namespace: dict = {}
-    for code in blocks:
+    for index, code in enumerate(blocks):
         fresh()
         code = code.replace('"FLUX.1-dev"', repr(str(saved["flux"])))
         code = code.replace("height=1024, width=1024", "height=16, width=16")
@@ -174,45 +210,98 @@ def test_readme_diffusers_quick_start_runs_and_is_exact(saved):
                             "generator=torch.Generator().manual_seed(0))")
         exec(compile(code, str(README), "exec"), namespace)
         assert np.array_equal(np.asarray(namespace["image"]), expected)
+        if index == 0:
+            assert isinstance(namespace["pipe"], FluxPipeline)
+            check_bit_exact_with_cfg_two_resolutions("flux", reference, namespace["pipe"],
+                                                     short_text=False)
 
 
 # -- serving a saved pipeline ---------------------------------------------------------------------
+GENERATE = {"flux": 1, "wan2": 2}
+"""The ``dlo-fx generate --diffusers`` runs: saved pipeline -> ``--dp``."""
+
+
 def _requests(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-@pytest.mark.parametrize("kind,dp_size", [("flux", 1), ("wan2", 2)])
-def test_generate_diffusers_matches_resident(saved, tmp_path, kind, dp_size):
-    from safetensors.torch import load_file
-
-    from dlo_fx.cli import main
-    from dlo_fx.engine.diffusers_pipeline import resident
-    from dlo_fx.engine.png import encode_png
-    from dlo_fx.engine.request import Request
-
+def _generate_rows(kind: str, dp_size: int) -> list[dict]:
     common = dict(height=16, width=16, num_inference_steps=2, negative_prompt="blurry")
     if kind == "flux":
         common.update(true_cfg_scale=2.0, extra_args={"max_sequence_length": 32})
     else:  # a Wan2.2-style pair: one step on each transformer, CFG, 5 frames
         common.update(guidance_scale=3.0, num_frames=5, extra_args={"max_sequence_length": 16})
-    rows = [dict(prompt="a red cat over the tree", seed=1, **common),
+    return [dict(prompt="a red cat over the tree", seed=1, **common),
             dict(prompt="a blue car under the sun", seed=2, **common)][:dp_size]
-    requests = _requests(tmp_path / "r.jsonl", rows)
-    out = tmp_path / "out"
-    status = main(["generate", "--diffusers", str(saved[kind]), "--dp", str(dp_size),
+
+
+def _generate(root: Path, folder: Path, kind: str) -> tuple[int, Path]:
+    """``dlo-fx generate --diffusers root`` (``main(argv)`` in this process; the engine
+    starts its worker processes): its exit status and output folder."""
+    dp_size = GENERATE[kind]
+    requests = _requests(folder / "r.jsonl", _generate_rows(kind, dp_size))
+    out = folder / "out"
+    status = main(["generate", "--diffusers", str(root), "--dp", str(dp_size),
                    "--requests", str(requests), "--out", str(out), "--threads", "1",
                    "--wave-timeout", "400"])
+    return status, out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def generated(request, tmp_path_factory):
+    """The generate runs this session selected, started in one background thread with the
+    module's first test (see the module docstring): kind -> Future of (status, out)."""
+    kinds = [kind for kind in GENERATE
+             if any(item.module is request.module and getattr(item, "callspec", None)
+                    and item.originalname == "test_generate_diffusers_matches_resident"
+                    and item.callspec.params["kind"] == kind for item in request.session.items)]
+    if not kinds:
+        yield {}
+        return
+    runs: dict[str, Future] = {kind: Future() for kind in kinds}
+    try:
+        saved = request.getfixturevalue("saved")
+    except Exception as exc:  # the generate tests fail with it, the others run
+        for run in runs.values():
+            run.set_exception(exc)
+        yield runs
+        return
+    build_parser()  # what main() imports, imported here, not beside the tests' own imports
+    folders = {kind: tmp_path_factory.mktemp(f"generate-{kind}") for kind in kinds}
+
+    def work() -> None:
+        for kind, run in runs.items():
+            if run.set_running_or_notify_cancel():
+                try:
+                    run.set_result(_generate(saved[kind], folders[kind], kind))
+                except BaseException as exc:  # the test raises it
+                    run.set_exception(exc)
+
+    thread = threading.Thread(target=work, name="dlo-generate-tests", daemon=True)
+    thread.start()
+    yield runs
+    for run in runs.values():
+        run.cancel()  # a run not started yet (a test failed early): skip it
+    thread.join()  # no engine outlives the module
+
+
+@pytest.mark.parametrize("kind,dp_size", list(GENERATE.items()))
+def test_generate_diffusers_matches_resident(saved, generated, kind, dp_size):
+    from safetensors.torch import load_file
+
+    from dlo_fx.engine.diffusers_pipeline import resident
+    from dlo_fx.engine.png import encode_png
+    from dlo_fx.engine.request import Request
+
+    rows = _generate_rows(kind, dp_size)
+    status, out = generated[kind].result(timeout=900)
     assert status == 0
     reference = resident(saved[kind])
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len({r["dp_rank"] for r in results}) == dp_size
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers run
-    try:
-        expected_all = [reference(Request.from_dict(row)) for row in rows]
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == 1  # as the workers run (the module's fixture)
+    expected_all = [reference(Request.from_dict(row)) for row in rows]
     for index, expected in enumerate(expected_all):
         got = load_file(str(out / results[index]["file"]))
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k])

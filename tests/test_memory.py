@@ -20,11 +20,11 @@ def compiled_report(depth: int, **options) -> tuple[MemoryReport, int]:
 
 
 def test_slot_bytes_do_not_grow_with_depth():
-    shallow, _ = compiled_report(12)
+    shallow, _ = compiled_report(3)
     torch._dynamo.reset()
     from dlo_fx.runtime.runtime import reset_runtimes
     reset_runtimes()
-    deep, deep_weights = compiled_report(48)
+    deep, deep_weights = compiled_report(12)
     assert shallow.slot_bytes == deep.slot_bytes == 2 * deep.max_block_bytes
     assert deep.num_blocks > shallow.num_blocks
     # everything but the resident shared table lives in the host store

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import ast
 import gc
-import json
 import re
 import math
 import os
 import pathlib
-import subprocess
-import sys
 import threading
 import time
 
@@ -235,15 +232,9 @@ def test_release_frees_the_runtime_and_gives_back_an_ordinary_module(dit):
         dlo_fx.release(model)
 
 
-# -- hollow parameters under module operations (a subprocess: a crash is a return code) ------
-def test_module_operations_in_subprocess(tmp_path):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "ownership_cases.py"),
-                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    r = json.loads(line[len("RESULT "):])
+# -- hollow parameters under module operations (a forked child: a crash is a dead rank) -----
+def test_module_operations_in_a_child_process(tmp_path):
+    r = spawn(1, ownership_cases.module_operations, str(tmp_path))[0]
     assert r["hollow"] > 0 and r["exact_before"]
     # .to() the runtime's own device, any spelling: a no-op.
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
