@@ -11,9 +11,9 @@ The two-rank spawn starts in a background thread with the module's first test (w
 session selected test_two_ranks_...), as tests/test_diffusers.py starts its generate
 runs: its ranks (imports, Inductor's warm-up, first Dynamo traces of four models) overlap
 the in-process tests, whose Dynamo tracing keeps one core busy; the test waits for them,
-then checks them, so its own duration is only what is left of that wait. The Wan and Flux
-comparisons with the resident model are made there, on the ranks' dp=1 runs: no other
-test compiles a diffusers transformer (a first Dynamo trace of one costs seconds in every
+then checks them, so its own duration is only what is left of that wait. Wan and Flux
+are compared with the resident model there, and across slot counts: no other test
+compiles a diffusers transformer (a first Dynamo trace of one costs seconds in every
 process that makes it).
 """
 
@@ -269,7 +269,7 @@ def test_two_ranks_match_the_resident_model_and_are_exact_across_modes_dp_and_sl
     breaks, Wan and Flux. Every case of a model is bit-identical to every other case of
     it, on both ranks (a dp=1 case runs on one of them: see `C.DP_CASES`), and agrees with
     the resident model run eagerly (for Wan and Flux this is their only comparison with
-    it: on the dp=1 runs, at two slot counts)."""
+    it, and their only slot counts: 2 in AllGather, 3 at dp=1)."""
     results = two_ranks.result(timeout=600)
     first: dict = {}
     for rank in (0, 1):
