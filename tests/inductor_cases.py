@@ -31,7 +31,8 @@ Inductor compile (seconds for a diffusers transformer), and with dynamic shapes 
 compile (~20 s for ``dynamic=True``).
 
 Every test compiles with one configuration, `compile_config`, and the ranks of the
-two-rank test use it too, so they find the parent's pieces in Inductor's on-disk cache:
+two-rank test use it too, so that each of these processes finds in Inductor's on-disk
+cache the pieces another one compiled (in this run or an earlier one):
 
 - scalar C++ kernels (``cpp.vec_isa_ok=False``), which compile two to three times faster
   on CPU than the vectorised default (benchmarks/bench_inductor.py runs the default);
