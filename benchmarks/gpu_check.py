@@ -30,12 +30,13 @@ from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
 
 def sizes(device: torch.device, quick: bool) -> dict:
-    if device.type == "cpu" or quick:  # every path, at the least depth that streams
+    # CPU or --quick: every path, at the least depth that streams, every other budget
+    if device.type == "cpu" or quick:
         return dict(small=(64, 2, 4), big=(128, 3, 4), depths=(2, 4), width_mem=64,
-                    compute_hw=16, transfer_hw=4, runs=3, fractions=(0, 50, 100))
+                    compute_hw=16, transfer_hw=4, runs=3, budget_stride=2)
     # ~1.2 B parameters at width 2048 x 16 layers (18 w^2 per layer), bf16
     return dict(small=(256, 4, 4), big=(2048, 16, 16), depths=(12, 48), width_mem=1024,
-                compute_hw=128, transfer_hw=32, runs=5, fractions=(0, 25, 50, 75, 100))
+                compute_hw=128, transfer_hw=32, runs=5, budget_stride=1)
 
 
 def sync(device: torch.device) -> None:
@@ -220,12 +221,13 @@ def check_no_sync(cfg: dict, device: torch.device) -> dict:
 def check_budget(cfg: dict, device: torch.device) -> dict:
     """Transfer-bound latency against ``device_budget`` (minimum + 0..100% of the streamed
     bytes), interleaved, medians after warm-up (the sweep of benchmarks/bench_budget.py)."""
-    from bench_budget import budget_sweep
+    from bench_budget import FRACTIONS, budget_sweep
 
     w, d, h = cfg["big"]
     with torch.inference_mode():
         return budget_sweep(w, d, h, cfg["transfer_hw"], device, reps=cfg["runs"], warmup=1,
-                            timer=lambda fn: timed(fn, device), fractions=cfg["fractions"])
+                            timer=lambda fn: timed(fn, device),
+                            fractions=FRACTIONS[::cfg["budget_stride"]])
 
 
 VIA_LOAD = False  # --via-load: the accelerator's path (dlo_fx.load) on any device

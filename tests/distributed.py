@@ -1,5 +1,8 @@
 """Spawn N ranks with a file rendezvous and run one case function on each, bounded in time.
 
+`background` runs such work on a thread while the in-process tests go on, for the
+fixtures that start it when the session `selected` the test that checks it.
+
 Ranks fork from a ``forkserver`` that imported torch, dlo_fx and diffusers once per test
 session, so a spawn costs a fork, not a fresh interpreter importing torch.
 
@@ -11,15 +14,18 @@ whole spawn is killed at ``timeout`` so a hang fails the test instead of CI.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import tempfile
+import threading
 import time
 import traceback
-from typing import Any, Callable
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator
 
 
 def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any,
@@ -93,3 +99,47 @@ def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240.0,
         text = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items())
         raise AssertionError(f"ranks without an answer: {missing}; failures:{text}")
     return {r: v for r, (_, v) in results.items()}
+
+
+def selected(request: Any, test: str, **params: Any) -> bool:
+    """Whether the session selected ``test`` of the requesting fixture's module (with these
+    parametrize values, when given)."""
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        if getattr(item, "originalname", None) != test:
+            continue
+        callspec = getattr(item, "callspec", None)
+        if all(callspec is not None and callspec.params.get(k) == v for k, v in params.items()):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def background(jobs: dict[str, Callable[[], Any]], name: str) -> Iterator[dict[str, Future]]:
+    """Run ``jobs`` one after another on a thread; yield a Future per job.
+
+    A module fixture starts ranks or worker processes (imports, first compiles) this way so
+    they overlap the in-process tests, whose Dynamo tracing keeps one core busy; the test
+    that checks a job waits for its Future. On exit, jobs not started yet are cancelled
+    (a test failed early) and the thread is joined: no process outlives the fixture
+    (`spawn` kills its ranks at its timeout).
+    """
+    futures = {key: Future() for key in jobs}
+
+    def work() -> None:
+        for key, job in jobs.items():
+            if futures[key].set_running_or_notify_cancel():
+                try:
+                    futures[key].set_result(job())
+                except BaseException as exc:  # the test that waits raises it
+                    futures[key].set_exception(exc)
+
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    try:
+        yield futures
+    finally:
+        for future in futures.values():
+            future.cancel()
+        thread.join()

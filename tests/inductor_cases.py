@@ -30,16 +30,12 @@ Why not resident Inductor everywhere: each such reference is a Dynamo trace plus
 Inductor compile (seconds for a diffusers transformer), and with dynamic shapes a symbolic
 compile (~20 s for ``dynamic=True``).
 
-Every test compiles with one configuration, `compile_config`, and the ranks of the
-two-rank test use it too, so that each of these processes finds in Inductor's on-disk
-cache the pieces another one compiled (in this run or an earlier one):
-
-- scalar C++ kernels (``cpp.vec_isa_ok=False``), which compile two to three times faster
-  on CPU than the vectorised default (benchmarks/bench_inductor.py runs the default);
-- one intra-op thread, as tests/test_diffusers.py: the tensors are tiny, and on a busy
-  2-core machine (the two ranks run beside the in-process tests) two OpenMP threads per
-  process spin against each other: a call of the DLO-compiled tiny DiT took 0.3 s with
-  two threads, 0.012 s with one.
+Every test compiles with one configuration, `compile_config`: scalar C++ kernels
+(``cpp.vec_isa_ok=False``), which compile two to three times faster on CPU than the
+vectorised default (benchmarks/bench_inductor.py runs the default). The ranks of the
+two-rank test use it too, and every process runs one intra-op thread (tests/conftest.py,
+tests/distributed.py), so that each of these processes finds in Inductor's on-disk cache
+the pieces another one compiled (in this run or an earlier one).
 """
 
 from __future__ import annotations
@@ -60,13 +56,8 @@ RESOLUTION = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3, torch.float32: 1e-5}
 @contextlib.contextmanager
 def compile_config():
     """The configuration every test compiles and runs with (see the module docstring)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
-            yield
-    finally:
-        torch.set_num_threads(threads)
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+        yield
 
 
 def assert_inductor_close(out: torch.Tensor, ref: torch.Tensor) -> None:

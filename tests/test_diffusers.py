@@ -2,10 +2,8 @@
 bit-exact through ``pipe(...)``, the README quick start, and ``dlo-fx generate --diffusers``.
 
 Tiny pipelines are built locally (tests/diffusers_pipelines.py) and saved once per module.
-Every test runs torch with one intra-op thread, as the engine's workers do (``--threads
-1``): the tensors are tiny, and on a busy 2-core machine two OpenMP threads per process
-spin against each other (an eager tiny-Flux call took 1-4 s instead of 0.1 s). The
-``dlo-fx generate --diffusers`` runs start in a background thread with the module's first
+Torch runs one intra-op thread here (tests/conftest.py), as the engine's workers do
+(``--threads 1``). The ``dlo-fx generate --diffusers`` runs start in a background thread with the module's first
 test, so their worker processes (torch + diffusers imports, their own compiles) overlap the
 in-process tests, whose Dynamo tracing keeps one core busy; each generate test waits for
 its own run, then checks it.
@@ -18,7 +16,7 @@ import logging
 import os
 import re
 import shutil
-import threading
+import functools
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import pytest
 import torch
 
 import diffusers_pipelines as dp
+from distributed import background, selected
 from dlo_fx import compile_pipeline, load
 from dlo_fx.checkpoint import CheckpointError
 from dlo_fx.cli import build_parser, main
@@ -40,15 +39,6 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def fresh() -> None:
     torch._dynamo.reset()
     reset_runtimes()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread for the module (see the module docstring), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -253,37 +243,24 @@ def generated(request, tmp_path_factory):
     """The generate runs this session selected, started in one background thread with the
     module's first test (see the module docstring): kind -> Future of (status, out)."""
     kinds = [kind for kind in GENERATE
-             if any(item.module is request.module and getattr(item, "callspec", None)
-                    and item.originalname == "test_generate_diffusers_matches_resident"
-                    and item.callspec.params["kind"] == kind for item in request.session.items)]
+             if selected(request, "test_generate_diffusers_matches_resident", kind=kind)]
     if not kinds:
         yield {}
         return
-    runs: dict[str, Future] = {kind: Future() for kind in kinds}
     try:
         saved = request.getfixturevalue("saved")
     except Exception as exc:  # the generate tests fail with it, the others run
-        for run in runs.values():
+        failed: dict[str, Future] = {kind: Future() for kind in kinds}
+        for run in failed.values():
             run.set_exception(exc)
-        yield runs
+        yield failed
         return
     build_parser()  # what main() imports, imported here, not beside the tests' own imports
-    folders = {kind: tmp_path_factory.mktemp(f"generate-{kind}") for kind in kinds}
-
-    def work() -> None:
-        for kind, run in runs.items():
-            if run.set_running_or_notify_cancel():
-                try:
-                    run.set_result(_generate(saved[kind], folders[kind], kind))
-                except BaseException as exc:  # the test raises it
-                    run.set_exception(exc)
-
-    thread = threading.Thread(target=work, name="dlo-generate-tests", daemon=True)
-    thread.start()
-    yield runs
-    for run in runs.values():
-        run.cancel()  # a run not started yet (a test failed early): skip it
-    thread.join()  # no engine outlives the module
+    jobs = {kind: functools.partial(_generate, saved[kind],
+                                    tmp_path_factory.mktemp(f"generate-{kind}"), kind)
+            for kind in kinds}
+    with background(jobs, "dlo-generate-tests") as runs:
+        yield runs
 
 
 @pytest.mark.parametrize("kind,dp_size", list(GENERATE.items()))
@@ -300,7 +277,7 @@ def test_generate_diffusers_matches_resident(saved, generated, kind, dp_size):
     reference = resident(saved[kind])
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len({r["dp_rank"] for r in results}) == dp_size
-    assert torch.get_num_threads() == 1  # as the workers run (the module's fixture)
+    assert torch.get_num_threads() == 1  # as the workers run (tests/conftest.py)
     expected_all = [reference(Request.from_dict(row)) for row in rows]
     for index, expected in enumerate(expected_all):
         got = load_file(str(out / results[index]["file"]))

@@ -32,13 +32,8 @@ def req(prompt: str = "a red fox", seed: int = 0, **kw) -> Request:
 
 def alone(request: Request, **dit) -> torch.Tensor:
     """``request`` run by itself on a resident model, single process, one thread (as the
-    workers run)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return resident(**(dit or DIT))(request)
-    finally:
-        torch.set_num_threads(threads)
+    workers run; tests/conftest.py)."""
+    return resident(**(dit or DIT))(request)
 
 
 # -- before any worker -------------------------------------------------------------------
@@ -263,16 +258,11 @@ def test_cli_generates_from_a_checkpoint_in_rank_local_mode(tmp_path, capsys):
     assert "failed on dp rank 0: RuntimeError: injected fault on rank 0" in rows[2]["error"]
     from safetensors.torch import load_file
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        pipe = resident(checkpoint=ckpt)
-        for row, data in zip(rows[:2], requests):
-            latents = load_file(str(out / row["file"]))["output"]
-            assert torch.equal(latents, pipe(Request.from_dict(data)))
-            assert (out / row["preview"]).read_bytes()[:4] == b"\x89PNG"
-    finally:
-        torch.set_num_threads(threads)
+    pipe = resident(checkpoint=ckpt)  # one thread, as the workers (tests/conftest.py)
+    for row, data in zip(rows[:2], requests):
+        latents = load_file(str(out / row["file"]))["output"]
+        assert torch.equal(latents, pipe(Request.from_dict(data)))
+        assert (out / row["preview"]).read_bytes()[:4] == b"\x89PNG"
 
 
 # -- under torchrun ----------------------------------------------------------------------

@@ -169,7 +169,6 @@ def test_requests_are_refused_up_front_naming_the_field():
 
 
 def test_fault_hooks_are_off_by_default():
-    torch.set_num_threads(1)
     request = Request(prompt="x", height=32, width=32, num_inference_steps=2,
                       extra_args={"fault": "raise", "fault_rank": 0, "fault_step": 0})
     pipeline = resident(width=64, depth=1, heads=4)

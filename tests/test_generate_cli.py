@@ -26,5 +26,4 @@ def test_pipeline_module_from_the_current_folder(tmp_path, monkeypatch):
     assert main(["generate", "--pipeline", "my_factory:factory", "--requests", "r.jsonl",
                  "--out", "out", "--threads", "1"]) == 0
     got = load_file(str(app / "out" / "0000.safetensors"))["output"]
-    torch.set_num_threads(1)
     assert torch.equal(got, resident(width=64, depth=2, heads=4)(Request.from_dict(row)))

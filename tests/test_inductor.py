@@ -20,7 +20,6 @@ process that makes it).
 from __future__ import annotations
 
 import operator
-import threading
 from concurrent.futures import Future
 
 import pytest
@@ -30,7 +29,7 @@ from torch.fx.node import has_side_effect
 
 import dlo_fx.inductor
 import inductor_cases as C
-from distributed import spawn
+from distributed import background, selected, spawn
 from dlo_fx.inductor import CompiledPiece
 from dlo_fx.models import example_inputs
 from dlo_fx.runtime.runtime import runtimes_holding
@@ -48,27 +47,15 @@ def inductor_config():
 
 @pytest.fixture(scope="module", autouse=True)
 def two_ranks(request):
-    """`spawn`'s result for `C.dp_cases`, as a Future, started in a background thread with
-    the module's first test if the session selected the two-rank test (see the module
+    """`spawn`'s result for `C.dp_cases`, as a Future, started in the `background` with the
+    module's first test if the session selected the two-rank test (see the module
     docstring)."""
-    run: Future = Future()
-    if not any(getattr(item, "module", None) is request.module
-               and getattr(item, "originalname", None) == TWO_RANKS
-               for item in request.session.items):
-        yield run
+    if not selected(request, TWO_RANKS):
+        yield Future()
         return
-
-    def work() -> None:
-        if run.set_running_or_notify_cancel():
-            try:
-                run.set_result(spawn(2, C.dp_cases, timeout=400))
-            except BaseException as exc:  # the test raises it
-                run.set_exception(exc)
-
-    thread = threading.Thread(target=work, name="dlo-inductor-ranks", daemon=True)
-    thread.start()
-    yield run
-    thread.join()  # no rank outlives the module (spawn kills them at its timeout)
+    with background({"ranks": lambda: spawn(2, C.dp_cases, timeout=400)},
+                    "dlo-inductor-ranks") as runs:
+        yield runs["ranks"]
 
 
 @pytest.fixture

@@ -12,6 +12,10 @@ checkpoint, bit-identical to a single-process resident run.
    of the process tree (sampled every 50 ms), and where the schedule dump and the PNG
    previews were written.
 
+The requests are 128x128 px, 6 steps: on a CPU without bf16 instructions (AVX2 only)
+bf16 matmuls run about 6x slower than float32, and at 256x256 px the showcase took over
+3 minutes on 2 such cores; at 128 px it takes about a minute.
+
     python -m dlo_fx.engine.showcase
 """
 
@@ -80,7 +84,7 @@ def _mib(nbytes: Optional[float]) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
 
 
-def run_showcase(*, width: int = 512, depth: int = 8, heads: int = 8, size: int = 256,
+def run_showcase(*, width: int = 512, depth: int = 8, heads: int = 8, size: int = 128,
                  steps: int = 6, root: Optional[Path] = None) -> int:
     """Run the showcase; print its table; return 0 when the outputs are bit-identical."""
     root = Path(root) if root is not None else cache_dir()
