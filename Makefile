@@ -20,11 +20,14 @@ $(VENV)/.test: $(VENV)/.base
 demo: $(VENV)/.base
 	$(VENV)/bin/dlo-fx demo
 
+# The whole suite, the diffusers zoo included (its spawns run in the background while the
+# in-process tests run: tests/conftest.py).
 test: $(VENV)/.test
-	$(PY) -m pytest -q --ignore=tests/test_zoo.py
+	$(PY) -m pytest -q
 
-# The diffusers zoo (tests/test_zoo.py): about 30 transformer classes at dp 1 and 2, both
-# modes; about 5 minutes on 2 idle cores. `DLO_FX_ZOO_TABLE=docs/zoo.md make zoo` rewrites its table.
+# The diffusers zoo alone (tests/test_zoo.py): about 30 transformer classes at dp 1 and 2,
+# both modes; about 5 minutes on 2 idle cores. `DLO_FX_ZOO_TABLE=docs/zoo.md make zoo`
+# rewrites its table.
 zoo: $(VENV)/.test
 	$(PY) -m pytest -q tests/test_zoo.py
 

@@ -1,8 +1,10 @@
+import contextlib
 import gc
 
 import pytest
 import torch
 
+from distributed import background
 from dlo_fx.runtime.runtime import reset_runtimes
 
 
@@ -26,11 +28,53 @@ def pytest_configure(config):
     of the DLO-compiled DiT with Inductor 0.3 s instead of 0.012 s. It also makes every
     resident reference run with the thread count of the workers it is compared with."""
     torch.set_num_threads(1)
+    config.addinivalue_line(
+        "markers", "spawned(job): the test checks what job() returns; see tests/conftest.py")
+
+
+# -- spawned jobs ------------------------------------------------------------------------------
+# A test marked ``@pytest.mark.spawned.with_args(job)`` (``with_args``: a bare function
+# argument would be taken for the decorated test) checks what ``job()`` returns: ranks or
+# worker processes whose work needs nothing from the pytest process (a `distributed.spawn`,
+# often after a ``spawn(1, ...)`` that writes its checkpoint). The jobs of the selected tests
+# run one after another on one background thread from the start of the session, and those
+# tests run last, each taking its job's value from the `spawned` fixture. So the ranks (about
+# 1.7 cores busy) overlap the in-process tests (one core busy: Dynamo tracing), where running
+# them in turn left a core idle for half the suite. A job touches no state of the pytest
+# process: no model built here (torch's global RNG), no Dynamo or runtime state, no
+# environment. Several tests may share one job.
+_SESSION = contextlib.ExitStack()
+_FUTURES: dict = {}
+
+
+def _job(item):
+    marker = item.get_closest_marker("spawned")
+    return marker.args[0] if marker is not None else None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: _job(item) is not None)  # stable: spawned tests last, in order
 
 
 def pytest_collection_finish(session):
     """Move what the imports and collection built (torch, diffusers, transformers: millions
     of objects) out of the garbage collector's reach: a full collection, the model-lifetime
-    tests' `gc.collect()` included, then scans only what the tests create."""
+    tests' `gc.collect()` included, then scans only what the tests create. Then start the
+    selected tests' spawned jobs."""
     gc.collect()
     gc.freeze()
+    if session.config.option.collectonly:
+        return
+    jobs = {job: job for job in map(_job, session.items) if job is not None}
+    if jobs:
+        _FUTURES.update(_SESSION.enter_context(background(jobs, "dlo-spawned-jobs")))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SESSION.close()  # jobs not started are cancelled; the thread is joined
+
+
+@pytest.fixture
+def spawned(request):
+    """What this test's ``@pytest.mark.spawned.with_args(job)`` returned (its exception is raised)."""
+    return _FUTURES[_job(request.node)].result()

@@ -9,7 +9,6 @@ CLIP one layer, T5 two (one would give two blocks), SD3 two."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 

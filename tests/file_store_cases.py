@@ -12,8 +12,28 @@ from dlo_fx.models import ReferenceDiT
 from dlo_fx.runtime.file_store import FileChangedError
 from dlo_fx.runtime.runtime import runtimes_holding
 
-from loader_cases import SHARED, compare, fresh, resident_dit, resident_wan
+from dlo_fx.shard_dir import write_shard_dir
+from loader_cases import (SHARED, compare, fresh, resident_dit, resident_wan, save_dit,
+                          save_wan)
 from models import call, tiny_dit, tiny_wan
+
+
+def write_files(root: str) -> dict:
+    """One DiT file, a sharded Wan folder, and the DiT pre-sharded for dp 1 and 2."""
+    dit, config = save_dit(root)
+    files = {"root": root, "dit": dit, "config": config,
+             "wan": save_wan(os.path.join(root, "wan"))}
+    for dp in (1, 2):
+        files[f"dit{dp}"] = os.path.join(root, f"dit-dp{dp}")
+        write_shard_dir(ReferenceDiT, dit, files[f"dit{dp}"], dp=dp, config=config,
+                        resident=SHARED)
+    return files
+
+
+def written_files(rank: int, world: int, root: str) -> dict:
+    """`write_files` in a child (``spawn(1, ...)``): a test's background job builds no
+    model in the pytest process (tests/conftest.py)."""
+    return write_files(root)
 
 
 def store_of(model: torch.nn.Module):

@@ -202,6 +202,12 @@ def run(layout: str, options: dict, *, ckpt: str = "", calls: int = 2, **kw) -> 
     return {"equal": equal, **figures(model, [[e.fqn for e in b.entries] for b in store.blocks])}
 
 
+def saved(rank: int, world: int, layout: str, path: str) -> str:
+    """`save` of `build(layout)` in a child (``spawn(1, ...)``): a test's background job
+    builds no model in the pytest process (tests/conftest.py)."""
+    return save(build(layout), path)
+
+
 def dp2_cases(rank: int, world: int, folder: str) -> dict:
     """Both modes, one through compile and one through load, on every rank of a 2-rank
     group (each compile is the slow part)."""

@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 
 from dlo_fx.loader import load
 from dlo_fx.models import ReferenceDiT
-from dlo_fx.config import DLOConfig
 from dlo_fx.runtime.runtime import live_runtimes, reset_runtimes, runtimes_holding
 
 from models import call, runtime_figures, tiny_dit, tiny_wan
@@ -45,6 +44,18 @@ def save_wan(folder: str) -> str:
     shards = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
     assert len(shards) >= 2, shards
     return folder
+
+
+def saved_dit(rank: int, world: int, folder: str, depth: int = 3) -> tuple[str, object]:
+    """`save_dit` in a child (``spawn(1, saved_dit, folder)``): a test's background job
+    builds no model in the pytest process (tests/conftest.py)."""
+    return save_dit(folder, depth=depth)
+
+
+def saved_checkpoints(rank: int, world: int, root: str) -> tuple[str, object, str]:
+    """`save_dit` and `save_wan` into ``root`` in a child, as `saved_dit`."""
+    dit, config = save_dit(root)
+    return dit, config, save_wan(os.path.join(root, "wan"))
 
 
 # -- references -----------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from dlo_fx.runtime.graph_call import ClockMismatch
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
 from models import call, run_dlo, tiny_dit
-import safety_models
 from safety_models import FAIL, eager_head_dit, fail_after_half_the_waits, tiny_hidream
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -12,8 +14,9 @@ from dlo_fx.dump.blocks_md import blocks_markdown
 from dlo_fx.runtime.host_store import is_hollow
 
 import budget_cases
-from budget_cases import run, sweep
+from budget_cases import sweep
 from distributed import spawn
+from loader_cases import saved_dit
 from models import call, tiny_dit
 
 
@@ -182,8 +185,15 @@ def test_auto_on_cpu_streams_every_block():
                                            example_inputs=())) == 7
 
 
-def test_two_ranks_both_modes_and_loaded(tmp_path):
-    results = spawn(2, budget_cases.budget_cases, _checkpoint(tmp_path), timeout=480)
+def _two_ranks():
+    with tempfile.TemporaryDirectory() as folder:
+        path, _ = spawn(1, saved_dit, folder, budget_cases.DEPTH)[0]
+        return spawn(2, budget_cases.budget_cases, path, timeout=480)
+
+
+@pytest.mark.spawned.with_args(_two_ranks)
+def test_two_ranks_both_modes_and_loaded(spawned):
+    results = spawned
     for rank in (0, 1):
         for key in ("allgather", "rank_local", "loaded"):
             check_sweep(results[rank][key], loaded=key == "loaded")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
+import tempfile
 import threading
 import warnings
 
+import pytest
 import torch
+
+import benchmark_cases
+from distributed import spawn
 
 from dlo_fx.runtime import platform
 from dlo_fx.runtime.executor import CpuExecutor, make_executor
@@ -71,15 +75,16 @@ def test_no_module_outside_the_platform_layer_calls_cuda():
     assert not offenders, "\n".join(offenders)
 
 
-def test_gpu_check_runs_on_cpu(tmp_path, monkeypatch, capsys):
-    """The script's `main`, in this process (a subprocess would import torch again)."""
-    out = tmp_path / "gpu_check.json"
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import gpu_check
+def _gpu_check():
+    with tempfile.TemporaryDirectory() as folder:
+        return spawn(1, benchmark_cases.gpu_check_on_cpu, folder, timeout=600)[0]
 
-    rc = gpu_check.main(["--device", "cpu", "--via-load", "--out", str(out)])
-    assert rc == 0, capsys.readouterr().out[-3000:]
-    result = json.loads(out.read_text())
+
+@pytest.mark.spawned.with_args(_gpu_check)
+def test_gpu_check_runs_on_cpu(spawned):
+    """The script's `main`, in a forked child (a subprocess would import torch again)."""
+    rc, result, printed = spawned
+    assert rc == 0, printed
     assert all(v is True for v in result["identity"].values() if not isinstance(v, str))
     assert result["memory"]["weights_flat_in_depth"] is True
     assert result["latency"]["compute_bound"]["dlo_over_resident"] > 0

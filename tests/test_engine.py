@@ -8,9 +8,11 @@ import json
 import os
 import pickle
 import signal
+import tempfile
 import threading
 import time
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,13 +268,17 @@ def test_cli_generates_from_a_checkpoint_in_rank_local_mode(tmp_path, capsys):
 
 
 # -- under torchrun ----------------------------------------------------------------------
-def test_torchrun_serve_runs_mixed_waves_of_two_shapes_exactly(tmp_path):
-    """`serve` as ``torchrun --nproc-per-node 2 -m dlo_fx.engine.cli`` runs it: rank 0's
-    worker is a thread beside the front end. Two heights in every wave (so each wave
-    compiles or runs two graphs, and rank 0's thread runs one shape while rank 1 runs the
-    other), then a partial wave (rank 1 only pads): a job serving two shapes was seen to
-    kill rank 0 with SIGSEGV. Every rank must exit 0 and every output equal the request
-    run alone on a resident model."""
+TORCHRUN_REQUESTS = [
+    dict(prompt="a red fox", seed=1, height=64, width=64, num_inference_steps=2),
+    dict(prompt="a blue bird", seed=2, height=32, width=64, num_inference_steps=2),
+    dict(prompt="a cow", seed=3, height=64, width=64, num_inference_steps=1),
+    dict(prompt="a hill", seed=4, height=32, width=64, num_inference_steps=1),
+    dict(prompt="a boat", seed=5, height=32, width=64, num_inference_steps=1)]
+
+
+def _torchrun_serve() -> tuple[int, str, list, list]:
+    """The torchrun job of the test below (a spawned job: tests/conftest.py): its exit
+    status, its log, the rows of results.jsonl and the outputs they name."""
     import secrets
     import socket
     import subprocess
@@ -280,37 +286,50 @@ def test_torchrun_serve_runs_mixed_waves_of_two_shapes_exactly(tmp_path):
 
     from safetensors.torch import load_file
 
-    requests = [dict(prompt="a red fox", seed=1, height=64, width=64, num_inference_steps=2),
-                dict(prompt="a blue bird", seed=2, height=32, width=64, num_inference_steps=2),
-                dict(prompt="a cow", seed=3, height=64, width=64, num_inference_steps=1),
-                dict(prompt="a hill", seed=4, height=32, width=64, num_inference_steps=1),
-                dict(prompt="a boat", seed=5, height=32, width=64, num_inference_steps=1)]
-    (tmp_path / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in requests))
-    out = tmp_path / "out"
-    env = {**os.environ, "DLO_FX_ENGINE_SECRET": secrets.token_hex(32),
-           "PYTHONFAULTHANDLER": "1",  # a native crash prints every thread's stack
-           "PYTHONPATH": os.pathsep.join(sys.path)}
-    if "lo" in {name for _, name in socket.if_nameindex()}:
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "dlo_fx.engine.cli",
-               "--requests", str(tmp_path / "requests.jsonl"), "--out", str(out),
-               "--threads", "1", "--wave-timeout", "60", "--no-preview",
-               *(a for k, v in DIT.items() for a in ("--pipeline-arg", f"{k}={v}"))]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=tmp_path, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=150)  # a hang fails here, it never blocks
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"the torchrun job did not finish within 150 s:\n{log}")
-    assert proc.returncode == 0, log
+    with tempfile.TemporaryDirectory() as folder:
+        tmp_path = Path(folder)
+        (tmp_path / "requests.jsonl").write_text(
+            "\n".join(json.dumps(r) for r in TORCHRUN_REQUESTS))
+        out = tmp_path / "out"
+        env = {**os.environ, "DLO_FX_ENGINE_SECRET": secrets.token_hex(32),
+               "PYTHONFAULTHANDLER": "1",  # a native crash prints every thread's stack
+               "PYTHONPATH": os.pathsep.join(sys.path)}
+        if "lo" in {name for _, name in socket.if_nameindex()}:
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", "-m", "dlo_fx.engine.cli",
+                   "--requests", str(tmp_path / "requests.jsonl"), "--out", str(out),
+                   "--threads", "1", "--wave-timeout", "60", "--no-preview",
+                   *(a for k, v in DIT.items() for a in ("--pipeline-arg", f"{k}={v}"))]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=tmp_path, start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=150)  # a hang fails here, it never blocks
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            raise AssertionError(f"the torchrun job did not finish within 150 s:\n{log}")
+        if proc.returncode != 0 or not (out / "results.jsonl").exists():
+            return proc.returncode, log, [], []
+        rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        outputs = [load_file(str(out / row["file"]))["output"] if row["error"] is None else None
+                   for row in rows]
+        return proc.returncode, log, rows, outputs
+
+
+@pytest.mark.spawned.with_args(_torchrun_serve)
+def test_torchrun_serve_runs_mixed_waves_of_two_shapes_exactly(spawned):
+    """`serve` as ``torchrun --nproc-per-node 2 -m dlo_fx.engine.cli`` runs it: rank 0's
+    worker is a thread beside the front end. Two heights in every wave (so each wave
+    compiles or runs two graphs, and rank 0's thread runs one shape while rank 1 runs the
+    other), then a partial wave (rank 1 only pads): a job serving two shapes was seen to
+    kill rank 0 with SIGSEGV. Every rank must exit 0 and every output equal the request
+    run alone on a resident model."""
+    returncode, log, rows, outputs = spawned
+    assert returncode == 0, log
     assert "5/5 requests succeeded in 3 wave(s) on dp=2" in log, log
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["wave"] for r in rows] == [0, 0, 1, 1, 2]  # mixed heights in waves 0 and 1
     assert sorted({r["dp_rank"] for r in rows}) == [0, 1]
-    for row, data in zip(rows, requests):
+    for row, data, output in zip(rows, TORCHRUN_REQUESTS, outputs):
         assert row["error"] is None, row
-        output = load_file(str(out / row["file"]))["output"]
         assert torch.equal(output, alone(Request.from_dict(data))), row

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -25,9 +26,7 @@ from dlo_fx.loader import load
 from dlo_fx.models import ReferenceDiT
 from dlo_fx.shard_dir import MANIFEST, write_shard_dir
 from file_store_cases import served
-from loader_cases import SHARED
-from loader_cases import (compare, fresh, resident_dit, resident_wan, save_dit, save_wan,
-                          stored_state)
+from loader_cases import SHARED, compare, fresh, resident_dit, resident_wan, stored_state
 from models import tiny_dit, tiny_wan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,19 +42,13 @@ def shard_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
-    dit_path, dit_config = save_dit(str(root))
-    wan_dir = save_wan(str(root / "wan"))
+    files = file_store_cases.write_files(str(root))
     wan1 = str(root / "wan-dp1")  # through the command's entry point: the round trip
     printed = io.StringIO()  # (test_shard_command_errors runs the command as a process)
     with contextlib.redirect_stdout(printed):
-        assert cli.main(["shard", wan_dir, "--dp", "1", "--out", wan1]) == 0
+        assert cli.main(["shard", files["wan"], "--dp", "1", "--out", wan1]) == 0
     assert "dp=1" in printed.getvalue()
-    for dp in (1, 2):
-        write_shard_dir(ReferenceDiT, dit_path, str(root / f"dit-dp{dp}"), dp=dp,
-                        config=dit_config, resident=SHARED)
-    return {"root": root, "dit": dit_path, "config": dit_config, "wan": wan_dir,
-            "wan1": wan1, "dit1": str(root / "dit-dp1"),
-            "dit2": str(root / "dit-dp2")}
+    return {**files, "root": root, "wan1": wan1}
 
 
 def test_option_is_validated():
@@ -137,12 +130,19 @@ def test_mmap_needs_a_loaded_model():
 
 
 # -- dp = 2 -------------------------------------------------------------------------------------
-def test_two_ranks_both_modes_from_files_and_shards(ckpts, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(ckpts["dit2"], broken)
-    os.remove(broken / "rank-00001-of-00002.safetensors")
-    results = spawn(2, file_store_cases.dp2_cases, ckpts["dit"], ckpts["config"], ckpts["wan"],
-                    ckpts["dit2"], ckpts["dit1"], str(broken), timeout=600)
+def _two_ranks():
+    with tempfile.TemporaryDirectory() as root:
+        files = spawn(1, file_store_cases.written_files, root)[0]
+        broken = os.path.join(root, "broken")
+        shutil.copytree(files["dit2"], broken)
+        os.remove(os.path.join(broken, "rank-00001-of-00002.safetensors"))
+        return spawn(2, file_store_cases.dp2_cases, files["dit"], files["config"], files["wan"],
+                     files["dit2"], files["dit1"], broken, timeout=600)
+
+
+@pytest.mark.spawned.with_args(_two_ranks)
+def test_two_ranks_both_modes_from_files_and_shards(spawned):
+    results = spawned
     for rank, out in results.items():
         for key in ("mmap-allgather", "mmap-rank-local", "mmap-allgather-shards",
                     "memory-allgather-shards", "mmap-rank-local-shards", "wan-mmap-allgather"):

@@ -7,11 +7,9 @@ but two, which compile it with ``backend="inductor"``: the DiT at one static res
 (test_dit_...) and the autocast model. See inductor_cases.py for why, and for the
 configuration every test compiles with (scalar C++ kernels, one intra-op thread).
 
-The two-rank spawn starts in a background thread with the module's first test (when the
-session selected test_two_ranks_...), as tests/test_diffusers.py starts its generate
-runs: its ranks (imports, Inductor's warm-up, first Dynamo traces of four models) overlap
-the in-process tests, whose Dynamo tracing keeps one core busy; the test waits for them,
-then checks them, so its own duration is only what is left of that wait. Wan and Flux
+The two-rank spawn is a spawned job (tests/conftest.py): its ranks (imports, Inductor's
+warm-up, first Dynamo traces of four models) run in the background while the in-process
+tests run, and test_two_ranks_... checks what they returned. Wan and Flux
 are compared with the resident model there, and across slot counts: no other test
 compiles a diffusers transformer (a first Dynamo trace of one costs seconds in every
 process that makes it).
@@ -20,7 +18,6 @@ process that makes it).
 from __future__ import annotations
 
 import operator
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -29,33 +26,17 @@ from torch.fx.node import has_side_effect
 
 import dlo_fx.inductor
 import inductor_cases as C
-from distributed import background, selected, spawn
+from distributed import spawn
 from dlo_fx.inductor import CompiledPiece
 from dlo_fx.models import example_inputs
 from dlo_fx.runtime.runtime import runtimes_holding
 from models import tiny_dit
 
 
-TWO_RANKS = "test_two_ranks_match_the_resident_model_and_are_exact_across_modes_dp_and_slots"
-
-
 @pytest.fixture(autouse=True)
 def inductor_config():
     with C.compile_config():
         yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def two_ranks(request):
-    """`spawn`'s result for `C.dp_cases`, as a Future, started in the `background` with the
-    module's first test if the session selected the two-rank test (see the module
-    docstring)."""
-    if not selected(request, TWO_RANKS):
-        yield Future()
-        return
-    with background({"ranks": lambda: spawn(2, C.dp_cases, timeout=400)},
-                    "dlo-inductor-ranks") as runs:
-        yield runs["ranks"]
 
 
 @pytest.fixture
@@ -251,13 +232,14 @@ def test_autocast_region_cut_by_schedule_nodes_is_reentered_in_each_piece(outer_
     assert len(waits) == 3  # the region spans three blocks
 
 
-def test_two_ranks_match_the_resident_model_and_are_exact_across_modes_dp_and_slots(two_ranks):
+@pytest.mark.spawned.with_args(lambda: spawn(2, C.dp_cases, timeout=400))
+def test_two_ranks_match_the_resident_model_and_are_exact_across_modes_dp_and_slots(spawned):
     """One spawn, many cases: dp=2 AllGather and rank-local, slot counts, dp=1, graph
     breaks, Wan and Flux. Every case of a model is bit-identical to every other case of
     it, on both ranks (a dp=1 case runs on one of them: see `C.DP_CASES`), and agrees with
     the resident model run eagerly (for Wan and Flux this is their only comparison with
     it, and their only slot counts: 2 in AllGather, 3 at dp=1)."""
-    results = two_ranks.result(timeout=600)
+    results = spawned
     first: dict = {}
     for rank in (0, 1):
         for label, name, options, fullgraph, _, ranks in C.DP_CASES:

@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import struct
+import tempfile
 
 import pytest
 import torch
@@ -16,7 +17,6 @@ from safetensors.torch import load_file, save_file
 import loader_cases
 from distributed import spawn
 from dlo_fx.checkpoint import CheckpointError, resolve_checkpoint
-from dlo_fx.config import DLOConfig
 from dlo_fx.loader import load
 from dlo_fx.models import ReferenceDiT
 from dlo_fx.runtime.host_store import is_hollow
@@ -327,9 +327,16 @@ def test_bad_model_argument_and_resident_name(ckpts):
 
 
 # -- two ranks ----------------------------------------------------------------------------------
-def test_two_ranks_allgather_shards_the_checkpoint(ckpts):
-    results = spawn(2, loader_cases.load_cases, ckpts["dit"], ckpts["config"], ckpts["wan"],
-                    str(ckpts["root"] / "absent.safetensors"), timeout=300)
+def _two_ranks():
+    with tempfile.TemporaryDirectory() as root:
+        dit, config, wan = spawn(1, loader_cases.saved_checkpoints, root)[0]
+        return spawn(2, loader_cases.load_cases, dit, config, wan,
+                     os.path.join(root, "absent.safetensors"), timeout=300)
+
+
+@pytest.mark.spawned.with_args(_two_ranks)
+def test_two_ranks_allgather_shards_the_checkpoint(spawned):
+    results = spawned
     for rank in (0, 1):
         r = results[rank]
         for key in ("dit", "dit-resident-small", "dit-break", "wan"):

@@ -10,6 +10,7 @@ import re
 import math
 import os
 import pathlib
+import tempfile
 import threading
 import time
 
@@ -22,7 +23,7 @@ from dlo_fx.config import DLOConfig
 from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import device_slots
 from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
-from loader_cases import resident_dit, save_dit
+from loader_cases import resident_dit, save_dit, saved_dit
 from models import run_dlo, tiny_dit
 
 import ownership_cases
@@ -233,8 +234,14 @@ def test_release_frees_the_runtime_and_gives_back_an_ordinary_module(dit):
 
 
 # -- hollow parameters under module operations (a forked child: a crash is a dead rank) -----
-def test_module_operations_in_a_child_process(tmp_path):
-    r = spawn(1, ownership_cases.module_operations, str(tmp_path))[0]
+def _module_operations():
+    with tempfile.TemporaryDirectory() as folder:
+        return spawn(1, ownership_cases.module_operations, folder)[0]
+
+
+@pytest.mark.spawned.with_args(_module_operations)
+def test_module_operations_in_a_child_process(spawned):
+    r = spawned
     assert r["hollow"] > 0 and r["exact_before"]
     # .to() the runtime's own device, any spelling: a no-op.
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
@@ -258,9 +265,15 @@ def test_module_operations_in_a_child_process(tmp_path):
     assert r["save_pretrained"] == "" and r["save_pretrained_equal"]
 
 
-def test_state_dict_and_release_allgather_two_ranks(tmp_path):
-    path, config = save_dit(str(tmp_path))
-    results = spawn(2, ownership_cases.allgather_state_dict, path, config, timeout=300)
+def _state_dict_two_ranks():
+    with tempfile.TemporaryDirectory() as folder:
+        path, config = spawn(1, saved_dit, folder)[0]
+        return spawn(2, ownership_cases.allgather_state_dict, path, config, timeout=300)
+
+
+@pytest.mark.spawned.with_args(_state_dict_two_ranks)
+def test_state_dict_and_release_allgather_two_ranks(spawned):
+    results = spawned
     for rank, r in results.items():
         assert r["mode"] == "allgather" and r["dp"] == 2, r
         assert r["host_bytes"] < r["total_bytes"]  # each rank holds about half

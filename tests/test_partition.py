@@ -7,7 +7,6 @@ from __future__ import annotations
 import tempfile
 
 import pytest
-import torch
 
 import handwritten_dits as hw
 from distributed import spawn
@@ -119,10 +118,15 @@ def test_blocks_md_says_why_each_block_ends(tmp_path):
 
 
 # -- dp=2 -----------------------------------------------------------------------------------
-def test_handwritten_dits_on_two_ranks_both_modes():
+def _two_ranks():
     with tempfile.TemporaryDirectory() as folder:
-        hw.save(hw.build("attr"), f"{folder}/attr.safetensors")
-        results = spawn(2, hw.dp2_cases, folder, timeout=400)
+        spawn(1, hw.saved, "attr", f"{folder}/attr.safetensors")
+        return spawn(2, hw.dp2_cases, folder, timeout=400)
+
+
+@pytest.mark.spawned.with_args(_two_ranks)
+def test_handwritten_dits_on_two_ranks_both_modes(spawned):
+    results = spawned
     for rank, out in results.items():
         for key, r in out.items():
             check(r, "features" in key)

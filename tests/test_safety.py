@@ -159,8 +159,9 @@ def test_hunyuan_video_15_resumed_frame():
             or not any(is_hollow(p) for p in module.parameters()))
 
 
-def test_ranks_stay_in_step_through_failures_and_eager_fetches():
-    results = spawn(2, safety_cases, timeout=600)
+@pytest.mark.spawned.with_args(lambda: spawn(2, safety_cases, timeout=600))
+def test_ranks_stay_in_step_through_failures_and_eager_fetches(spawned):
+    results = spawned
     for rank, out in results.items():
         assert out["hidream"] == [True, True], rank
         assert out["eager"] == [True, True, True], rank

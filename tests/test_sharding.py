@@ -33,8 +33,9 @@ def check(results: dict, dp: int, alignment: int = 256) -> None:
             assert r["host_shard_bytes"] >= r["total"], key
 
 
-def test_two_ranks_allgather_and_rank_local_and_plan_mismatch():
-    results = spawn(2, dist_cases.sharding_cases, ("dit", "wan", "flux"))
+@pytest.mark.spawned.with_args(lambda: spawn(2, dist_cases.sharding_cases, ("dit", "wan", "flux")))
+def test_two_ranks_allgather_and_rank_local_and_plan_mismatch(spawned):
+    results = spawned
     for rank in (0, 1):
         check(results[rank], dp=2)
         kind, message = results[rank]["mismatch"]
@@ -87,8 +88,9 @@ def test_three_ranks_shard_geometry_without_processes():
             assert abs(got - predicted[figure]) <= 0.1 * got, (name, figure)
 
 
-def test_world_four_gathers_over_two_groups():
-    results = spawn(4, dist_cases.group_cases)
+@pytest.mark.spawned.with_args(lambda: spawn(4, dist_cases.group_cases))
+def test_world_four_gathers_over_two_groups(spawned):
+    results = spawned
     for rank in range(4):
         reason = results[rank].pop("auto_reason")
         auto = results[rank].pop("auto")
@@ -101,9 +103,14 @@ def test_world_four_gathers_over_two_groups():
     assert len({results[r]["dit"]["mode"] for r in range(4)}) == 1
 
 
-def test_failed_or_dead_rank_makes_the_other_raise_within_timeout():
-    timeout_s = 5.0
-    results = spawn(2, dist_cases.failure_cases, timeout_s, allow_dead=(1,))
+FAILURE_TIMEOUT_S = 5.0
+
+
+@pytest.mark.spawned.with_args(lambda: spawn(2, dist_cases.failure_cases, FAILURE_TIMEOUT_S,
+                                   allow_dead=(1,)))
+def test_failed_or_dead_rank_makes_the_other_raise_within_timeout(spawned):
+    timeout_s = FAILURE_TIMEOUT_S
+    results = spawned
     raised = results[0]
     # A rank that raises keeps the collective clock (it completes the graph's gathers
     # without computing): the other rank's call is exact and raises nothing.

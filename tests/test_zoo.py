@@ -4,7 +4,9 @@ Spawns of two gloo ranks run the models of `zoo_models.ZOO`, a group of them per
 dp=1 (each rank alone on its share of the group), then dp=2 in both modes, two calls
 each, ``resident_bytes=0``. Each model must be bit-identical (`torch.equal`) to its
 resident twin on every call and stream at least half of its parameter bytes (counted
-from the runtime's host store).
+from the runtime's host store). Each group's spawn is a job of tests/conftest.py: it runs
+in the background while the in-process tests of the suite run, and the group's tests check
+its results.
 
 ``DLO_FX_ZOO_TABLE=docs/zoo.md pytest tests/test_zoo.py`` also writes the table of the run
 (model x dp x mode: exact, blocks, share streamed) and its timings.
@@ -12,7 +14,9 @@ from the runtime's host store).
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 
 import pytest
@@ -32,29 +36,32 @@ GROUPS = [tuple(NAMES[i : i + GROUP]) for i in range(0, len(NAMES), GROUP)]
 
 
 class Zoo:
-    """Results per (model, dp, mode[, rank]), spawned a group at a time on demand."""
+    """Results per (model, dp, mode[, rank]) of the groups run so far, and their timings."""
 
     def __init__(self) -> None:
         self.results: dict = {}
         self.cpu = [0.0] * WORLD
         self.wall = 0.0
+        self.lock = threading.Lock()
 
-    def of(self, name: str) -> dict:
-        group = next(g for g in GROUPS if name in g)
-        if not any(key[0] == name for key in self.results):
-            start = time.monotonic()
-            # Collectives wait for the slower rank's compile: generous on a loaded machine.
-            per_rank = spawn(WORLD, zoo_cases.zoo_cases, group, 600.0, timeout=1800.0)
+    def run(self, group: tuple[str, ...]) -> dict:
+        """Spawn the ranks for ``group``; its results (a job of tests/conftest.py)."""
+        start = time.monotonic()
+        # Collectives wait for the slower rank's compile: generous on a loaded machine.
+        per_rank = spawn(WORLD, zoo_cases.zoo_cases, group, 600.0, timeout=1800.0)
+        results = {}
+        with self.lock:
             self.wall += time.monotonic() - start
             for rank in range(WORLD):
                 for key, result in per_rank[rank].items():
                     self.cpu[rank] += result["cpu_seconds"]
                     if key[1] == WORLD and rank != 0:
                         key = (*key, rank)  # dp=2 seen from the other rank, checked too
-                    self.results[key] = result
+                    results[key] = result
+            self.results.update(results)
             if os.environ.get("DLO_FX_ZOO_TABLE"):  # rewritten after every group
                 self.write_table(os.environ["DLO_FX_ZOO_TABLE"])
-        return {k: v for k, v in self.results.items() if k[0] == name}
+        return results
 
     def write_table(self, path: str) -> None:
         rows = {k: v for k, v in self.results.items() if len(k) == 3}
@@ -76,14 +83,15 @@ class Zoo:
             f.write(text)
 
 
-@pytest.fixture(scope="module")
-def zoo() -> Zoo:
-    return Zoo()
+RUNS = Zoo()
+#: One job per group, shared by the group's tests (tests/conftest.py runs the jobs).
+JOBS = {group: functools.partial(RUNS.run, group) for group in GROUPS}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_zoo_model_is_exact_and_streams(zoo: Zoo, name: str) -> None:
-    cases = zoo.of(name)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.spawned.with_args(JOBS[group])) for group in GROUPS for name in group])
+def test_zoo_model_is_exact_and_streams(spawned: dict, name: str) -> None:
+    cases = {k: v for k, v in spawned.items() if k[0] == name}
     assert len(cases) == 1 + 2 * WORLD, sorted(cases)  # dp=1, and dp=2 from both ranks
     failures = []
     for key, r in cases.items():

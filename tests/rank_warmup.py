@@ -1,0 +1,35 @@
+"""Imported once by the fork server that every rank forks from (tests/distributed.py).
+
+It compiles a tiny reference DiT with ``backend="dlo"`` and calls it once, then resets
+Dynamo and the runtimes: each rank then starts with the lazy set-up of a first compile
+done (Dynamo's, the dlo passes' imports), not only with the modules imported. What it
+leaves behind: no thread (the runtime's copy worker ends with `reset_runtimes`), no
+compiled code, no runtime, one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import torch
+
+
+def _warm_up() -> None:
+    from dlo_fx.models import example_inputs, reference_dit
+    from dlo_fx.runtime.runtime import reset_runtimes
+
+    torch.set_num_threads(1)
+    model = reference_dit(width=32, depth=3, heads=2, seed=0).eval().requires_grad_(False)
+    inputs = example_inputs(model.config, batch=1, height=4, width=4, seed=0)
+    with torch.no_grad():
+        torch.compile(model, backend="dlo", fullgraph=True)(*inputs)
+    del model
+    torch._dynamo.reset()
+    reset_runtimes()
+    gc.collect()
+    if threading.active_count() != 1:  # forking beside a live thread could deadlock a rank
+        raise RuntimeError(f"threads left by the warm-up: {threading.enumerate()}")
+
+
+_warm_up()
