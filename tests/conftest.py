@@ -76,5 +76,5 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture
 def spawned(request):
-    """What this test's ``@pytest.mark.spawned.with_args(job)`` returned (its exception is raised)."""
+    """What this test's spawned job returned (its exception is raised here)."""
     return _FUTURES[_job(request.node)].result()

@@ -3,10 +3,10 @@ bit-exact through ``pipe(...)``, the README quick start, and ``dlo-fx generate -
 
 Tiny pipelines are built locally (tests/diffusers_pipelines.py) and saved once per module.
 Torch runs one intra-op thread here (tests/conftest.py), as the engine's workers do
-(``--threads 1``). The ``dlo-fx generate --diffusers`` runs start in a background thread with the module's first
-test, so their worker processes (torch + diffusers imports, their own compiles) overlap the
-in-process tests, whose Dynamo tracing keeps one core busy; each generate test waits for
-its own run, then checks it.
+(``--threads 1``). The ``dlo-fx generate --diffusers`` runs start in a background thread
+with the module's first test, so their worker processes (torch + diffusers imports, their
+own compiles) overlap the in-process tests, whose Dynamo tracing keeps one core busy; each
+generate test waits for its own run, then checks it.
 """
 
 from __future__ import annotations

@@ -75,8 +75,8 @@ class Zoo:
             "rank-local too (the zoo alternates the two options at dp=1). dp=2 cells are\n"
             "rank 0's; rank 1 is checked by the test as well.\n\n"
             + zoo_cases.table(rows, WORLD)
-            + f"\n{len({k[0] for k in rows})} of {len(NAMES)} models in {len(GROUPS)} spawns of {WORLD} gloo ranks: "
-            f"{self.wall:.0f} s wall; CPU time per rank "
+            + f"\n{len({k[0] for k in rows})} of {len(NAMES)} models in {len(GROUPS)} spawns "
+            f"of {WORLD} gloo ranks: {self.wall:.0f} s wall; CPU time per rank "
             f"{', '.join(f'{c:.0f} s' for c in self.cpu)}.\n"
         )
         with open(path, "w") as f:
@@ -89,7 +89,8 @@ JOBS = {group: functools.partial(RUNS.run, group) for group in GROUPS}
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.spawned.with_args(JOBS[group])) for group in GROUPS for name in group])
+    pytest.param(name, marks=pytest.mark.spawned.with_args(JOBS[group]))
+    for group in GROUPS for name in group])
 def test_zoo_model_is_exact_and_streams(spawned: dict, name: str) -> None:
     cases = {k: v for k, v in spawned.items() if k[0] == name}
     assert len(cases) == 1 + 2 * WORLD, sorted(cases)  # dp=1, and dp=2 from both ranks
