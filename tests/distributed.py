@@ -105,6 +105,13 @@ def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240.0,
     return {r: v for r, (_, v) in results.items()}
 
 
+def in_child(rank: int, world: int, fn: Callable, *args: Any) -> Any:
+    """``spawn(1, in_child, fn, *args)``: ``fn(*args)`` in a forked child. A spawned job
+    (tests/conftest.py) writes its checkpoints this way: it never builds a model in the
+    pytest process."""
+    return fn(*args)
+
+
 def selected(request: Any, test: str, **params: Any) -> bool:
     """Whether the session selected ``test`` of the requesting fixture's module (with these
     parametrize values, when given)."""
@@ -120,7 +127,7 @@ def selected(request: Any, test: str, **params: Any) -> bool:
 
 
 @contextlib.contextmanager
-def background(jobs: dict[str, Callable[[], Any]], name: str) -> Iterator[dict[str, Future]]:
+def background(jobs: dict[Any, Callable[[], Any]], name: str) -> Iterator[dict[Any, Future]]:
     """Run ``jobs`` one after another on a thread; yield a Future per job.
 
     A module fixture starts ranks or worker processes (imports, first compiles) this way so

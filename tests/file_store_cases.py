@@ -30,12 +30,6 @@ def write_files(root: str) -> dict:
     return files
 
 
-def written_files(rank: int, world: int, root: str) -> dict:
-    """`write_files` in a child (``spawn(1, ...)``): a test's background job builds no
-    model in the pytest process (tests/conftest.py)."""
-    return write_files(root)
-
-
 def store_of(model: torch.nn.Module):
     return runtimes_holding(list(model.parameters()))[0].store
 

@@ -202,10 +202,9 @@ def run(layout: str, options: dict, *, ckpt: str = "", calls: int = 2, **kw) -> 
     return {"equal": equal, **figures(model, [[e.fqn for e in b.entries] for b in store.blocks])}
 
 
-def saved(rank: int, world: int, layout: str, path: str) -> str:
-    """`save` of `build(layout)` in a child (``spawn(1, ...)``): a test's background job
-    builds no model in the pytest process (tests/conftest.py)."""
-    return save(build(layout), path)
+def save_built(path: str, layout: str, **kw) -> str:
+    """`save` of `build(layout, **kw)` to ``path``."""
+    return save(build(layout, **kw), path)
 
 
 def dp2_cases(rank: int, world: int, folder: str) -> dict:

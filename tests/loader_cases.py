@@ -46,14 +46,8 @@ def save_wan(folder: str) -> str:
     return folder
 
 
-def saved_dit(rank: int, world: int, folder: str, depth: int = 3) -> tuple[str, object]:
-    """`save_dit` in a child (``spawn(1, saved_dit, folder)``): a test's background job
-    builds no model in the pytest process (tests/conftest.py)."""
-    return save_dit(folder, depth=depth)
-
-
-def saved_checkpoints(rank: int, world: int, root: str) -> tuple[str, object, str]:
-    """`save_dit` and `save_wan` into ``root`` in a child, as `saved_dit`."""
+def save_checkpoints(root: str) -> tuple[str, object, str]:
+    """`save_dit` and `save_wan` into ``root``: (DiT path, its config, Wan folder)."""
     dit, config = save_dit(root)
     return dit, config, save_wan(os.path.join(root, "wan"))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import tempfile
 
 import pytest
@@ -15,8 +16,8 @@ from dlo_fx.runtime.host_store import is_hollow
 
 import budget_cases
 from budget_cases import sweep
-from distributed import spawn
-from loader_cases import saved_dit
+from distributed import in_child, spawn
+from loader_cases import save_dit
 from models import call, tiny_dit
 
 
@@ -187,7 +188,8 @@ def test_auto_on_cpu_streams_every_block():
 
 def _two_ranks():
     with tempfile.TemporaryDirectory() as folder:
-        path, _ = spawn(1, saved_dit, folder, budget_cases.DEPTH)[0]
+        path, _ = spawn(1, in_child, functools.partial(save_dit, depth=budget_cases.DEPTH),
+                         folder)[0]
         return spawn(2, budget_cases.budget_cases, path, timeout=480)
 
 

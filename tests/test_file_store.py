@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import file_store_cases
-from distributed import spawn
+from distributed import in_child, spawn
 from dlo_fx import cli
 from dlo_fx.checkpoint import CheckpointError
 from dlo_fx.config import DLOConfig
@@ -132,7 +132,7 @@ def test_mmap_needs_a_loaded_model():
 # -- dp = 2 -------------------------------------------------------------------------------------
 def _two_ranks():
     with tempfile.TemporaryDirectory() as root:
-        files = spawn(1, file_store_cases.written_files, root)[0]
+        files = spawn(1, in_child, file_store_cases.write_files, root)[0]
         broken = os.path.join(root, "broken")
         shutil.copytree(files["dit2"], broken)
         os.remove(os.path.join(broken, "rank-00001-of-00002.safetensors"))

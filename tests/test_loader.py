@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import loader_cases
-from distributed import spawn
+from distributed import in_child, spawn
 from dlo_fx.checkpoint import CheckpointError, resolve_checkpoint
 from dlo_fx.loader import load
 from dlo_fx.models import ReferenceDiT
 from dlo_fx.runtime.host_store import is_hollow
 from dlo_fx.runtime.runtime import live_runtimes
-from loader_cases import compare, resident_dit, resident_wan, save_dit, save_wan
+from loader_cases import compare, resident_dit, resident_wan
 from models import tiny_dit, tiny_wan
 
 
@@ -32,8 +32,7 @@ EAGER_LAYERS = loader_cases.EAGER_LAYERS
 def ckpts(tmp_path_factory):
     """One DiT file and one sharded diffusers Wan folder, written once for the module."""
     root = tmp_path_factory.mktemp("ckpt")
-    dit_path, dit_config = save_dit(str(root))
-    wan_dir = save_wan(str(root / "wan"))
+    dit_path, dit_config, wan_dir = loader_cases.save_checkpoints(str(root))
     return {"root": root, "dit": dit_path, "config": dit_config, "wan": wan_dir}
 
 
@@ -329,7 +328,7 @@ def test_bad_model_argument_and_resident_name(ckpts):
 # -- two ranks ----------------------------------------------------------------------------------
 def _two_ranks():
     with tempfile.TemporaryDirectory() as root:
-        dit, config, wan = spawn(1, loader_cases.saved_checkpoints, root)[0]
+        dit, config, wan = spawn(1, in_child, loader_cases.save_checkpoints, root)[0]
         return spawn(2, loader_cases.load_cases, dit, config, wan,
                      os.path.join(root, "absent.safetensors"), timeout=300)
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import dlo_fx
-from distributed import spawn
+from distributed import in_child, spawn
 from dlo_fx.config import DLOConfig
 from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import device_slots
 from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
-from loader_cases import resident_dit, save_dit, saved_dit
+from loader_cases import resident_dit, save_dit
 from models import run_dlo, tiny_dit
 
 import ownership_cases
@@ -267,7 +267,7 @@ def test_module_operations_in_a_child_process(spawned):
 
 def _state_dict_two_ranks():
     with tempfile.TemporaryDirectory() as folder:
-        path, config = spawn(1, saved_dit, folder)[0]
+        path, config = spawn(1, in_child, save_dit, folder)[0]
         return spawn(2, ownership_cases.allgather_state_dict, path, config, timeout=300)
 
 

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 import handwritten_dits as hw
-from distributed import spawn
+from distributed import in_child, spawn
 from dlo_fx.partition import Unit, default_budget, layering, partition
 from dlo_fx.residency import Candidate, decide_residency
 
@@ -105,7 +105,7 @@ def test_handwritten_dit_compiles_to_one_block_per_layer(layout, features):
 @pytest.mark.parametrize("layout,features", [("dict", True), ("attr", False)])
 def test_handwritten_dit_loads_one_block_per_layer(tmp_path, layout, features):
     kw = hw.FEATURES if features else {}
-    path = hw.save(hw.build(layout, **kw), str(tmp_path / "model.safetensors"))
+    path = hw.save_built(str(tmp_path / "model.safetensors"), layout, **kw)
     check(hw.run(layout, {}, ckpt=path, **kw), features)
 
 
@@ -120,7 +120,7 @@ def test_blocks_md_says_why_each_block_ends(tmp_path):
 # -- dp=2 -----------------------------------------------------------------------------------
 def _two_ranks():
     with tempfile.TemporaryDirectory() as folder:
-        spawn(1, hw.saved, "attr", f"{folder}/attr.safetensors")
+        spawn(1, in_child, hw.save_built, f"{folder}/attr.safetensors", "attr")
         return spawn(2, hw.dp2_cases, folder, timeout=400)
 
 
