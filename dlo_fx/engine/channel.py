@@ -16,9 +16,9 @@ or the error it raised), ``done`` (the rank finished the wave, padding included)
 A local engine listens on 127.0.0.1 only, on an ephemeral port, and only until every
 worker has connected: then the listening socket is closed. Each connection starts with a
 mutual challenge-response over HMAC-SHA256 with the engine's random 32-byte secret
-(`handshake`), which the workers get through the spawn pipe (never argv or the
-environment); a process that knows the port but not the secret is refused before it can
-read a request or send a reply. The process group meets in a ``FileStore`` in a private
+(`handshake`), which the workers get through multiprocessing's process-start pipe
+(never argv or the environment); a process that knows the port but not the secret is
+refused before it can read a request or send a reply. The process group meets in a ``FileStore`` in a private
 (0700) temporary folder and gloo is bound to the loopback interface, so no rendezvous
 port is published. What this does not cover: gloo's own loopback connections are not
 authenticated (torch.distributed has no authentication); a local user who finds and

@@ -150,7 +150,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"dlo-fx generate: {exc}", file=sys.stderr)
         return 2
     app_dir = os.path.abspath(getattr(args, "app_dir", "."))
-    if app_dir not in sys.path:  # spawned workers inherit sys.path
+    if app_dir not in sys.path:  # the workers get the front end's sys.path
         sys.path.insert(0, app_dir)
     kwargs = dict(args.pipeline_arg)
     if args.checkpoint is not None:

@@ -126,7 +126,7 @@ def run_showcase(*, width: int = 512, depth: int = 8, heads: int = 8, size: int 
     rows = [
         ("model", f"reference DiT width {width}, {depth} layers, bf16: "
                   f"{_mib(weights_bytes)} checkpoint"),
-        ("start 2 ranks (spawn, load)", f"{start_s:.1f} s"),
+        ("start 2 ranks (fork server, load)", f"{start_s:.1f} s"),
         ("first wave (compiles)", f"{cold[0].seconds:.2f} s"),
         ("wave latency", f"{wave_s:.2f} s for 2 requests"),
         ("throughput", f"{2 / wave_s:.3f} requests/s "
@@ -137,7 +137,7 @@ def run_showcase(*, width: int = 512, depth: int = 8, heads: int = 8, size: int 
                      f"{_mib(r.info.get('host_shard_bytes'))} / "
                      f"{_mib(r.info.get('slot_bytes'))}"))
     rows += [
-        ("peak PSS, process tree", f"{_mib(pss.peak)} (front end + 2 ranks)"),
+        ("peak PSS, process tree", f"{_mib(pss.peak)} (front end, fork server, 2 ranks)"),
         ("bit-identical to resident", str(identical)),
         ("schedule dump", str(dump)),
         ("outputs", f"{outputs} (safetensors latents + PNG previews)"),

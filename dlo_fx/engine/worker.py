@@ -17,6 +17,7 @@ import datetime
 import importlib
 import logging
 import os
+import select
 import signal
 import socket
 import threading
@@ -199,24 +200,43 @@ class WaveServer:
             self.channel.send(header, payload)
 
 
-def watch_parent(parent_pid: int, *, pdeathsig: bool) -> None:
-    """Exit when the front end dies: a parent-death signal (Linux; the front end started
-    the workers from its main thread, whose exit is the process's) and a thread polling
-    the parent pid every 0.25 s."""
-    if pdeathsig:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+def watch_front_end(front_end_pid: int) -> None:
+    """Exit at once when the front end dies, wherever it is in a wave.
 
-    def poll() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.25)
+    A worker's parent is the fork server (see [Note: workers fork from a fork server] in
+    workers.py), which exits when the front end does: a parent-death signal covers that
+    path. A thread also waits on the front end's own pid (a pidfd, so a reused pid cannot
+    fool it; where there is none, ``kill(pid, 0)`` every 0.25 s)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    try:
+        pidfd = os.pidfd_open(front_end_pid)
+    except (AttributeError, OSError):
+        pidfd = None
+        if not _alive(front_end_pid):
+            os._exit(1)
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable once the process has exited
+        else:
+            while _alive(front_end_pid):
+                time.sleep(0.25)
         os._exit(1)
 
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=poll, daemon=True, name="dlo-engine-parent-watch").start()
+    threading.Thread(target=watch, daemon=True, name="dlo-engine-front-end-watch").start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def loopback_gloo() -> None:
@@ -227,11 +247,15 @@ def loopback_gloo() -> None:
 
 
 def spawned_worker(rank: int, spec: WorkerSpec, address: tuple, secret: bytes,
-                   rendezvous: str, parent_pid: int, pdeathsig: bool) -> None:
-    """Entry point of a worker process started by `Engine` on this node."""
+                   rendezvous: str, front_end_pid: int, env: Mapping[str, str]) -> None:
+    """Entry point of a worker process started by `Engine` on this node: forked from the
+    fork server, it takes the front end's environment of the start, as a spawned process
+    would (the server's is that of the first start)."""
     import torch.distributed as dist
 
-    watch_parent(parent_pid, pdeathsig=pdeathsig)
+    watch_front_end(front_end_pid)
+    os.environ.clear()
+    os.environ.update(env)
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
     channel = LocalWorker(address, secret, rank)

@@ -15,14 +15,13 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
-import threading
 import time
 from typing import Any, Optional, Sequence
 
 from .channel import LocalFront, Message, decode_output, new_secret
 from .limits import Limits
 from .request import Request
-from .worker import WorkerSpec, spawned_worker
+from .worker import WorkerSpec, split_factory, spawned_worker
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +171,42 @@ class WorkerSet:
         self.channel.broadcast({"kind": "stop"})
 
 
+# [Note: workers fork from a fork server]
+# Local workers start through multiprocessing's ``forkserver``: a process started once per
+# front end (the first engine's workers start it) imports torch, Dynamo and dlo_fx (and
+# diffusers for the diffusers factory) and then forks every worker. A worker therefore
+# costs a fork, not a fresh interpreter importing torch (3 s of CPU a worker on a 2-core
+# machine, 5.5 s with diffusers), which is also what the engine pays again for every wave
+# that fails closed, since it then starts fresh workers. The rest is what ``spawn`` gives:
+# the server is single-threaded and never touches a device, so forking it is safe; each
+# worker receives the front end's ``sys.path``, working folder and main module from
+# multiprocessing, and its environment from `spawned_worker` (the server's is that of
+# the first start). A user's factory module is never imported in the server (its import
+# may touch a device or start threads): each worker imports it, as with ``spawn``.
+# A worker's parent is the server, not the front end, so the worker watches the front
+# end's pid itself (`worker.watch_front_end`).
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "dlo_fx.backend",
+            "dlo_fx.engine.worker")
+_DIFFUSERS = "dlo_fx.engine.diffusers_pipeline"
+
+
+def worker_context(pipeline: str) -> Any:
+    """The multiprocessing context local workers start from (see the Note above)."""
+    ctx = mp.get_context("forkserver")
+    preload = list(_PRELOAD)
+    if split_factory(pipeline)[0] == _DIFFUSERS:
+        preload += ["diffusers", _DIFFUSERS]
+    # Applies when this call starts the server; a running server keeps its modules (all
+    # the more imported: a worker imports what it misses).
+    ctx.set_forkserver_preload(preload)
+    return ctx
+
+
 class LocalWorkers(WorkerSet):
-    """``world_size`` worker processes on this node (multiprocessing spawn), each on its
-    own authenticated loopback connection (see [Note: the control plane's trust model] in
-    channel.py); their process group meets in a ``FileStore`` in a private folder."""
+    """``world_size`` worker processes on this node (forked from a fork server: see [Note:
+    workers fork from a fork server]), each on its own authenticated loopback connection
+    (see [Note: the control plane's trust model] in channel.py); their process group meets
+    in a ``FileStore`` in a private folder."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         world = spec.topology.world_size
@@ -183,11 +214,11 @@ class LocalWorkers(WorkerSet):
         super().__init__(LocalFront(world, secret), spec)
         self._dir = tempfile.mkdtemp(prefix="dlo-engine-")  # mode 0700
         rendezvous = os.path.join(self._dir, "rendezvous")
-        pdeathsig = threading.current_thread() is threading.main_thread()
-        ctx = mp.get_context("spawn")
+        ctx = worker_context(spec.pipeline)
+        env = dict(os.environ)
         self.procs = [ctx.Process(target=spawned_worker, name=f"dlo-engine-rank{rank}",
                                   args=(rank, spec, self.channel.address, secret, rendezvous,
-                                        os.getpid(), pdeathsig), daemon=True)
+                                        os.getpid(), env), daemon=True)
                       for rank in range(world)]
         try:
             for proc in self.procs:
