@@ -13,12 +13,14 @@ import tempfile
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import loader_cases
 from distributed import in_child, spawn
 from dlo_fx.checkpoint import CheckpointError, resolve_checkpoint
 from dlo_fx.loader import load
 from dlo_fx.models import ReferenceDiT
+from dlo_fx.models.reference_dit import DiTBlock
 from dlo_fx.runtime.host_store import is_hollow
 from dlo_fx.runtime.runtime import live_runtimes
 from loader_cases import compare, resident_dit, resident_wan
@@ -72,6 +74,12 @@ def test_reference_dit_graph_break_bit_identical(ckpts):
     r = compare(model, resident_dit(ckpts["dit"], config), tiny_dit()[1], {}, fullgraph=False,
                 calls=3)
     assert r["equal"]
+    # One compiled DiTBlock.forward for every layer. The eager-fetch hooks (installed at
+    # load, before the first trace) once had an id per module, which Dynamo guards on:
+    # a recompile per layer, and past its recompile limit (8) the later layers ran
+    # eagerly and raised on their hollow weights.
+    entries = _debug_get_cache_entry_list(DiTBlock.forward.__code__)
+    assert len(entries) == 1, len(entries)
 
 
 def test_eager_call_of_loaded_model_says_to_compile(ckpts):

@@ -73,9 +73,29 @@ def fetch_eagerly(root: torch.nn.Module, runtime: Any, compiled_forward: bool = 
         if module in _HOOKED or module in _KEPT or not _own_streamed(module, runtime):
             continue
         _RUNTIME_OF[module] = weakref.ref(runtime)
-        module.register_forward_pre_hook(_pre_hook)
-        module.register_forward_hook(_post_hook, always_call=True)
+        _install_hooks(module)
         _HOOKED.add(module)
+
+
+_HOOK_IDS: list[int] = []  # (pre-hook id, forward-hook id), shared by every hooked module
+
+
+def _install_hooks(module: torch.nn.Module) -> None:
+    """The two hooks, under the same two hook ids on every module. Dynamo guards a traced
+    module call on its hook ids (``hook_id in module._forward_hooks_always_called``): with
+    an id per module, code compiled for one layer's frame failed the guard of the next
+    layer, so a model with a graph break in its blocks, loaded hollow (hooked before its
+    first trace), recompiled that frame for every layer, and past Dynamo's recompile limit
+    (8) ran the rest eagerly."""
+    if not _HOOK_IDS:
+        pre = module.register_forward_pre_hook(_pre_hook)
+        post = module.register_forward_hook(_post_hook, always_call=True)
+        _HOOK_IDS.extend((pre.id, post.id))
+        return
+    pre_id, post_id = _HOOK_IDS  # what register_forward_(pre_)hook would store, by hand
+    module._forward_pre_hooks[pre_id] = _pre_hook
+    module._forward_hooks[post_id] = _post_hook
+    module._forward_hooks_always_called[post_id] = True
 
 
 def kept_materialised(root: torch.nn.Module) -> set[int]:
