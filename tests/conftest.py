@@ -1,5 +1,6 @@
 import contextlib
 import gc
+import time
 
 import pytest
 import torch
@@ -45,6 +46,7 @@ def pytest_configure(config):
 # environment. Several tests may share one job.
 _SESSION = contextlib.ExitStack()
 _FUTURES: dict = {}
+_SECONDS: dict = {}  # first test of a job -> the job's wall time, for the session summary
 
 
 def _job(item):
@@ -65,9 +67,32 @@ def pytest_collection_finish(session):
     gc.freeze()
     if session.config.option.collectonly:
         return
-    jobs = {job: job for job in map(_job, session.items) if job is not None}
+    jobs = {}
+    for item in session.items:
+        job = _job(item)
+        if job is not None and job not in jobs:
+            jobs[job] = _timed(job, item.nodeid)
     if jobs:
         _FUTURES.update(_SESSION.enter_context(background(jobs, "dlo-spawned-jobs")))
+
+
+def _timed(job, test):
+    def run():
+        start = time.perf_counter()
+        try:
+            return job()
+        finally:
+            _SECONDS[test] = time.perf_counter() - start
+    return run
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The spawned jobs' wall times beside pytest's ``--durations`` (a job's test only waits
+    for it, so its own duration says nothing)."""
+    if _SECONDS and terminalreporter.config.option.durations is not None:
+        terminalreporter.write_sep("=", "spawned jobs (wall seconds, on the background thread)")
+        for test, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:8.2f}s  {test}")
 
 
 def pytest_sessionfinish(session, exitstatus):

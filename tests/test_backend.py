@@ -110,7 +110,8 @@ def test_fault_injection_keeps_bit_identity():
 def test_wrap_around_prefetch_starts_next_call_warm():
     ref, outs, model = run_dlo(tiny_dit, {"num_slots": 2}, calls=1)
     runtime = runtimes_holding(list(model.parameters()))[0]
-    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    # the same options: Dynamo reuses the first trace (no second trace of the model)
+    compiled = torch.compile(model, backend="dlo", fullgraph=True, options={"num_slots": 2})
     blocks = dlo_fx.memory_report(model).num_blocks
     assert blocks > 2 and runtime.copies == blocks + 2  # every block, then the ring of 2
     before = runtime.copies

@@ -25,7 +25,7 @@ from dlo_fx.runtime.runtime import runtimes_holding
 
 from distributed import spawn
 from models import call, tiny_dit
-from safety_cases import safety_cases
+from safety_cases import ctrl_c_raises, safety_cases
 from safety_models import eager_head_dit, tiny_hunyuan_video_15
 
 
@@ -83,7 +83,7 @@ def test_interrupts_at_random_points_leave_the_runtime_consistent():
     delayed copy; the next call is exact every time and the runtime never closes."""
     compiled, inputs, ref, model = _compiled(tiny_dit, {"block_bytes": 20_000, "fault_delay_s": 0.01},
                                              depth=4)
-    with torch.no_grad():
+    with torch.no_grad(), ctrl_c_raises():
         start = time.perf_counter()
         assert torch.equal(call(compiled, inputs), ref)
         duration = time.perf_counter() - start
@@ -108,7 +108,8 @@ def test_interrupt_while_a_copy_is_issued_is_deferred_until_it_is_recorded():
     """SIGINT arriving inside ``prefetch`` (between marking a slot and issuing its copy)
     is raised only once the copy is issued and recorded: the next output is exact."""
     compiled, inputs, ref, model = _compiled(tiny_dit, {"block_bytes": 20_000}, depth=2)
-    with torch.no_grad():
+    interrupted = 0
+    with torch.no_grad(), ctrl_c_raises():
         assert torch.equal(call(compiled, inputs), ref)
         runtime = runtimes_holding(list(model.parameters()))[0]
         real_copy = runtime.executor.copy
@@ -125,9 +126,10 @@ def test_interrupt_while_a_copy_is_issued_is_deferred_until_it_is_recorded():
             try:
                 call(compiled, inputs)
             except KeyboardInterrupt:
-                pass
+                interrupted += 1
             runtime.executor.copy = real_copy
             assert torch.equal(call(compiled, inputs), ref), k
+    assert interrupted == 4
 
 
 def test_eager_frame_reads_streamed_parameters():
