@@ -160,3 +160,83 @@ def images(pipe, kind: str, **kw) -> torch.Tensor:
     with torch.no_grad():
         out = pipe(**call_kwargs(kind, **kw))
     return out.frames if kind == "wan" else out.images
+
+
+# -- compile_pipeline: resident vs dlo through pipe(...) -------------------------------------------
+SIZES = {"flux": [(16, 16), (32, 16)], "wan": [(32, 32), (32, 48)], "sd3": [(16, 16), (32, 16)]}
+"""Two resolutions per kind: the second recompiles the transformer with dynamic shapes."""
+
+
+def check_bit_exact_with_cfg_two_resolutions(kind: str, reference, pipe, **kw) -> None:
+    """``pipe`` (compiled with `compile_pipeline`) equals ``reference`` bit for bit with CFG
+    at both resolutions and back at the first; its transformer and text encoders are
+    streamed, its VAE is not."""
+    from dlo_fx.runtime.host_store import is_hollow
+
+    sizes = SIZES[kind]
+    for height, width in sizes + sizes[:1]:
+        expected = images(reference, kind, height=height, width=width, **kw)
+        assert torch.equal(images(pipe, kind, height=height, width=width, **kw), expected), \
+            (kind, height, width)
+    streamed = [n for n in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+                if getattr(pipe, n, None) is not None]
+    for name in streamed:  # the text encoders are streamed too (the compiled module's own
+        module = getattr(pipe, name)  # parameters stay: its hooks run eagerly on every call)
+        own = {id(p) for p in module.parameters(recurse=False)}
+        assert all(is_hollow(p) for p in module.parameters()
+                   if p.numel() > 16 and id(p) not in own), name
+    assert not any(is_hollow(p) for p in pipe.vae.parameters())  # the VAE only if asked
+
+
+def compile_pipeline_case(kind: str) -> None:
+    """A resident pipeline and its `compile_pipeline` twin (2 slots), compared by
+    `check_bit_exact_with_cfg_two_resolutions`: run in a forked child by a spawned job of
+    test_diffusers (its assertions raise there, with their traceback)."""
+    from dlo_fx import compile_pipeline
+
+    reference, pipe = BUILDERS[kind](), BUILDERS[kind]()
+    assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe
+    check_bit_exact_with_cfg_two_resolutions(kind, reference, pipe)
+
+
+def readme_quick_start_case(readme: str) -> None:
+    """Both snippets of the README's diffusers quick start, on a tiny Flux pipeline saved
+    here, at a tiny size: each gives the resident pipeline's image. The first snippet's
+    pipeline (bfloat16, compiled by `compile_pipeline`) is also Flux's case of
+    `check_bit_exact_with_cfg_two_resolutions`, checked before the second snippet starts
+    afresh: its calls keep the README's text length, so the transformer compiles once more
+    only for the second resolution. Run in a forked child by a spawned job of
+    test_diffusers (its assertions raise there, with their traceback)."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    from diffusers import FluxPipeline
+
+    from dlo_fx.runtime.runtime import reset_runtimes
+
+    text = Path(readme).read_text()
+    section = text[text.index("## Diffusers quick start"):text.index("## Any DiT")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, blocks
+    with tempfile.TemporaryDirectory() as folder:
+        flux().save_pretrained(folder)
+        reference = FluxPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
+        expected = np.asarray(reference("a red cat over the tree", height=16, width=16,
+                                        num_inference_steps=2,
+                                        generator=torch.Generator().manual_seed(0)).images[0])
+        namespace: dict = {}
+        for index, code in enumerate(blocks):
+            torch._dynamo.reset()
+            reset_runtimes()
+            code = code.replace('"FLUX.1-dev"', repr(folder))
+            code = code.replace("height=1024, width=1024", "height=16, width=16")
+            code = code.replace("num_inference_steps=28)", "num_inference_steps=2, "
+                                "generator=torch.Generator().manual_seed(0))")
+            exec(compile(code, readme, "exec"), namespace)
+            assert np.array_equal(np.asarray(namespace["image"]), expected)
+            if index == 0:
+                assert isinstance(namespace["pipe"], FluxPipeline)
+                check_bit_exact_with_cfg_two_resolutions("flux", reference, namespace["pipe"],
+                                                         short_text=False)

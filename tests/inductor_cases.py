@@ -98,6 +98,55 @@ def dlo_inductor(name: str, options: dict, inputs_list, *, fullgraph=True, dynam
         return [call(compiled, inputs) for inputs in inputs_list], model
 
 
+def dit_inputs(hw: int = 8):
+    from dlo_fx.models import example_inputs
+    from models import tiny_dit
+
+    return example_inputs(tiny_dit()[0].config, batch=2, height=hw, width=hw, seed=1)
+
+
+def symbolic_inputs(outer) -> bool:
+    """Whether an outer graph takes symbolic sizes (a graph compiled for dynamic shapes)."""
+    return any(isinstance(n.meta.get("example_value"), torch.SymInt)
+               for n in outer.graph.nodes if n.op == "placeholder")
+
+
+def dynamic_shape_cases() -> dict:
+    """The two dynamic-shape tests of test_inductor, run in a forked child by their shared
+    spawned job: for each, the outputs, the eager references and whether each outer graph
+    `compile_pieces` returned (a spy, in compile order) takes symbolic sizes.
+
+    - ``"automatic"``: resolutions 8, 12, 16, then 8 again, as Dynamo's automatic dynamic
+      shapes compile them;
+    - ``"dynamic_true"``: 12 and 16 with ``dynamic=True`` and float attributes specialized
+      (see test_dynamic_true_compiles_once_for_every_resolution)."""
+    import dlo_fx.inductor
+
+    graphs: list = []
+    real = dlo_fx.inductor.compile_pieces
+
+    def spy(gm, example_inputs_, ctx):
+        forward = real(gm, example_inputs_, ctx)
+        graphs.append(forward.__self__)
+        return forward
+
+    dlo_fx.inductor.compile_pieces = spy
+    out = {}
+    with compile_config():
+        for case, sizes, dynamic in (("automatic", (8, 12, 16, 8), None),
+                                     ("dynamic_true", (12, 16), True)):
+            fresh()
+            graphs.clear()
+            inputs = [dit_inputs(hw) for hw in sizes]
+            refs = eager_reference("dit", inputs)
+            with torch._dynamo.config.patch(specialize_float=dynamic is True):
+                outs, _ = dlo_inductor("dit", {}, inputs, dynamic=dynamic)
+            out[case] = {"outs": outs, "refs": refs,
+                         "symbolic": [symbolic_inputs(g) for g in graphs]}
+    fresh()
+    return out
+
+
 # -- two ranks ------------------------------------------------------------------------------
 #: (label, model, options, fullgraph, factory kwargs, ranks that run it); an "own" shard
 #: group is the rank alone: dp = 1.

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import diffusers_pipelines as dp
-from distributed import background, selected
+from distributed import background, in_child, selected, spawn
 from dlo_fx import compile_pipeline, load
 from dlo_fx.checkpoint import CheckpointError
 from dlo_fx.cli import build_parser, main
@@ -133,34 +133,16 @@ def test_wrong_config_report_is_summarised(saved):
 
 
 # -- compile_pipeline: resident vs dlo through pipe(...) -------------------------------------------
-SIZES = {"flux": [(16, 16), (32, 16)], "wan": [(32, 32), (32, 48)], "sd3": [(16, 16), (32, 16)]}
-"""Two resolutions per kind: the second recompiles the transformer with dynamic shapes."""
-
-
-def check_bit_exact_with_cfg_two_resolutions(kind: str, reference, pipe, **kw) -> None:
-    """``pipe`` (compiled with `compile_pipeline`) equals ``reference`` bit for bit with CFG
-    at both resolutions and back at the first; its transformer and text encoders are
-    streamed, its VAE is not."""
-    sizes = SIZES[kind]
-    for height, width in sizes + sizes[:1]:
-        expected = dp.images(reference, kind, height=height, width=width, **kw)
-        assert torch.equal(dp.images(pipe, kind, height=height, width=width, **kw), expected), \
-            (kind, height, width)
-    streamed = [n for n in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
-                if getattr(pipe, n, None) is not None]
-    for name in streamed:  # the text encoders are streamed too (the compiled module's own
-        module = getattr(pipe, name)  # parameters stay: its hooks run eagerly on every call)
-        own = {id(p) for p in module.parameters(recurse=False)}
-        assert all(is_hollow(p) for p in module.parameters() if p.numel() > 16 and id(p) not in own), name
-    assert not any(is_hollow(p) for p in pipe.vae.parameters())  # the VAE only if asked
-
-
-@pytest.mark.parametrize("kind", ["wan", "sd3"])  # Flux: the README quick start test below
-def test_compile_pipeline_bit_exact_with_cfg_two_resolutions(kind):
-    fresh()
-    reference, pipe = dp.BUILDERS[kind](), dp.BUILDERS[kind]()
-    assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe
-    check_bit_exact_with_cfg_two_resolutions(kind, reference, pipe)
+@pytest.mark.parametrize("kind", [  # Flux: the README quick start test below
+    pytest.param(kind, marks=pytest.mark.spawned.with_args(
+        functools.partial(spawn, 1, in_child, dp.compile_pipeline_case, kind)))
+    for kind in ("wan", "sd3")])
+def test_compile_pipeline_bit_exact_with_cfg_two_resolutions(spawned, kind):
+    """`diffusers_pipelines.compile_pipeline_case`, in a forked child: a spawned job
+    (tests/conftest.py), so its traces (the pipeline's transformer at two resolutions and
+    its text encoders) run beside the in-process tests. A failed check raises there, with
+    its traceback."""
+    assert spawned == {0: None}
 
 
 def test_compile_pipeline_rejects_unknown_components_and_options():
@@ -173,36 +155,12 @@ def test_compile_pipeline_rejects_unknown_components_and_options():
     assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe  # compiled in place
 
 
-def test_readme_diffusers_quick_start_runs_and_is_exact(saved):
-    """Both README snippets, on the tiny saved Flux at a tiny size: same image as resident.
-    The first snippet's pipeline (bfloat16, compiled by `compile_pipeline`) is also Flux's
-    case of test_compile_pipeline_bit_exact_with_cfg_two_resolutions, checked before the
-    second snippet starts afresh: its calls keep the README's text length, so the
-    transformer compiles once more only for the second resolution."""
-    import numpy as np
-    from diffusers import FluxPipeline
-
-    text = README.read_text()
-    section = text[text.index("## Diffusers quick start"):text.index("## Any DiT")]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 2, blocks
-    reference = FluxPipeline.from_pretrained(saved["flux"], torch_dtype=torch.bfloat16)
-    expected = np.asarray(reference("a red cat over the tree", height=16, width=16,
-                                    num_inference_steps=2,
-                                    generator=torch.Generator().manual_seed(0)).images[0])
-    namespace: dict = {}
-    for index, code in enumerate(blocks):
-        fresh()
-        code = code.replace('"FLUX.1-dev"', repr(str(saved["flux"])))
-        code = code.replace("height=1024, width=1024", "height=16, width=16")
-        code = code.replace("num_inference_steps=28)", "num_inference_steps=2, "
-                            "generator=torch.Generator().manual_seed(0))")
-        exec(compile(code, str(README), "exec"), namespace)
-        assert np.array_equal(np.asarray(namespace["image"]), expected)
-        if index == 0:
-            assert isinstance(namespace["pipe"], FluxPipeline)
-            check_bit_exact_with_cfg_two_resolutions("flux", reference, namespace["pipe"],
-                                                     short_text=False)
+@pytest.mark.spawned.with_args(
+    functools.partial(spawn, 1, in_child, dp.readme_quick_start_case, str(README)))
+def test_readme_diffusers_quick_start_runs_and_is_exact(spawned):
+    """`diffusers_pipelines.readme_quick_start_case` (both README snippets, and Flux's case
+    of the bit-exact CFG check), in a forked child: a spawned job (tests/conftest.py)."""
+    assert spawned == {0: None}
 
 
 # -- serving a saved pipeline ---------------------------------------------------------------------

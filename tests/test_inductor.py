@@ -17,6 +17,7 @@ process that makes it).
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import pytest
@@ -26,11 +27,9 @@ from torch.fx.node import has_side_effect
 
 import dlo_fx.inductor
 import inductor_cases as C
-from distributed import spawn
+from distributed import in_child, spawn
 from dlo_fx.inductor import CompiledPiece
-from dlo_fx.models import example_inputs
 from dlo_fx.runtime.runtime import runtimes_holding
-from models import tiny_dit
 
 
 @pytest.fixture(autouse=True)
@@ -65,8 +64,7 @@ def record_schedule(into: list):
     return user_pass
 
 
-def dit_inputs(hw: int = 8):
-    return example_inputs(tiny_dit()[0].config, batch=2, height=hw, width=hw, seed=1)
+dit_inputs = C.dit_inputs
 
 
 CALLS: list[int] = []
@@ -167,25 +165,24 @@ def test_graph_breaks_one_graph_per_half_layer_reused_across_layers(outer_graphs
     assert all(model.blocks[i].fc1.weight in store for i in range(4))
 
 
-def symbolic_inputs(outer: fx.GraphModule) -> bool:
-    return any(isinstance(n.meta.get("example_value"), torch.SymInt)
-               for n in outer.graph.nodes if n.op == "placeholder")
+#: One forked child runs both dynamic-shape tests (`inductor_cases.dynamic_shape_cases`): a
+#: spawned job (tests/conftest.py), so its symbolic compiles run beside the in-process tests.
+DYNAMIC_SHAPES = functools.partial(spawn, 1, in_child, C.dynamic_shape_cases)
 
 
-def test_second_resolution_recompiles_with_symbolic_pieces(outer_graphs):
+@pytest.mark.spawned.with_args(DYNAMIC_SHAPES)
+def test_second_resolution_recompiles_with_symbolic_pieces(spawned):
     """Automatic dynamic shapes: the second resolution recompiles once with symbolic
     sizes, which then serves every resolution; the first graph keeps serving its own."""
-    inputs = [dit_inputs(hw) for hw in (8, 12, 16, 8)]
-    refs = C.eager_reference("dit", inputs)
-    outs, _ = C.dlo_inductor("dit", {}, inputs)
-    for out, ref in zip(outs, refs):
+    case = spawned[0]["automatic"]
+    for out, ref in zip(case["outs"], case["refs"]):
         C.assert_inductor_close(out, ref)
-    assert torch.equal(outs[0], outs[3])
-    assert len(outer_graphs) == 2
-    assert not symbolic_inputs(outer_graphs[0]) and symbolic_inputs(outer_graphs[1])
+    assert torch.equal(case["outs"][0], case["outs"][3])
+    assert case["symbolic"] == [False, True]  # two outer graphs, the second symbolic
 
 
-def test_dynamic_true_compiles_once_for_every_resolution(outer_graphs):
+@pytest.mark.spawned.with_args(DYNAMIC_SHAPES)
+def test_dynamic_true_compiles_once_for_every_resolution(spawned):
     """``dynamic=True``, with float attributes specialized (``specialize_float=True``).
 
     With ``dynamic=True`` and nothing else, Dynamo passes a module's float attributes
@@ -195,13 +192,10 @@ def test_dynamic_true_compiles_once_for_every_resolution(outer_graphs):
     graph implicitly: a resident ``backend="inductor"`` compile just before it, without a
     Dynamo reset, left those floats marked for specialization in Dynamo's process-wide
     TensorifyState. Same placeholders, no ``.item()``, outputs ``torch.equal``.)"""
-    inputs = [dit_inputs(hw) for hw in (12, 16)]
-    refs = C.eager_reference("dit", inputs)
-    with torch._dynamo.config.patch(specialize_float=True):
-        outs, _ = C.dlo_inductor("dit", {}, inputs, dynamic=True)
-    for out, ref in zip(outs, refs):
+    case = spawned[0]["dynamic_true"]
+    for out, ref in zip(case["outs"], case["refs"]):
         C.assert_inductor_close(out, ref)
-    assert len(outer_graphs) == 1 and symbolic_inputs(outer_graphs[0])
+    assert case["symbolic"] == [True]  # one outer graph, symbolic
 
 
 class _Autocast(torch.nn.Module):

@@ -44,21 +44,16 @@ def test_layer_key():
     assert layer_key("modulation_table") == "modulation_table"
 
 
-def test_default_budget_gives_one_block_per_layer():
-    model, inputs = tiny_dit(depth=4)
-    _, (ctx,), _ = compile_capture(model, inputs)
-    layer_blocks = [b for b in ctx.blocks if b.params[0].fqn.startswith("blocks.")]
-    assert [{layer_key(p.fqn) for p in b.params} for b in layer_blocks] == [
-        {f"blocks.{i}"} for i in range(4)]
-
-
-def test_shared_table_is_resident_far_apart():
+def test_shared_table_is_resident_far_apart_and_default_budget_gives_a_block_per_layer():
     model, inputs = tiny_dit(depth=4)
     _, (ctx,), _ = compile_capture(model, inputs, {"block_bytes": 10**9})
     reasons = {p.fqn: p.reason for p in ctx.resident}
     assert reasons == {"modulation_table": "used far apart"} or "modulation_table" not in reasons
-    _, (ctx,), _ = compile_capture(*tiny_dit(depth=4))
+    _, (ctx,), _ = compile_capture(*tiny_dit(depth=4))  # the default budget
     assert {p.fqn: p.reason for p in ctx.resident}["modulation_table"] == "used far apart"
+    layer_blocks = [b for b in ctx.blocks if b.params[0].fqn.startswith("blocks.")]
+    assert [{layer_key(p.fqn) for p in b.params} for b in layer_blocks] == [
+        {f"blocks.{i}"} for i in range(4)]
 
 
 def test_parameter_larger_than_budget_gets_its_own_block():

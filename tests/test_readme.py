@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from distributed import in_child, spawn
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -34,14 +41,34 @@ def test_readme_has_snippets():
     assert len(python_snippets()) >= 2
 
 
-def test_readme_snippets_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
+def run_snippets() -> dict:
+    """Run the snippets in order, in one namespace, in a fresh folder; what they left.
+    The job of `test_readme_snippets_run` runs it in a forked child (`spawn(1, ...)`): the
+    snippets build and compile a model, which a spawned job never does in the pytest
+    process (tests/conftest.py)."""
+    here = os.getcwd()
     namespace: dict = {"__name__": "__readme__"}
-    for line, code in python_snippets():
+    printed = io.StringIO()
+    with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(printed):
+        os.chdir(folder)
         try:
-            exec(compile(code, f"README.md:{line}", "exec"), namespace)
-        except Exception as exc:
-            pytest.fail(f"the README snippet at line {line} fails: {type(exc).__name__}: {exc}")
+            for line, code in python_snippets():
+                try:
+                    exec(compile(code, f"README.md:{line}", "exec"), namespace)
+                except Exception as exc:
+                    return {"failed": f"the README snippet at line {line} fails: "
+                                      f"{type(exc).__name__}: {exc}"}
+        finally:
+            os.chdir(here)
     out = namespace.get("out")
-    assert isinstance(out, torch.Tensor) and torch.isfinite(out).all()
-    assert "blocks" in capsys.readouterr().out  # memory_report was printed
+    return {"failed": None, "printed": printed.getvalue(),
+            "out_finite": isinstance(out, torch.Tensor) and bool(torch.isfinite(out).all())}
+
+
+@pytest.mark.spawned.with_args(functools.partial(spawn, 1, in_child, run_snippets))
+def test_readme_snippets_run(spawned):
+    result = spawned[0]
+    if result["failed"]:
+        pytest.fail(result["failed"])
+    assert result["out_finite"]
+    assert "blocks" in result["printed"]  # memory_report was printed
