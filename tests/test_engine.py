@@ -200,8 +200,8 @@ def test_engine_serves_mixed_waves_and_per_request_failures():
 
         # A worker that dies mid-wave fails its wave closed; generate keeps the results
         # of the waves before it, and the waves after it run on fresh workers.
-        dies = Request(prompt="dies", seed=9, height=32, width=32, num_inference_steps=2,
-                       extra_args={"fault": "exit", "fault_rank": 0, "fault_step": 1})
+        dies = Request(prompt="dies", seed=9, height=32, width=32, num_inference_steps=3,
+                       extra_args={"fault": "exit", "fault_rank": 0, "fault_step": 2})
         batch = [req("one", 10, num_inference_steps=3), req("two", 11, num_inference_steps=3),
                  dies, Request(prompt="its peer", seed=12, height=32, width=32,
                                num_inference_steps=2),
@@ -210,7 +210,8 @@ def test_engine_serves_mixed_waves_and_per_request_failures():
         start = time.monotonic()
         results = engine.generate(batch)
         assert [r.wave for r in results] == [waves + 2] * 2 + [waves + 3] * 2 + [waves + 4]
-        # Its peer had run both its forwards (rank 0 exits after its second): kept.
+        # Its peer had sent its reply before rank 0 died: rank 0 exits after its third
+        # forward, whose AllGathers rank 1 joins (padding) only once it has replied. Kept.
         assert [r.ok for r in results] == [True, True, False, True, True]
         for i in (0, 1, 3, 4):
             assert torch.equal(results[i].output, alone(batch[i]))

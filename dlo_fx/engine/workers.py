@@ -121,9 +121,7 @@ class WorkerSet:
         done: set[int] = set()
         try:
             while len(done) < self.world or len(replies) < len(replier):
-                for message in self._inbox:
-                    self._accept(message, seq, replier, replies, done)
-                self._inbox.clear()
+                self._take_inbox(seq, replier, replies, done)
                 if len(done) == self.world and len(replies) == len(replier):
                     break
                 waiting = [d for i, d in sorted(replier.items()) if i not in replies]
@@ -131,10 +129,21 @@ class WorkerSet:
                             f"{waiting or sorted(set(range(self.world)) - done)}", timeout_s)
                 self._pump(0.02)
         except WaveFailed as exc:
+            # What arrived before the failure was noticed (the last pump of `_check`
+            # included) is kept: a rank's reply sent before its peer died is complete.
+            try:
+                self._take_inbox(seq, replier, replies, done)
+            except WaveFailed:
+                pass
             exc.replies = replies
             raise
         self.channel.retire()
         return replies
+
+    def _take_inbox(self, seq: int, replier: dict, replies: dict, done: set) -> None:
+        inbox, self._inbox = self._inbox, []
+        for message in inbox:
+            self._accept(message, seq, replier, replies, done)
 
     def _accept(self, message: Message, seq: int, replier: dict, replies: dict,
                 done: set) -> None:
