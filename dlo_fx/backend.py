@@ -74,6 +74,9 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
             guard_module(module)
             forward = getattr(type(module).forward, "__code__", None)
             fetch_eagerly(module, runtime, compiled_forward=code is not None and code is forward)
+    for root in owners[len(modules):]:  # a root whose forward Dynamo skipped: its other
+        if any(is_hollow(p) for p in root.parameters()):  # modules run eagerly (loaded: hollow)
+            fetch_eagerly(root, runtime)
     if config.dump_dir:
         from .dump import write_dump
 

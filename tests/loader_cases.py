@@ -16,11 +16,6 @@ from dlo_fx.runtime.runtime import live_runtimes, reset_runtimes, runtimes_holdi
 from models import call, runtime_figures, tiny_dit, tiny_wan
 
 
-# Layers ReferenceDiT.forward calls itself: with a graph break in its loop Dynamo runs that
-# frame eagerly, so they must be materialised (``resident=``), not streamed.
-EAGER_LAYERS = ("patch_embed", "time_embed", "text_proj", "final_adaLN", "proj_out")
-
-
 # The DiT's shared table, read by every block. With dp > 1 it is loaded resident: a stored
 # parameter that a graph keeps resident is gathered by `Runtime.resident_tensor` on the
 # calling thread, which can race the copy worker's block gathers (a collective mismatch).
@@ -119,7 +114,7 @@ def load_cases(rank: int, world: int, dit_path: str, dit_config, wan_dir: str,
     fresh()
     options = {"mode": "allgather", "num_slots": 3}
     break_cfg = dataclasses.replace(dit_config, graph_break_in_blocks=True)
-    model = load(ReferenceDiT, dit_path, config=break_cfg, options=options, resident=EAGER_LAYERS)
+    model = load(ReferenceDiT, dit_path, config=break_cfg, options=options)  # eager root layers
     out["dit-break"] = compare(model, resident_dit(dit_path, break_cfg), dit_inputs, options,
                                fullgraph=False, calls=3)
     fresh()

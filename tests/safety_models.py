@@ -33,6 +33,47 @@ class EagerHeadDiT(nn.Module):
         return self.head(x) + x
 
 
+class IndexedBlock(nn.Module):
+    """A block that reads its own parameter and branches on its layer index before a graph
+    break: Dynamo guards the index, so it compiles this frame once per layer and, past its
+    recompile limit (8), runs the later layers' frames eagerly."""
+
+    def __init__(self, index: int, width: int = 16) -> None:
+        super().__init__()
+        self.index = index
+        self.linear = nn.Linear(width, width)
+        self.scale = nn.Parameter(torch.ones(width))
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x) * self.scale
+        if self.index % 3 == 0:
+            x = x * 2
+        torch._dynamo.graph_break()
+        return self.out(x)
+
+
+class IndexedDiT(nn.Module):
+    """Ten `IndexedBlock` layers and a head. The graph break in the loop makes Dynamo skip
+    this forward: it runs eagerly, and so does the head it calls."""
+
+    def __init__(self, depth: int = 10, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(IndexedBlock(i, width) for i in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def indexed_dit(seed: int = 0):
+    torch.manual_seed(seed)
+    model = _init(IndexedDiT(), seed)
+    return model, (torch.randn(2, 16, generator=torch.Generator().manual_seed(seed + 1)),)
+
+
 def eager_head_dit(seed: int = 0):
     torch.manual_seed(seed)
     model = _init(EagerHeadDiT(), seed)

@@ -27,7 +27,6 @@ from loader_cases import compare, resident_dit, resident_wan
 from models import tiny_dit, tiny_wan
 
 
-EAGER_LAYERS = loader_cases.EAGER_LAYERS
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +67,11 @@ def test_reference_dit_graph_break_bit_identical(ckpts):
 
     config = dataclasses.replace(ckpts["config"], graph_break_in_blocks=True)
     # Dynamo skips ReferenceDiT.forward (a graph break in its loop) and runs it eagerly:
-    # the layers it calls itself stay real; each block's frame is compiled and streamed.
-    model = load(ReferenceDiT, ckpts["dit"], config=config, resident=EAGER_LAYERS)
-    assert not is_hollow(model.patch_embed.weight) and is_hollow(model.blocks[2].qkv.weight)
+    # each block's frame is compiled and streamed; the layers the root calls itself run
+    # eagerly, their hollow weights fetched for each call (their hooks are installed from
+    # the root the user compiled: no graph of theirs names them).
+    model = load(ReferenceDiT, ckpts["dit"], config=config)
+    assert is_hollow(model.patch_embed.weight) and is_hollow(model.blocks[2].qkv.weight)
     r = compare(model, resident_dit(ckpts["dit"], config), tiny_dit()[1], {}, fullgraph=False,
                 calls=3)
     assert r["equal"]
@@ -80,6 +81,32 @@ def test_reference_dit_graph_break_bit_identical(ckpts):
     # eagerly and raised on their hollow weights.
     entries = _debug_get_cache_entry_list(DiTBlock.forward.__code__)
     assert len(entries) == 1, len(entries)
+
+
+def test_loaded_layers_past_the_recompile_limit_run_eagerly_and_exactly(tmp_path):
+    """A loaded model (hollow from the start) whose block frame Dynamo compiles once per
+    layer: the last two layers run eagerly (recompile limit) and read their own hollow
+    parameters, as does the head the skipped root calls. Each is fetched for that call:
+    the hooks check the guards of the block's compiled entries, not only that some exist."""
+    from safety_models import IndexedBlock, IndexedDiT, indexed_dit
+
+    reference, (x,) = indexed_dit()
+    path = str(tmp_path / "indexed.safetensors")
+    save_file(reference.state_dict(), path)
+    model = load(IndexedDiT, path)
+    assert all(is_hollow(p) for p in model.parameters())
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        expected = reference(x)
+        assert all(torch.equal(compiled(x), expected) for _ in range(2))
+        entries = _debug_get_cache_entry_list(IndexedBlock.forward.__code__)
+        assert len(entries) == torch._dynamo.config.recompile_limit < len(model.blocks)
+        # Outside torch.compile the compiled entries do not run: a direct call fetches.
+        hidden = reference.blocks[0](x)
+        assert torch.equal(model.blocks[-1](hidden), reference.blocks[-1](hidden))
+        assert torch.equal(model.blocks[0](x), hidden)
+        assert torch.equal(model.head(hidden), reference.head(hidden))
+    assert is_hollow(model.head.weight) and is_hollow(model.blocks[-1].linear.weight)
 
 
 def test_eager_call_of_loaded_model_says_to_compile(ckpts):

@@ -12,14 +12,18 @@ forward pre-hook and an always-called forward hook (`fetch_eagerly`):
   (they trace to nothing, so scheduled graphs are unchanged);
 - in an eager call of a module whose ``forward`` Dynamo has compiled as a frame of its
   own (a graph break inside it makes Dynamo do that), the hooks run eagerly around the
-  compiled code: nothing is fetched (`_compiled_as_frame`);
+  compiled code: nothing is fetched when that code will run, i.e. Dynamo is active and
+  the guards of one of its compiled entries pass for this call (`_compiled_as_frame`).
+  Otherwise Dynamo runs the ``forward`` eagerly (no compile context, or the recompile
+  limit hit: one entry per layer when guards read a layer's own attributes) or compiles
+  it anew, and the parameters are fetched (for a new compile, needlessly but correctly);
 - in any other eager call, the pre-hook copies the parameters' blocks from the host store (in
   allgather mode: gathered, behind a collective clock exchange, through the same worker as
   every gather, so the ranks stay in step) and gives each parameter its bytes back; the
   forward hook hollows them again, also when the forward raises. A counter per module
   keeps nested and concurrent calls of one module materialised until the last one ends.
 
-The first eager fetch of a module logs a `RuntimeWarning` naming it: it is correct but
+The first eager fetch of each module logs a `RuntimeWarning` naming it: it is correct but
 slow (every call copies the blocks again), and a graph break moved into that module is
 usually the cause.
 
@@ -33,19 +37,21 @@ materialised instead, fetched once when a graph is committed, so an eager run of
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import warnings
 import weakref
 from typing import Any
 
 import torch
-from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, get_eval_frame_callback
 from torch._dynamo.eval_frame import skip_code
 
 from .host_store import is_hollow
 
 _HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_WARNED: set[str] = set()
+_WARNED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # warned about once
 _LOCK = threading.Lock()
 _users: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 _KEPT: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # own params kept materialised
@@ -65,10 +71,12 @@ def fetch_eagerly(root: torch.nn.Module, runtime: Any, compiled_forward: bool = 
     streamed parameters are instead kept materialised (fetched here, once per compile)."""
     if compiled_forward:
         with runtime.lock:
-            params = [p for p in _own_streamed(root, runtime) if is_hollow(p)]
+            own = _own_streamed(root, runtime)
+            params = [p for p in own if is_hollow(p)]  # none when its pre-hook fetched them
             if params:
                 _materialise(runtime, root, params, warn=False)
-                _KEPT.add(root)
+            if own:
+                _KEPT.add(root)  # its hooks (if any) leave them materialised from now on
     for module in root.modules():
         if module in _HOOKED or module in _KEPT or not _own_streamed(module, runtime):
             continue
@@ -88,12 +96,13 @@ def _install_hooks(module: torch.nn.Module) -> None:
     first trace), recompiled that frame for every layer, and past Dynamo's recompile limit
     (8) ran the rest eagerly."""
     if not _HOOK_IDS:
-        pre = module.register_forward_pre_hook(_pre_hook)
+        pre = module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         post = module.register_forward_hook(_post_hook, always_call=True)
         _HOOK_IDS.extend((pre.id, post.id))
         return
     pre_id, post_id = _HOOK_IDS  # what register_forward_(pre_)hook would store, by hand
     module._forward_pre_hooks[pre_id] = _pre_hook
+    module._forward_pre_hooks_with_kwargs[pre_id] = True
     module._forward_hooks[post_id] = _post_hook
     module._forward_hooks_always_called[post_id] = True
 
@@ -110,20 +119,38 @@ def kept_materialised(root: torch.nn.Module) -> set[int]:
 # compile the hook itself as a frame of its own, where is_compiling() is true as well.
 # So their code is never compiled as a top-level frame, and what they call runs with
 # Dynamo disabled.
-def _pre_hook(module: torch.nn.Module, args: Any) -> None:
+def _pre_hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     if not torch.compiler.is_compiling():
-        _enter(module)
+        # Read here: inside `_enter` (Dynamo disabled) the callback is always None.
+        dynamo_active = get_eval_frame_callback() is not None
+        _enter(module, args, kwargs, dynamo_active)
 
 
-def _compiled_as_frame(module: torch.nn.Module) -> bool:
-    """Dynamo holds compiled code for this module's ``forward`` as a frame of its own:
-    ``nn.Module.__call__`` runs the hooks eagerly, then the compiled ``forward`` reads
-    the slots, so a fetch here would only copy the blocks for nothing."""
-    code = getattr(getattr(type(module).forward, "__code__", None), "co_name", None) and \
-        type(module).forward.__code__
+@functools.lru_cache(maxsize=None)
+def _signature(function: Any) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _compiled_as_frame(module: torch.nn.Module, args: Any, kwargs: Any,
+                       dynamo_active: bool) -> bool:
+    """The compiled code Dynamo holds for this module's ``forward`` as a frame of its own
+    will run for this call: ``nn.Module.__call__`` runs the hooks eagerly, then the
+    compiled ``forward`` reads the slots, so a fetch here would only copy the blocks for
+    nothing. True only when Dynamo is active and an entry's guards pass for the frame's
+    locals (the call's arguments bound to ``forward``); a fetch is always correct."""
+    forward = getattr(module.forward, "__func__", None)
+    code = getattr(forward, "__code__", None)
+    if not dynamo_active or code is None:
+        return False
     try:
-        return bool(code) and bool(_debug_get_cache_entry_list(code))
-    except Exception:  # private API: fetch, which is always correct
+        entries = _debug_get_cache_entry_list(code)
+        if not entries:
+            return False
+        bound = _signature(forward).bind(module, *args, **(kwargs or {}))
+        bound.apply_defaults()
+        frame_locals = dict(bound.arguments)
+        return any(entry.guard_manager.check(frame_locals) for entry in entries)
+    except Exception:  # private API, or arguments forward does not take: fetch
         return False
 
 
@@ -137,10 +164,11 @@ skip_code(_post_hook.__code__)
 
 
 @torch._dynamo.disable
-def _enter(module: torch.nn.Module) -> None:
+def _enter(module: torch.nn.Module, args: Any = (), kwargs: Any = None,
+           dynamo_active: bool = False) -> None:
     ref = _RUNTIME_OF.get(module)
     runtime = ref() if ref is not None else None
-    if runtime is None:
+    if runtime is None or module in _KEPT:
         return
     with runtime.lock:
         users = _users.get(module, 0)
@@ -148,7 +176,7 @@ def _enter(module: torch.nn.Module) -> None:
         if users:
             return
         params = [p for p in _own_streamed(module, runtime) if is_hollow(p)]
-        if not params or _compiled_as_frame(module):
+        if not params or _compiled_as_frame(module, args, kwargs, dynamo_active):
             return
         try:
             _materialise(runtime, module, params)
@@ -162,7 +190,7 @@ def _enter(module: torch.nn.Module) -> None:
 def _leave(module: torch.nn.Module) -> None:
     ref = _RUNTIME_OF.get(module)
     runtime = ref() if ref is not None else None
-    if runtime is None:
+    if runtime is None or module in _KEPT:
         return
     with runtime.lock:
         users = _users.get(module, 0) - 1
@@ -181,8 +209,8 @@ def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Pa
     entries = [runtime.store.entry(p) for p in params]
     name = entries[0].fqn.rsplit(".", 1)[0] if "." in entries[0].fqn else "<root>"
     with _LOCK:
-        first = name not in _WARNED
-        _WARNED.add(name)
+        first = module not in _WARNED
+        _WARNED.add(module)
     if first and warn:
         warnings.warn(
             f"dlo: module {name!r} ({type(module).__name__}) runs outside a scheduled graph "
