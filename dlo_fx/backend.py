@@ -73,10 +73,12 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         if any(is_hollow(p) for p in module.parameters()):
             guard_module(module)
             forward = getattr(type(module).forward, "__code__", None)
-            fetch_eagerly(module, runtime, compiled_forward=code is not None and code is forward)
-    for root in owners[len(modules):]:  # a root whose forward Dynamo skipped: its other
-        if any(is_hollow(p) for p in root.parameters()):  # modules run eagerly (loaded: hollow)
-            fetch_eagerly(root, runtime)
+            fetch_eagerly(module, runtime, keep_own=code is not None and code is forward)
+    # A root whose forward Dynamo skipped runs eagerly, and so do the layers it calls
+    # itself (hollow when loaded): no graph names them. Its hooks run on every call.
+    for root in owners[len(modules):]:
+        if any(is_hollow(p) for p in root.parameters()):
+            fetch_eagerly(root, runtime, keep_own=True)
     if config.dump_dir:
         from .dump import write_dump
 

@@ -63,13 +63,14 @@ def _own_streamed(module: torch.nn.Module, runtime: Any) -> list[torch.nn.Parame
             if p is not None and p.numel() and p in runtime.store]
 
 
-def fetch_eagerly(root: torch.nn.Module, runtime: Any, compiled_forward: bool = False) -> None:
+def fetch_eagerly(root: torch.nn.Module, runtime: Any, keep_own: bool = False) -> None:
     """Hook every module under ``root`` that owns parameters in ``runtime``'s store.
 
-    With ``compiled_forward`` (Dynamo compiles ``root.forward`` as a frame of its own), the
-    hooks of ``root`` itself run eagerly on every call, around the compiled code: its own
-    streamed parameters are instead kept materialised (fetched here, once per compile)."""
-    if compiled_forward:
+    With ``keep_own`` (``root.forward`` is a compiled frame of its own, or ``root`` is the
+    model given to ``torch.compile``), the hooks of ``root`` itself run eagerly on every
+    call: its own streamed parameters are kept materialised instead (fetched here, once
+    per compile)."""
+    if keep_own:
         with runtime.lock:
             own = _own_streamed(root, runtime)
             params = [p for p in own if is_hollow(p)]  # none when its pre-hook fetched them
