@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -26,7 +27,7 @@ def run_model(name: str, options: dict, fullgraph: bool = True, calls: int = 2, 
     return {"equal": all(torch.equal(out, ref) for out in outs), **runtime_figures(model)}
 
 
-def sharding_cases(rank: int, world: int, models: tuple[str, ...]) -> dict:
+def sharding_cases(rank: int, world: int, models: tuple[str, ...], folder: str) -> dict:
     out = {}
     for name in models:
         for mode in ("allgather", "rank_local"):
@@ -46,6 +47,22 @@ def sharding_cases(rank: int, world: int, models: tuple[str, ...]) -> dict:
     except Exception as exc:  # BackendCompilerFailed wrapping the ValueError
         inner = getattr(exc, "inner_exception", exc)
         out["mismatch"] = (type(inner).__name__, str(inner))
+    out.update(process_group_changes(rank, world, folder))  # last: it replaces the group
+    return out
+
+
+def process_group_changes(rank: int, world: int, folder: str) -> dict:
+    """Compiles before ``init_process_group`` (dp = 1), after it, and after a destroy and
+    a new init: each uses the process group of its time, never a group resolved before."""
+    out = {}
+    dist.destroy_process_group()
+    out["before-init"] = run_model("dit", {"mode": "allgather"})
+    for n in (1, 2):
+        dist.init_process_group("gloo", init_method=f"file://{folder}/world-{n}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        out[f"init-{n}"] = run_model("dit", {"mode": "allgather"})
+        if n == 1:
+            dist.destroy_process_group()
     return out
 
 

@@ -16,9 +16,9 @@ from dlo_fx.runtime.runtime import live_runtimes, reset_runtimes, runtimes_holdi
 from models import call, runtime_figures, tiny_dit, tiny_wan
 
 
-# The DiT's shared table, read by every block. With dp > 1 it is loaded resident: a stored
-# parameter that a graph keeps resident is gathered by `Runtime.resident_tensor` on the
-# calling thread, which can race the copy worker's block gathers (a collective mismatch).
+# The DiT's shared table, read by every block: some cases load it with ``resident=``, the
+# others leave it to the partition (kept resident, its copy gathered through the copy
+# worker in the order of every other gather: `Runtime.fetch_block`).
 SHARED = ("modulation_table",)
 
 
@@ -102,14 +102,14 @@ def load_cases(rank: int, world: int, dit_path: str, dit_config, wan_dir: str,
     out = {}
     _, dit_inputs = tiny_dit()
     _, wan_inputs = tiny_wan()
-    for key, options in [
-        ("dit", {"mode": "allgather"}),
-        ("dit-resident-small", {"mode": "allgather", "resident_bytes": 4096}),
-        ("dit-rank-local", {"mode": "rank_local"}),
-        ("dit-auto", {"mode": "auto"}),  # the load settles the mode (a collective probe)
+    for key, options, resident in [
+        ("dit", {"mode": "allgather"}, ()),
+        ("dit-resident-small", {"mode": "allgather", "resident_bytes": 4096}, SHARED),
+        ("dit-rank-local", {"mode": "rank_local"}, ()),
+        ("dit-auto", {"mode": "auto"}, SHARED),  # the load settles the mode (a collective probe)
     ]:
         fresh()
-        model = load(ReferenceDiT, dit_path, config=dit_config, options=options, resident=SHARED)
+        model = load(ReferenceDiT, dit_path, config=dit_config, options=options, resident=resident)
         out[key] = compare(model, resident_dit(dit_path, dit_config), dit_inputs, options)
     fresh()
     options = {"mode": "allgather", "num_slots": 3}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -33,15 +35,27 @@ def check(results: dict, dp: int, alignment: int = 256) -> None:
             assert r["host_shard_bytes"] >= r["total"], key
 
 
-@pytest.mark.spawned.with_args(lambda: spawn(2, dist_cases.sharding_cases, ("dit", "wan", "flux")))
+def _sharding():
+    with tempfile.TemporaryDirectory() as folder:  # rendezvous files of the later groups
+        return spawn(2, dist_cases.sharding_cases, ("dit", "wan", "flux"), folder)
+
+
+@pytest.mark.spawned.with_args(_sharding)
 def test_two_ranks_allgather_and_rank_local_and_plan_mismatch(spawned):
     results = spawned
     for rank in (0, 1):
-        check(results[rank], dp=2)
-        kind, message = results[rank]["mismatch"]
+        kind, message = results[rank].pop("mismatch")
         assert kind == "ValueError", message
         assert "block 0" in message or "block" in message
         assert "global rank" in message
+        # A gather group is never reused from before init_process_group or across a
+        # destroy and a new init: once it made every later allgather load rank-local.
+        changes = {k: results[rank].pop(k) for k in ("before-init", "init-1", "init-2")}
+        assert changes["before-init"]["equal"] and changes["before-init"]["dp"] == 1
+        for key in ("init-1", "init-2"):
+            assert changes[key]["equal"], (rank, key)
+            assert (changes[key]["mode"], changes[key]["dp"]) == ("allgather", 2), (rank, key)
+        check(results[rank], dp=2)
 
 
 def test_three_ranks_shard_geometry_without_processes():

@@ -6,7 +6,7 @@ A model's `Runtime` owns its host store, its mode and its resident copies: host 
 are never shared. Slot memory may be: a pipeline's text encoder and transformer run one
 after the other, so they can stream through the same ``num_slots`` buffers, which is
 the largest device cost dlo adds; the weight-gather group is made once per device
-setting and kept. Every runtime on one device with the same
+setting and default process group, and kept. Every runtime on one device with the same
 ``num_slots`` and ``fault_delay_s`` gets the same `DeviceSlots`, held weakly here and
 strongly by the runtimes: when the last of them is gone, the slots are freed and the
 executor's worker thread stops.
@@ -51,18 +51,22 @@ class DeviceSlots:
         weakref.finalize(self, _shutdown, self.executor)
 
     def shard_group(self, spec: Any, timeout_s: float, make: Callable[[Any, float], Any]) -> Any:
-        """The weight-gather group for ``spec``: one per device setting, made the first
-        time it is asked for and kept for the process (like the group of a global
-        config). Runtimes sharing this executor issue their gathers on one worker in one
-        order, so they can share it; making a group per model, or again whenever the
-        slots were collected, would call ``new_group`` at points that differ by rank."""
+        """The weight-gather group for ``spec``: one per device setting and default
+        process group, made the first time it is asked for and kept while that process
+        group is (like the group of a global config). Runtimes sharing this executor
+        issue their gathers on one worker in one order, so they can share it; making a
+        group per model, or again whenever the slots were collected, would call
+        ``new_group`` at points that differ by rank. Keyed on the default process group
+        as well: a group resolved before ``init_process_group`` (dp = 1) or under a
+        group since destroyed must not serve a later compile or load."""
+        world = _default_process_group()
         key = (self.key, spec if spec is None or isinstance(spec, tuple) else ("group", id(spec)),
-               float(timeout_s))
+               float(timeout_s), id(world))
         with _LOCK:
             found = _GROUPS.get(key)
-            if found is None:
-                found = _GROUPS[key] = (spec, make(spec, timeout_s))  # spec pins the id
-        return found[1]
+            if found is None:  # spec and world pin their ids while the entry lives
+                found = _GROUPS[key] = (spec, world, make(spec, timeout_s))
+        return found[2]
 
     def forget(self) -> None:
         """No slot holds a known block any more (buffers replaced, or a failed copy)."""
@@ -107,6 +111,15 @@ class SlotBlocks:
 
     def __repr__(self) -> str:
         return repr(list(self))
+
+
+def _default_process_group() -> Any:
+    """``torch.distributed``'s default process group, or None before it is initialised."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
 
 
 _SHARED: "weakref.WeakValueDictionary[tuple, DeviceSlots]" = weakref.WeakValueDictionary()
