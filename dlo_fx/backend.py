@@ -47,7 +47,8 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     modules = frame_modules()
     # The roots only find and claim the runtime; hooks go on the frame's own modules.
-    owners = modules + [m for m in compiled_roots(modules) if all(m is not k for k in modules)]
+    roots = [m for m in compiled_roots(modules) if all(m is not k for k in modules)]
+    owners = modules + roots
     runtime = owner_of(params) or owner_of(p for m in owners for p in m.parameters())
     if runtime is not None and not runtime.closed:
         differing = runtime.config.differing(given)
@@ -76,7 +77,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
             fetch_eagerly(module, runtime, keep_own=code is not None and code is forward)
     # A root whose forward Dynamo skipped runs eagerly, and so do the layers it calls
     # itself (hollow when loaded): no graph names them. Its hooks run on every call.
-    for root in owners[len(modules):]:
+    for root in roots:
         if any(is_hollow(p) for p in root.parameters()):
             fetch_eagerly(root, runtime, keep_own=True)
     if config.dump_dir:

@@ -65,6 +65,8 @@ class DeviceSlots:
         with _LOCK:
             found = _GROUPS.get(key)
             if found is None:  # spec and world pin their ids while the entry lives
+                for stale in [k for k, v in _GROUPS.items() if v[1] is not world]:
+                    del _GROUPS[stale]  # groups of a world since replaced: never used again
                 found = _GROUPS[key] = (spec, world, make(spec, timeout_s))
         return found[2]
 
@@ -123,7 +125,7 @@ def _default_process_group() -> Any:
 
 
 _SHARED: "weakref.WeakValueDictionary[tuple, DeviceSlots]" = weakref.WeakValueDictionary()
-_GROUPS: dict[tuple, tuple[Any, Any]] = {}
+_GROUPS: dict[tuple, tuple[Any, Any, Any]] = {}  # key -> (spec, world, group)
 _LOCK = threading.Lock()
 
 

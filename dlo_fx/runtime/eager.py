@@ -165,8 +165,7 @@ skip_code(_post_hook.__code__)
 
 
 @torch._dynamo.disable
-def _enter(module: torch.nn.Module, args: Any = (), kwargs: Any = None,
-           dynamo_active: bool = False) -> None:
+def _enter(module: torch.nn.Module, args: Any, kwargs: Any, dynamo_active: bool) -> None:
     ref = _RUNTIME_OF.get(module)
     runtime = ref() if ref is not None else None
     if runtime is None or module in _KEPT:
