@@ -1,11 +1,12 @@
 import contextlib
 import gc
+import os
 import time
 
 import pytest
 import torch
 
-from distributed import background
+from distributed import OUTPUT, background, start_fork_server
 from dlo_fx.runtime.runtime import reset_runtimes
 
 
@@ -67,6 +68,7 @@ def pytest_collection_finish(session):
     gc.freeze()
     if session.config.option.collectonly:
         return
+    start_fork_server()  # from this thread, before any job or engine forks from it
     jobs = {}
     for item in session.items:
         job = _job(item)
@@ -86,9 +88,12 @@ def _timed(job, test):
     return run
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, exitstatus):
     """The spawned jobs' wall times beside pytest's ``--durations`` (a job's test only waits
-    for it, so its own duration says nothing)."""
+    for it, so its own duration says nothing); on a failure, where the ranks' and workers'
+    own output went."""
+    if exitstatus != 0 and os.path.exists(OUTPUT):
+        terminalreporter.write_line(f"output of the spawned ranks and engine workers: {OUTPUT}")
     if _SECONDS and terminalreporter.config.option.durations is not None:
         terminalreporter.write_sep("=", "spawned jobs (wall seconds, on the background thread)")
         for test, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1]):

@@ -5,8 +5,9 @@ spawned jobs (tests/conftest.py), and the fixtures that start work when the sess
 `selected` the test that checks it.
 
 Ranks fork from a ``forkserver`` that imported torch, dlo_fx and diffusers once per test
-session (and compiled a tiny model: tests/rank_warmup.py), so a spawn costs a fork, not a
-fresh interpreter importing torch.
+session (and compiled a tiny model and resolved the diffusers classes the tests build:
+tests/rank_warmup.py), so a spawn costs a fork, not a fresh interpreter importing torch.
+`start_fork_server` starts it (tests/conftest.py, before any job).
 
 A case function ``fn(rank, world_size, *args) -> object`` runs many sub-cases in one
 process group (spawning is the slow part). Its return value, or the traceback it raised,
@@ -22,6 +23,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -54,7 +56,8 @@ def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any
 
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dlo_fx", "dlo_fx.backend",
-            "diffusers", "distributed", "rank_warmup"]
+            "dlo_fx.engine.worker", "dlo_fx.engine.diffusers_pipeline", "diffusers",
+            "distributed", "rank_warmup"]
 
 
 def _context() -> Any:
@@ -66,6 +69,47 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+#: What the fork server, its ranks and workers, and multiprocessing's resource tracker
+#: print (a rank's failure also comes back to its test through `spawn`).
+OUTPUT = os.path.join(tempfile.gettempdir(), "dlo-fx-test-ranks.log")
+
+
+def start_fork_server() -> None:
+    """Start the session's fork server now, with this folder on its ``PYTHONPATH`` and its
+    output in `OUTPUT`.
+
+    Python 3.11's fork server ignores the ``sys.path`` multiprocessing hands it, and skips
+    a preload module it cannot import: without the path it never imports `distributed`
+    or `rank_warmup`, and every rank pays the first compile's set-up and the diffusers
+    class imports again. Called from the main thread before any job or engine starts:
+    the variable and the output descriptors are changed for the start only (ranks and
+    workers restore the parent's environment). The engine's workers fork from the same
+    server (its preload, set here first, is the one that applies), so the tracebacks of
+    their injected faults land in `OUTPUT`, not between pytest's dots."""
+    from multiprocessing import forkserver
+
+    _context()
+    here = os.path.dirname(os.path.abspath(__file__))
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, before) if p)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(OUTPUT, "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            forkserver.ensure_running()  # and the resource tracker it starts first
+    finally:
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240.0,

@@ -1,6 +1,7 @@
 """Imported once by the fork server that every rank forks from (tests/distributed.py).
 
-It compiles a tiny reference DiT with ``backend="dlo"`` and calls it once, then resets
+It compiles a tiny reference DiT with ``backend="dlo"`` and calls it once, resolves the
+diffusers classes the tests build (`_resolve_diffusers_classes`), then resets
 Dynamo and the runtimes: each rank then starts with the lazy set-up of a first compile
 done (Dynamo's, the dlo passes' imports), not only with the modules imported. What it
 leaves behind: no thread (the runtime's copy worker ends with `reset_runtimes`), no
@@ -25,11 +26,32 @@ def _warm_up() -> None:
     with torch.no_grad():
         torch.compile(model, backend="dlo", fullgraph=True)(*inputs)
     del model
+    _resolve_diffusers_classes()
     torch._dynamo.reset()
     reset_runtimes()
     gc.collect()
     if threading.active_count() != 1:  # forking beside a live thread could deadlock a rank
         raise RuntimeError(f"threads left by the warm-up: {threading.enumerate()}")
+
+
+def _resolve_diffusers_classes() -> None:
+    """diffusers imports a class's module on first access: the pipeline classes (with
+    transformers' text encoders) and the zoo's transformer classes cost seconds of CPU in
+    every process that first touches them. Resolved here once, they are imported in every
+    rank and child forked from the server."""
+    import diffusers
+    import transformers
+    import zoo_models
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its notes on torchvision, once per session
+    try:
+        for name in ("FluxPipeline", "WanPipeline", "StableDiffusion3Pipeline"):
+            getattr(diffusers, name)
+        for entry in zoo_models.ZOO:
+            getattr(diffusers, entry.cls)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 _warm_up()

@@ -22,6 +22,7 @@ from dlo_fx.engine.cli import main as generate_main
 from dlo_fx.engine.png import encode_png, latents_preview
 from dlo_fx.engine.reference_pipeline import resident, write_checkpoint
 from dlo_fx.engine.request import plan_waves
+from dlo_fx.engine.workers import LocalWorkers
 
 PIPELINE = "dlo_fx.engine.reference_pipeline:build"
 DIT = dict(width=64, depth=3, heads=4)
@@ -234,10 +235,13 @@ def test_engine_serves_mixed_waves_and_per_request_failures():
 
 
 def test_engine_start_over_its_timeout_fails_and_leaves_no_worker():
-    engine = Engine(PIPELINE, 2, pipeline_kwargs=DIT, wave_timeout_s=0.5)
+    engine = Engine("slow_pipeline:build", 2, wave_timeout_s=0.5)
+    launched = []
+    engine._launch = lambda spec: launched.append(LocalWorkers(spec)) or launched[-1]
     with pytest.raises(RuntimeError, match="timed out after 0.5 s .* while starting"):
         engine.start()
     assert engine._workers is None
+    assert [p.exitcode for p in launched[0].procs] == [-signal.SIGKILL] * 2
 
 
 def test_cli_generates_from_a_checkpoint_in_rank_local_mode(tmp_path, capsys):
