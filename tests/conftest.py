@@ -106,5 +106,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture
 def spawned(request):
-    """What this test's spawned job returned (its exception is raised here)."""
-    return _FUTURES[_job(request.node)].result()
+    """What this test's spawned job returned: the fixture gives the job's Future, and
+    `pytest_pyfunc_call` swaps in its value as the test starts, so a job that raised
+    fails its tests (with the job's exception) instead of erroring their set-up."""
+    return _FUTURES[_job(request.node)]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if "spawned" in pyfuncitem.funcargs:
+        pyfuncitem.funcargs["spawned"] = pyfuncitem.funcargs["spawned"].result()
