@@ -155,6 +155,25 @@ def test_compile_pipeline_rejects_unknown_components_and_options():
     assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe  # compiled in place
 
 
+def test_engine_factory_builds_every_component_in_the_dtype_asked(saved):
+    """`diffusers_pipeline.build(dtype=...)` (``--pipeline-arg dtype=...``): the streamed
+    transformer and every other module in that dtype, without diffusers' deprecation
+    warning for ``torch_dtype``."""
+    import warnings
+
+    from dlo_fx.engine.diffusers_pipeline import build
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = build(path=saved["flux"], dtype="float64").pipe
+    assert not [w for w in caught if "torch_dtype" in str(w.message)]
+    modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    assert {"transformer", "text_encoder", "text_encoder_2", "vae"} <= modules.keys()
+    for name, module in modules.items():
+        assert {p.dtype for p in module.parameters()} == {torch.float64}, name
+    assert all(is_hollow(p) for p in pipe.transformer.parameters())
+
+
 @pytest.mark.spawned.with_args(
     functools.partial(spawn, 1, in_child, dp.readme_quick_start_case, str(README)))
 def test_readme_diffusers_quick_start_runs_and_is_exact(spawned):

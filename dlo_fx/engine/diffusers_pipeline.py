@@ -160,6 +160,15 @@ def _dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     return value
 
 
+def _dtype_keyword() -> str:
+    """``from_pretrained``'s dtype keyword: ``dtype`` where diffusers deprecated
+    ``torch_dtype`` (it then warns on every pipeline a worker builds), ``torch_dtype``
+    before that (where ``dtype=`` is not read)."""
+    from diffusers.utils import deprecation_utils
+
+    return "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+
+
 def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.PathLike],
           dtype: Union[str, torch.dtype, None] = None, text_encoders: bool = False,
           resident: Sequence[str] = ()) -> DiffusersPipeline:
@@ -197,7 +206,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     pipeline_cls = getattr(diffusers, index.get("_class_name", ""), diffusers.DiffusionPipeline)
     kwargs: dict[str, Any] = dict(loaded)
     if torch_dtype is not None:
-        kwargs["torch_dtype"] = torch_dtype
+        kwargs[_dtype_keyword()] = torch_dtype
     pipe = pipeline_cls.from_pretrained(os.fspath(path), **kwargs)
     device = torch.device(options.get("device") or "cpu")
     for name, module in pipe.components.items():
