@@ -31,6 +31,8 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
+from dlo_fx.engine import workers
+
 
 def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any,
            env: dict) -> None:
@@ -55,9 +57,8 @@ def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any
         pass
 
 
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dlo_fx", "dlo_fx.backend",
-            "dlo_fx.engine.worker", "dlo_fx.engine.diffusers_pipeline", "diffusers",
-            "distributed", "rank_warmup"]
+# What the engine's workers preload with the diffusers factory, and this harness.
+_PRELOAD = [*workers._PRELOAD, "diffusers", workers._DIFFUSERS, "distributed", "rank_warmup"]
 
 
 def _context() -> Any:

@@ -235,9 +235,13 @@ def test_engine_serves_mixed_waves_and_per_request_failures():
 
 
 def test_engine_start_over_its_timeout_fails_and_leaves_no_worker():
-    engine = Engine("slow_pipeline:build", 2, wave_timeout_s=0.5)
     launched = []
-    engine._launch = lambda spec: launched.append(LocalWorkers(spec)) or launched[-1]
+
+    def launch(spec):
+        launched.append(LocalWorkers(spec))
+        return launched[-1]
+
+    engine = Engine("slow_pipeline:build", 2, wave_timeout_s=0.5, launcher=launch)
     with pytest.raises(RuntimeError, match="timed out after 0.5 s .* while starting"):
         engine.start()
     assert engine._workers is None
