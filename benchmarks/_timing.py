@@ -120,7 +120,9 @@ def machine_info() -> dict:
     return {
         "nproc": affinity,
         "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        # The vector ISA torch dispatches to: bfloat16 matmuls are fast with AVX-512 and a
+        # slow path on an AVX2-only host, so figures of the two are not comparable.
+        "cpu_model": f"{_cpu_model()}, {torch.backends.cpu.get_cpu_capability()}",
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "torch_parallel": "OpenMP" if "OpenMP" in torch.__config__.parallel_info() else "other",
