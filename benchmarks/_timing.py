@@ -110,6 +110,11 @@ def _loadavg() -> Optional[tuple[float, float, float]]:
         return None
 
 
+def cpu_text(machine: dict) -> str:
+    """The CPU of a `machine_info` for a benchmark's machine line: model and vector ISA."""
+    return f"{machine['cpu_model']}, {machine['cpu_isa']}"
+
+
 def machine_info() -> dict:
     import torch
 
@@ -120,9 +125,10 @@ def machine_info() -> dict:
     return {
         "nproc": affinity,
         "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
         # The vector ISA torch dispatches to: bfloat16 matmuls are fast with AVX-512 and a
         # slow path on an AVX2-only host, so figures of the two are not comparable.
-        "cpu_model": f"{_cpu_model()}, {torch.backends.cpu.get_cpu_capability()}",
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "torch_parallel": "OpenMP" if "OpenMP" in torch.__config__.parallel_info() else "other",

@@ -427,7 +427,7 @@ def markdown(figs: list[Figure], result: dict) -> str:
     m = result["machine"]
     waited = result.get("waited_s", 0.0)
     lines = [
-        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']} "
+        f"Machine: {m['nproc']} CPUs ({T.cpu_text(m)}), torch {m['torch']} "
         f"({m['torch_threads']} intra-op threads, {m['torch_parallel']}), "
         f"Python {m['python']}; dlo_fx at {result['source']['commit']}"
         + (" (with uncommitted changes)" if result["source"]["dlo_fx_dirty"] else "") + ".",

@@ -155,7 +155,7 @@ def markdown_mixed(r: dict, result: dict) -> str:
     return "\n".join([
         "## CPU: DP wave engine, mixed workload",
         "",
-        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']}. Command: "
+        f"Machine: {m['nproc']} CPUs ({T.cpu_text(m)}), torch {m['torch']}. Command: "
         f"`{result['command']}` ({result['elapsed_s']:.0f} s). Setup: {r['setup']}; "
         f"medians of {r['reps']} interleaved repetitions after {r['warmup']} warm-up "
         f"round(s); every output bit-identical to the request run alone on a resident "
@@ -180,7 +180,7 @@ def markdown(r: dict, result: dict) -> str:
     lines = [
         "## CPU: DP wave engine",
         "",
-        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']}, Python "
+        f"Machine: {m['nproc']} CPUs ({T.cpu_text(m)}), torch {m['torch']}, Python "
         f"{m['python']}. Command: `{result['command']}` ({result['elapsed_s']:.0f} s"
         + (f"; other processes kept {other:.2f} cores busy while timing" if other is not None
            else "") + ").",

@@ -164,7 +164,7 @@ def markdown(p: dict, r: dict, meta: dict) -> str:
         "passed in as slot views. Measured in one run, the four variants called in turn "
         f"in each repetition; medians of {r['reps']} repetitions after warm-up.",
         "",
-        f"Setup: {setup_text(p)}. Machine: {m['nproc']} CPUs ({m['cpu_model']}), torch "
+        f"Setup: {setup_text(p)}. Machine: {m['nproc']} CPUs ({T.cpu_text(m)}), torch "
         f"{m['torch']} ({m['torch_threads']} intra-op threads)"
         + (f"; other processes kept {load:.2f} cores busy while timing" if load is not None
            else "") + f". Command: `{meta['command']}`.",
