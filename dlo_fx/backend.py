@@ -57,6 +57,12 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         config = runtime.config.merged(given)
     else:
         config = DLOConfig.from_options(options)
+        runtime = None
+    if config.compiler == "inductor":  # may trace the frame again; nothing is made yet
+        from .inductor.floats import restart_with_floats_specialized
+
+        restart_with_floats_specialized(gm)
+    if runtime is None:
         runtime = Runtime(config, resolve_device(config, example_inputs))
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
     gm = run_passes(gm, ctx, extra=config.user_passes)

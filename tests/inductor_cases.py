@@ -118,8 +118,8 @@ def dynamic_shape_cases() -> dict:
 
     - ``"automatic"``: resolutions 8, 12, 16, then 8 again, as Dynamo's automatic dynamic
       shapes compile them;
-    - ``"dynamic_true"``: 12 and 16 with ``dynamic=True`` and float attributes specialized
-      (see test_dynamic_true_compiles_once_for_every_resolution)."""
+    - ``"dynamic_true"``: 12 and 16 with ``dynamic=True`` (see
+      test_dynamic_true_compiles_once_for_every_resolution)."""
     import dlo_fx.inductor
 
     graphs: list = []
@@ -139,8 +139,7 @@ def dynamic_shape_cases() -> dict:
             graphs.clear()
             inputs = [dit_inputs(hw) for hw in sizes]
             refs = eager_reference("dit", inputs)
-            with torch._dynamo.config.patch(specialize_float=dynamic is True):
-                outs, _ = dlo_inductor("dit", {}, inputs, dynamic=dynamic)
+            outs, _ = dlo_inductor("dit", {}, inputs, dynamic=dynamic)
             out[case] = {"outs": outs, "refs": refs,
                          "symbolic": [symbolic_inputs(g) for g in graphs]}
     fresh()

@@ -30,6 +30,7 @@ import inductor_cases as C
 from distributed import in_child, spawn
 from dlo_fx.inductor import CompiledPiece
 from dlo_fx.runtime.runtime import runtimes_holding
+from inductor_cases import symbolic_inputs
 
 
 @pytest.fixture(autouse=True)
@@ -183,19 +184,50 @@ def test_second_resolution_recompiles_with_symbolic_pieces(spawned):
 
 @pytest.mark.spawned.with_args(DYNAMIC_SHAPES)
 def test_dynamic_true_compiles_once_for_every_resolution(spawned):
-    """``dynamic=True``, with float attributes specialized (``specialize_float=True``).
-
-    With ``dynamic=True`` and nothing else, Dynamo passes a module's float attributes
-    (``LayerNorm.eps``) as graph inputs; a piece then reads one as an unbacked ``.item()``
-    and LayerNorm cannot guard on it (GuardOnDataDependentSymNode), so the compile fails
-    from a fresh Dynamo state. The setting specializes them. (This test used to get the same
-    graph implicitly: a resident ``backend="inductor"`` compile just before it, without a
-    Dynamo reset, left those floats marked for specialization in Dynamo's process-wide
-    TensorifyState. Same placeholders, no ``.item()``, outputs ``torch.equal``.)"""
+    """``dynamic=True``: one symbolic graph serves both resolutions. Dynamo passes the
+    LayerNorms' eps as tensors read with ``.item()``, which a piece cannot compile;
+    the backend has Dynamo specialize them, as ``backend="inductor"`` does (see [Note:
+    tensorified floats] in dlo_fx/inductor/floats.py)."""
     case = spawned[0]["dynamic_true"]
     for out, ref in zip(case["outs"], case["refs"]):
         C.assert_inductor_close(out, ref)
     assert case["symbolic"] == [True]  # one outer graph, symbolic
+
+
+class _Scaled(torch.nn.Module):
+    """Three layers (three blocks) with LayerNorms, scaled by a float argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x, scale: float):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(self.norm(x))) * scale + scale
+        return x
+
+
+def test_float_argument_with_dynamic_true_is_specialized_and_streamed(outer_graphs):
+    """``dynamic=True`` makes a float argument of ``forward`` (and the LayerNorm's eps) a
+    tensor read with ``.item()``, which no piece can compile. Each value is specialized
+    instead (one graph per value, guarded on it), every graph streams its weights, and
+    each call agrees with the resident model; before, the compile failed (with
+    ``fullgraph=False`` the frame silently ran eagerly on resident weights)."""
+    model = _Scaled().eval().requires_grad_(False)
+    reference = _Scaled().eval().requires_grad_(False)
+    compiled = torch.compile(model, backend="dlo", dynamic=True, fullgraph=True,
+                             options={"compiler": "inductor"})
+    cases = [(4, 0.5), (6, 1.5), (5, 0.5)]
+    with torch.no_grad():
+        for rows, scale in cases:
+            x = torch.randn(rows, 16)
+            C.assert_inductor_close(compiled(x, scale), reference(x, scale))
+    assert len(outer_graphs) == 2  # 0.5 and 1.5; the third call reuses the first graph
+    assert all(symbolic_inputs(g) for g in outer_graphs)  # sizes stay symbolic
+    store = runtimes_holding(list(model.parameters()))[0].store
+    assert all(layer.weight in store for layer in model.layers)
 
 
 class _Autocast(torch.nn.Module):

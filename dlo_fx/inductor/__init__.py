@@ -17,6 +17,7 @@ uncompiled.
 | --- | --- |
 | partition.py | which nodes form a piece, its inputs and outputs, the outer graph |
 | pieces.py | fake example inputs, the reuse key and cache, Inductor compilation, `CompiledPiece` |
+| floats.py | Python floats Dynamo passes as tensors (``dynamic=True``): specialized before compiling |
 """
 
 from __future__ import annotations
