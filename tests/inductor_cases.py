@@ -112,9 +112,10 @@ def symbolic_inputs(outer) -> bool:
 
 
 def dynamic_shape_cases() -> dict:
-    """The two dynamic-shape tests of test_inductor, run in a forked child by their shared
-    spawned job: for each, the outputs, the eager references and whether each outer graph
-    `compile_pieces` returned (a spy, in compile order) takes symbolic sizes.
+    """The dynamic-shape tests of test_inductor, run in a forked child by their shared
+    spawned job: for each case, the outputs, the eager references, whether each outer
+    graph `compile_pieces` returned (a spy, in compile order) takes symbolic sizes, and
+    whether every layer's weights were streamed.
 
     - ``"automatic"``: resolutions 8, 12, 16, then 8 again, as Dynamo's automatic dynamic
       shapes compile them;
@@ -139,9 +140,11 @@ def dynamic_shape_cases() -> dict:
             graphs.clear()
             inputs = [dit_inputs(hw) for hw in sizes]
             refs = eager_reference("dit", inputs)
-            outs, _ = dlo_inductor("dit", {}, inputs, dynamic=dynamic)
+            outs, model = dlo_inductor("dit", {}, inputs, dynamic=dynamic)
+            store = runtimes_holding(list(model.parameters()))[0].store
             out[case] = {"outs": outs, "refs": refs,
-                         "symbolic": [symbolic_inputs(g) for g in graphs]}
+                         "symbolic": [symbolic_inputs(g) for g in graphs],
+                         "streamed": all(b.qkv.weight in store for b in model.blocks)}
     fresh()
     return out
 

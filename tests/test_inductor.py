@@ -180,6 +180,7 @@ def test_second_resolution_recompiles_with_symbolic_pieces(spawned):
         C.assert_inductor_close(out, ref)
     assert torch.equal(case["outs"][0], case["outs"][3])
     assert case["symbolic"] == [False, True]  # two outer graphs, the second symbolic
+    assert case["streamed"]
 
 
 @pytest.mark.spawned.with_args(DYNAMIC_SHAPES)
@@ -192,10 +193,12 @@ def test_dynamic_true_compiles_once_for_every_resolution(spawned):
     for out, ref in zip(case["outs"], case["refs"]):
         C.assert_inductor_close(out, ref)
     assert case["symbolic"] == [True]  # one outer graph, symbolic
+    assert case["streamed"]
 
 
-class _Scaled(torch.nn.Module):
-    """Three layers (three blocks) with LayerNorms, scaled by a float argument."""
+class _Shaped(torch.nn.Module):
+    """Three layers (three blocks) with LayerNorms; reads ``x.shape`` once, before the
+    first block, and a float argument."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -204,25 +207,31 @@ class _Scaled(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(16)
 
     def forward(self, x, scale: float):
+        batch, tokens, width = x.shape
         for layer in self.layers:
-            x = torch.nn.functional.gelu(layer(self.norm(x))) * scale + scale
+            x = layer(self.norm(x)).view(batch, tokens, 2, width // 2)
+            x = torch.nn.functional.gelu(x).flatten(2) * scale + scale
         return x
 
 
-def test_float_argument_with_dynamic_true_is_specialized_and_streamed(outer_graphs):
-    """``dynamic=True`` makes a float argument of ``forward`` (and the LayerNorm's eps) a
-    tensor read with ``.item()``, which no piece can compile. Each value is specialized
-    instead (one graph per value, guarded on it), every graph streams its weights, and
-    each call agrees with the resident model; before, the compile failed (with
-    ``fullgraph=False`` the frame silently ran eagerly on resident weights)."""
-    model = _Scaled().eval().requires_grad_(False)
-    reference = _Scaled().eval().requires_grad_(False)
+def test_dynamic_true_float_argument_and_sizes_read_across_blocks(outer_graphs):
+    """``dynamic=True``, two things no piece could compile (each compile failed; with
+    ``fullgraph=False`` the frame silently ran eagerly on resident weights):
+
+    - a float argument of ``forward`` (and the LayerNorm's eps) is a tensor read with
+      ``.item()``: each value is specialized instead, one graph per value, guarded on it
+      (see [Note: tensorified floats] in dlo_fx/inductor/floats.py);
+    - ``width`` comes from ``x.size()`` in the piece before the first block, and a
+      ``torch.Size`` cannot be a piece's input: the piece that reads it recomputes it.
+
+    Every call agrees with the resident model and every graph streams the weights."""
+    model = _Shaped().eval().requires_grad_(False)
+    reference = _Shaped().eval().requires_grad_(False)
     compiled = torch.compile(model, backend="dlo", dynamic=True, fullgraph=True,
                              options={"compiler": "inductor"})
-    cases = [(4, 0.5), (6, 1.5), (5, 0.5)]
     with torch.no_grad():
-        for rows, scale in cases:
-            x = torch.randn(rows, 16)
+        for batch, tokens, scale in [(2, 4, 0.5), (3, 6, 1.5), (4, 5, 0.5)]:
+            x = torch.randn(batch, tokens, 16)
             C.assert_inductor_close(compiled(x, scale), reference(x, scale))
     assert len(outer_graphs) == 2  # 0.5 and 1.5; the third call reuses the first graph
     assert all(symbolic_inputs(g) for g in outer_graphs)  # sizes stay symbolic

@@ -28,8 +28,9 @@ a weight, its data or its address. A ``getitem`` of a node whose value is a tupl
 (``unbind``, ``chunk``, ``size()``) joins its producer's piece, so only tensors and
 numbers cross piece boundaries. A piece receives every size symbol its values mention
 (the ``SymInt`` placeholders Dynamo lifts), as ``split_module`` does, and recomputes a
-number another piece computed (``eps.item()``, ``x.size(1) * 2``) from that piece's
-inputs instead of receiving it: Inductor cannot take an unbacked number as an input.
+number another piece computed (``eps.item()``, ``x.size(1) * 2``, an element of a
+symbolic ``x.size()``) from that piece's inputs instead of receiving it: Inductor cannot
+take an unbacked number or a ``torch.Size`` as an input.
 An autocast region that a cut splits is re-entered in every piece it covers: such a piece
 opens a copy of each region still open where it starts and closes what is still open
 where it ends (``split_module`` does the same), so Inductor traces its ops under autocast.
@@ -163,7 +164,8 @@ def find_pieces(graph: fx.Graph) -> list[Piece]:
 def _find_inputs(piece: Piece, piece_of: dict[fx.Node, Piece], symbols: dict) -> None:
     """Inputs of ``piece``: what its nodes read from elsewhere, and the size symbols its
     values mention. A number computed by another piece (``x.item()``, ``x.size(1) * 2``)
-    is recomputed here rather than passed: Inductor binds numbers from its own inputs."""
+    is recomputed here rather than passed, and so is the size it was read from (``s =
+    x.size()`` there, ``s[1]`` here): Inductor binds numbers from its own inputs."""
     members = set(piece.nodes)
     inputs: dict[fx.Node, None] = {}
 
@@ -191,9 +193,17 @@ def _find_inputs(piece: Piece, piece_of: dict[fx.Node, Piece], symbols: dict) ->
     piece.inputs = list(inputs)
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _is_number(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("example_value"), (torch.SymInt, torch.SymFloat,
-                                                         torch.SymBool))
+    """A symbolic number, or a tuple of numbers with a symbolic one (``x.size()`` with
+    dynamic shapes): recomputed by the piece that reads it (see `_find_inputs`)."""
+    value = node.meta.get("example_value")
+    if isinstance(value, (tuple, list)):
+        return (any(isinstance(v, _SYMBOLIC) for v in value)
+                and all(isinstance(v, (*_SYMBOLIC, int, float, bool)) for v in value))
+    return isinstance(value, _SYMBOLIC)
 
 
 _CROSSING = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
