@@ -197,8 +197,8 @@ def test_dynamic_true_compiles_once_for_every_resolution(spawned):
 
 
 class _Shaped(torch.nn.Module):
-    """Three layers (three blocks) with LayerNorms; reads ``x.shape`` once, before the
-    first block, and a float argument."""
+    """Three layers (three blocks) behind one LayerNorm; reads ``x.shape`` once, before
+    the first block, and takes a float argument."""
 
     def __init__(self) -> None:
         super().__init__()
