@@ -22,12 +22,14 @@ exact).
 from __future__ import annotations
 
 import sympy
+import torch
 from torch import fx
 
 
-def tensorified_floats(gm: fx.GraphModule) -> list[str]:
-    """Names of the float symbols of ``gm``'s tensorified float inputs that are not marked
-    for specialization yet."""
+def restart_with_floats_specialized(gm: fx.GraphModule) -> None:
+    """Have Dynamo trace the frame again with ``gm``'s tensorified float inputs
+    specialized, if any is not yet. See [Note: tensorified floats]."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     from torch._dynamo.symbolic_convert import TensorifyState
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -35,23 +37,13 @@ def tensorified_floats(gm: fx.GraphModule) -> list[str]:
     for node in gm.graph.find_nodes(op="placeholder"):
         value = node.meta.get("example_value")
         memo = value.item_memo if isinstance(value, FakeTensor) else None
-        if memo is None or not value.dtype.is_floating_point:
+        if not isinstance(memo, torch.SymFloat):
             continue
         symbol = memo.node._expr  # the symbol itself, not what it was replaced by
         if isinstance(symbol, sympy.Symbol) and not TensorifyState.should_specialize(
                 symbol.name):
             names.append(symbol.name)
-    return names
-
-
-def restart_with_floats_specialized(gm: fx.GraphModule) -> None:
-    """Have Dynamo trace the frame again with the floats of `tensorified_floats`
-    specialized. See [Note: tensorified floats]."""
-    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-    from torch._dynamo.symbolic_convert import TensorifyState
-
-    names = tensorified_floats(gm)
+    for name in names:
+        TensorifyState.specialize(name)
     if names:
-        for name in names:
-            TensorifyState.specialize(name)
         raise TensorifyScalarRestartAnalysis

@@ -194,6 +194,7 @@ def _find_inputs(piece: Piece, piece_of: dict[fx.Node, Piece], symbols: dict) ->
 
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_NUMBERS = (*_SYMBOLIC, int, float, bool)
 
 
 def _is_number(node: fx.Node) -> bool:
@@ -202,11 +203,11 @@ def _is_number(node: fx.Node) -> bool:
     value = node.meta.get("example_value")
     if isinstance(value, (tuple, list)):
         return (any(isinstance(v, _SYMBOLIC) for v in value)
-                and all(isinstance(v, (*_SYMBOLIC, int, float, bool)) for v in value))
+                and all(isinstance(v, _NUMBERS) for v in value))
     return isinstance(value, _SYMBOLIC)
 
 
-_CROSSING = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+_CROSSING = (torch.Tensor, *_NUMBERS)
 
 
 def _check_crossing(node: fx.Node, user: fx.Node) -> None:
@@ -236,7 +237,7 @@ def _symbol_providers(graph: fx.Graph) -> dict[Any, fx.Node]:
 def free_symbols_of(value: Any) -> set:
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
-    if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+    if isinstance(value, (torch.Tensor, *_SYMBOLIC)):
         return set(free_symbols(value))
     if isinstance(value, (tuple, list)):
         out: set = set()
