@@ -6,15 +6,26 @@ storage). Ordinary module habits must not read them as if they held data:
 
 - an eager call raises, telling the user to compile the module (a forward pre-hook);
 - ``module.to(...)``, ``.cpu()``, ``.half()`` and every other ``nn.Module._apply``: the
-  conversion function is first tried on an empty tensor of each hollow parameter's dtype
-  and device. Where it changes neither (``.to("cpu:0")`` on a CPU runtime, which
-  accelerate's offload hooks call) the hollow parameters are skipped and the rest of the
-  module (buffers, resident parameters) is converted as usual. Where it would change
+  conversion function is first tried on an empty tensor of each stored parameter's dtype
+  and device (hollow, or materialised by `runtime/eager.py`). Where it changes neither
+  (``.to("cpu:0")`` on a CPU runtime, which accelerate's offload hooks call) the stored
+  parameters are skipped and the rest of the module (buffers, resident parameters) is
+  converted as usual. Where it would change
   either, ``ValueError`` names the parameter and the way out (`release` first, or load
   with ``dtype=``) before anything is converted: ``_apply`` converts parameter by
   parameter, so a check that came later would leave the module half converted;
 - ``state_dict()`` returns the stored weights (new host tensors) in place of the hollow
-  parameters, so ``safetensors.torch.save_file`` and ``save_pretrained`` work.
+  parameters, so ``safetensors.torch.save_file`` and ``save_pretrained`` work;
+- ``load_state_dict`` of a dict that holds a stored parameter's key raises ValueError naming
+  it before anything is loaded (a pre-hook on every guarded module checks its whole
+  subtree, so the outermost module called refuses first): copying into a hollow parameter
+  would write through a zero-byte storage, and a write into a materialised one would never
+  reach the host store the graphs read. Keys of resident parameters and buffers load as
+  usual;
+- ``copy.deepcopy`` raises ValueError (an instance ``__deepcopy__``, as for ``_apply``):
+  copying a hollow parameter reads through its zero-byte storage;
+- ``param.data = other`` is found on the next call (see [Note: a stored parameter given
+  other data] in `runtime/host_store.py`).
 
 `release` puts the weights back into the parameters and closes the runtime: the module
 is an ordinary module again.
@@ -44,12 +55,15 @@ HOLLOW_CALL_MESSAGE = (
 _GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
-def _stored(t: torch.Tensor) -> bool:
-    """A hollow tensor whose weights a live dlo runtime stores."""
-    if not is_hollow(t):
-        return False
+def _in_store(t: torch.Tensor) -> bool:
+    """A tensor whose weights a live dlo runtime stores (hollow or materialised)."""
     runtime = owner_of((t,))
     return runtime is not None and t in runtime.store
+
+
+def _stored(t: torch.Tensor) -> bool:
+    """A hollow tensor whose weights a live dlo runtime stores."""
+    return is_hollow(t) and _in_store(t)
 
 
 # -- eager calls ------------------------------------------------------------------------
@@ -69,7 +83,7 @@ def _hollow_call_guard(module: nn.Module, args: Any) -> None:
 def _check_conversion(module: nn.Module, fn: Callable) -> None:
     seen: set[int] = set()
     for fqn, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in seen or not _stored(p):
+        if id(p) in seen or not _in_store(p):
             continue
         seen.add(id(p))
         probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
@@ -77,8 +91,8 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
                 not same_device(probe.device, p.device) or probe.dtype != p.dtype):
             raise ValueError(
                 f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
-                f"{probe.dtype}: parameter {fqn!r} ({p.device}, {p.dtype}) is hollow, its "
-                "weights are in a dlo host store, and the module is left unchanged. Call "
+                f"{probe.dtype}: parameter {fqn!r} ({p.device}, {p.dtype}) has its weights "
+                "in a dlo host store, and the module is left unchanged. Call "
                 "dlo_fx.release(model) first to put the weights back into the parameters, or "
                 "load the model with dlo_fx.load(..., dtype=...) and options={'device': ...} "
                 "for the dtype and device it should run in")
@@ -91,10 +105,12 @@ def _guarded_apply(module_ref: "weakref.ReferenceType[nn.Module]", original: Cal
         raise RuntimeError("dlo: internal error: _apply of a collected module")
     _check_conversion(module, fn)
 
-    def skip_hollow(t: torch.Tensor) -> torch.Tensor:
-        return t if _stored(t) else fn(t)
+    def skip_stored(t: torch.Tensor) -> torch.Tensor:
+        # Materialised ones too: .to("cpu:0") copies a "cpu" tensor, and a parameter
+        # given another storage is refused on its next call (runtime/host_store.py).
+        return t if _in_store(t) else fn(t)
 
-    return original(module, skip_hollow, *args, **kwargs)
+    return original(module, skip_stored, *args, **kwargs)
 
 
 # -- state_dict ---------------------------------------------------------------------------
@@ -103,6 +119,27 @@ def _real_weights(module: nn.Module, state_dict: dict, prefix: str, local_metada
         key = prefix + name
         if p is not None and key in state_dict and _stored(p):
             state_dict[key] = owner_of((p,)).host_tensor(p)
+
+
+# -- load_state_dict ------------------------------------------------------------------------
+def _refuse_load(module: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
+    for name, p in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        if key in state_dict and _in_store(p):
+            raise ValueError(
+                f"dlo: cannot load_state_dict into {type(module).__name__}: parameter {key!r} "
+                "has its weights in a dlo host store, where the compiled model reads them, and "
+                "nothing was loaded. Call dlo_fx.release(model) first, load the weights, then "
+                "compile the model again; or load the new checkpoint with dlo_fx.load")
+
+
+# -- copy.deepcopy ---------------------------------------------------------------------------
+def _refuse_deepcopy(module_ref: "weakref.ReferenceType[nn.Module]", memo: Any) -> None:
+    module = module_ref()
+    raise ValueError(
+        f"dlo: cannot deepcopy {type(module).__name__}: its weights are in a dlo host store "
+        "(its parameters are hollow). Call dlo_fx.release(model) first to put them back, or "
+        "copy the weights alone with model.state_dict(), which returns them")
 
 
 # -- installing and removing ----------------------------------------------------------------
@@ -115,7 +152,7 @@ def guard_module(module: nn.Module) -> None:
         direct = [p for p in sub._parameters.values() if p is not None and _stored(p)]
         if sub is not module and not any(_stored(p) for p in sub.parameters()):
             continue
-        handles = []
+        handles = [sub.register_load_state_dict_pre_hook(_refuse_load)]
         if sub is module:
             handles.append(sub.register_forward_pre_hook(_hollow_call_guard))
         if direct:
@@ -123,6 +160,8 @@ def guard_module(module: nn.Module) -> None:
         # An instance attribute shadows nn.Module._apply for this module only.
         original = type(sub)._apply
         sub.__dict__["_apply"] = functools.partial(_guarded_apply, weakref.ref(sub), original)
+        # copy.deepcopy looks __deepcopy__ up on the instance.
+        sub.__dict__["__deepcopy__"] = functools.partial(_refuse_deepcopy, weakref.ref(sub))
         _GUARDS[sub] = handles
 
 
@@ -134,6 +173,7 @@ def unguard_module(module: nn.Module) -> None:
         for handle in handles:
             handle.remove()
         sub.__dict__.pop("_apply", None)
+        sub.__dict__.pop("__deepcopy__", None)
 
 
 def release(model: nn.Module) -> nn.Module:

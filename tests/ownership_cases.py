@@ -4,6 +4,7 @@ dlo model, and the allgather ``state_dict`` / `release` case."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -78,14 +79,36 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
         torch.equal(saved[k], ref_state[k]) for k in ref_state)
     out["state_strides"] = all(state[k].stride() == ref_state[k].stride() for k in ref_state)
     out["exact_after_state_dict"] = exact()
-    # release: the weights go back into the parameters; the module is ordinary again.
-    blocks = runtimes_holding(list(model.parameters()))[0].store.blocks
+    # 4. load_state_dict of a stored parameter's key: refused before anything is loaded,
+    # from the model and from a submodule.
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    out["load_state_dict"] = _error(lambda: model.load_state_dict(ref_state))
+    block0 = {k[len("blocks.0."):]: v for k, v in ref_state.items() if k.startswith("blocks.0.")}
+    out["load_state_dict_block"] = _error(lambda: model.blocks[0].load_state_dict(block0))
+    out["hollow_after_load"] = _hollow_count(model)
+    out["exact_after_load"] = exact()
+    out["deepcopy"] = _error(lambda: copy.deepcopy(model))
+    out["exact_after_deepcopy"] = exact()
+    # 5. param.data = other for a stored parameter: the next compiled call and the next
+    # eager fetch of its module raise, naming it (the graphs would read the stored weights).
+    name, linear = next((n, m) for n, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear) and is_hollow(m.weight))
+    out["replaced_name"] = f"{name}.weight"
+    linear.weight.data = torch.zeros_like(ref.get_submodule(name).weight)
+    out["replaced_call"] = _error(exact)
+    x = torch.zeros(1, linear.in_features, dtype=linear.weight.dtype)
+    out["replaced_eager"] = _error(lambda: linear(x))
+    # release: the stored weights go back into the parameters (the zeros assigned above
+    # too); the module is ordinary again.
+    blocks = runtime.store.blocks
     out["blocks_before_release"] = len(blocks)
     out["release"] = _error(lambda: dlo_fx.release(model))
     out["hollow_after_release"] = _hollow_count(model)
     out["runtimes_after_release"] = len(runtimes_holding(list(model.parameters())))
     with torch.no_grad():
         out["eager_after_release"] = torch.equal(model(*inputs), expected)
+    with torch.no_grad():
+        out["deepcopy_after_release"] = torch.equal(copy.deepcopy(model)(*inputs), expected)
     out["to_fp16_after_release"] = _error(lambda: model.to(torch.float16))
     out["dtypes_after_release_fp16"] = _dtypes(model)
     # A diffusers model: save_pretrained from the host store.

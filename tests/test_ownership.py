@@ -233,6 +233,40 @@ def test_release_frees_the_runtime_and_gives_back_an_ordinary_module(dit):
         dlo_fx.release(model)
 
 
+def test_new_weights_are_used_where_resident_and_refused_where_stored():
+    """``param.data = ...`` and ``load_state_dict`` on a compiled model: a resident
+    parameter takes the new weights (the graph reads the parameter), a stored one is
+    refused on the next call, naming it, until `release` (which puts the stored weights
+    back); load_state_dict of a stored key loads nothing."""
+    ref, inputs = tiny_dit()
+    model, _ = tiny_dit()
+    compiled = torch.compile(model, backend="dlo")
+    stored = "blocks.1.fc2_weight"
+    with torch.no_grad():
+        assert torch.equal(run(compiled, inputs), run(ref, inputs))
+        runtime = runtimes_holding(list(model.parameters()))[0]
+        resident = [k for k, p in model.named_parameters() if p not in runtime.store]
+        assert resident and model.get_parameter(stored) in runtime.store
+        new = {k: torch.randn_like(p) for k, p in ref.named_parameters() if k in (resident[0], stored)}
+        with pytest.raises(ValueError, match=f"load_state_dict .*parameter '{stored}'"):
+            model.load_state_dict(new, strict=False)
+        assert torch.equal(model.get_parameter(resident[0]), ref.get_parameter(resident[0]))
+        model.load_state_dict({resident[0]: new[resident[0]]}, strict=False)
+        ref.load_state_dict({resident[0]: new[resident[0]]}, strict=False)
+        expected = run(ref, inputs)
+        assert torch.equal(run(compiled, inputs), expected)
+        model.get_parameter(resident[0]).data = new[resident[0]] * 2
+        ref.get_parameter(resident[0]).data = new[resident[0]] * 2
+        expected = run(ref, inputs)
+        assert torch.equal(run(compiled, inputs), expected)
+        model.get_parameter(stored).data = new[stored]
+        for _ in range(2):
+            with pytest.raises(ValueError, match=f"parameter '{stored}' was given other data"):
+                run(compiled, inputs)
+        dlo_fx.release(model)
+        assert torch.equal(run(model, inputs), expected)
+
+
 # -- hollow parameters under module operations (a forked child: a crash is a dead rank) -----
 def _module_operations():
     with tempfile.TemporaryDirectory() as folder:
@@ -257,9 +291,25 @@ def test_module_operations_in_a_child_process(spawned):
     # state_dict: the real weights, saved by safetensors.
     assert r["save_file"] == "" and r["saved_equal"] and r["state_strides"]
     assert r["exact_after_state_dict"]
+    # load_state_dict: refused naming a stored parameter, nothing loaded.
+    for key in ("load_state_dict", "load_state_dict_block"):
+        assert r[key].startswith("ValueError: dlo: cannot load_state_dict"), r[key]
+        assert "dlo_fx.release(model)" in r[key], r[key]
+        assert re.search(r"parameter '[\w.]+'", r[key]), r[key]
+    assert r["hollow_after_load"] == r["hollow"] and r["exact_after_load"]
+    # copy.deepcopy: refused (it read the hollow parameters: a segfault), model intact.
+    assert r["deepcopy"].startswith("ValueError: dlo: cannot deepcopy ReferenceDiT"), r["deepcopy"]
+    assert "dlo_fx.release(model)" in r["deepcopy"] and r["exact_after_deepcopy"]
+    # param.data = ... of a stored parameter: the next call, compiled or an eager fetch,
+    # raises naming it; release (below) puts the stored weights back over that data.
+    for key in ("replaced_call", "replaced_eager"):
+        assert r[key].startswith(f"ValueError: dlo: parameter '{r['replaced_name']}' was "
+                                 "given other data"), r[key]
+        assert "dlo_fx.release(model)" in r[key], r[key]
     # release: an ordinary module again.
     assert r["release"] == "" and r["hollow_after_release"] == 0
     assert r["runtimes_after_release"] == 0 and r["eager_after_release"]
+    assert r["deepcopy_after_release"]
     assert r["to_fp16_after_release"] == "" and r["dtypes_after_release_fp16"] == ["torch.float16"]
     # diffusers' save_pretrained from the host store.
     assert r["save_pretrained"] == "" and r["save_pretrained_equal"]

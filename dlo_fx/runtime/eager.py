@@ -172,7 +172,8 @@ def _enter(module: torch.nn.Module, args: Any, kwargs: Any, dynamo_active: bool)
         return
     with runtime.lock:
         users = _users.get(module, 0)
-        _users[module] = users + 1
+        _users[module] = users + 1  # before raising: the forward hook always runs
+        runtime.store.check_storages(_own_streamed(module, runtime))
         if users:
             return
         params = [p for p in _own_streamed(module, runtime) if is_hollow(p)]
@@ -195,8 +196,8 @@ def _leave(module: torch.nn.Module) -> None:
     with runtime.lock:
         users = _users.get(module, 0) - 1
         _users[module] = max(users, 0)
-        if users <= 0:
-            _hollow(_own_streamed(module, runtime))
+        if users <= 0:  # not a parameter given other data since: that data is the user's
+            _hollow([p for p in _own_streamed(module, runtime) if runtime.store.has_own_storage(p)])
 
 
 def _hollow(params: list[torch.nn.Parameter]) -> None:

@@ -6,6 +6,14 @@ there at every prefetch (`FileShard`; see [Note: file-backed host store] in
 
 Parameters handed to the store end *hollow*: real shape, dtype, device and strides over a
 zero-byte storage, so Dynamo's guards keep holding while the module holds no weight memory.
+
+[Note: a stored parameter given other data]
+The store keeps each stored parameter's storage (zero bytes, or the bytes an eager fetch
+put back: `runtime/eager.py` resizes that same storage). ``param.data = other`` gives the
+parameter another storage, and the schedule would go on streaming the stored weights: the model's output would silently differ from what its
+parameters say. `HostStore.check_storages` finds that on every scheduled call and every
+eager fetch and raises instead. Holding the storage also keeps its address from being
+reused by a later tensor, so comparing addresses cannot mistake a new storage for it.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import itertools
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -88,6 +96,9 @@ class HostStore:
         self.pin = pin
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
+        # id(parameter) -> its storage when stored: see [Note: a stored parameter given
+        # other data]
+        self._storages: dict[int, torch.UntypedStorage] = {}
         # Entry uids are unique across stores: slot views are cached by uid in slots
         # that runtimes on one device share (see [Note: what a model owns and what a
         # device shares]).
@@ -159,12 +170,34 @@ class HostStore:
             self._entries[id(p)] = e
         self._next_uid += len(entries)
         hollow([p for p in params if p.numel()])
+        for p in params:
+            self._storages[id(p)] = p.untyped_storage()
         return block
+
+    def has_own_storage(self, param: torch.Tensor) -> bool:
+        """``param`` still has the storage it had when stored (hollow or fetched)."""
+        kept = self._storages.get(id(param))
+        return kept is not None and param.untyped_storage()._cdata == kept._cdata
+
+    def check_storages(self, params: Iterable[torch.Tensor]) -> None:
+        """ValueError naming the first stored parameter among ``params`` that was given
+        other data since it was stored: see [Note: a stored parameter given other data]."""
+        for p in params:
+            kept = self._storages.get(id(p))
+            if kept is not None and p.untyped_storage()._cdata != kept._cdata:
+                raise ValueError(
+                    f"dlo: parameter {self._entries[id(p)].fqn!r} was given other data "
+                    "(param.data = ...) after dlo moved its weights into the host store, "
+                    "and the compiled model would go on reading the stored weights. To change "
+                    "weights, call dlo_fx.release(model) first (it puts the stored weights "
+                    "back, replacing data assigned since), change them, then compile the "
+                    "model again")
 
     def drop_blocks(self, first: int) -> None:
         """Forget blocks ``first`` onwards (undoing a failed load); their parameters stay
         hollow and must not be used again."""
         self._entries = {k: e for k, e in self._entries.items() if e.block < first}
+        self._storages = {k: s for k, s in self._storages.items() if k in self._entries}
         del self.blocks[first:]
         if self.files is not None:
             self.files.drop(first)
