@@ -117,11 +117,10 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
     def run(*args: Any) -> Any:
         bound = [args[i] for i in positions]
         runtime = sched.bind(bound)
-        runtime.store.check_storages(bound)  # param.data = ... would be silently ignored
         note_graph(sched, bound, args)  # for gather-only forwards (graph_call.py)
         start = time.perf_counter()
         try:
-            out = run_graph(runtime, sched, compiled, args)
+            out = run_graph(runtime, sched, compiled, args, bound)  # bound: checked there
         finally:
             runtime.drop_block_copy()  # resident copies are made: free their source
         if plan is not None:

@@ -149,6 +149,31 @@ def _interrupted_waits(rank: int, rounds: int = 8) -> dict:
             "broken": runtimes_holding(list(model.parameters()))[0].broken}
 
 
+def _replaced_on_one_rank(rank: int) -> list:
+    """Rank 1 gives a streamed parameter other data (``param.data = ...``) after the first
+    call: its next two calls raise ValueError, after completing each graph's gathers, so
+    rank 0's calls stay exact."""
+    _fresh()
+    ref_model, inputs = tiny_dit()
+    model, _ = tiny_dit()
+    options = {"mode": "allgather", "collective_timeout_s": 30}
+    compiled = torch.compile(model, backend="dlo", fullgraph=True, options=options)
+    name = "blocks.1.fc2_weight"
+
+    def outcome():
+        try:
+            return torch.equal(call(compiled, inputs), ref)
+        except ValueError as exc:
+            return "refused" if f"parameter {name!r} was given other data" in str(exc) else str(exc)
+
+    with torch.no_grad():
+        ref = call(ref_model, inputs)
+        outcomes = [outcome()]
+        if rank == 1:
+            model.get_parameter(name).data = torch.zeros_like(ref_model.get_parameter(name))
+        return outcomes + [outcome(), outcome()]
+
+
 def safety_cases(rank: int, world: int) -> dict:
     out = {}
     # 1. allgather with several graphs per forward (a copy racing a gather into its slot)
@@ -166,6 +191,8 @@ def safety_cases(rank: int, world: int) -> dict:
         rank, "allgather", ("index",), True, calls=3 if rank == 0 else 4)["index"]
     # the engine's gather-only padding forwards keep the ranks in step
     out["gather_only"] = _gather_only(rank)
+    # a parameter given other data on one rank: refused there, in step with the other
+    out["replaced"] = _replaced_on_one_rank(rank)
     # 7. Ctrl-C during a wait on one rank only
     out["interrupts"] = _interrupted_waits(rank)
     # 8. different weights of the same shapes on each rank

@@ -174,6 +174,8 @@ def test_ranks_stay_in_step_through_failures_and_eager_fetches(spawned):
         # rank 1 fails in the first graph; rank 0 meets its next call at the second graph
         expected = [True, "clock", True, True] if rank == 0 else [True, "index", "clock", True, True]
         assert out[("fail", "allgather", "index", "break")] == expected, rank
+        # param.data = ... on rank 1 only: refused there, rank 0 stays exact
+        assert out["replaced"] == ([True, "refused", "refused"] if rank == 1 else [True] * 3), rank
         padded = out["gather_only"]
         assert all(padded["exact"]) and padded["in_step"], (rank, padded)
         if rank == 1:  # three padding forwards: one real (at the small shape), two replayed

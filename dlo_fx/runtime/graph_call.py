@@ -179,10 +179,13 @@ def complete(runtime: Any, sched: Any, args: Sequence[Any], clock: Optional[Cloc
         target(sched, *_args_of(spec, args))
 
 
-def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequence[Any]) -> Any:
+def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequence[Any],
+              params: Sequence[Any] = ()) -> Any:
     """Call ``compiled(*args)`` under the runtime's lock, keeping the collective clock.
     With ``compiled=None`` the graph's schedule runs without computing (a gather-only
-    forward, see [Note: gather-only forwards])."""
+    forward, see [Note: gather-only forwards]). ``params``, the parameters the graph is
+    bound with, are checked after the clock (`HostStore.check_storages`): a refusal on
+    one rank completes the graph's gathers like any failure, so its peers stay in step."""
     with runtime.lock:
         runtime.check_open()
         sched.step = 0
@@ -198,6 +201,7 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
             if compiled is None:
                 complete(runtime, sched, args, None)
                 return None
+            runtime.store.check_storages(params)
             return compiled(*args)
         except ClockMismatch:
             raise

@@ -12,7 +12,9 @@ The store keeps each stored parameter's storage (zero bytes, or the bytes an eag
 put back: `runtime/eager.py` resizes that same storage). ``param.data = other`` gives the
 parameter another storage, and the schedule would go on streaming the stored weights: the model's output would silently differ from what its
 parameters say. `HostStore.check_storages` finds that on every scheduled call and every
-eager fetch and raises instead. Holding the storage also keeps its address from being
+eager fetch and raises instead. A scheduled call checks after its collective clock, so a
+refusal on one rank completes the graph's gathers like any failure inside a graph, and
+its peers' calls stay exact (`run_graph` in graph_call.py). Holding the storage also keeps its address from being
 reused by a later tensor, so comparing addresses cannot mistake a new storage for it.
 """
 
