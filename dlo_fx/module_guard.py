@@ -33,6 +33,7 @@ is an ordinary module again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Any, Callable
@@ -191,17 +192,20 @@ def release(model: nn.Module) -> nn.Module:
         raise ValueError(f"dlo_fx.release: no parameter of {type(model).__name__} is in a dlo "
                          "host store (was it loaded with dlo_fx.load or compiled with "
                          "backend='dlo' and called?)")
-    for runtime in runtimes:
-        runtime.drain(raise_errors=False)
-    values = []
-    for p in params:  # read everything first: a failure leaves the model as it was
-        runtime = owner_of((p,))
-        if runtime is not None and p in runtime.store:
-            values.append((p, runtime.host_tensor(p).to(p.device)))
-    with torch.no_grad():
-        for p, value in values:
-            p.data = value
-    for runtime in runtimes:
-        runtime.close()
+    with contextlib.ExitStack() as locks:
+        for runtime in runtimes:  # a graph another thread is running finishes first
+            locks.enter_context(runtime.lock)
+        for runtime in runtimes:
+            runtime.drain(raise_errors=False)
+        values = []
+        for p in params:  # read everything first: a failure leaves the model as it was
+            runtime = owner_of((p,))
+            if runtime is not None and p in runtime.store:
+                values.append((p, runtime.host_tensor(p).to(p.device)))
+        with torch.no_grad():
+            for p, value in values:
+                p.data = value
+        for runtime in runtimes:
+            runtime.close()
     unguard_module(model)
     return model

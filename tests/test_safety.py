@@ -18,6 +18,8 @@ import time
 import pytest
 import torch
 
+import dlo_fx
+
 from dlo_fx.runtime.host_store import is_hollow
 
 from dlo_fx.runtime.executor import CpuExecutor
@@ -76,6 +78,42 @@ def test_two_threads_many_calls_are_exact():
     for t in threads:
         t.join(timeout=300)
     assert len(results) == 24 and all(results)
+
+
+def test_release_on_another_thread_waits_for_the_running_graph():
+    """`dlo_fx.release` while another thread calls the model in a loop: release waits for
+    the graph that thread is running; a call bound just before a release raises a
+    RuntimeError that says so (it raised an AttributeError from deep in the runtime); every
+    other call is exact, and the model stores its weights again on its next call."""
+    compiled, inputs, ref, model = _compiled(tiny_dit, {"fault_delay_s": 0.002}, depth=6)
+    with torch.no_grad():
+        call(compiled, inputs)
+    results: list = []
+    stop = threading.Event()
+
+    def worker():
+        with torch.no_grad():
+            while not stop.is_set():
+                try:
+                    results.append(torch.equal(call(compiled, inputs), ref))
+                except RuntimeError as exc:
+                    results.append(str(exc))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        for _ in range(15):
+            time.sleep(0.03)
+            dlo_fx.release(model)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    released = "dlo: this model's weights were released (dlo_fx.release) on another thread"
+    assert results.count(True) >= 15, results
+    assert all(r is True or r.startswith(released) for r in results), set(map(str, results))
+    with torch.no_grad():
+        assert torch.equal(call(compiled, inputs), ref)
+    assert any(is_hollow(p) for p in model.parameters())
 
 
 def test_interrupts_at_random_points_leave_the_runtime_consistent():
