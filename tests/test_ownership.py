@@ -267,6 +267,25 @@ def test_new_weights_are_used_where_resident_and_refused_where_stored():
         assert torch.equal(run(model, inputs), expected)
 
 
+def test_in_place_write_to_a_materialised_stored_parameter_is_refused(dit):
+    """A loaded model's root keeps its own stored parameters materialised (runtime/eager.py);
+    writing one in place was silently ignored by the graphs, which stream the stored bytes.
+    The next call raises naming it; release puts the stored weights back."""
+    model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"])
+    compiled = torch.compile(model, backend="dlo")
+    assert torch.equal(run(compiled, dit["inputs"]), dit["expected"])
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    table = model.modulation_table
+    assert table in runtime.store and table.untyped_storage().nbytes() > 0
+    with torch.no_grad():
+        table.mul_(2)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="parameter 'modulation_table' was written in place"):
+            run(compiled, dit["inputs"])
+    dlo_fx.release(model)
+    assert torch.equal(run(model, dit["inputs"]), dit["expected"])
+
+
 # -- hollow parameters under module operations (a forked child: a crash is a dead rank) -----
 def _module_operations():
     with tempfile.TemporaryDirectory() as folder:

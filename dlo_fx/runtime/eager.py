@@ -231,3 +231,4 @@ def _materialise(runtime: Any, module: torch.nn.Module, params: list[torch.nn.Pa
             # turns grad mode back on: no_grad inside it, for parameters that require grad.
             with torch.inference_mode(p.is_inference()), torch.no_grad():
                 p.copy_(src)
+    runtime.store.note_fetched(params)  # a later write in place is refused (host_store.py)

@@ -16,6 +16,10 @@ eager fetch and raises instead. A scheduled call checks after its collective clo
 refusal on one rank completes the graph's gathers like any failure inside a graph, and
 its peers' calls stay exact (`run_graph` in graph_call.py). Holding the storage also keeps its address from being
 reused by a later tensor, so comparing addresses cannot mistake a new storage for it.
+A materialised stored parameter (`runtime/eager.py` keeps the compiled root's own ones
+materialised) can also be written in place (``p.mul_(2)``, ``nn.init``): its version
+counter, noted after each fetch (`note_fetched`), is compared too. A write through
+``p.data`` bumps another counter and is not seen.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class HostStore:
         # id(parameter) -> its storage when stored: see [Note: a stored parameter given
         # other data]
         self._storages: dict[int, torch.UntypedStorage] = {}
+        self._versions: dict[int, int] = {}  # id(parameter) -> its version when fetched
         # Entry uids are unique across stores: slot views are cached by uid in slots
         # that runtimes on one device share (see [Note: what a model owns and what a
         # device shares]).
@@ -181,25 +186,40 @@ class HostStore:
         kept = self._storages.get(id(param))
         return kept is not None and param.untyped_storage()._cdata == kept._cdata
 
+    def note_fetched(self, params: Iterable[torch.Tensor]) -> None:
+        """``params`` were just given their stored bytes (`runtime/eager.py`)."""
+        for p in params:
+            if not p.is_inference():  # an inference tensor has no version counter
+                self._versions[id(p)] = p._version
+
     def check_storages(self, params: Iterable[torch.Tensor]) -> None:
         """ValueError naming the first stored parameter among ``params`` that was given
-        other data since it was stored: see [Note: a stored parameter given other data]."""
+        other data or written in place since it was stored or fetched: see [Note: a stored
+        parameter given other data]."""
         for p in params:
             kept = self._storages.get(id(p))
-            if kept is not None and p.untyped_storage()._cdata != kept._cdata:
-                raise ValueError(
-                    f"dlo: parameter {self._entries[id(p)].fqn!r} was given other data "
-                    "(param.data = ...) after dlo moved its weights into the host store, "
-                    "and the compiled model would go on reading the stored weights. To change "
-                    "weights, call dlo_fx.release(model) first (it puts the stored weights "
-                    "back, replacing data assigned since), change them, then compile the "
-                    "model again")
+            if kept is None:
+                continue
+            version = self._versions.get(id(p))  # None for an inference tensor
+            if p.untyped_storage()._cdata != kept._cdata:
+                change = "was given other data (param.data = ...)"
+            elif version is not None and p._version != version:
+                change = "was written in place (param.mul_(...), param.copy_(...), nn.init)"
+            else:
+                continue
+            raise ValueError(
+                f"dlo: parameter {self._entries[id(p)].fqn!r} {change} after dlo moved its "
+                "weights into the host store, and the compiled model would go on reading the "
+                "stored weights. To change weights, call dlo_fx.release(model) first (it puts "
+                "the stored weights back, replacing changes made since), change them, then "
+                "compile the model again")
 
     def drop_blocks(self, first: int) -> None:
         """Forget blocks ``first`` onwards (undoing a failed load); their parameters stay
         hollow and must not be used again."""
         self._entries = {k: e for k, e in self._entries.items() if e.block < first}
         self._storages = {k: s for k, s in self._storages.items() if k in self._entries}
+        self._versions = {k: v for k, v in self._versions.items() if k in self._entries}
         del self.blocks[first:]
         if self.files is not None:
             self.files.drop(first)
