@@ -247,7 +247,8 @@ def test_new_weights_are_used_where_resident_and_refused_where_stored():
         runtime = runtimes_holding(list(model.parameters()))[0]
         resident = [k for k, p in model.named_parameters() if p not in runtime.store]
         assert resident and model.get_parameter(stored) in runtime.store
-        new = {k: torch.randn_like(p) for k, p in ref.named_parameters() if k in (resident[0], stored)}
+        new = {k: torch.randn_like(p) for k, p in ref.named_parameters()
+               if k in (resident[0], stored)}
         with pytest.raises(ValueError, match=f"load_state_dict .*parameter '{stored}'"):
             model.load_state_dict(new, strict=False)
         assert torch.equal(model.get_parameter(resident[0]), ref.get_parameter(resident[0]))

@@ -197,7 +197,8 @@ def _leave(module: torch.nn.Module) -> None:
         users = _users.get(module, 0) - 1
         _users[module] = max(users, 0)
         if users <= 0:  # not a parameter given other data since: that data is the user's
-            _hollow([p for p in _own_streamed(module, runtime) if runtime.store.has_own_storage(p)])
+            own = _own_streamed(module, runtime)
+            _hollow([p for p in own if runtime.store.has_own_storage(p)])
 
 
 def _hollow(params: list[torch.nn.Parameter]) -> None:

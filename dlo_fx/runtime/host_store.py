@@ -9,17 +9,18 @@ zero-byte storage, so Dynamo's guards keep holding while the module holds no wei
 
 [Note: a stored parameter given other data]
 The store keeps each stored parameter's storage (zero bytes, or the bytes an eager fetch
-put back: `runtime/eager.py` resizes that same storage). ``param.data = other`` gives the
-parameter another storage, and the schedule would go on streaming the stored weights: the model's output would silently differ from what its
-parameters say. `HostStore.check_storages` finds that on every scheduled call and every
-eager fetch and raises instead. A scheduled call checks after its collective clock, so a
-refusal on one rank completes the graph's gathers like any failure inside a graph, and
-its peers' calls stay exact (`run_graph` in graph_call.py). Holding the storage also keeps its address from being
-reused by a later tensor, so comparing addresses cannot mistake a new storage for it.
-A materialised stored parameter (`runtime/eager.py` keeps the compiled root's own ones
-materialised) can also be written in place (``p.mul_(2)``, ``nn.init``): its version
-counter, noted after each fetch (`note_fetched`), is compared too. A write through
-``p.data`` bumps another counter and is not seen.
+put back: `runtime/eager.py` resizes that same storage). ``param.data = other`` gives
+the parameter another storage, and the schedule would go on streaming the stored
+weights: the model's output would silently differ from what its parameters say.
+`HostStore.check_storages` finds that on every scheduled call and every eager fetch and
+raises instead. A scheduled call checks after its collective clock, so a refusal on one
+rank completes the graph's gathers like any failure inside a graph, and its peers' calls
+stay exact (`run_graph` in graph_call.py). Holding the storage also keeps its address
+from being reused by a later tensor, so comparing addresses cannot mistake a new storage
+for it. A materialised stored parameter (`runtime/eager.py` keeps the compiled root's
+own ones materialised) can also be written in place (``p.mul_(2)``, ``nn.init``): its
+version counter, noted after each fetch (`note_fetched`), is compared too. A write
+through ``p.data`` bumps another counter and is not seen.
 """
 
 from __future__ import annotations
