@@ -173,10 +173,11 @@ def _enter(module: torch.nn.Module, args: Any, kwargs: Any, dynamo_active: bool)
     with runtime.lock:
         users = _users.get(module, 0)
         _users[module] = users + 1  # before raising: the forward hook always runs
-        runtime.store.check_storages(_own_streamed(module, runtime))
+        own = _own_streamed(module, runtime)
+        runtime.store.check_storages(own)
         if users:
             return
-        params = [p for p in _own_streamed(module, runtime) if is_hollow(p)]
+        params = [p for p in own if is_hollow(p)]
         if not params or _compiled_as_frame(module, args, kwargs, dynamo_active):
             return
         try:

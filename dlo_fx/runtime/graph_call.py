@@ -187,10 +187,7 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
     bound with, are checked after the clock (`HostStore.check_storages`): a refusal on
     one rank completes the graph's gathers like any failure, so its peers stay in step."""
     with runtime.lock:
-        runtime.check_open()
-        if runtime.closed:  # bound before another thread's dlo_fx.release took the lock
-            raise RuntimeError("dlo: this model's weights were released (dlo_fx.release) on "
-                               "another thread while this call started; call it again")
+        runtime.check_open()  # also raises when another thread released the model
         sched.step = 0
         clock: Optional[Clock] = None
         try:

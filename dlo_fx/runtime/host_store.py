@@ -198,11 +198,10 @@ class HostStore:
         other data or written in place since it was stored or fetched: see [Note: a stored
         parameter given other data]."""
         for p in params:
-            kept = self._storages.get(id(p))
-            if kept is None:
+            if id(p) not in self._storages:
                 continue
             version = self._versions.get(id(p))  # None for an inference tensor
-            if p.untyped_storage()._cdata != kept._cdata:
+            if not self.has_own_storage(p):
                 change = "was given other data (param.data = ...)"
             elif version is not None and p._version != version:
                 change = "was written in place (param.mul_(...), param.copy_(...), nn.init)"

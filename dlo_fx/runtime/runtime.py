@@ -283,6 +283,9 @@ class Runtime:
         if self.broken is not None:
             raise RuntimeError(f"dlo: this runtime failed earlier and is closed ({self.broken}); "
                                "start a fresh process group and recompile")
+        if self.closed:  # a graph bound it before another thread's dlo_fx.release took the lock
+            raise RuntimeError("dlo: this model's weights were released (dlo_fx.release) on "
+                               "another thread while this call started; call it again")
 
     def wait(self, block: int, slot: int) -> None:
         """Block until ``slot`` holds ``block``, complete. Ctrl-C interrupts the wait and
