@@ -30,8 +30,20 @@ def pytest_configure(config):
     of the DLO-compiled DiT with Inductor 0.3 s instead of 0.012 s. It also makes every
     resident reference run with the thread count of the workers it is compared with."""
     torch.set_num_threads(1)
+    _keep_pytest_off_torch_trace_log()
     config.addinivalue_line(
         "markers", "spawned(job): the test checks what job() returns; see tests/conftest.py")
+
+
+def _keep_pytest_off_torch_trace_log():
+    """pytest attaches its log-capture handlers to every logger that does not propagate, and
+    torch's structured-trace logger (``torch.__trace``, what TORCH_TRACE writes) takes any
+    handler as "tracing is on": every Dynamo compile then built each trace payload (graph
+    printouts, guards, JSON) for pytest to store or write to /dev/null, in this process and
+    in every rank the fork server forks from it. A propagating logger gets no handler from
+    pytest, so torch's own lazy handler, which removes itself when TORCH_TRACE is unset, is
+    its only one; with TORCH_TRACE set it traces as usual."""
+    torch._logging._internal.trace_log.propagate = True
 
 
 # -- spawned jobs ------------------------------------------------------------------------------
