@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -51,6 +53,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     owners = modules + roots
     runtime = owner_of(params) or owner_of(p for m in owners for p in m.parameters())
     if runtime is not None and not runtime.closed:
+        runtime.check_process()  # a forked child: before any pass probes or gathers
         differing = runtime.config.differing(given)
         if differing:  # before anything changes
             raise ValueError(conflict_message(differing))
@@ -74,23 +77,70 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     with runtime.lock:  # no graph of another thread gathers while this one compares plans
         runtime.drain()
         commit(ctx, runtime)
-    claim([*params, *(p for m in owners for p in m.parameters())], runtime)
-    code = frame_code()
-    for module in modules:
-        if any(is_hollow(p) for p in module.parameters()):
-            guard_module(module)
-            forward = getattr(type(module).forward, "__code__", None)
-            fetch_eagerly(module, runtime, keep_own=code is not None and code is forward)
-    # A root whose forward Dynamo skipped runs eagerly, and so do the layers it calls
-    # itself (hollow when loaded): no graph names them. Its hooks run on every call.
-    for root in roots:
-        if any(is_hollow(p) for p in root.parameters()):
-            fetch_eagerly(root, runtime, keep_own=True)
+    claim(params, runtime)
+    adopt(runtime, modules, roots, frame_code())
     if config.dump_dir:
         from .dump import write_dump
 
         write_dump(gm, ctx, runtime, config.dump_dir)
     return scheduled_call(gm, ctx, given, example_inputs, compiled)
+
+
+# [Note: the modules a graph's parameters belong to]
+# Hollow parameters are safe outside the graph only in guarded, hooked modules
+# (module_guard.py, runtime/eager.py), and the graph sees parameters, not modules. The
+# compile finds them on Dynamo's frame (`frame_modules`, `compiled_roots`). A graph Dynamo
+# reuses meets parameters no compile saw: the next layer's (a graph break inside the blocks
+# makes one graph per layer) or another model's of the same class. Their blocks are stored
+# on that call, and left unguarded, ``model.state_dict()`` crashed reading a later layer's
+# hollow weights and an eager call of another model's submodule read zero-byte storage. So
+# the first call of a graph for a runtime, and any call that stored new blocks, adopts the
+# modules on the call stack that hold its parameters (`adopt_callers`), as the compile
+# adopts those on its frame.
+_ADOPT_LOCK = threading.Lock()
+
+
+def adopt(runtime: Runtime, modules: Sequence[torch.nn.Module],
+          roots: Sequence[torch.nn.Module], code: Any = None) -> None:
+    """Claim the parameters of ``modules`` (a graph's frame) and ``roots`` (the models
+    compiled around it) for ``runtime``, so the model's later graphs find it, then guard
+    those holding stored parameters and hook them for eager calls. Idempotent. ``code``:
+    the frame's code; a module whose own ``forward`` it is runs its hooks around it."""
+    with _ADOPT_LOCK:
+        claim((p for m in [*modules, *roots] for p in m.parameters()), runtime)
+        for module in modules:
+            if any(is_hollow(p) for p in module.parameters()):
+                guard_module(module)
+                forward = getattr(type(module).forward, "__code__", None)
+                fetch_eagerly(module, runtime, keep_own=code is not None and code is forward)
+        # A root whose forward Dynamo skipped runs eagerly, and so do the layers it calls
+        # itself (hollow when loaded): no graph names them. Its hooks run on every call.
+        for root in roots:
+            if any(is_hollow(p) for p in root.parameters()):
+                guard_module(root)
+                fetch_eagerly(root, runtime, keep_own=True)
+
+
+def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor]) -> None:
+    """`adopt` the modules being called (``self`` of the frames on the stack, nearest
+    first) that hold any of ``params``, and the compiled models around them: the call of a
+    graph Dynamo reused (see [Note: the modules a graph's parameters belong to])."""
+    ours = {id(p) for p in params}
+    modules: list[torch.nn.Module] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        value = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if (isinstance(value, torch.nn.Module) and all(value is not m for m in modules)
+                and any(id(p) in ours for p in value.parameters())):
+            modules.append(value)
+        frame = frame.f_back
+    roots = [m._orig_mod for m in modules if hasattr(m, "_orig_mod")]  # OptimizedModule
+    if runtime.closed or runtime.pid != os.getpid():
+        return  # released on another thread meanwhile, or a forked child: runs nothing
+    with runtime.lock:  # a release waits; one that came first leaves nothing to adopt for
+        if not runtime.closed:
+            adopt(runtime, [m for m in modules if not hasattr(m, "_orig_mod")
+                            and all(m is not r for r in roots)], roots)
 
 
 def given_options(options: Any) -> dict[str, Any]:
@@ -119,10 +169,14 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
         runtime = sched.bind(bound)
         note_graph(sched, bound, args)  # for gather-only forwards (graph_call.py)
         start = time.perf_counter()
+        blocks = len(runtime.store.blocks)
         try:
             out = run_graph(runtime, sched, compiled, args, bound)  # bound: checked there
         finally:
             runtime.drop_block_copy()  # resident copies are made: free their source
+            if runtime not in sched.adopted or len(runtime.store.blocks) != blocks:
+                adopt_callers(runtime, bound)  # a reused graph's parameters: guard them
+                sched.adopted.add(runtime)
         if plan is not None:
             plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
         return out

@@ -54,6 +54,7 @@ HOLLOW_CALL_MESSAGE = (
 
 # module -> the hook handles guard_module installed on it
 _GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_STATE_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # with _real_weights
 
 
 def _in_store(t: torch.Tensor) -> bool:
@@ -148,27 +149,30 @@ def guard_module(module: nn.Module) -> None:
     """Guard ``module`` and its submodules that hold stored (hollow) parameters: see
     [Note: hollow parameters outside the graph]. Idempotent."""
     for sub in module.modules():
-        if sub in _GUARDS:
-            continue
-        direct = [p for p in sub._parameters.values() if p is not None and _stored(p)]
-        if sub is not module and not any(_stored(p) for p in sub.parameters()):
-            continue
-        handles = [sub.register_load_state_dict_pre_hook(_refuse_load)]
-        if sub is module:
-            handles.append(sub.register_forward_pre_hook(_hollow_call_guard))
-        if direct:
+        direct = any(p is not None and _stored(p) for p in sub._parameters.values())
+        handles = _GUARDS.get(sub)
+        if handles is None:
+            if sub is not module and not any(_stored(p) for p in sub.parameters()):
+                continue
+            handles = _GUARDS[sub] = [sub.register_load_state_dict_pre_hook(_refuse_load)]
+            if sub is module:
+                handles.append(sub.register_forward_pre_hook(_hollow_call_guard))
+            # An instance attribute shadows nn.Module._apply for this module only.
+            original = type(sub)._apply
+            sub.__dict__["_apply"] = functools.partial(_guarded_apply, weakref.ref(sub), original)
+            # copy.deepcopy looks __deepcopy__ up on the instance.
+            sub.__dict__["__deepcopy__"] = functools.partial(_refuse_deepcopy, weakref.ref(sub))
+        # Its own parameters may be stored after it was guarded (a layer's second graph,
+        # after a graph break inside it): state_dict must read those from the store too.
+        if direct and sub not in _STATE_HOOKED:
             handles.append(sub.register_state_dict_post_hook(_real_weights))
-        # An instance attribute shadows nn.Module._apply for this module only.
-        original = type(sub)._apply
-        sub.__dict__["_apply"] = functools.partial(_guarded_apply, weakref.ref(sub), original)
-        # copy.deepcopy looks __deepcopy__ up on the instance.
-        sub.__dict__["__deepcopy__"] = functools.partial(_refuse_deepcopy, weakref.ref(sub))
-        _GUARDS[sub] = handles
+            _STATE_HOOKED.add(sub)
 
 
 def unguard_module(module: nn.Module) -> None:
     for sub in module.modules():
         handles = _GUARDS.pop(sub, None)
+        _STATE_HOOKED.discard(sub)
         if handles is None:
             continue
         for handle in handles:

@@ -5,13 +5,15 @@ dlo model, and the allgather ``state_dict`` / `release` case."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import signal
 
 import torch
 from safetensors.torch import load_file, save_file
 
 import dlo_fx
-from dlo_fx.models import ReferenceDiT, example_inputs
+from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime.host_store import is_hollow
 from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
 
@@ -56,6 +58,7 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     # Counted after the first call: the compiled module's own parameters are materialised
     # then (its hooks run eagerly on every call, see runtime/eager.py).
     out["hollow"] = _hollow_count(model)
+    out.update(_forked(dit_path, cfg, inputs, expected))
     # 1. .to() the runtime's own device, in every spelling: a no-op.
     for spelling in (torch.device("cpu", 0), "cpu", "cpu:0", torch.device("cpu")):
         out[f"to {spelling!r}"] = _error(lambda: model.to(spelling))
@@ -124,6 +127,82 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     want = resident_wan(wan_dir).state_dict()
     out["save_pretrained_equal"] = got.keys() == want.keys() and all(
         torch.equal(got[k], want[k]) for k in want)
+    out.update(_reused_graphs(dit_path, cfg, inputs, expected, ref))  # last: more Dynamo entries
+    return out
+
+
+def _eager_and_state(model: torch.nn.Module, ref: torch.nn.Module) -> list:
+    """Whether an eager call of each hollow Linear of ``model`` and ``state_dict()`` give
+    what ``ref`` gives: one entry per Linear, then the state dict's."""
+    gen = torch.Generator().manual_seed(0)
+    got = []
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and is_hollow(m.weight):
+                x = torch.randn(1, m.in_features, generator=gen).to(m.weight.dtype)
+                got.append(_error(lambda: m(x)) or torch.equal(m(x), ref.get_submodule(name)(x)))
+    state, want = model.state_dict(), ref.state_dict()
+    got.append(state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want))
+    return got
+
+
+def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> dict:
+    """Graphs Dynamo reuses for parameters no compile saw are guarded on their call: a
+    second model of the class (an eager call of a submodule read zero-byte storage) and
+    the layers after the first of a DiT with a graph break inside its blocks (one graph per
+    half layer; ``state_dict()`` crashed reading a later layer's hollow weights)."""
+    second = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=OPTIONS)
+    compiled = torch.compile(second, backend="dlo")
+    with torch.no_grad():
+        out = {"second_exact": [torch.equal(compiled(*inputs), expected) for _ in range(2)]}
+    out["second_eager_and_state"] = _eager_and_state(second, ref)
+    broken, twin = (reference_dit(width=64, depth=3, heads=4, seed=0, graph_break_in_blocks=True)
+                    .eval().requires_grad_(False) for _ in range(2))
+    x = example_inputs(twin.config, batch=2, height=8, width=8, seed=1)
+    compiled = torch.compile(broken, backend="dlo", options={"resident_bytes": 0})
+    with torch.no_grad():
+        want = twin(*x)
+        out["graph_break_exact"] = [torch.equal(compiled(*x), want) for _ in range(2)]
+    out["graph_break_eager_and_state"] = _eager_and_state(broken, twin)
+    return out
+
+
+def _forked(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
+    """``os.fork`` after a call (multiprocessing's default start method on Linux): in the
+    child, the parent's model refuses a compiled call, an eager fetch and release, naming
+    the fork (a call waited forever on a copy no thread ran there), and a model loaded in
+    the child runs exactly. The parent's model is unaffected."""
+    options = {**OPTIONS, "fault_delay_s": 0.001}  # every copy on the executor's thread
+    model = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=options)
+    compiled = torch.compile(model, backend="dlo")
+
+    def exact(module) -> bool:
+        with torch.no_grad():
+            return torch.equal(module(*inputs), expected)
+
+    out = {"fork_parent_before": exact(compiled)}
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child answers through the pipe and never returns
+        try:
+            os.close(read)
+            signal.alarm(60)  # a hang ends the child: the parent reads no answer
+            linear = next(m for m in model.modules()
+                          if isinstance(m, torch.nn.Linear) and is_hollow(m.weight))
+            x = torch.zeros(1, linear.in_features, dtype=linear.weight.dtype)
+            answer = {"call": _error(lambda: exact(compiled)), "eager": _error(lambda: linear(x)),
+                      "release": _error(lambda: dlo_fx.release(model))}
+            fresh = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=options)
+            answer["fresh"] = [exact(torch.compile(fresh, backend="dlo")) for _ in range(2)]
+            os.write(write, json.dumps(answer).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()  # until the child exits
+    os.waitpid(pid, 0)
+    out["fork_child"] = json.loads(text) if text else None
+    out["fork_parent_after"] = exact(compiled)
     return out
 
 

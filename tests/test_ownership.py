@@ -297,6 +297,22 @@ def _module_operations():
 def test_module_operations_in_a_child_process(spawned):
     r = spawned
     assert r["hollow"] > 0 and r["exact_before"]
+    # os.fork after a call: the child refuses the parent's model naming the fork (it
+    # waited forever), and a model loaded there runs exactly; the parent's is unaffected.
+    child = r["fork_child"]
+    assert child is not None, "the forked child gave no answer: it hung and was killed"
+    for key in ("call", "eager", "release"):
+        assert child[key].startswith("RuntimeError: dlo: this model's weights are stored by "
+                                     "process"), (key, child[key])
+        assert "was forked from it" in child[key] and "'spawn'" in child[key], child[key]
+    assert child["fresh"] == [True, True]
+    assert r["fork_parent_before"] and r["fork_parent_after"]
+    # A graph Dynamo reuses (another model of the class, a later layer after a graph break
+    # in the blocks) guards the modules it meets: eager calls and state_dict are exact.
+    for key in ("second", "graph_break"):
+        assert r[f"{key}_exact"] == [True, True], key
+        assert len(r[f"{key}_eager_and_state"]) > 10, key
+        assert all(v is True for v in r[f"{key}_eager_and_state"]), (key, r[f"{key}_eager_and_state"])
     # .to() the runtime's own device, any spelling: a no-op.
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
                 "to device(type='cpu')", "cpu()"):

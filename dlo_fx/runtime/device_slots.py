@@ -25,6 +25,7 @@ threads are serialised graph by graph.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -38,6 +39,7 @@ from .slots import SlotPool
 class DeviceSlots:
     def __init__(self, device: torch.device, num_slots: int, fault_delay_s: float) -> None:
         self.key = _key(device, num_slots, fault_delay_s)
+        self.pid = os.getpid()  # a forked child makes its own (runtime.py, a forked process)
         self.device = device
         self.pool = SlotPool(num_slots, device)
         self.executor = make_executor(device, num_slots, fault_delay_s)
@@ -138,6 +140,6 @@ def device_slots(device: torch.device, num_slots: int, fault_delay_s: float) -> 
     key = _key(device, num_slots, fault_delay_s)
     with _LOCK:
         shared = _SHARED.get(key)
-        if shared is None:
+        if shared is None or shared.pid != os.getpid():  # the parent's thread is not here
             shared = _SHARED[key] = DeviceSlots(device, num_slots, fault_delay_s)
         return shared

@@ -43,6 +43,8 @@ class GraphSchedule(torch.nn.Module):
         self.slot_of = slot_of
         self.fqns = fqns
         self.bound = [-1] * len(slot_of)
+        # Runtimes whose models' modules a call of this graph adopted (backend.adopt_callers)
+        self.adopted: "weakref.WeakSet" = weakref.WeakSet()
         self.graph = next(_GRAPH_IDS)
         """A process-wide id; the tracer tags this graph's spans with it."""
         self.step = 0  # schedule ops done in the current call

@@ -18,12 +18,23 @@ task (``_pending``, kept until a ``wait`` on it succeeds): the wrap-around prefe
 gather of a slot that the next graph refills is never waited on, and an inline copy must
 not be overwritten by that gather landing later (the cause of wrong outputs in allgather
 mode with graph breaks; docs/architecture.md).
+
+[Note: a forked process]
+``os.fork`` (multiprocessing's default start method on Linux) copies a runtime into the
+child without what runs it: the executor's worker thread, a copy the parent had in
+flight, the device streams and the process group stay with the parent, and a thread of
+the parent may have held the slots' lock. A call in the child waited forever on a copy
+no thread runs. So a runtime runs only in the process that made it: `Runtime.lock`, which
+every graph call, eager fetch, compile and release takes, and `check_open` compare the
+pid (a syscall per call) and raise in any other. `device_slots` gives a forked child its
+own slots, so a model loaded or compiled in the child runs there.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -56,6 +67,7 @@ class Runtime:
         self.device = device
         # See [Note: what a model owns and what a device shares].
         self.shared = device_slots(device, config.num_slots, config.fault_delay_s)
+        self.pid = os.getpid()  # see [Note: a forked process]
         self.group: ShardGroup = self.shared.shard_group(config.shard_group,
                                                          config.collective_timeout_s,
                                                          resolve_shard_group)
@@ -88,10 +100,26 @@ class Runtime:
         self.broken: Optional[str] = None  # set when a copy or gather failed
         self.tracer: Optional[Tracer] = Tracer() if config.trace else None
         self._ready_ns: list[int] = [0] * config.num_slots  # when each slot's wait returned
-        # One graph at a time on these slots: the slot state machine and the collective
-        # order. See [Note: one call at a time] in graph_call.py.
-        self.lock = self.shared.lock
         install_interrupt_handler()
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held around every graph call on these slots (the slot state machine and the
+        collective order; see [Note: one call at a time] in graph_call.py), eager fetch,
+        compile commit and release. Raises in a forked process (`check_process`)."""
+        self.check_process()
+        return self.shared.lock
+
+    def check_process(self) -> None:
+        """Raise unless this is the process that made the runtime ([Note: a forked process])."""
+        if self.pid != os.getpid():
+            raise RuntimeError(
+                f"dlo: this model's weights are stored by process {self.pid}, and this process "
+                f"({os.getpid()}) was forked from it (os.fork, or multiprocessing's 'fork' "
+                "start method): the copy thread, device streams and process group that run "
+                "them stay in that process. Load or compile the model in the process that "
+                "calls it; multiprocessing's 'spawn' or 'forkserver' start method starts a "
+                "fresh one")
 
     # -- the mode and the store it implies ---------------------------------------------
     def set_mode(self, mode: str, reason: str) -> None:
@@ -280,6 +308,7 @@ class Runtime:
             self._gathered[slot] = True
 
     def check_open(self) -> None:
+        self.check_process()
         if self.broken is not None:
             raise RuntimeError(f"dlo: this runtime failed earlier and is closed ({self.broken}); "
                                "start a fresh process group and recompile")
@@ -377,7 +406,8 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
-        self.drain(raise_errors=False)
+        if self.pid == os.getpid():  # a forked child: the parent's copies never finish here
+            self.drain(raise_errors=False)
         for slot in range(len(self.slot_block)):
             if self.slot_block[slot] is not None:
                 self.slot_block[slot] = None
