@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
-import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -77,8 +75,8 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     with runtime.lock:  # no graph of another thread gathers while this one compares plans
         runtime.drain()
         commit(ctx, runtime)
-    claim(params, runtime)
-    adopt(runtime, modules, roots, frame_code())
+        claim(params, runtime)
+        adopt(runtime, modules, roots, frame_code())
     if config.dump_dir:
         from .dump import write_dump
 
@@ -96,51 +94,49 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 # hollow weights and an eager call of another model's submodule read zero-byte storage. So
 # the first call of a graph for a runtime, and any call that stored new blocks, adopts the
 # modules on the call stack that hold its parameters (`adopt_callers`), as the compile
-# adopts those on its frame.
-_ADOPT_LOCK = threading.Lock()
+# adopts those on its frame. Both adopt under the runtime's lock.
 
 
 def adopt(runtime: Runtime, modules: Sequence[torch.nn.Module],
           roots: Sequence[torch.nn.Module], code: Any = None) -> None:
     """Claim the parameters of ``modules`` (a graph's frame) and ``roots`` (the models
     compiled around it) for ``runtime``, so the model's later graphs find it, then guard
-    those holding stored parameters and hook them for eager calls. Idempotent. ``code``:
-    the frame's code; a module whose own ``forward`` it is runs its hooks around it."""
-    with _ADOPT_LOCK:
-        claim((p for m in [*modules, *roots] for p in m.parameters()), runtime)
-        for module in modules:
-            if any(is_hollow(p) for p in module.parameters()):
-                guard_module(module)
-                forward = getattr(type(module).forward, "__code__", None)
-                fetch_eagerly(module, runtime, keep_own=code is not None and code is forward)
-        # A root whose forward Dynamo skipped runs eagerly, and so do the layers it calls
-        # itself (hollow when loaded): no graph names them. Its hooks run on every call.
-        for root in roots:
-            if any(is_hollow(p) for p in root.parameters()):
-                guard_module(root)
-                fetch_eagerly(root, runtime, keep_own=True)
+    those holding stored parameters and hook them for eager calls. Idempotent; the caller
+    holds ``runtime.lock``. ``code``: the frame's code; a module whose own ``forward`` it
+    is runs its hooks around it."""
+    claim((p for m in [*modules, *roots] for p in m.parameters()), runtime)
+    for module in modules:
+        if any(is_hollow(p) for p in module.parameters()):
+            guard_module(module)
+            forward = getattr(type(module).forward, "__code__", None)
+            fetch_eagerly(module, runtime, keep_own=code is not None and code is forward)
+    # A root whose forward Dynamo skipped runs eagerly, and so do the layers it calls
+    # itself (hollow when loaded): no graph names them. Its hooks run on every call.
+    for root in roots:
+        if any(is_hollow(p) for p in root.parameters()):
+            guard_module(root)
+            fetch_eagerly(root, runtime, keep_own=True)
 
 
 def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor]) -> None:
     """`adopt` the modules being called (``self`` of the frames on the stack, nearest
     first) that hold any of ``params``, and the compiled models around them: the call of a
     graph Dynamo reused (see [Note: the modules a graph's parameters belong to])."""
-    ours = {id(p) for p in params}
-    modules: list[torch.nn.Module] = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        value = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if (isinstance(value, torch.nn.Module) and all(value is not m for m in modules)
-                and any(id(p) in ours for p in value.parameters())):
-            modules.append(value)
-        frame = frame.f_back
-    roots = [m._orig_mod for m in modules if hasattr(m, "_orig_mod")]  # OptimizedModule
-    if runtime.closed or runtime.pid != os.getpid():
-        return  # released on another thread meanwhile, or a forked child: runs nothing
     with runtime.lock:  # a release waits; one that came first leaves nothing to adopt for
-        if not runtime.closed:
-            adopt(runtime, [m for m in modules if not hasattr(m, "_orig_mod")
-                            and all(m is not r for r in roots)], roots)
+        if runtime.closed:
+            return
+        ours = {id(p) for p in params}
+        modules: list[torch.nn.Module] = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            value = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+            if (isinstance(value, torch.nn.Module) and all(value is not m for m in modules)
+                    and any(id(p) in ours for p in value.parameters())):
+                modules.append(value)
+            frame = frame.f_back
+        roots = [m._orig_mod for m in modules if hasattr(m, "_orig_mod")]  # OptimizedModule
+        adopt(runtime, [m for m in modules if not hasattr(m, "_orig_mod")
+                        and all(m is not r for r in roots)], roots)
 
 
 def given_options(options: Any) -> dict[str, Any]:

@@ -25,8 +25,8 @@ child without what runs it: the executor's worker thread, a copy the parent had 
 flight, the device streams and the process group stay with the parent, and a thread of
 the parent may have held the slots' lock. A call in the child waited forever on a copy
 no thread runs. So a runtime runs only in the process that made it: `Runtime.lock`, which
-every graph call, eager fetch, compile and release takes, and `check_open` compare the
-pid (a syscall per call) and raise in any other. `device_slots` gives a forked child its
+every graph call, eager fetch, compile and release takes, compares the pid (a syscall
+per graph call) and raises in any other. `device_slots` gives a forked child its
 own slots, so a model loaded or compiled in the child runs there.
 """
 
@@ -308,7 +308,8 @@ class Runtime:
             self._gathered[slot] = True
 
     def check_open(self) -> None:
-        self.check_process()
+        """Raise when the runtime cannot run a graph. Called under `lock`, which has
+        checked the process."""
         if self.broken is not None:
             raise RuntimeError(f"dlo: this runtime failed earlier and is closed ({self.broken}); "
                                "start a fresh process group and recompile")
