@@ -93,8 +93,9 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 # on that call, and left unguarded, ``model.state_dict()`` crashed reading a later layer's
 # hollow weights and an eager call of another model's submodule read zero-byte storage. So
 # the first call of a graph for a runtime, and any call that stored new blocks, adopts the
-# modules on the call stack that hold its parameters (`adopt_callers`), as the compile
-# adopts those on its frame. Both adopt under the runtime's lock.
+# modules on the call stack that hold its parameters (`adopt_callers`: the modules being
+# called, and the module locals of frames Dynamo compiled), as the compile adopts those on
+# its frame. Both adopt under the runtime's lock.
 
 
 def adopt(runtime: Runtime, modules: Sequence[torch.nn.Module],
@@ -119,9 +120,14 @@ def adopt(runtime: Runtime, modules: Sequence[torch.nn.Module],
 
 
 def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor]) -> None:
-    """`adopt` the modules being called (``self`` of the frames on the stack, nearest
-    first) that hold any of ``params``, and the compiled models around them: the call of a
-    graph Dynamo reused (see [Note: the modules a graph's parameters belong to])."""
+    """`adopt` the modules on the stack that hold any of ``params``, nearest first: the
+    modules being called (``self`` of each frame), every module among the locals of a frame
+    Dynamo compiled (as `frame_modules` reads them at compile time: ``torch.compile(step)``
+    of a ``step(model, ...)`` calls no module frame), and the compiled models around them.
+    For the call of a graph Dynamo reused (see [Note: the modules a graph's parameters
+    belong to])."""
+    from torch._dynamo.utils import orig_code_map  # the code Dynamo made -> the user's
+
     with runtime.lock:  # a release waits; one that came first leaves nothing to adopt for
         if runtime.closed:
             return
@@ -129,10 +135,14 @@ def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor]) -> None:
         modules: list[torch.nn.Module] = []
         frame = sys._getframe(1)
         while frame is not None:
-            value = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-            if (isinstance(value, torch.nn.Module) and all(value is not m for m in modules)
-                    and any(id(p) in ours for p in value.parameters())):
-                modules.append(value)
+            if frame.f_code in orig_code_map:
+                values = list(frame.f_locals.values())
+            else:
+                values = [frame.f_locals.get("self")] if "self" in frame.f_code.co_varnames else []
+            for value in values:
+                if (isinstance(value, torch.nn.Module) and all(value is not m for m in modules)
+                        and any(id(p) in ours for p in value.parameters())):
+                    modules.append(value)
             frame = frame.f_back
         roots = [m._orig_mod for m in modules if hasattr(m, "_orig_mod")]  # OptimizedModule
         adopt(runtime, [m for m in modules if not hasattr(m, "_orig_mod")

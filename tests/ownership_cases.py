@@ -153,7 +153,8 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
     """Graphs Dynamo reuses for parameters no compile saw are guarded on their call: a
     second model of the class (an eager call of a submodule read zero-byte storage) and
     the layers after the first of a DiT with a graph break inside its blocks (one graph per
-    half layer; ``state_dict()`` crashed reading a later layer's hollow weights)."""
+    half layer; ``state_dict()`` crashed reading a later layer's hollow weights), also
+    through a compiled function that takes the model."""
     second = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=OPTIONS)
     compiled = torch.compile(second, backend="dlo")
     with torch.no_grad():
@@ -167,6 +168,17 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
         want = twin(*x)
         out["graph_break_exact"] = [torch.equal(compiled(*x), want) for _ in range(2)]
     out["graph_break_eager_and_state"] = _eager_and_state(broken, twin)
+    # A compiled function that takes the model (a denoising step): no module frame is on
+    # the stack when its graph, reused for a second model, stores that model's blocks.
+    step = torch.compile(lambda model, *args: model(*args), backend="dlo",
+                         options={"resident_bytes": 0})
+    for seed, key in ((1, "step_first"), (2, "step")):
+        model, twin = (reference_dit(width=64, depth=3, heads=4, seed=seed)
+                       .eval().requires_grad_(False) for _ in range(2))
+        with torch.no_grad():
+            want = twin(*x)
+            out[f"{key}_exact"] = [torch.equal(step(model, *x), want) for _ in range(2)]
+        out[f"{key}_eager_and_state"] = _eager_and_state(model, twin)
     return out
 
 
