@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .config import same_device
+from .runtime.eager import unhook
 from .runtime.host_store import is_hollow
 from .runtime.runtime import owner_of, runtimes_holding
 
@@ -212,4 +213,5 @@ def release(model: nn.Module) -> nn.Module:
         for runtime in runtimes:
             runtime.close()
     unguard_module(model)
+    unhook(model)
     return model

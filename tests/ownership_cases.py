@@ -168,6 +168,10 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
         want = twin(*x)
         out["graph_break_exact"] = [torch.equal(compiled(*x), want) for _ in range(2)]
     out["graph_break_eager_and_state"] = _eager_and_state(broken, twin)
+    dlo_fx.release(broken)  # the next call stores it again, through the same graphs
+    with torch.no_grad():
+        out["graph_break_released_exact"] = [torch.equal(compiled(*x), want) for _ in range(2)]
+    out["graph_break_released_eager_and_state"] = _eager_and_state(broken, twin)
     # A compiled function that takes the model (a denoising step): no module frame is on
     # the stack when its graph, reused for a second model, stores that model's blocks.
     step = torch.compile(lambda model, *args: model(*args), backend="dlo",

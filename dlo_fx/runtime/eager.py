@@ -108,6 +108,24 @@ def _install_hooks(module: torch.nn.Module) -> None:
     module._forward_hooks_always_called[post_id] = True
 
 
+def unhook(root: torch.nn.Module) -> None:
+    """Take what `fetch_eagerly` put on ``root`` and its modules off again (`release`: the
+    module is ordinary again). Left on, they kept pointing at the released runtime, and a
+    later store (the next call of a graph) skipped them as hooked: an eager call of a
+    submodule then read its hollow parameters."""
+    for module in root.modules():
+        if module in _HOOKED:
+            pre_id, post_id = _HOOK_IDS
+            module._forward_pre_hooks.pop(pre_id, None)
+            module._forward_pre_hooks_with_kwargs.pop(pre_id, None)
+            module._forward_hooks.pop(post_id, None)
+            module._forward_hooks_always_called.pop(post_id, None)
+            _HOOKED.discard(module)
+        _KEPT.discard(module)
+        _RUNTIME_OF.pop(module, None)
+        _users.pop(module, None)
+
+
 def kept_materialised(root: torch.nn.Module) -> set[int]:
     """Ids of the parameters under ``root`` kept materialised because their module's own
     ``forward`` is compiled as a frame (see the Note): in the host store, but not hollow."""
