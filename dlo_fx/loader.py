@@ -60,6 +60,7 @@ from .config import DLOConfig
 from .load_plan import KeyMap, LoadPlan, Target, plan_load
 from .module_guard import guard_module
 from .runtime.fingerprint import block_fingerprint, check_same_weights
+from .runtime.host_store import hollow_tensor
 from .runtime.layout import span_as_bytes
 from .runtime.runtime import Runtime, claim
 from .shard_dir import ShardDir, checkpoint_extents
@@ -300,10 +301,8 @@ def _materialised(target: Target, view: Optional[torch.Tensor], device: torch.de
 
 def _hollow_like(target: Target, device: torch.device) -> nn.Parameter:
     t = target.tensor
-    data = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=target.dtype,
-                               device=device)  # never written: on CPU no page is touched
-    data.untyped_storage().resize_(0)
-    return nn.Parameter(data, requires_grad=False)
+    return nn.Parameter(hollow_tensor(t.shape, t.stride(), target.dtype, device),
+                        requires_grad=False)
 
 
 def _install(target: Target, value: torch.Tensor) -> None:

@@ -38,6 +38,14 @@ def _error(fn) -> str:
     return ""
 
 
+def _outcome(fn):
+    """What ``fn()`` returns, or the text of what it raised."""
+    try:
+        return fn()
+    except Exception as exc:  # the text is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+
+
 def module_operations(rank: int, world: int, out_dir: str) -> dict:
     """Each operation on a loaded, compiled and called DiT: error text and the module's
     state after it (still hollow, still exact)."""
@@ -128,6 +136,7 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     out["save_pretrained_equal"] = got.keys() == want.keys() and all(
         torch.equal(got[k], want[k]) for k in want)
     out.update(_reused_graphs(dit_path, cfg, inputs, expected, ref))  # last: more Dynamo entries
+    out.update(_shared_storages(out_dir))
     return out
 
 
@@ -183,6 +192,35 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
             want = twin(*x)
             out[f"{key}_exact"] = [torch.equal(step(model, *x), want) for _ in range(2)]
         out[f"{key}_eager_and_state"] = _eager_and_state(model, twin)
+    return out
+
+
+def _shared_storages(out_dir: str) -> dict:
+    """Parameters whose storage is not theirs alone (see [Note: hollowing never frees a
+    storage it did not make] in dlo_fx/runtime/host_store.py): a state dict loaded with
+    ``assign=True`` into the compiled model and into a resident one (storing freed the
+    resident model's weights and the caller's dict under them), and ``torch.load(...,
+    mmap=True)``, whose storages cannot be resized (the compile raised)."""
+    twin = reference_dit(width=64, depth=3, heads=4, seed=3).eval().requires_grad_(False)
+    x = example_inputs(twin.config, batch=2, height=8, width=8, seed=1)
+    path = os.path.join(out_dir, "twin.pt")
+    torch.save(twin.state_dict(), path)
+    shared = {k: v.clone() for k, v in twin.state_dict().items()}
+    resident = reference_dit(width=64, depth=3, heads=4, seed=4).eval().requires_grad_(False)
+    resident.load_state_dict(shared, assign=True)
+    out = {}
+    with torch.no_grad():
+        want = twin(*x)
+        for key, state in (("assign", shared), ("mmap", torch.load(path, mmap=True))):
+            model = reference_dit(width=64, depth=3, heads=4, seed=5).eval().requires_grad_(False)
+            model.load_state_dict(state, assign=True)
+            compiled = torch.compile(model, backend="dlo", options={"resident_bytes": 0})
+            out[f"shared_{key}_exact"] = [_outcome(lambda: torch.equal(compiled(*x), want))
+                                          for _ in range(2)]
+            out[f"shared_{key}_hollow"] = _hollow_count(model)
+        out["shared_dict_intact"] = all(torch.equal(shared[k], v)
+                                        for k, v in twin.state_dict().items())
+        out["shared_resident_exact"] = torch.equal(resident(*x), want)
     return out
 
 

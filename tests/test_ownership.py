@@ -313,6 +313,12 @@ def test_module_operations_in_a_child_process(spawned):
         assert r[f"{key}_exact"] == [True, True], key
         assert len(r[f"{key}_eager_and_state"]) > 10, key
         assert all(v is True for v in r[f"{key}_eager_and_state"]), (key, r[f"{key}_eager_and_state"])
+    # Parameters sharing storage with other tensors, or over a file (torch.load mmap=True):
+    # stored, exact, and the other tensors' bytes left to them.
+    for key in ("assign", "mmap"):
+        assert r[f"shared_{key}_exact"] == [True, True], (key, r[f"shared_{key}_exact"])
+        assert r[f"shared_{key}_hollow"] > 0, key
+    assert r["shared_dict_intact"] and r["shared_resident_exact"]
     # .to() the runtime's own device, any spelling: a no-op.
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
                 "to device(type='cpu')", "cpu()"):

@@ -21,6 +21,17 @@ for it. A materialised stored parameter (`runtime/eager.py` keeps the compiled r
 own ones materialised) can also be written in place (``p.mul_(2)``, ``nn.init``): its
 version counter, noted after each fetch (`note_fetched`), is compared too. A write
 through ``p.data`` bumps another counter and is not seen.
+
+[Note: hollowing never frees a storage it did not make]
+A parameter's storage need not be its own: parameters that are views of one flat tensor
+share it, ``load_state_dict(sd, assign=True)`` leaves the caller's ``sd`` (and any other
+model loaded from it) on it, and ``torch.load(..., mmap=True)`` gives storages over the file
+that cannot be resized at all. Resizing such a storage to zero bytes freed the other
+tensors' memory under them (a resident parameter, the caller's state dict: a segfault or
+garbage when they were next read), or failed with "Trying to resize storage that is not
+resizable". So `hollow` gives the parameter a new zero-byte storage instead, and the old
+one is freed when nothing else holds it. Only storages dlo made are ever resized: the
+hollow ones, by `runtime/eager.py`.
 """
 
 from __future__ import annotations
@@ -81,10 +92,22 @@ def is_hollow(t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
+def hollow_tensor(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """A tensor of this metadata over a new zero-byte storage of its own."""
+    data = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype,
+                               device=device)  # never written: on CPU no page is touched
+    data.untyped_storage().resize_(0)
+    return data
+
+
 def hollow(params: Sequence[torch.Tensor]) -> None:
-    """Drop the storage of ``params``, keeping their metadata."""
+    """Give each of ``params`` a new zero-byte storage (``param.data = ...``), keeping its
+    identity, shape, strides, dtype, device and inference-ness: see [Note: hollowing never
+    frees a storage it did not make]."""
     for p in params:
-        p.data.untyped_storage().resize_(0)
+        with torch.inference_mode(p.is_inference()), torch.no_grad():
+            p.data = hollow_tensor(p.shape, p.stride(), p.dtype, p.device)
 
 
 class HostStore:
