@@ -67,6 +67,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         runtime = Runtime(config, resolve_device(config, example_inputs))
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
     gm = run_passes(gm, ctx, extra=config.user_passes)
+    check_inference_only(gm, ctx)
     compiled = gm.forward
     if config.compiler == "inductor":  # before commit: a failure leaves the model intact
         from .inductor import compile_pieces
@@ -202,19 +203,34 @@ def resolve_device(config: DLOConfig, example_inputs: Sequence[Any]) -> torch.de
     return torch.device("cpu")
 
 
+def check_inference_only(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """NotImplementedError naming the first graph input that requires grad, under grad
+    mode, in a graph that streams weights: a parameter (stored or resident) or a tensor
+    argument. Autograd would save views of the device slots for backward, and later blocks
+    (or another model sharing the slots) overwrite them before it runs: backward raised
+    autograd's "modified by an inplace operation", or read other weights."""
+    if not torch.is_grad_enabled() or not ctx.blocks:
+        return
+    fqns = {id(info.param): info.fqn for info in ctx.params}
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), ctx.example_inputs):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            grapharg = node.meta.get("grapharg")
+            what = (f"parameter {fqns[id(value)]!r}" if id(value) in fqns else
+                    f"input {grapharg.source.name if grapharg is not None else node.name}")
+            raise NotImplementedError(
+                f"dlo streams weights for inference only, but {what} requires grad under "
+                "grad mode (backward would read weights from device slots that later blocks "
+                "overwrite); run under torch.no_grad() / torch.inference_mode(), or call "
+                "model.requires_grad_(False) and pass inputs that do not require grad")
+
+
 def commit(ctx: PassContext, runtime: Runtime) -> None:
     """Move the graph's new blocks into the host store (hollowing their parameters).
 
     Runs only after every pass succeeded, so a failing compile leaves the model as it was.
     """
-    grad = torch.is_grad_enabled()
     for block in ctx.blocks:
         for p in block.params:
-            if grad and p.param.requires_grad:
-                raise NotImplementedError(
-                    f"dlo streams weights for inference only, but parameter {p.fqn!r} "
-                    "requires grad under grad mode; call model.requires_grad_(False) or run "
-                    "under torch.no_grad() / torch.inference_mode()")
             if block.host_block is None and p.param.device != runtime.device:
                 raise ValueError(
                     f"parameter {p.fqn!r} is on {p.param.device} but dlo computes on "

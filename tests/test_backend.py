@@ -140,6 +140,21 @@ def test_grad_mode_with_trainable_parameters_is_refused():
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
 
 
+def test_grad_mode_with_inputs_that_require_grad_is_refused():
+    """Autograd through streamed blocks saved views of the slots, which later blocks
+    overwrite before backward (which raised autograd's in-place error): refused at compile,
+    naming the input; the model is left as it was and runs exactly under no_grad."""
+    model, inputs = tiny_dit()
+    ref, _ = tiny_dit()
+    compiled = torch.compile(model, backend="dlo")
+    wants_grad = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    with pytest.raises(Exception, match=r"inference only, but input L\['latents'\] requires grad"):
+        compiled(*wants_grad)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), ref(*inputs))
+
+
 def test_entry_point_registers_backend():
     from importlib.metadata import entry_points
 
