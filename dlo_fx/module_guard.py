@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from .config import same_device
-from .runtime.eager import unhook
+from .runtime.eager import hooked_for, unhook
 from .runtime.host_store import is_hollow
-from .runtime.runtime import owner_of, runtimes_holding
+from .runtime.runtime import owned_by, owner_of, runtimes_holding
 
 __all__ = ["HOLLOW_CALL_MESSAGE", "guard_module", "release"]
 
@@ -187,8 +187,10 @@ def release(model: nn.Module) -> nn.Module:
     runtime (host store, resident copies, and slots nothing else uses).
 
     Afterwards the module runs eagerly, can be saved, moved or cast like any module;
-    compiling it with ``backend="dlo"`` again stores it again. Every rank of an allgather
-    shard group must call it (the blocks are gathered). Returns ``model``.
+    compiling it with ``backend="dlo"`` again stores it again. Models that share
+    parameters (a layer assigned to both) share one runtime, so releasing one releases
+    them all: every parameter the runtime stores gets its weights back. Every rank of an
+    allgather shard group must call it (the blocks are gathered). Returns ``model``.
     Raises ValueError when no parameter of ``model`` is stored by dlo.
     """
     params = list(dict.fromkeys(model.parameters()))
@@ -197,6 +199,14 @@ def release(model: nn.Module) -> nn.Module:
         raise ValueError(f"dlo_fx.release: no parameter of {type(model).__name__} is in a dlo "
                          "host store (was it loaded with dlo_fx.load or compiled with "
                          "backend='dlo' and called?)")
+    # Closing a runtime shared with another model left that model's parameters hollow and
+    # their weights gone (its next call raised reading zero-byte storage): all of them
+    # come back, and the other model's guards and hooks come off too.
+    ids = {id(p) for p in params}
+    params += [p for p in owned_by(runtimes) if id(p) not in ids]
+    ids = {id(p) for p in params}
+    modules = [model, *hooked_for(runtimes),
+               *(m for m in list(_GUARDS) if any(id(p) in ids for p in m.parameters()))]
     with contextlib.ExitStack() as locks:
         for runtime in runtimes:  # a graph another thread is running finishes first
             locks.enter_context(runtime.lock)
@@ -212,6 +222,7 @@ def release(model: nn.Module) -> nn.Module:
                 p.data = value
         for runtime in runtimes:
             runtime.close()
-    unguard_module(model)
-    unhook(model)
+    for module in modules:
+        unguard_module(module)
+        unhook(module)
     return model

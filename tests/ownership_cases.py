@@ -137,6 +137,7 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
         torch.equal(got[k], want[k]) for k in want)
     out.update(_reused_graphs(dit_path, cfg, inputs, expected, ref))  # last: more Dynamo entries
     out.update(_shared_storages(out_dir))
+    out.update(_shared_layer())
     return out
 
 
@@ -221,6 +222,28 @@ def _shared_storages(out_dir: str) -> dict:
         out["shared_dict_intact"] = all(torch.equal(shared[k], v)
                                         for k, v in twin.state_dict().items())
         out["shared_resident_exact"] = torch.equal(resident(*x), want)
+    return out
+
+
+def _shared_layer() -> dict:
+    """Two models sharing a layer share a runtime. Releasing one closed it and left the
+    other's parameters hollow, their weights gone (its next call raised reading zero-byte
+    storage): release gives back every parameter the runtime stores."""
+    a, b, ref_a, ref_b = (reference_dit(width=64, depth=3, heads=4, seed=seed)
+                          .eval().requires_grad_(False) for seed in (6, 7, 6, 7))
+    b.blocks[0], ref_b.blocks[0] = a.blocks[0], ref_a.blocks[0]
+    x = example_inputs(a.config, batch=2, height=8, width=8, seed=1)
+    pairs = ((a, ref_a(*x)), (b, ref_b(*x)))
+    compiled = [(torch.compile(m, backend="dlo"), want) for m, want in pairs]
+    with torch.no_grad():
+        out = {"shared_layer_exact": [torch.equal(c(*x), want) for c, want in compiled]}
+        dlo_fx.release(a)
+        out["shared_layer_eager"] = [_outcome(lambda: torch.equal(m(*x), want))
+                                     for m, want in pairs]
+        out["shared_layer_hollow"] = _hollow_count(a) + _hollow_count(b)
+        out["shared_layer_again"] = [_outcome(lambda: torch.equal(c(*x), want))
+                                     for c, want in compiled]
+    out["shared_layer_eager_and_state"] = _eager_and_state(b, ref_b)
     return out
 
 

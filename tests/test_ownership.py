@@ -319,6 +319,14 @@ def test_module_operations_in_a_child_process(spawned):
         assert r[f"shared_{key}_exact"] == [True, True], (key, r[f"shared_{key}_exact"])
         assert r[f"shared_{key}_hollow"] > 0, key
     assert r["shared_dict_intact"] and r["shared_resident_exact"]
+    # Two models sharing a layer share a runtime: releasing one gives both their weights
+    # back, and both compiled models store them again, exactly.
+    assert r["shared_layer_exact"] == [True, True]
+    assert r["shared_layer_eager"] == [True, True], r["shared_layer_eager"]
+    assert r["shared_layer_hollow"] == 0
+    assert r["shared_layer_again"] == [True, True], r["shared_layer_again"]
+    assert len(r["shared_layer_eager_and_state"]) > 10
+    assert all(v is True for v in r["shared_layer_eager_and_state"]), r["shared_layer_eager_and_state"]
     # .to() the runtime's own device, any spelling: a no-op.
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
                 "to device(type='cpu')", "cpu()"):

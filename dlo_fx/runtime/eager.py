@@ -108,6 +108,11 @@ def _install_hooks(module: torch.nn.Module) -> None:
     module._forward_hooks_always_called[post_id] = True
 
 
+def hooked_for(runtimes: Any) -> list[torch.nn.Module]:
+    """The modules `fetch_eagerly` hooked for any of ``runtimes``."""
+    return [m for m, ref in list(_RUNTIME_OF.items()) if any(ref() is r for r in runtimes)]
+
+
 def unhook(root: torch.nn.Module) -> None:
     """Take what `fetch_eagerly` put on ``root`` and its modules off again (`release`: the
     module is ordinary again). Left on, they kept pointing at the released runtime, and a

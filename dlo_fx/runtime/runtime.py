@@ -461,6 +461,13 @@ def unclaim(runtime: Runtime) -> None:
             del _OWNERS[p]
 
 
+def owned_by(runtimes: Sequence[Runtime]) -> list[torch.Tensor]:
+    """Every parameter ``runtimes`` own: one model's, or several models' sharing
+    parameters (they share a runtime)."""
+    with _LOCK:
+        return [p for p, rt in _OWNERS.items() if any(rt is r for r in runtimes)]
+
+
 def runtimes_holding(params: Sequence[torch.Tensor]) -> list[Runtime]:
     """The runtimes that own any of ``params`` (one per model, usually)."""
     found: list[Runtime] = []
