@@ -199,19 +199,19 @@ def release(model: nn.Module) -> nn.Module:
         raise ValueError(f"dlo_fx.release: no parameter of {type(model).__name__} is in a dlo "
                          "host store (was it loaded with dlo_fx.load or compiled with "
                          "backend='dlo' and called?)")
-    # Closing a runtime shared with another model left that model's parameters hollow and
-    # their weights gone (its next call raised reading zero-byte storage): all of them
-    # come back, and the other model's guards and hooks come off too.
-    ids = {id(p) for p in params}
-    params += [p for p in owned_by(runtimes) if id(p) not in ids]
-    ids = {id(p) for p in params}
-    modules = [model, *hooked_for(runtimes),
-               *(m for m in list(_GUARDS) if any(id(p) in ids for p in m.parameters()))]
     with contextlib.ExitStack() as locks:
         for runtime in runtimes:  # a graph another thread is running finishes first
             locks.enter_context(runtime.lock)
         for runtime in runtimes:
             runtime.drain(raise_errors=False)
+        # Closing a runtime shared with another model left that model's parameters hollow
+        # and their weights gone (its next call raised reading zero-byte storage): all of
+        # them come back, and the other model's guards and hooks come off too.
+        ids = {id(p) for p in params}
+        params += [p for p in owned_by(runtimes) if id(p) not in ids]
+        ids = {id(p) for p in params}
+        modules = [model, *hooked_for(runtimes),
+                   *(m for m in list(_GUARDS) if any(id(p) in ids for p in m.parameters()))]
         values = []
         for p in params:  # read everything first: a failure leaves the model as it was
             runtime = owner_of((p,))
