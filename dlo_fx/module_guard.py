@@ -209,7 +209,7 @@ def release(model: nn.Module) -> nn.Module:
         # them come back, and the other model's guards and hooks come off too.
         ids = {id(p) for p in params}
         params += [p for p in owned_by(runtimes) if id(p) not in ids]
-        ids = {id(p) for p in params}
+        ids.update(id(p) for p in params)
         modules = [model, *hooked_for(runtimes),
                    *(m for m in list(_GUARDS) if any(id(p) in ids for p in m.parameters()))]
         values = []

@@ -106,7 +106,7 @@ def hollow(params: Sequence[torch.Tensor]) -> None:
     identity, shape, strides, dtype, device and inference-ness: see [Note: hollowing never
     frees a storage it did not make]."""
     for p in params:
-        with torch.inference_mode(p.is_inference()), torch.no_grad():
+        with torch.inference_mode(p.is_inference()):  # an inference tensor stays one
             p.data = hollow_tensor(p.shape, p.stride(), p.dtype, p.device)
 
 
