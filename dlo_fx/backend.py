@@ -30,7 +30,7 @@ from .runtime.graph_call import (compile_clock, note_compile, note_graph, record
 from .runtime.host_store import is_hollow
 from .runtime.layout import span_as_bytes
 from .runtime.ops import SCHEDULE_OPS, conflict_message
-from .runtime.runtime import Runtime, claim, owner_of
+from .runtime.runtime import Runtime, claim, owner_of, read_unstored
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +165,12 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
     run under that runtime's lock and collective clock (graph_call.py)."""
     sched = ctx.schedule
     positions = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)]
-    if sched is None or not positions:  # no parameter, nothing streamed: nothing to bind
+    if not positions:  # no parameter: nothing to bind
         return compiled
+    if sched is None:  # nothing streamed
+        return unscheduled_call(compiled, positions)
     record_schedule(gm, sched, tuple(SCHEDULE_OPS))
+    sched.direct = tuple(i for i in positions if i not in sched.arg_positions)
     sched.given = dict(given)
     plan = ctx.budget_plan
 
@@ -187,6 +190,28 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
         if plan is not None:
             plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
         return out
+
+    return run
+
+
+def unscheduled_call(compiled: Callable, positions: Sequence[int]) -> Callable:
+    """``compiled``, a graph with parameters and no schedule, reading the resident copy of
+    each stored (hollow) parameter it is called with: see [Note: a graph compiled for
+    another model of the class] in runtime/runtime.py."""
+    def run(*args: Any) -> Any:
+        hollow = [args[i] for i in positions if is_hollow(args[i])]
+        if not hollow:
+            return compiled(*args)
+        runtime = owner_of(hollow)
+        if runtime is None or runtime.closed:
+            read_unstored(hollow[0], hollow[0].device)  # raises: no storage
+        with runtime.lock:
+            runtime.check_open()
+            try:  # clocked, as the ranks' eager fetches: no graph clock was exchanged
+                args = runtime.direct_reads(args, positions, clock=True)
+            finally:
+                runtime.drop_block_copy()
+            return compiled(*args)
 
     return run
 

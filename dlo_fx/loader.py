@@ -59,6 +59,7 @@ from .checkpoint import Checkpoint, open_views, resolve_checkpoint
 from .config import DLOConfig
 from .load_plan import KeyMap, LoadPlan, Target, plan_load
 from .module_guard import guard_module
+from .runtime.eager import fetch_eagerly
 from .runtime.fingerprint import block_fingerprint, check_same_weights
 from .runtime.host_store import hollow_tensor
 from .runtime.layout import span_as_bytes
@@ -155,6 +156,11 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     claim(module.parameters(), runtime)  # the resident ones too: compiling finds the runtime
     module.eval()
     guard_module(module)
+    # Hooked now, not at the first graph that names them: a graph Dynamo compiled for
+    # another model of the class can run first and leave a module to an eager call (see
+    # [Note: eager reads of streamed parameters]). The root keeps its own streamed
+    # parameters materialised, as a compiled model's root does.
+    fetch_eagerly(module, runtime, keep_own=True)
     log.info("dlo_fx.load: %s from %s: %d blocks (%d bytes of host shards on this rank), "
              "%d resident parameters, in %.2f s", type(module).__name__, ckpt.source,
              len(plan.blocks), plan.host_bytes, len(plan.resident), time.perf_counter() - start)

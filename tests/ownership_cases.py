@@ -5,6 +5,7 @@ dlo model, and the allgather ``state_dict`` / `release` case."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -138,6 +139,37 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     out.update(_reused_graphs(dit_path, cfg, inputs, expected, ref))  # last: more Dynamo entries
     out.update(_shared_storages(out_dir))
     out.update(_shared_layer())
+    out.update(_built_and_loaded(dit_path, cfg, inputs, expected))
+    return out
+
+
+def _built_and_loaded(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
+    """Dynamo reuses a graph for every model of the class: one built in memory (small
+    parameters resident, read by the graph itself) and one from dlo_fx.load (all stored,
+    hollow), in either order, then the loaded one released and called again; with and
+    without a graph break in the blocks (the model's own forward then runs eagerly, and
+    the built model's compile left torch.nn forwards to eager calls). The loaded model's
+    call through the built one's graph read zero-byte storage (a crash), the other way
+    round the graph's resident-copy op found no stored parameter."""
+    out = {}
+    for graph_break in (False, True):
+        config = dataclasses.replace(cfg, graph_break_in_blocks=graph_break)
+        for order in ("built", "loaded"), ("loaded", "built"):
+            torch._dynamo.reset()
+            got, compiled = [], {}
+            for kind in order:
+                model = (resident_dit(dit_path, config) if kind == "built" else
+                         dlo_fx.load(ReferenceDiT, dit_path, config=config))
+                compiled[kind] = torch.compile(model, backend="dlo")
+                with torch.no_grad():
+                    got += [_outcome(lambda: torch.equal(compiled[kind](*inputs), expected))
+                            for _ in range(2)]
+            # The loaded model released, then called again through its compiled model.
+            dlo_fx.release(compiled["loaded"]._orig_mod)
+            with torch.no_grad():
+                got += [_outcome(lambda: torch.equal(compiled["loaded"](*inputs), expected))
+                        for _ in range(2)]
+            out[f"built_and_loaded_{graph_break}_{'_'.join(order)}"] = got
     return out
 
 

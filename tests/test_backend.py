@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import dlo_fx
+from dlo_fx import module_guard
 from dlo_fx.partition import layer_key
 from dlo_fx.runtime.layout import span_bytes
 from dlo_fx.runtime.runtime import runtimes_holding
@@ -49,6 +51,9 @@ def test_bit_identical_fullgraph(name, num_slots, budget):
     report = dlo_fx.memory_report(model)
     assert report.num_blocks >= 1
     assert report.slot_bytes == num_slots * report.max_block_bytes
+    # The model's eager-call guard (a pre-hook nn.Module.__call__ runs in a frame of its
+    # own) runs eagerly, never compiled by Dynamo as a frame.
+    assert _debug_get_cache_entry_list(module_guard._hollow_call_guard.__code__) == []
 
 
 @pytest.mark.parametrize("num_slots", [2, 3])

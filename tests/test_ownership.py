@@ -327,6 +327,13 @@ def test_module_operations_in_a_child_process(spawned):
     assert r["shared_layer_again"] == [True, True], r["shared_layer_again"]
     assert len(r["shared_layer_eager_and_state"]) > 10
     assert all(v is True for v in r["shared_layer_eager_and_state"]), r["shared_layer_eager_and_state"]
+    # A model built in memory and one from dlo_fx.load share Dynamo's graphs, in either
+    # order, with and without a graph break in the blocks; the loaded one, released, is
+    # stored again by its next compiled call.
+    for graph_break in (False, True):
+        for order in ("built_loaded", "loaded_built"):
+            key = f"built_and_loaded_{graph_break}_{order}"
+            assert r[key] == [True] * 6, (key, r[key])
     # .to() the runtime's own device, any spelling: a no-op.
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
                 "to device(type='cpu')", "cpu()"):

@@ -202,7 +202,7 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
                 complete(runtime, sched, args, None)
                 return None
             runtime.store.check_storages(params)
-            return compiled(*args)
+            return compiled(*runtime.direct_reads(args, sched.direct))
         except ClockMismatch:
             raise
         except BaseException:

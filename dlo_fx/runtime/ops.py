@@ -50,6 +50,7 @@ class GraphSchedule(torch.nn.Module):
         self.step = 0  # schedule ops done in the current call
         self.replay: list = []  # (target, argument sources) of every schedule op, in order
         self.arg_positions: frozenset = frozenset()  # placeholders the schedule ops read
+        self.direct: tuple = ()  # parameter placeholders the graph reads itself
         self.key = 0  # clock word naming this graph (see graph_call.record_schedule)
 
     def enter(self) -> Runtime:

@@ -28,6 +28,19 @@ no thread runs. So a runtime runs only in the process that made it: `Runtime.loc
 every graph call, eager fetch, compile and release takes, compares the pid (a syscall
 per graph call) and raises in any other. `device_slots` gives a forked child its
 own slots, so a model loaded or compiled in the child runs there.
+
+[Note: a graph compiled for another model of the class]
+Dynamo reuses one graph for every model of a class whose calls pass its guards, and the
+guards see a parameter's shape, not its storage. A model built in memory and one from
+``dlo_fx.load`` differ in what is stored: the built one's small parameters stay resident
+and its graph reads them itself; the loaded one's are stored (hollow) and its graph reads
+them through ``resident`` ops; a released model stores nothing until its next call. So
+each read adapts to the runtime the call is bound to: `direct_reads` gives a graph the
+resident device copy of each stored hollow parameter it reads itself (a graph without a
+schedule too: `backend.unscheduled_call`), and `resident_tensor` reads a parameter this
+runtime does not store as it is. A loaded model's modules are hooked for eager reads at
+load (`loader.load`): the first graph of its call may be another model's, and a module
+the model's own forward calls eagerly runs before any graph of its own names it.
 """
 
 from __future__ import annotations
@@ -42,14 +55,14 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from ..config import DLOConfig
+from ..config import DLOConfig, same_device
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import ShardGroup, gather_in_place, resolve_shard_group
 from . import platform
 from .device_slots import SlotBlocks, device_slots
 from .file_store import FileStore
-from .host_store import HostStore
+from .host_store import HostStore, is_hollow
 from .fingerprint import block_fingerprint, check_same_weights
 from .graph_call import ClockMismatch, check_rows, exchange, note_fetch
 from .interrupts import deferred, install as install_interrupt_handler
@@ -204,23 +217,42 @@ class Runtime:
             counts[e.block] = counts.get(e.block, 0) + e.nbytes
         return max(counts, key=counts.__getitem__)
 
-    def resident_tensor(self, param: torch.Tensor) -> torch.Tensor:
-        """A device copy of a stored (hollow) parameter that a graph keeps resident."""
+    def resident_tensor(self, param: torch.Tensor, clock: bool = False) -> torch.Tensor:
+        """A device copy of a stored (hollow) parameter that a graph keeps resident; a
+        parameter this runtime does not store is read as it is (see [Note: a graph
+        compiled for another model of the class]). ``clock``: as `fetch_block`'s."""
         tensor = self._resident.get(id(param))
         if tensor is None:
             entry = self.store.entry(param)
+            if entry is None:
+                return read_unstored(param, self.device)
             cached = self._resident_flat
             if cached is None or cached[0] != entry.block:
                 # The parameters of a block kept resident (device_budget) are asked for one
                 # after another: the block is copied (and gathered) once for all of them.
                 self._resident_flat = None
                 what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
-                cached = self._resident_flat = (entry.block, self.fetch_block(entry.block, what))
+                cached = self._resident_flat = (entry.block,
+                                                 self.fetch_block(entry.block, what, clock))
             flat = cached[1]
             # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
             tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
             self._resident[id(param)] = tensor
         return tensor
+
+    def direct_reads(self, args: Sequence, positions: Sequence[int],
+                     clock: bool = False) -> Sequence:
+        """``args`` with each parameter at ``positions`` (the placeholders a graph reads
+        itself, not through a schedule op) that this runtime stores hollow replaced by its
+        resident device copy. See [Note: a graph compiled for another model of the class]."""
+        out = None
+        for i in positions:
+            p = args[i]
+            if is_hollow(p):
+                if out is None:
+                    out = list(args)
+                out[i] = self.resident_tensor(p, clock)  # raises where not stored here
+        return args if out is None else out
 
     def fetch_block(self, block: int, what: str, clock: bool = False) -> torch.Tensor:
         """The whole of host block ``block`` in a fresh device buffer (gathered in
@@ -435,6 +467,24 @@ _OWNERS = WeakIdKeyDictionary()
 _LIVE: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 _TOKENS = itertools.count()
 _LOCK = threading.Lock()
+
+
+def read_unstored(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``param``, which no runtime the graph runs with stores, as the graph may read it:
+    ValueError where it has no storage or lives on another device than ``device``."""
+    what = f"a parameter of shape {tuple(param.shape)} ({param.dtype})"
+    if is_hollow(param):
+        raise ValueError(
+            f"dlo: {what} that this graph reads has no storage and is not in the host store "
+            "of the model the graph is called with (a graph that mixes the parameters of "
+            "models stored by dlo separately, or a model whose weights were dropped); "
+            "compile each model on its own")
+    if not same_device(param.device, device):
+        raise ValueError(
+            f"dlo: {what} that this graph keeps resident is on {param.device} but dlo "
+            f"computes on {device}; load the model with dlo_fx.load(...) so resident "
+            "parameters are placed on the device")
+    return param
 
 
 def owner_of(params: Iterable[torch.Tensor]) -> Optional[Runtime]:
