@@ -176,17 +176,18 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
 
     def run(*args: Any) -> Any:
         bound = [args[i] for i in positions]
-        runtime = sched.bind(bound)
-        note_graph(sched, bound, args)  # for gather-only forwards (graph_call.py)
-        start = time.perf_counter()
-        blocks = len(runtime.store.blocks)
-        try:
-            out = run_graph(runtime, sched, compiled, args, bound)  # bound: checked there
-        finally:
-            runtime.drop_block_copy()  # resident copies are made: free their source
-            if runtime not in sched.adopted or len(runtime.store.blocks) != blocks:
-                adopt_callers(runtime, bound)  # a reused graph's parameters: guard them
-                sched.adopted.add(runtime)
+        with sched.call_lock:  # sched holds this call's binding: one call at a time
+            runtime = sched.bind(bound)
+            note_graph(sched, bound, args)  # for gather-only forwards (graph_call.py)
+            start = time.perf_counter()
+            blocks = len(runtime.store.blocks)
+            try:
+                out = run_graph(runtime, sched, compiled, args, bound)  # bound: checked there
+            finally:
+                runtime.drop_block_copy()  # resident copies are made: free their source
+                if runtime not in sched.adopted or len(runtime.store.blocks) != blocks:
+                    adopt_callers(runtime, bound)  # a reused graph's parameters: guard them
+                    sched.adopted.add(runtime)
         if plan is not None:
             plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
         return out

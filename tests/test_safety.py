@@ -80,6 +80,34 @@ def test_two_threads_many_calls_are_exact():
     assert len(results) == 24 and all(results)
 
 
+def test_two_models_of_one_class_on_two_threads():
+    """Dynamo shares one graph between two models of a class, each called on its own
+    thread: a call bound the graph to its model's runtime while the other thread's call
+    ran it, which then read the first model's store (setStorage out of bounds, or the
+    other model's weights). Each call now holds the graph for its bind and run."""
+    models = [_compiled(tiny_dit, {"fault_delay_s": 0.001}, fullgraph=True, seed=seed)
+              for seed in (0, 1)]
+    with torch.no_grad():
+        for compiled, inputs, ref, _ in models:
+            assert torch.equal(call(compiled, inputs), ref)  # the second reuses the graph
+    results: list = []
+
+    def worker(compiled, inputs, ref, _):
+        with torch.no_grad():
+            for _ in range(12):
+                try:
+                    results.append(torch.equal(call(compiled, inputs), ref))
+                except Exception as exc:  # the text is what the test shows
+                    results.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker, args=m) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == [True] * 24, results
+
+
 def test_release_on_another_thread_waits_for_the_running_graph():
     """`dlo_fx.release` while another thread calls the model in a loop: release waits for
     the graph that thread is running; a call bound just before a release raises a

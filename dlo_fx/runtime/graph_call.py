@@ -10,6 +10,11 @@ on a slot that does not hold its block copies it -- so another thread's graph ru
 between two graphs of a call never changes a result. With several ranks the threads must
 run their graphs in the same order on every rank (one calling thread per rank, as the
 engine does); a different interleaving is caught by the collective clock and raises.
+A graph Dynamo shares between models of a class holds one call's binding (its runtime,
+the host blocks bound, the step reached), and the runtimes it serves may hold different
+locks (another slot count), so each call also holds the graph's own ``call_lock`` from
+its bind to its end: two models of a class called on two threads read each other's
+stores without it.
 
 [Note: the collective clock]
 In allgather mode every rank must issue the same gathers in the same order. Three things
@@ -198,7 +203,8 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
                                         _first_host_block(runtime, sched, args), 0], what)
                 clock.check()
                 clock = None
-            if compiled is None:
+            if compiled is None:  # the gathers a call makes, in its order
+                runtime.direct_reads(args, sched.direct)
                 complete(runtime, sched, args, None)
                 return None
             runtime.store.check_storages(params)
@@ -249,7 +255,8 @@ def note_graph(sched: Any, bound: Sequence[Any], args: Sequence[Any]) -> None:
     """A scheduled graph is about to run (bound with ``bound``): noted when recording."""
     steps = getattr(_RECORDING, "steps", None)
     if steps is not None and sched.replay:
-        kept = tuple(a if i in sched.arg_positions else None for i, a in enumerate(args))
+        kept = tuple(a if i in sched.arg_positions or i in sched.direct else None
+                     for i, a in enumerate(args))
         steps.append(("graph", sched, tuple(bound), kept))
 
 
@@ -279,9 +286,10 @@ def replay(steps: Sequence[tuple]) -> None:
     for step in steps:
         if step[0] == "graph":
             _, sched, bound, args = step
-            runtime = sched.bind(list(bound))
-            if gathers(runtime):
-                run_graph(runtime, sched, None, args)
+            with sched.call_lock:
+                runtime = sched.bind(list(bound))
+                if gathers(runtime):
+                    run_graph(runtime, sched, None, args)
         else:
             _, runtime, block, what = step
             if runtime.store.dp > 1:

@@ -14,6 +14,7 @@ idempotent on the slot state, so one interrupted half-way simply runs again.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Any, Mapping, Optional, Sequence
 
@@ -48,6 +49,11 @@ class GraphSchedule(torch.nn.Module):
         self.graph = next(_GRAPH_IDS)
         """A process-wide id; the tracer tags this graph's spans with it."""
         self.step = 0  # schedule ops done in the current call
+        # Held around each call's bind and run: runtime, bound and step above belong to one
+        # call, and Dynamo shares the graph between models whose runtimes may hold
+        # different locks (another slot count), so another thread's call of this graph
+        # waits here (backend.scheduled_call, graph_call.replay).
+        self.call_lock = threading.RLock()
         self.replay: list = []  # (target, argument sources) of every schedule op, in order
         self.arg_positions: frozenset = frozenset()  # placeholders the schedule ops read
         self.direct: tuple = ()  # parameter placeholders the graph reads itself
