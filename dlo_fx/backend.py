@@ -208,7 +208,9 @@ def unscheduled_call(compiled: Callable, positions: Sequence[int]) -> Callable:
             read_unstored(hollow[0], hollow[0].device)  # raises: no storage
         with runtime.lock:
             runtime.check_open()
-            try:  # clocked, as the ranks' eager fetches: no graph clock was exchanged
+            # Clocked as an eager fetch is (no graph clock was exchanged), made once: a
+            # rank whose history differs raises instead of pairing other collectives.
+            try:
                 args = runtime.direct_reads(args, positions, clock=True)
             finally:
                 runtime.drop_block_copy()

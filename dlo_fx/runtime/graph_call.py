@@ -207,8 +207,11 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
                 runtime.direct_reads(args, sched.direct)
                 complete(runtime, sched, args, None)
                 return None
+            # Before the check, which may refuse on one rank only: the resident copies
+            # gathered here are no schedule step that `complete` would run for the peers.
+            args = runtime.direct_reads(args, sched.direct)
             runtime.store.check_storages(params)
-            return compiled(*runtime.direct_reads(args, sched.direct))
+            return compiled(*args)
         except ClockMismatch:
             raise
         except BaseException:
@@ -235,7 +238,9 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
 # during which the backend compiled (`note_compile`) is not, since a first call differs
 # from later ones (it compares plans; parameters read eagerly are not hollow yet).
 # Replayed schedule nodes act on the slot state as a real call's would, so a resident
-# block gathered once stays gathered once.
+# block gathered once stays gathered once. For the same reason a resident copy (made once
+# per runtime, then cached) is not noted as an eager fetch: a replay would gather it again
+# where a peer's real forward reads its cache.
 _RECORDING = threading.local()
 
 

@@ -232,8 +232,8 @@ class Runtime:
                 # after another: the block is copied (and gathered) once for all of them.
                 self._resident_flat = None
                 what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
-                cached = self._resident_flat = (entry.block,
-                                                 self.fetch_block(entry.block, what, clock))
+                cached = self._resident_flat = (
+                    entry.block, self.fetch_block(entry.block, what, clock, record=False))
             flat = cached[1]
             # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
             tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
@@ -254,16 +254,19 @@ class Runtime:
                 out[i] = self.resident_tensor(p, clock)  # raises where not stored here
         return args if out is None else out
 
-    def fetch_block(self, block: int, what: str, clock: bool = False) -> torch.Tensor:
+    def fetch_block(self, block: int, what: str, clock: bool = False,
+                    record: bool = True) -> torch.Tensor:
         """The whole of host block ``block`` in a fresh device buffer (gathered in
         allgather mode). Through the executor, behind every gather already queued:
         collectives keep one issue order on every rank. With ``clock``, the ranks first
-        exchange clock words in the same task (see [Note: the collective clock])."""
+        exchange clock words in the same task (see [Note: the collective clock]), and a
+        forward being recorded notes the fetch unless ``record`` is false (a resident
+        copy, made once: a replay must not gather it again)."""
         host = self.store.blocks[block]
         with torch.inference_mode(False):  # written by the worker thread
             flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
         group, device = self.group, self.device
-        if clock:
+        if clock and record:
             note_fetch(self, block, what)  # for gather-only forwards (graph_call.py)
 
         def fill_and_gather() -> None:
