@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional, Sequence, Union
 
-import torch
 from torch import nn
 
 from .config import DLOConfig

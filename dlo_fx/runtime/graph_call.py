@@ -48,7 +48,6 @@ import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from .collectives import _all_gather_single

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch.fx.node import has_side_effect
