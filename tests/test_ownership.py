@@ -334,6 +334,7 @@ def test_module_operations_in_a_child_process(spawned):
         for order in ("built_loaded", "loaded_built"):
             key = f"built_and_loaded_{graph_break}_{order}"
             assert r[key] == [True] * 6, (key, r[key])
+    assert r["skipped_forwards"] == [True] * 6, r["skipped_forwards"]
     # .to() the runtime's own device, any spelling: a no-op.
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
                 "to device(type='cpu')", "cpu()"):

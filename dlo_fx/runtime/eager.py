@@ -16,7 +16,10 @@ forward pre-hook and an always-called forward hook (`fetch_eagerly`):
   the guards of one of its compiled entries pass for this call (`_compiled_as_frame`).
   Otherwise Dynamo runs the ``forward`` eagerly (no compile context, or the recompile
   limit hit: one entry per layer when guards read a layer's own attributes) or compiles
-  it anew, and the parameters are fetched (for a new compile, needlessly but correctly);
+  it anew, and the parameters are fetched (for a new compile, needlessly but correctly).
+  A ``torch.nn`` layer is always fetched: Dynamo compiles its forward as a frame only
+  while it has hooks, and skips that code for good once it meets an unhooked one (a
+  layer of another model), so its entries can pass their guards and never run;
 - in any other eager call, the pre-hook copies the parameters' blocks from the host store (in
   allgather mode: gathered, behind a collective clock exchange, through the same worker as
   every gather, so the ranks stay in step) and gives each parameter its bytes back; the
@@ -165,6 +168,11 @@ def _compiled_as_frame(module: torch.nn.Module, args: Any, kwargs: Any,
     forward = getattr(module.forward, "__func__", None)
     code = getattr(forward, "__code__", None)
     if not dynamo_active or code is None:
+        return False
+    # Dynamo compiles the forward of a torch.nn module class as a frame only while the
+    # module has hooks, and once it meets one without (another model's layer), it skips
+    # that code for good: entries compiled before still pass their guards, but never run.
+    if type(module).__module__.startswith(("torch.nn.", "torch.ao.")):
         return False
     try:
         entries = _debug_get_cache_entry_list(code)
