@@ -24,6 +24,12 @@ storage). Ordinary module habits must not read them as if they held data:
   usual;
 - ``copy.deepcopy`` raises ValueError (an instance ``__deepcopy__``, as for ``_apply``):
   copying a hollow parameter reads through its zero-byte storage;
+- diffusers' methods that rebuild or move a model's weights in place raise ValueError
+  naming the method before anything changes (instance attributes, as for ``_apply``):
+  ``fuse_qkv_projections`` and an attention module's ``fuse_projections`` concatenate
+  the hollow q/k/v weights (a segfault), ``enable_layerwise_casting`` casts layer by
+  layer (it stopped at the first stored layer, the layers before it already cast), and
+  ``enable_group_offload`` moves ``param.data`` between devices;
 - ``param.data = other`` is found on the next call (see [Note: a stored parameter given
   other data] in `runtime/host_store.py`).
 
@@ -153,6 +159,27 @@ def _refuse_deepcopy(module_ref: "weakref.ReferenceType[nn.Module]", memo: Any) 
         "copy the weights alone with model.state_dict(), which returns them")
 
 
+# -- diffusers methods that rewrite the weights -----------------------------------------------
+#: method -> what it would do to the stored weights
+_REWRITING = {
+    "fuse_qkv_projections": "it concatenates the q, k and v weights into new ones",
+    "fuse_projections": "it concatenates the q, k and v weights into new ones",
+    "enable_layerwise_casting": "it casts the weights layer by layer",
+    "enable_group_offload": "it moves the weights between devices",
+}
+
+
+def _refuse_rewrite(module_ref: "weakref.ReferenceType[nn.Module]", name: str,
+                    *args: Any, **kwargs: Any) -> None:
+    module = module_ref()
+    raise ValueError(
+        f"dlo: cannot call {type(module).__name__}.{name}(): {_REWRITING[name]}, and its "
+        "weights are in a dlo host store (its parameters are hollow); nothing was changed. "
+        f"Call {name}() before the weights are stored (before the model's first call "
+        "compiled with backend='dlo'), or call dlo_fx.release(model) first and compile it "
+        "again")
+
+
 # -- installing and removing ----------------------------------------------------------------
 def guard_module(module: nn.Module) -> None:
     """Guard ``module`` and its submodules that hold stored (hollow) parameters: see
@@ -171,6 +198,9 @@ def guard_module(module: nn.Module) -> None:
             sub.__dict__["_apply"] = functools.partial(_guarded_apply, weakref.ref(sub), original)
             # copy.deepcopy looks __deepcopy__ up on the instance.
             sub.__dict__["__deepcopy__"] = functools.partial(_refuse_deepcopy, weakref.ref(sub))
+            for name in _REWRITING:
+                if callable(getattr(type(sub), name, None)):
+                    sub.__dict__[name] = functools.partial(_refuse_rewrite, weakref.ref(sub), name)
         # Its own parameters may be stored after it was guarded (a layer's second graph,
         # after a graph break inside it): state_dict must read those from the store too.
         if direct and sub not in _STATE_HOOKED:
@@ -188,6 +218,8 @@ def unguard_module(module: nn.Module) -> None:
             handle.remove()
         sub.__dict__.pop("_apply", None)
         sub.__dict__.pop("__deepcopy__", None)
+        for name in _REWRITING:
+            sub.__dict__.pop(name, None)
 
 
 def release(model: nn.Module) -> nn.Module:

@@ -136,6 +136,23 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     want = resident_wan(wan_dir).state_dict()
     out["save_pretrained_equal"] = got.keys() == want.keys() and all(
         torch.equal(got[k], want[k]) for k in want)
+    # diffusers methods that rewrite the weights in place: refused before anything changes
+    # (fusing read the hollow q/k/v weights: a segfault).
+    processors = {k: type(v).__name__ for k, v in wan.attn_processors.items()}
+    out["rewrites"] = {
+        "fuse_qkv_projections": _error(wan.fuse_qkv_projections),
+        "fuse_projections": _error(wan.blocks[0].attn1.fuse_projections),
+        "enable_layerwise_casting": _error(
+            lambda: wan.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)),
+        "enable_group_offload": _error(lambda: wan.enable_group_offload(
+            torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)),
+    }
+    after = wan.state_dict()
+    out["rewrites_left_nothing"] = (
+        after.keys() == want.keys() and all(torch.equal(after[k], want[k]) for k in want)
+        and {k: type(v).__name__ for k, v in wan.attn_processors.items()} == processors
+        and not any(hasattr(m, "to_qkv") for m in wan.modules())
+        and _dtypes(wan) == _dtypes(resident_wan(wan_dir)))
     out.update(_reused_graphs(dit_path, cfg, inputs, expected, ref))  # last: more Dynamo entries
     out.update(_shared_storages(out_dir))
     out.update(_shared_layer())

@@ -371,6 +371,11 @@ def test_module_operations_in_a_child_process(spawned):
     assert r["to_fp16_after_release"] == "" and r["dtypes_after_release_fp16"] == ["torch.float16"]
     # diffusers' save_pretrained from the host store.
     assert r["save_pretrained"] == "" and r["save_pretrained_equal"]
+    # diffusers methods that rewrite the weights: refused naming the method, nothing changed.
+    for name, text in r["rewrites"].items():
+        assert text.startswith("ValueError: dlo: cannot call "), (name, text)
+        assert f".{name}()" in text and "dlo_fx.release(model)" in text, (name, text)
+    assert r["rewrites_left_nothing"]
 
 
 def _state_dict_two_ranks():
