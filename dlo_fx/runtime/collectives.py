@@ -140,4 +140,7 @@ def check_same_plan(rows: list[tuple], group: ShardGroup, what: str) -> None:
                     f"is {a} on global rank {group.ranks[group.rank]} but {o} on global rank "
                     f"{group.ranks[other_index]} (rows are parameter count, bytes, first "
                     f"FQN; {len(rows)} vs {len(other_rows)} blocks). Every rank of the "
-                    f"{group.describe()} must compile the same model with the same options")
+                    f"{group.describe()} must compile the same model with the same options "
+                    "and reach the same graphs (a model that branches on its data, such as "
+                    "diffusers' FirstBlockCache skipping blocks on one rank only, needs "
+                    "mode='rank_local')")

@@ -125,8 +125,10 @@ def check_rows(group: Any, rows: list[list[int]], what: str) -> None:
                 f"rank {group.ranks[i]} runs clock {row} (words: graph key, blocks, first host "
                 "block, kind). A call failed or was interrupted on one rank only between two "
                 "graphs, or the ranks run different code, or call the model from several "
-                "threads in different orders. Every rank raises here before gathering "
-                "anything; the next call starts in step")
+                "threads in different orders, or the model branches on its data (a step "
+                "cache such as diffusers' FirstBlockCache skipping blocks on one rank only: "
+                "mode='rank_local' lets each rank run its own graphs). Every rank raises "
+                "here before gathering anything; the next call starts in step")
 
 
 class Clock:
