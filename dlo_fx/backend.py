@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from .config import DLOConfig
+from .dynamo_contains import install as install_contains_fix
 from .passes import PassContext, run_passes
 from .runtime.collectives import check_same_plan
 from .module_guard import guard_module
@@ -33,6 +34,10 @@ from .runtime.ops import SCHEDULE_OPS, conflict_message
 from .runtime.runtime import Runtime, claim, owner_of, read_unstored
 
 log = logging.getLogger(__name__)
+
+# Before Dynamo traces anything for this backend: see [Note: `x in list` with a symbolic
+# element] (a model skipping blocks by a list argument took the wrong branch).
+install_contains_fix()
 
 
 def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,

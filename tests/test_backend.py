@@ -184,3 +184,35 @@ def test_first_call_under_inference_mode_with_stored_resident_table(tmp_path):
     with torch.inference_mode():
         ref = call(ref_model, inputs)
         assert all(torch.equal(call(compiled, inputs), ref) for _ in range(2))
+
+
+class _SkipLayers(torch.nn.Module):
+    """Blocks skipped by a list argument, as in ``SD3Transformer2DModel(...,
+    skip_layers=[...])`` (skip-layer guidance)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, skip_layers=None) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (skip_layers is not None and i in skip_layers):
+                x = block(x)
+        return x
+
+
+def test_blocks_skipped_by_a_list_argument_whose_values_change():
+    """Once ``skip_layers`` changed from ``[1]`` to ``[0, 2]``, Dynamo made its first element
+    a SymInt and evaluated ``0 in [s0, 2]`` as False with no guard: block 0 ran though it
+    was skipped, a wrong output and no error (with ``backend="eager"`` too). See [Note: `x
+    in list` with a symbolic element] (dlo_fx/dynamo_contains.py)."""
+    torch.manual_seed(0)
+    ref = _SkipLayers().eval().requires_grad_(False)
+    model = _SkipLayers().eval().requires_grad_(False)
+    model.load_state_dict(ref.state_dict())
+    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 20_000})
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        for skip in (None, [1], None, [0, 2], [1], [3], (0, 3), [2, 1]):
+            assert torch.equal(compiled(x, skip), ref(x, skip)), skip
+    assert any(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # streamed
