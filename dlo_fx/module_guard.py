@@ -83,7 +83,8 @@ def _under_torch_compile() -> bool:
 
 
 def _hollow_call_guard(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling() or _under_torch_compile():
+    # Not is_compiling(): run eagerly, it is true while any thread compiles (eager.py).
+    if torch.compiler.is_dynamo_compiling() or _under_torch_compile():
         return
     if any(is_hollow(p) for p in module.parameters()):
         raise RuntimeError(f"{type(module).__name__}: {HOLLOW_CALL_MESSAGE}")

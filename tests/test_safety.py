@@ -108,6 +108,33 @@ def test_two_models_of_one_class_on_two_threads():
     assert results == [True] * 24, results
 
 
+def test_eager_calls_while_another_thread_compiles():
+    """``torch.compiler.is_compiling()``, run eagerly, reads a flag Dynamo holds for the whole
+    process while any thread compiles. The eager-fetch hooks and the eager-call refusal
+    asked it, so while one thread compiled, another thread's eager call of a streamed layer
+    skipped its fetch and read zero-byte storage (setStorage out of bounds; threads loading
+    and compiling models of a class with a graph break in the blocks failed about one call
+    in two), and an eager call of the hollow model was not refused. The flag is held here
+    as a compile on another thread holds it."""
+    ref_model, inputs = tiny_dit()
+    model, _ = tiny_dit()
+    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    layer, ref_layer = model.blocks[1].qkv, ref_model.blocks[1].qkv
+    x = torch.randn(3, layer.in_features, dtype=layer.weight.dtype)
+    with torch.no_grad():
+        assert torch.equal(call(compiled, inputs), call(ref_model, inputs))
+        assert is_hollow(layer.weight)
+        with torch.compiler._compile_session_context():  # what convert_frame holds
+            assert torch.compiler.is_compiling()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # "runs outside a graph"
+                got = layer(x)
+            with pytest.raises(RuntimeError, match="cannot run eagerly"):
+                model(*inputs)
+        assert torch.equal(got, ref_layer(x)) and is_hollow(layer.weight)
+        assert torch.equal(call(compiled, inputs), call(ref_model, inputs))
+
+
 def test_release_on_another_thread_waits_for_the_running_graph():
     """`dlo_fx.release` while another thread calls the model in a loop: release waits for
     the graph that thread is running; a call bound just before a release raises a

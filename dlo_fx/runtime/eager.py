@@ -8,8 +8,12 @@ code reads the module's own parameters, which are hollow (zero-byte storage) onc
 bytes are in the host store. So every module that directly owns hollow parameters gets a
 forward pre-hook and an always-called forward hook (`fetch_eagerly`):
 
-- while Dynamo traces, ``torch.compiler.is_compiling()`` is true and both hooks are no-ops
-  (they trace to nothing, so scheduled graphs are unchanged);
+- while Dynamo traces, ``torch.compiler.is_dynamo_compiling()`` is true and both hooks
+  are no-ops (they trace to nothing, so scheduled graphs are unchanged). Not
+  ``is_compiling()``: run eagerly, that reads a flag Dynamo holds for the whole process
+  while any thread compiles, so a thread's eager call skipped its fetch while another
+  thread compiled, and its forward read zero-byte storage. ``is_dynamo_compiling()`` is
+  False when run and folded to True only where Dynamo traces it;
 - in an eager call of a module whose ``forward`` Dynamo has compiled as a frame of its
   own (a graph break inside it makes Dynamo do that), the hooks run eagerly around the
   compiled code: nothing is fetched when that code will run, i.e. Dynamo is active and
@@ -141,13 +145,13 @@ def kept_materialised(root: torch.nn.Module) -> set[int]:
             if p is not None}
 
 
-# The hooks are traced into nothing while Dynamo traces a module call (is_compiling() is
-# true there). Called from an eager frame they must really run: Dynamo would otherwise
-# compile the hook itself as a frame of its own, where is_compiling() is true as well.
-# So their code is never compiled as a top-level frame, and what they call runs with
-# Dynamo disabled.
+# The hooks are traced into nothing while Dynamo traces a module call
+# (is_dynamo_compiling() is true there). Called from an eager frame they must really run:
+# Dynamo would otherwise compile the hook itself as a frame of its own, where it is true
+# as well. So their code is never compiled as a top-level frame, and what they call runs
+# with Dynamo disabled.
 def _pre_hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         # Read here: inside `_enter` (Dynamo disabled) the callback is always None.
         dynamo_active = get_eval_frame_callback() is not None
         _enter(module, args, kwargs, dynamo_active)
@@ -187,7 +191,7 @@ def _compiled_as_frame(module: torch.nn.Module, args: Any, kwargs: Any,
 
 
 def _post_hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         _leave(module)
 
 
