@@ -20,6 +20,7 @@ import torch
 
 import dlo_fx
 
+from dlo_fx.models import example_inputs
 from dlo_fx.runtime.host_store import is_hollow
 
 from dlo_fx.runtime.executor import CpuExecutor
@@ -133,6 +134,43 @@ def test_eager_calls_while_another_thread_compiles():
                 model(*inputs)
         assert torch.equal(got, ref_layer(x)) and is_hollow(layer.weight)
         assert torch.equal(call(compiled, inputs), call(ref_model, inputs))
+
+
+def test_a_load_on_another_thread_grows_the_slots_only_between_graphs(tmp_path):
+    """Models on one device share the slot buffers, and `dlo_fx.load` grows them for its
+    larger blocks. The load stored its blocks without the device lock every graph holds,
+    so a load on one thread replaced the buffers while another thread's graph ran between
+    its wait for a slot and its views of it, which then read the new, unwritten buffer: a
+    wrong output with no error (a DiT called in a loop while another thread loaded 40
+    checkpoints of growing width: 7 wrong of about 300 calls). Here the lock is held as a
+    running graph holds it."""
+    from safetensors.torch import save_file
+
+    from dlo_fx.models import ReferenceDiT, reference_dit
+
+    ref_model, inputs = tiny_dit()
+    model, _ = tiny_dit()
+    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    big = reference_dit(width=128, depth=2, heads=4, seed=3).eval().requires_grad_(False)
+    path = str(tmp_path / "big.safetensors")
+    save_file({k: v.contiguous() for k, v in big.state_dict().items()}, path)
+    loaded: list = []
+    with torch.no_grad():
+        assert torch.equal(call(compiled, inputs), call(ref_model, inputs))
+        runtime = runtimes_holding(list(model.parameters()))[0]
+        with runtime.lock:
+            buffers = list(runtime.slots.buffers)
+            load = threading.Thread(target=lambda: loaded.append(
+                dlo_fx.load(ReferenceDiT, path, config=big.config)))
+            load.start()
+            load.join(timeout=2)
+            assert all(a is b for a, b in zip(runtime.slots.buffers, buffers))
+        load.join(timeout=120)
+        assert not load.is_alive() and runtime.slots.buffers[0] is not buffers[0]  # grown
+        assert torch.equal(call(compiled, inputs), call(ref_model, inputs))
+        big_inputs = example_inputs(big.config, batch=1, height=8, width=8, seed=2)
+        assert torch.equal(torch.compile(loaded[0], backend="dlo")(*big_inputs),
+                           big(*big_inputs))
 
 
 def test_release_on_another_thread_waits_for_the_running_graph():

@@ -183,12 +183,21 @@ class Runtime:
         return block.index
 
     def fit_slots(self, nbytes: int) -> None:
-        """Grow the slots to hold a block of ``nbytes`` (compile or load time only)."""
-        if nbytes > self.slots.slot_bytes:
-            self.drain()
-            self.executor.sync()  # no copy or gather may still touch the old slots
-            self.slots.ensure(nbytes)
-            self.slot_block = [None] * self.slots.num_slots
+        """Grow the slots to hold a block of ``nbytes`` (compile or load time only).
+
+        Under the device lock: the slots are shared with the other models on the device,
+        and `dlo_fx.load` stores its blocks without holding it. A load on one thread
+        replaced the buffers while another thread's graph ran between the wait for a slot
+        and its views of it, which then read the new, unwritten buffer: a wrong output
+        with no error."""
+        if nbytes <= self.slots.slot_bytes:
+            return
+        with self.lock:
+            if nbytes > self.slots.slot_bytes:  # another thread may have grown them
+                self.drain()
+                self.executor.sync()  # no copy or gather may still touch the old slots
+                self.slots.ensure(nbytes)
+                self.slot_block = [None] * self.slots.num_slots
 
     def resolve(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str]) -> int:
         """Host block a graph block is bound to for this call.
