@@ -68,7 +68,10 @@ def install() -> bool:
     if list(inspect.signature(original).parameters) != _PARAMETERS or \
             getattr(lists, "iter_contains", None) is not original:
         return False
-    fixed = _fixed(original)
+    try:
+        fixed = _fixed(original)
+    except (ImportError, AttributeError):  # another torch: its classes moved
+        return False
     utils.iter_contains = fixed
     lists.iter_contains = fixed
     return True
