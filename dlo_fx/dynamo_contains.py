@@ -16,7 +16,7 @@ and ``torch._dynamo.variables.lists``, which imported it by name): when the sear
 is a constant and an element is symbolic, every element is compared through Dynamo's own
 ``==`` and ``or``, as for a symbolic searched value, so the branch taken is guarded on
 (``Eq(s0, 0)``) and a later call with other values recompiles. Every other case goes to
-Dynamo's function unchanged. It is installed when dlo_fx is imported (which
+Dynamo's function unchanged. It is installed when ``dlo_fx.backend`` is imported (which
 ``torch.compile(backend="dlo")`` does before it traces), so it applies to the process's
 other compiles too: it only makes their answer the one Python gives. Where Dynamo's
 function is not there in that form, nothing is installed.

@@ -182,6 +182,21 @@ def _refuse_rewrite(module_ref: "weakref.ReferenceType[nn.Module]", name: str,
 
 
 # -- installing and removing ----------------------------------------------------------------
+_SHADOWED = ("_apply", "__deepcopy__", *_REWRITING)
+
+
+def _shadows(sub: nn.Module) -> dict[str, Callable]:
+    """The instance attributes that shadow ``sub``'s class methods while it is guarded
+    (an instance attribute wins over the class's method for this module only;
+    ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance)."""
+    ref = weakref.ref(sub)
+    shadows = {"_apply": functools.partial(_guarded_apply, ref, type(sub)._apply),
+               "__deepcopy__": functools.partial(_refuse_deepcopy, ref)}
+    shadows.update({name: functools.partial(_refuse_rewrite, ref, name) for name in _REWRITING
+                    if callable(getattr(type(sub), name, None))})
+    return shadows
+
+
 def guard_module(module: nn.Module) -> None:
     """Guard ``module`` and its submodules that hold stored (hollow) parameters: see
     [Note: hollow parameters outside the graph]. Idempotent."""
@@ -194,14 +209,7 @@ def guard_module(module: nn.Module) -> None:
             handles = _GUARDS[sub] = [sub.register_load_state_dict_pre_hook(_refuse_load)]
             if sub is module:
                 handles.append(sub.register_forward_pre_hook(_hollow_call_guard))
-            # An instance attribute shadows nn.Module._apply for this module only.
-            original = type(sub)._apply
-            sub.__dict__["_apply"] = functools.partial(_guarded_apply, weakref.ref(sub), original)
-            # copy.deepcopy looks __deepcopy__ up on the instance.
-            sub.__dict__["__deepcopy__"] = functools.partial(_refuse_deepcopy, weakref.ref(sub))
-            for name in _REWRITING:
-                if callable(getattr(type(sub), name, None)):
-                    sub.__dict__[name] = functools.partial(_refuse_rewrite, weakref.ref(sub), name)
+            sub.__dict__.update(_shadows(sub))
         # Its own parameters may be stored after it was guarded (a layer's second graph,
         # after a graph break inside it): state_dict must read those from the store too.
         if direct and sub not in _STATE_HOOKED:
@@ -217,9 +225,7 @@ def unguard_module(module: nn.Module) -> None:
             continue
         for handle in handles:
             handle.remove()
-        sub.__dict__.pop("_apply", None)
-        sub.__dict__.pop("__deepcopy__", None)
-        for name in _REWRITING:
+        for name in _SHADOWED:
             sub.__dict__.pop(name, None)
 
 
