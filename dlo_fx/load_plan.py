@@ -63,6 +63,7 @@ class LoadPlan:
     buffers: list[Target]
     resident: list[Target]
     blocks: list[list[Target]]
+    named: list[Target] = field(default_factory=list)  # named in ``resident=``: every graph too
     ends: list[str] = field(default_factory=list)  # why each block ends where it does
     budget: int = 0
     host_bytes: int = 0
@@ -246,6 +247,7 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
     return LoadPlan(module=module, ckpt=ckpt, params=params, buffers=buffers,
                     resident=[t for t, r in zip(params, decision.reasons) if r is not None],
                     blocks=[streamed[c.start:c.stop] for c in cuts],
+                    named=[t for t in params if id(t) in keep],
                     ends=[c.reason for c in cuts], budget=decision.budget)
 
 

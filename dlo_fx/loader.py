@@ -375,6 +375,10 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
         progress.close()
     for target, value in values:
         _install(target, value)
+    named = {id(t) for t in plan.named}
+    for target, value in values:
+        if id(target) in named:  # no graph streams (and so hollows) them either
+            runtime.named_resident[id(value)] = value
 
 
 # -- progress -----------------------------------------------------------------------------

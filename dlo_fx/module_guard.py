@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -82,12 +82,44 @@ def _under_torch_compile() -> bool:
     return get_eval_frame_callback() not in (None, False)
 
 
+def _compiled_in_place(module: nn.Module) -> bool:
+    """Whether calls of ``module`` run through Dynamo: compiled in place
+    (``nn.Module.compile``) or a ``torch.compile`` wrapper."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return (getattr(module, "_compiled_call_impl", None) is not None
+            or isinstance(module, OptimizedModule))
+
+
+def _read_eagerly(module: nn.Module) -> Iterator[torch.Tensor]:
+    """The parameters an eager call of ``module`` may read itself: all under it except
+    those of submodules compiled in place (``nn.Module.compile``, which diffusers'
+    ``compile_repeated_blocks`` calls on each block) or replaced by their
+    ``torch.compile`` wrapper: Dynamo runs those."""
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        yield from (p for p in m._parameters.values() if p is not None)
+        stack.extend(c for c in m._modules.values() if c is not None and not _compiled_in_place(c))
+
+
 def _hollow_call_guard(module: nn.Module, args: Any) -> None:
     # Not is_compiling(): run eagerly, it is true while any thread compiles (eager.py).
     if torch.compiler.is_dynamo_compiling() or _under_torch_compile():
         return
-    if any(is_hollow(p) for p in module.parameters()):
+    hollow = {id(p) for p in _read_eagerly(module) if is_hollow(p)}
+    if not hollow:
+        return
+    if not any(_compiled_in_place(m) for m in module.modules()):
         raise RuntimeError(f"{type(module).__name__}: {HOLLOW_CALL_MESSAGE}")
+    names = [fqn for fqn, p in module.named_parameters() if id(p) in hollow]
+    shown = ", ".join(repr(n) for n in names[:5]) + (f" ({len(names)} in all)" if len(names) > 5 else "")
+    raise RuntimeError(
+        f"{type(module).__name__} runs eagerly (only some of its submodules are compiled) and "
+        f"reads parameters whose weights are in a dlo host store: {shown}. Keep them on the "
+        "device by loading the model with dlo_fx.load(..., resident=[...]) naming them or "
+        "their modules, compile the whole model with torch.compile(model, backend=\"dlo\"), "
+        "or call dlo_fx.release(model) to put the weights back")
 
 
 # Called on the model torch.compile wraps, nn.Module.__call__ runs this pre-hook in a

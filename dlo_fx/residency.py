@@ -7,7 +7,7 @@ block budget, since "used far apart" is measured in budgets.
 A parameter is resident, for the first reason that applies, when it is:
 
 - ``empty``: no bytes to stream;
-- named in ``resident=`` at load time;
+- named in ``resident=`` at load time (in every graph of the loaded model too);
 - ``read directly by an earlier graph``: another graph of the model (a graph break, a
   second resolution) kept it resident without storing it, and its compiled code reads the
   module's tensor: streaming it here would hollow that tensor under the earlier graph

@@ -24,7 +24,7 @@ from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import device_slots
 from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
 from loader_cases import resident_dit, save_dit
-from models import run_dlo, tiny_dit
+from models import run_dlo, tiny_dit, tiny_flux
 
 import ownership_cases
 
@@ -155,6 +155,40 @@ def test_skipped_root_forward_one_runtime_per_model():
     assert len(runtimes) == 1
     assert all(p in runtimes[0].store for b in (*model.first.blocks, *model.second.blocks)
                for p in b.parameters())
+
+
+def test_regional_compile_of_the_blocks():
+    """diffusers' ``compile_repeated_blocks`` (``nn.Module.compile`` on each block, the
+    model's own ``forward`` eager): every call is exact. The blocks' graphs store their
+    weights; the model's eager forward reads only its own resident parameters (the second
+    call was refused as an eager call of a stored model)."""
+    ref, inputs = tiny_flux()
+    model, _ = tiny_flux()
+    with torch.no_grad():
+        expected = ref(**inputs)[0]
+        model.compile_repeated_blocks(backend="dlo")
+        assert all(torch.equal(model(**inputs)[0], expected) for _ in range(3))
+    runtime, = runtimes_holding(list(model.parameters()))
+    assert all(p in runtime.store for p in model.transformer_blocks.parameters())
+    assert not any(p in runtime.store for p in model.x_embedder.parameters())
+
+
+def test_regional_compile_of_a_loaded_model_names_what_it_reads_eagerly(dit):
+    """A loaded model stores its own (non-block) parameters too, which its eager forward
+    reads: refused, naming them and ``resident=``; with them resident, exact."""
+    model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"],
+                        options={"resident_bytes": 0})
+    for block in model.blocks:
+        block.compile(backend="dlo")
+    with pytest.raises(RuntimeError, match=r"runs eagerly \(only some of its submodules are "
+                       r"compiled\).*'patch_embed.weight'.*resident="):
+        run(model, dit["inputs"])
+    own = [name for name, _ in model.named_parameters() if not name.startswith("blocks.")]
+    model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"],
+                        options={"resident_bytes": 0}, resident=own)
+    for block in model.blocks:
+        block.compile(backend="dlo")
+    assert all(torch.equal(run(model, dit["inputs"]), dit["expected"]) for _ in range(2))
 
 
 def test_models_on_one_device_share_slots_not_blocks():

@@ -39,8 +39,10 @@ from .context import PassContext
 def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     params = ctx.params
     direct = ctx.runtime.read_directly if ctx.runtime is not None else {}
+    named = ctx.runtime.named_resident if ctx.runtime is not None else {}
     cands = [Candidate(p.fqn, p.nbytes, first=p.first, last=p.last,
                        escapes=p.node in ctx.escaping,
+                       named=named.get(id(p.param)) is p.param,
                        pinned=("read directly by an earlier graph"
                                if direct.get(id(p.param)) is p.param else None))
              for p in params]

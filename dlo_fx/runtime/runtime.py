@@ -109,6 +109,11 @@ class Runtime:
         # By id: a WeakSet would compare tensors with ``==``.
         self.read_directly: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
             weakref.WeakValueDictionary()
+        # Parameters named in ``dlo_fx.load(..., resident=)``: resident in every graph too
+        # (code Dynamo runs eagerly reads them, as does a model whose blocks alone are
+        # compiled).
+        self.named_resident: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
+            weakref.WeakValueDictionary()
         self.copies = 0  # number of block copies issued (for tests and reports)
         self.broken: Optional[str] = None  # set when a copy or gather failed
         self.tracer: Optional[Tracer] = Tracer() if config.trace else None
