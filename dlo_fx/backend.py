@@ -51,6 +51,8 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     note_compile()  # a forward that compiles is not replayed gather-only (graph_call.py)
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     modules = frame_modules()
+    reached = reached_modules(params, modules)
+    modules += [m for m, _ in reached]
     # The roots only find and claim the runtime; hooks go on the frame's own modules.
     roots = [m for m in compiled_roots(modules) if all(m is not k for k in modules)]
     owners = modules + roots
@@ -87,7 +89,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         from .dump import write_dump
 
         write_dump(gm, ctx, runtime, config.dump_dir)
-    return scheduled_call(gm, ctx, given, example_inputs, compiled)
+    return scheduled_call(gm, ctx, given, example_inputs, compiled, [n for _, n in reached])
 
 
 # [Note: the modules a graph's parameters belong to]
@@ -125,13 +127,15 @@ def adopt(runtime: Runtime, modules: Sequence[torch.nn.Module],
             fetch_eagerly(root, runtime, keep_own=True)
 
 
-def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor]) -> None:
+def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor],
+                  reached: Sequence[str] = ()) -> None:
     """`adopt` the modules on the stack that hold any of ``params``, nearest first: the
     modules being called (``self`` of each frame), every module among the locals of a frame
     Dynamo compiled (as `frame_modules` reads them at compile time: ``torch.compile(step)``
     of a ``step(model, ...)`` calls no module frame), and the compiled models around them.
     For the call of a graph Dynamo reused (see [Note: the modules a graph's parameters
-    belong to])."""
+    belong to]). ``reached``: the sources of the modules the graph's frame reached without
+    a local (`reached_modules`), evaluated in the nearest frame Dynamo compiled."""
     from torch._dynamo.utils import orig_code_map  # the code Dynamo made -> the user's
 
     with runtime.lock:  # a release waits; one that came first leaves nothing to adopt for
@@ -142,7 +146,8 @@ def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor]) -> None:
         frame = sys._getframe(1)
         while frame is not None:
             if frame.f_code in orig_code_map:
-                values = list(frame.f_locals.values())
+                values = list(frame.f_locals.values()) + _evaluate(reached, frame)
+                reached = ()  # the graph's own frame is the nearest one
             else:
                 values = [frame.f_locals.get("self")] if "self" in frame.f_code.co_varnames else []
             for value in values:
@@ -164,7 +169,8 @@ def given_options(options: Any) -> dict[str, Any]:
 
 
 def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any],
-                   example_inputs: Sequence[Any], compiled: Callable) -> Callable:
+                   example_inputs: Sequence[Any], compiled: Callable,
+                   reached: Sequence[str] = ()) -> Callable:
     """``compiled``, each call bound to the runtime of the parameters it is called with
     (`GraphSchedule.bind`: Dynamo reuses a graph for other models of the same class) and
     run under that runtime's lock and collective clock (graph_call.py)."""
@@ -191,7 +197,7 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
             finally:
                 runtime.drop_block_copy()  # resident copies are made: free their source
                 if runtime not in sched.adopted or len(runtime.store.blocks) != blocks:
-                    adopt_callers(runtime, bound)  # a reused graph's parameters: guard them
+                    adopt_callers(runtime, bound, reached)  # a reused graph's: guard them
                     sched.adopted.add(runtime)
         if plan is not None:
             plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
@@ -329,6 +335,61 @@ def frame_modules() -> list[torch.nn.Module]:
     if tx is None:  # the backend called on a graph outside Dynamo
         return []
     return [v for v in tx.f_locals.values() if isinstance(v, torch.nn.Module)]
+
+
+# [Note: models a frame reaches without a local]
+# ``torch.compile(step)`` of a ``step(x)`` that calls a global model (or ``pipe.transformer``
+# of a global pipeline) has no local naming the model: `frame_modules` misses it, and the
+# model was never guarded or hooked. Its hollow parameters were then read as they are by
+# an eager call (an out-of-bounds storage error, or a segfault), by ``state_dict()`` and
+# by ``.to()``. Dynamo's tracker of every module it traced holds the module and the
+# source it came from (``G['model']``, ``G['pipe'].transformer``): `reached_modules`
+# takes the outermost ones holding the graph's parameters. When Dynamo reuses the graph
+# for another model behind the same name (the global reassigned), `adopt_callers`
+# evaluates those sources in the graph's frame on the new model's first call.
+def reached_modules(params: Sequence[torch.Tensor], found: Sequence[torch.nn.Module]
+                    ) -> list[tuple[torch.nn.Module, str]]:
+    """``(module, source)`` of the outermost modules, not under ``found``, holding any of
+    ``params`` that the frame Dynamo is compiling reached: see [Note: models a frame
+    reaches without a local]. Empty on a torch without Dynamo's tracker cache."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        from torch._dynamo.variables.nn_module import (NNModuleVariable,
+                                                       UnspecializedNNModuleVariable)
+
+        tx = InstructionTranslator.current_tx()
+        trackers = list(tx.output.variable_tracker_cache.items())
+    except (ImportError, AttributeError):  # another torch: the locals alone
+        return []
+    ours = {id(p) for p in params}
+    reached: dict[int, tuple[torch.nn.Module, str]] = {}
+    for source, vt in trackers:
+        module = getattr(vt, "value", None) if isinstance(
+            vt, (NNModuleVariable, UnspecializedNNModuleVariable)) else None
+        name = getattr(source, "name", None)
+        if isinstance(module, torch.nn.Module) and isinstance(name, str):
+            reached.setdefault(id(module), (module, name))
+    if not ours or not reached:
+        return []
+    inside = {id(sub) for m in [*found, *(m for m, _ in reached.values())]
+              for sub in m.modules() if sub is not m}
+    inside.update(id(m) for m in found)
+    return [(m, name) for key, (m, name) in reached.items()
+            if key not in inside and any(id(p) in ours for p in m.parameters())]
+
+
+def _evaluate(sources: Sequence[str], frame: Any) -> list[Any]:
+    """The values of Dynamo source names (``G['model']``) in ``frame``; those that fail
+    to evaluate are skipped."""
+    scope = {"G": frame.f_globals, "L": frame.f_locals}
+    values = []
+    for name in sources:
+        try:
+            values.append(eval(name, {"__builtins__": {}}, scope))  # noqa: S307 - Dynamo's own source names
+        except Exception:
+            continue
+    return values
 
 
 def compiled_roots(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -157,6 +157,40 @@ def test_skipped_root_forward_one_runtime_per_model():
                for p in b.parameters())
 
 
+_STEP_MODEL = None
+
+
+def _step(**kwargs):
+    return _STEP_MODEL(**kwargs)[0]
+
+
+def test_a_model_a_compiled_function_reaches_through_a_global_is_guarded():
+    """``torch.compile(step)`` of a ``step`` calling a global model (no local of the frame
+    names it, as a closure variable or an argument would): the model is guarded like a
+    compiled one, and so is another model the global names later (Dynamo reuses the graph
+    for it). Both were left unguarded: an eager call read their hollow parameters (an
+    out-of-bounds storage error), and ``state_dict()`` and ``.half()`` would have read
+    them too."""
+    global _STEP_MODEL
+    compiled = torch.compile(_step, backend="dlo")
+    try:
+        for seed in (0, 5):
+            ref, inputs = tiny_flux(seed)
+            _STEP_MODEL, _ = tiny_flux(seed)
+            model = _STEP_MODEL
+            with torch.no_grad():
+                expected = ref(**inputs)[0]
+                assert all(torch.equal(compiled(**inputs), expected) for _ in range(2))
+                with pytest.raises(RuntimeError, match="cannot run eagerly"):
+                    model(**inputs)
+            state = model.state_dict()
+            assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+            with pytest.raises(ValueError, match="host store"):
+                model.half()
+    finally:
+        _STEP_MODEL = None
+
+
 def test_regional_compile_of_the_blocks():
     """diffusers' ``compile_repeated_blocks`` (``nn.Module.compile`` on each block, the
     model's own ``forward`` eager): every call is exact. The blocks' graphs store their
