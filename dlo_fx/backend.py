@@ -386,7 +386,8 @@ def _evaluate(sources: Sequence[str], frame: Any) -> list[Any]:
     values = []
     for name in sources:
         try:
-            values.append(eval(name, {"__builtins__": {}}, scope))  # noqa: S307 - Dynamo's own source names
+            # Dynamo's own source names: item and attribute reads, as its guards do
+            values.append(eval(name, {"__builtins__": {}}, scope))  # noqa: S307
         except Exception:
             continue
     return values

@@ -113,7 +113,9 @@ def _hollow_call_guard(module: nn.Module, args: Any) -> None:
     if not any(_compiled_in_place(m) for m in module.modules()):
         raise RuntimeError(f"{type(module).__name__}: {HOLLOW_CALL_MESSAGE}")
     names = [fqn for fqn, p in module.named_parameters() if id(p) in hollow]
-    shown = ", ".join(repr(n) for n in names[:5]) + (f" ({len(names)} in all)" if len(names) > 5 else "")
+    shown = ", ".join(repr(n) for n in names[:5])
+    if len(names) > 5:
+        shown += f" ({len(names)} in all)"
     raise RuntimeError(
         f"{type(module).__name__} runs eagerly (only some of its submodules are compiled) and "
         f"reads parameters whose weights are in a dlo host store: {shown}. Keep them on the "

@@ -191,6 +191,26 @@ def test_a_model_a_compiled_function_reaches_through_a_global_is_guarded():
         _STEP_MODEL = None
 
 
+class _Pipe:
+    """What a diffusers pipeline is to its transformer: not a module, holding one."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self.transformer = transformer
+
+
+def test_a_model_a_compiled_function_reaches_through_an_argument_that_is_no_module():
+    """``torch.compile(step)`` of a ``step(pipe, inputs)`` calling ``pipe.transformer``:
+    each pipeline's transformer is guarded, the second through the reused graph."""
+    compiled = torch.compile(lambda pipe, inputs: pipe.transformer(**inputs)[0], backend="dlo")
+    for seed in (0, 5):
+        ref, inputs = tiny_flux(seed)
+        pipe = _Pipe(tiny_flux(seed)[0])
+        with torch.no_grad():
+            assert torch.equal(compiled(pipe, inputs), ref(**inputs)[0])
+            with pytest.raises(RuntimeError, match="cannot run eagerly"):
+                pipe.transformer(**inputs)
+
+
 def test_regional_compile_of_the_blocks():
     """diffusers' ``compile_repeated_blocks`` (``nn.Module.compile`` on each block, the
     model's own ``forward`` eager): every call is exact. The blocks' graphs store their
