@@ -5,7 +5,11 @@ A diffusers pipeline holds several torch modules: the denoiser (``transformer``,
 T5-XXL is about 9 GB, as large as many transformers), an image encoder, and a VAE. Each
 one chosen is compiled in place (``module.compile(backend="dlo", options=...)``), so
 ``pipe.transformer`` stays the same object: the pipeline reads its ``config`` and
-``dtype`` as before, and every call of it runs through the dlo backend.
+``dtype`` as before, and every call of it runs through the dlo backend. A pipeline calls
+its VAE through ``vae.decode(...)`` and ``vae.encode(...)``, never ``vae(...)``, which is all
+``module.compile`` wraps: those methods (`ENTRY_METHODS`) are compiled too, as instance
+attributes of the module, or a VAE named in ``components=`` ran eagerly and kept its
+weights, with no error.
 
 [Note: one set of slots for a pipeline]
 Every component is compiled with the same options, so its graphs go to the runtime those
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from .config import DLOConfig
@@ -32,6 +37,11 @@ __all__ = ["compile_pipeline", "default_components"]
 SKIPPED_BY_DEFAULT = ("vae",)
 """Component name prefixes not compiled unless named in ``components=``: the VAE runs once
 per call on full-resolution activations, and its weights are small."""
+
+
+ENTRY_METHODS = ("encode", "decode")
+"""Methods a pipeline calls on a component instead of calling it (a VAE's), compiled with
+it where its class defines them."""
 
 
 def default_components(pipe: Any) -> list[str]:
@@ -81,6 +91,10 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         module = getattr(pipe, name)
         module.eval().requires_grad_(False)
         module.compile(backend="dlo", options=options, **compile_kwargs)
+        for method in ENTRY_METHODS:
+            if callable(getattr(type(module), method, None)) and method not in vars(module):
+                setattr(module, method, torch.compile(getattr(module, method), backend="dlo",
+                                                      options=options, **compile_kwargs))
         log.info("dlo_fx.compile_pipeline: %s.%s (%s, %d parameters) compiled with "
                  "backend='dlo'", type(pipe).__name__, name, type(module).__name__,
                  sum(1 for _ in module.parameters()))

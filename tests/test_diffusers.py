@@ -155,6 +155,17 @@ def test_compile_pipeline_rejects_unknown_components_and_options():
     assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe  # compiled in place
 
 
+def test_compile_pipeline_streams_a_vae_named_in_components():
+    """A pipeline calls its VAE through ``vae.decode``, which ``module.compile`` does not
+    wrap: named in ``components=``, the VAE ran eagerly and kept its weights. Its decoder
+    (what a text-to-image call runs) is now streamed, and the image is exact."""
+    reference, pipe = dp.flux(), dp.flux()
+    compile_pipeline(pipe, components=["vae"], options={"num_slots": 2})
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), dp.images(reference, "flux", cfg=False))
+    assert all(is_hollow(p) for p in pipe.vae.decoder.parameters() if p.numel() > 16)
+    assert not any(is_hollow(p) for p in pipe.transformer.parameters())  # not named
+
+
 def test_engine_factory_builds_every_component_in_the_dtype_asked(saved):
     """`diffusers_pipeline.build(dtype=...)` (``--pipeline-arg dtype=...``): the streamed
     transformer and every other module in that dtype, without diffusers' deprecation
