@@ -328,13 +328,20 @@ def frame_modules() -> list[torch.nn.Module]:
     if not callable(getattr(InstructionTranslator, "current_tx", None)):
         raise RuntimeError("dlo: this torch's Dynamo has no InstructionTranslator.current_tx; "
                            "dlo cannot find the module it compiles (to claim and guard it)")
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:  # its thread-local is unset: no frame is being compiled
-        tx = None
+    tx = _current_tx()
     if tx is None:  # the backend called on a graph outside Dynamo
         return []
     return [v for v in tx.f_locals.values() if isinstance(v, torch.nn.Module)]
+
+
+def _current_tx() -> Any:
+    """Dynamo's instruction translator of the frame being compiled; None outside Dynamo."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:  # its thread-local is unset: no frame is being compiled
+        return None
 
 
 # [Note: models a frame reaches without a local]
@@ -352,29 +359,24 @@ def reached_modules(params: Sequence[torch.Tensor], found: Sequence[torch.nn.Mod
     """``(module, source)`` of the outermost modules, not under ``found``, holding any of
     ``params`` that the frame Dynamo is compiling reached: see [Note: models a frame
     reaches without a local]. Empty on a torch without Dynamo's tracker cache."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
     try:
         from torch._dynamo.variables.nn_module import (NNModuleVariable,
                                                        UnspecializedNNModuleVariable)
 
-        tx = InstructionTranslator.current_tx()
-        trackers = list(tx.output.variable_tracker_cache.items())
+        trackers = list(_current_tx().output.variable_tracker_cache.items())
     except (ImportError, AttributeError):  # another torch: the locals alone
         return []
-    ours = {id(p) for p in params}
+    covered = {id(sub) for m in found for sub in m.modules()}
     reached: dict[int, tuple[torch.nn.Module, str]] = {}
     for source, vt in trackers:
         module = getattr(vt, "value", None) if isinstance(
             vt, (NNModuleVariable, UnspecializedNNModuleVariable)) else None
         name = getattr(source, "name", None)
-        if isinstance(module, torch.nn.Module) and isinstance(name, str):
+        if isinstance(module, torch.nn.Module) and isinstance(name, str) \
+                and id(module) not in covered:
             reached.setdefault(id(module), (module, name))
-    if not ours or not reached:
-        return []
-    inside = {id(sub) for m in [*found, *(m for m, _ in reached.values())]
-              for sub in m.modules() if sub is not m}
-    inside.update(id(m) for m in found)
+    inside = {id(sub) for m, _ in reached.values() for sub in m.modules() if sub is not m}
+    ours = {id(p) for p in params}
     return [(m, name) for key, (m, name) in reached.items()
             if key not in inside and any(id(p) in ours for p in m.parameters())]
 
@@ -424,10 +426,4 @@ def compiled_roots(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
 def frame_code() -> Any:
     """The code object of the frame Dynamo is compiling (None outside Dynamo): a module
     whose own ``forward`` is that frame runs its hooks around the compiled code."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:
-        return None
-    return getattr(tx, "f_code", None) if tx is not None else None
+    return getattr(_current_tx(), "f_code", None)

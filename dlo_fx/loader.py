@@ -373,10 +373,9 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
         raise
     finally:
         progress.close()
-    for target, value in values:
-        _install(target, value)
     named = {id(t) for t in plan.named}
     for target, value in values:
+        _install(target, value)
         if id(target) in named:  # no graph streams (and so hollows) them either
             runtime.named_resident[id(value)] = value
 

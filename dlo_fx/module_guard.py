@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import skip_code
+from torch._dynamo.eval_frame import OptimizedModule, skip_code
 
 from .config import same_device
 from .runtime.eager import hooked_for, unhook
@@ -85,8 +85,6 @@ def _under_torch_compile() -> bool:
 def _compiled_in_place(module: nn.Module) -> bool:
     """Whether calls of ``module`` run through Dynamo: compiled in place
     (``nn.Module.compile``) or a ``torch.compile`` wrapper."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
     return (getattr(module, "_compiled_call_impl", None) is not None
             or isinstance(module, OptimizedModule))
 
