@@ -286,12 +286,11 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
                 f"resident parameter {p.fqn!r} ({p.reason}) is on {p.param.device} but dlo "
                 f"computes on {runtime.device}; load the model with dlo_fx.load(...) so resident "
                 "parameters are placed on the device")
-    if runtime.mode == "allgather":
+    new = [b for b in ctx.blocks if b.host_block is None]
+    if runtime.mode == "allgather" and new:  # see [Note: a compile on one rank only]
         compile_clock(runtime, len(ctx.blocks), f"compiling a graph of {len(ctx.params)} parameters")
         rows = [(len(b.params), b.nbytes, b.params[0].fqn) for b in ctx.blocks]
         check_same_plan(rows, runtime.group, f"a graph of {len(ctx.params)} parameters")
-    new = [b for b in ctx.blocks if b.host_block is None]
-    if runtime.mode == "allgather":
         fingerprints = []
         for b in new:
             params = [p.param for p in b.params]

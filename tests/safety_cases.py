@@ -174,6 +174,52 @@ def _replaced_on_one_rank(rank: int) -> list:
         return outcomes + [outcome(), outcome()]
 
 
+def _one_rank_recompiles(rank: int) -> list:
+    """Calls that make Dynamo recompile on one rank only (allgather, a device budget): rank 1
+    at a new resolution while rank 0 stays at the first, rank 0 under grad mode, rank 1
+    under float16 autocast. A recompile of stored blocks issues no collective, so every
+    call is exact on both ranks. They raised ClockMismatch at every call until both ranks
+    recompiled together, and the autocast one paired a matmul-rate probe with rank 0's
+    clock: gloo aborted both processes. Then a model with graph breaks in its blocks,
+    where a shape on one rank alone still raises."""
+    from dlo_fx.models import example_inputs, reference_dit
+
+    _fresh()
+    ref_model = reference_dit(width=64, depth=3, heads=4, seed=0)
+    model = reference_dit(width=64, depth=3, heads=4, seed=0)
+    compiled = torch.compile(model, backend="dlo", options={
+        "mode": "allgather", "device_budget": 450_000, "collective_timeout_s": 30})
+    steps = [((8, 8), None), ((8, 16), None), ((8, 16), None), ((8, 8), "grad0"),
+             ((16, 16), "fp16_1"), ((8, 8), None)]
+    outcomes = []
+    for i, (sizes, how) in enumerate(steps):
+        hw = sizes[rank]
+        inputs = example_inputs(model.config, batch=1, height=hw, width=hw, seed=i)
+        autocast = how == f"fp16_{rank}"
+        with torch.set_grad_enabled(how == f"grad{rank}"), \
+                torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            expected = ref_model(*inputs)
+            outcomes.append(_outcome(lambda: torch.equal(compiled(*inputs), expected)))
+    # With graph breaks in the blocks, each block's forward is a compiled frame of its own;
+    # at a new shape on rank 1 alone its guards fail there, and the block's hook fetches its
+    # weights eagerly (the forward might run eagerly) while rank 0 calls a graph: both
+    # raise, naming what each rank does, and the same shapes are exact again.
+    _fresh()
+    model = reference_dit(width=64, depth=3, heads=4, seed=0, graph_break_in_blocks=True)
+    compiled = torch.compile(model, backend="dlo", options={
+        "mode": "allgather", "collective_timeout_s": 30})
+    for i, sizes in enumerate([(8, 8), (8, 16), (8, 8)]):
+        inputs = example_inputs(model.config, batch=1, height=sizes[rank], width=sizes[rank],
+                                seed=i)
+        with torch.no_grad():
+            expected = ref_model(*inputs)
+            try:
+                outcomes.append(torch.equal(compiled(*inputs), expected))
+            except ClockMismatch as exc:
+                outcomes.append("eager" if "rank 1 fetches weights eagerly" in str(exc) else str(exc))
+    return outcomes
+
+
 def safety_cases(rank: int, world: int) -> dict:
     out = {}
     # 1. allgather with several graphs per forward (a copy racing a gather into its slot)
@@ -193,6 +239,8 @@ def safety_cases(rank: int, world: int) -> dict:
     out["gather_only"] = _gather_only(rank)
     # a parameter given other data on one rank: refused there, in step with the other
     out["replaced"] = _replaced_on_one_rank(rank)
+    # recompiles on one rank only (a new resolution, grad mode, autocast) stay exact
+    out["one_rank_recompiles"] = _one_rank_recompiles(rank)
     # 7. Ctrl-C during a wait on one rank only
     out["interrupts"] = _interrupted_waits(rank)
     # 8. different weights of the same shapes on each rank

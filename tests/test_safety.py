@@ -317,6 +317,8 @@ def test_ranks_stay_in_step_through_failures_and_eager_fetches(spawned):
         assert out[("fail", "allgather", "index", "break")] == expected, rank
         # param.data = ... on rank 1 only: refused there, rank 0 stays exact
         assert out["replaced"] == ([True, "refused", "refused"] if rank == 1 else [True] * 3), rank
+        assert out["one_rank_recompiles"] == [True] * 6 + [True, "eager", True], \
+            (rank, out["one_rank_recompiles"])
         padded = out["gather_only"]
         assert all(padded["exact"]) and padded["in_step"], (rank, padded)
         if rank == 1:  # three padding forwards: one real (at the small shape), two replayed

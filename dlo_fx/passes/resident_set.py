@@ -33,6 +33,7 @@ from ..budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resident_bloc
 from ..flops import graph_flops
 from ..partition import Layering
 from ..residency import Candidate, ChooseBlocks, decide_residency
+from ..runtime.graph_call import compile_clock, gathers
 from .context import PassContext
 
 
@@ -112,17 +113,35 @@ def block_compute_seconds(costs: Sequence[tuple[int, Optional[torch.dtype]]],
     return flops, seconds
 
 
-def probed_flops(runtime, dtype: Optional[torch.dtype]) -> float:
-    """The runtime's measured matmul rate for ``dtype`` (FLOP/s), probed on first use (the
-    caller holds ``runtime.lock`` and drained it: the probe agrees over the group)."""
-    from ..policy.measured import probe_matmul_flops
+_RATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+
+def probed_flops(runtime, dtype: Optional[torch.dtype]) -> float:
+    """The runtime's measured matmul rate for ``dtype`` (FLOP/s; `probe_runtime` measured
+    it)."""
+    if dtype not in _RATE_DTYPES:
         dtype = torch.float32  # integer or float8 products: no torch.mm to time, take fp32's
-    rates = runtime.probed_flops  # beside `Runtime.probed_bandwidths`, agreed over the group
-    if dtype not in rates:
-        rates[dtype] = probe_matmul_flops(runtime.device, dtype, runtime.group)
-    return rates[dtype]
+    return runtime.probed_flops[dtype]
+
+
+def probe_runtime(runtime) -> None:
+    """Measure the runtime's bandwidths and the matmul rate of every float dtype, once: at
+    the first compile that plans a device budget, which every rank reaches together. The
+    caller holds ``runtime.lock`` and drained it (the probes agree over the group on this
+    thread). A later compile, which may run on one rank alone, needs no collective: see
+    [Note: a compile on one rank only]. In allgather mode a clock exchange goes first, so
+    a rank that compiles here while another runs a graph raises `ClockMismatch` on both
+    instead of pairing a probe with the other's clock (gloo aborts the process on that)."""
+    from ..policy.measured import probe_bandwidths, probe_matmul_flops
+
+    if runtime.probed_bandwidths is not None:
+        return
+    if gathers(runtime):
+        compile_clock(runtime, 0, "probing the device budget's bandwidths")
+    bandwidths = probe_bandwidths(runtime.device, runtime.group)
+    rates = {d: probe_matmul_flops(runtime.device, d, runtime.group) for d in _RATE_DTYPES}
+    runtime.probed_flops.update(rates)
+    runtime.probed_bandwidths = bandwidths
 
 
 def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
@@ -154,16 +173,12 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
         h2d = gather = 1.0
         rates = {d: float("inf") for d in dtypes}  # no runtime to measure on: transfer-bound
         if runtime is not None and blocks:
-            from ..policy.measured import probe_bandwidths  # a collective probe on every rank
-
             # Once per runtime, with nothing of its own in flight: the probes' exchanges run
             # on this thread, so none of the copy worker's gathers may be queued meanwhile.
-            # Every rank schedules the same graphs, so every rank probes here alike.
             with runtime.lock:
                 runtime.drain()
-                if runtime.probed_bandwidths is None:
-                    runtime.probed_bandwidths = probe_bandwidths(runtime.device, runtime.group)
-                rates = {d: probed_flops(runtime, d) for d in dtypes}
+                probe_runtime(runtime)
+            rates = {d: probed_flops(runtime, d) for d in dtypes}
             h2d, gather = runtime.probed_bandwidths
         flops, compute_s = block_compute_seconds(costs, spans, rates.__getitem__)
         copy_s = [copy_seconds(n, dp=dp, allgather=allgather, h2d_gbps=h2d,

@@ -38,6 +38,21 @@ could break that, and each has its guard:
 
 A collective that fails (a rank died, the timeout passed) closes the runtime: the group is
 unusable afterwards.
+
+[Note: a compile on one rank only]
+Dynamo recompiles a frame on one rank alone when only that rank's call fails a guard: a
+new input shape (two ranks serving different resolutions, or a batch doubled by guidance
+on one of them), grad mode, autocast. A compile that brings new parameters into the host
+store compares plans and fingerprints with the other ranks, and they must compile the
+same graph at the same time. A compile whose blocks are all stored already (the model's
+second resolution, or any graph of a model from `dlo_fx.load`) issues no collective at
+all: its gathers are those of host blocks the ranks agreed on when they stored them, and
+the clock before each graph call still proves that every rank runs a graph of the same
+blocks. Had such a compile exchanged its plan, the ranks that did not recompile (they run
+their cached graph and exchange a clock word) would have raised `ClockMismatch` at every
+call until they all happened to recompile together. The device budget's probes run once
+per runtime at its first compile, every dtype's matmul rate with them, so a later compile
+never needs them (`resident_set._probe_rates`).
 """
 
 from __future__ import annotations
@@ -114,6 +129,26 @@ def exchange(group: Any, device: torch.device, words: Sequence[int], what: str) 
     return every.cpu().view(group.dp, -1).tolist()
 
 
+_KINDS = {0: "calls a graph", 1: "fetches weights eagerly", 2: "compiles a graph"}
+
+
+def _kinds_hint(group: Any, rows: list[list[int]]) -> str:
+    """What the ranks do, when they do different kinds of things (the last clock word)."""
+    kinds = [row[-1] for row in rows]
+    if len(set(kinds)) == 1:
+        return ""
+    doing = "; ".join(f"global rank {group.ranks[i]} {_KINDS.get(k, 'runs')}"
+                      for i, k in enumerate(kinds))
+    hint = f" ({doing})"
+    if 1 in kinds:
+        hint += (". A rank fetches eagerly where Dynamo runs no compiled code for a module "
+                 "that reads streamed weights; for instance, where a graph break made Dynamo "
+                 "compile a module's forward as a frame of its own, a new input shape on "
+                 "one rank alone makes that rank recompile it (call every rank with the "
+                 "same shapes, or use mode='rank_local')")
+    return hint
+
+
 def check_rows(group: Any, rows: list[list[int]], what: str) -> None:
     """Raise `ClockMismatch` (on every rank: all see all rows) when the words differ."""
     mine = rows[group.rank]
@@ -123,9 +158,10 @@ def check_rows(group: Any, rows: list[list[int]], what: str) -> None:
                 f"dlo: the ranks of the {group.describe()} are out of step: global rank "
                 f"{group.ranks[group.rank]} is about to run {what} (clock {mine}) but global "
                 f"rank {group.ranks[i]} runs clock {row} (words: graph key, blocks, first host "
-                "block, kind). A call failed or was interrupted on one rank only between two "
-                "graphs, or the ranks run different code, or call the model from several "
-                "threads in different orders, or the model branches on its data (a step "
+                f"block, kind){_kinds_hint(group, rows)}. A call failed or was interrupted on "
+                "one rank only between two graphs, or the ranks run different code, or call "
+                "the model from several threads in different orders, or the model branches "
+                "on its data (a step "
                 "cache such as diffusers' FirstBlockCache skipping blocks on one rank only: "
                 "mode='rank_local' lets each rank run its own graphs). Every rank raises "
                 "here before gathering anything; the next call starts in step")
