@@ -52,7 +52,8 @@ def run(options: dict, *, checkpoint: Optional[str] = None, calls: int = 2) -> d
             "block_bytes": plan.block_bytes, "mode": runtime.mode,
             "copies_per_call": runtime.copies - copies,
             "hollow": sum(is_hollow(p) for p in model.parameters()),
-            "report": dlo_fx.memory_report(model), "plan": plan}
+            "report": dlo_fx.memory_report(model), "plan": plan,
+            "plan_budget": plan.device_budget}
 
 
 def sweep(mode: Optional[str] = None, checkpoint: Optional[str] = None,
@@ -68,6 +69,28 @@ def sweep(mode: Optional[str] = None, checkpoint: Optional[str] = None,
     return out
 
 
+def one_rank_resolutions(rank: int, checkpoint: str, budget: int) -> dict:
+    """Allgather, loaded, a partial budget: rank 1 alone calls at another resolution, then
+    rank 0 alone. Each new resolution recompiles on that rank only and keeps the first
+    compile's resident blocks (planned anew from its FLOPs, it kept others: the ranks
+    streamed different blocks and raised ClockMismatch at every call)."""
+    from dlo_fx.models import example_inputs
+
+    fresh()
+    ref_model, _ = tiny_dit(depth=DEPTH)
+    options = {"mode": "allgather", "device_budget": budget}
+    model = dlo_fx.load(lambda: ReferenceDiT(ref_model.config), checkpoint, options=options)
+    compiled = torch.compile(model, backend="dlo", options=options)
+    equal, resident = [], []
+    for i, sizes in enumerate([(8, 8), (8, 32), (8, 32), (32, 8), (8, 8)]):
+        inputs = example_inputs(model.config, batch=1, height=sizes[rank], width=sizes[rank],
+                                seed=i)
+        with torch.no_grad():
+            equal.append(torch.equal(call(compiled, inputs), call(ref_model, inputs)))
+        resident.append(plan_of(model).resident)
+    return {"equal": equal, "resident": resident}
+
+
 def budget_cases(rank: int, world: int, checkpoint: str) -> dict:
     """dp=2: both modes, compiled from a whole model; allgather loaded from a checkpoint."""
     out = {}
@@ -77,4 +100,6 @@ def budget_cases(rank: int, world: int, checkpoint: str) -> dict:
         for r in runs.values():
             r.pop("plan"), r.pop("report")
         out[key] = runs
+    budget = out["loaded"]["partial"]["plan_budget"]
+    out["one_rank_resolutions"] = one_rank_resolutions(rank, checkpoint, budget)
     return out

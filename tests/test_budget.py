@@ -201,6 +201,10 @@ def test_two_ranks_both_modes_and_loaded(spawned):
             check_sweep(results[rank][key], loaded=key == "loaded")
         assert results[rank]["allgather"]["partial"]["mode"] == "allgather"
         assert results[rank]["rank_local"]["partial"]["mode"] == "rank_local"
+        shapes = results[rank]["one_rank_resolutions"]
+        assert shapes["equal"] == [True] * 5, (rank, shapes)
+        assert shapes["resident"][0] and all(r == shapes["resident"][0]
+                                             for r in shapes["resident"]), (rank, shapes)
     assert results[0] == results[1]
 
 
@@ -240,9 +244,11 @@ def test_timeline_and_blocks_md_show_resident_blocks(swept, tmp_path):
 
 
 def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypatch):
-    """Plans differ per graph (compute grows with the resolution): a block the first
-    resolution's graph keeps resident (read from the module, not stored) stays resident in
-    the second's, instead of being stored and hollowed under the first graph."""
+    """A block the first resolution's graph keeps resident (read from the module, not
+    stored) stays resident in the second's, instead of being stored and hollowed under the
+    first graph; the second graph streams the first one's other blocks and keeps no more
+    resident (planned anew from its own FLOPs, one rank's recompile could stream other
+    blocks than its peers')."""
     import importlib
 
     from dlo_fx.models import example_inputs
@@ -269,4 +275,5 @@ def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypat
             # what any graph reads from the module is never hollow
             assert runtime.read_directly and not any(
                 is_hollow(p) for p in runtime.read_directly.values())
-    assert kept[0] != [[]]  # the small graph keeps blocks resident; the large one cannot
+    assert kept[0] != [[]]  # the small graph keeps blocks resident (then pinned): the
+    assert kept[1:] == [[[]]] * 3  # large one's plan adds none

@@ -164,6 +164,22 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
                 f"resident anyway; set device_budget >= {minimum} (or None to stream every "
                 "block), or lower num_slots / block_bytes")
         runtime = ctx.runtime
+        # A recompile of the same parameters (a new resolution, autocast; perhaps on one
+        # rank only) keeps the blocks the first compile chose: re-planned from other FLOPs,
+        # one rank would stream other blocks than the rest (ClockMismatch at every call),
+        # and both plans' resident copies would stay on the device, past the budget. A
+        # model compiled from the device has the earlier resident blocks pinned already
+        # (read directly, not stored): its blocks are the earlier streamed ones, none added.
+        earlier = (runtime.budget_plans.get(tuple(p.fqn for p in ctx.params))
+                   if runtime is not None else None)
+        names = [[cands[i].name for i in b] for b in blocks]
+        capacity = budget - minimum
+        if earlier is not None:
+            if earlier.fqns == names:
+                ctx.budget_plan = earlier
+                return {g: earlier.reasons[g] for g in earlier.resident}
+            if [f for g, f in enumerate(earlier.fqns) if g not in earlier.resident] == names:
+                capacity = 0
         dp = runtime.group.dp if runtime is not None else 1
         allgather = dp > 1 and (runtime.mode or ctx.config.mode or "allgather") != "rank_local"
         nodes = list(gm.graph.nodes)
@@ -183,15 +199,15 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
         flops, compute_s = block_compute_seconds(costs, spans, rates.__getitem__)
         copy_s = [copy_seconds(n, dp=dp, allgather=allgather, h2d_gbps=h2d,
                                gather_gbps=min(gather, 1e6)) for n in sizes]
-        plan = BudgetPlan(device_budget=budget, minimum=minimum, capacity=budget - minimum,
+        plan = BudgetPlan(device_budget=budget, minimum=minimum, capacity=capacity,
                           h2d_gbps=h2d, gather_gbps=gather,
                           labels=[f"{cands[b[0]].name} .. {cands[b[-1]].name}" for b in blocks],
-                          fqns=[[cands[i].name for i in b] for b in blocks],
+                          fqns=names,
                           copy_s=copy_s, compute_s=compute_s, flops=flops,
                           flops_per_s={str(d).removeprefix("torch."): r
                                        for d, r in rates.items() if r != float("inf")})
         ctx.budget_plan = plan_resident_blocks(sizes, copy_s, compute_s, num_slots=num_slots,
-                                               capacity=budget - minimum, plan=plan)
+                                               capacity=capacity, plan=plan)
         return {g: plan.reasons[g] for g in plan.resident}
 
     return choose

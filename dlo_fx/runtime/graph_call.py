@@ -52,7 +52,8 @@ blocks. Had such a compile exchanged its plan, the ranks that did not recompile 
 their cached graph and exchange a clock word) would have raised `ClockMismatch` at every
 call until they all happened to recompile together. The device budget's probes run once
 per runtime at its first compile, every dtype's matmul rate with them, so a later compile
-never needs them (`resident_set._probe_rates`).
+never needs them (`resident_set.probe_runtime`), and a recompile keeps the resident blocks
+its parameters' first plan chose, so every rank streams the same blocks.
 """
 
 from __future__ import annotations
