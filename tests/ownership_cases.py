@@ -356,8 +356,9 @@ def _forked(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
 
 
 def allgather_state_dict(rank: int, world: int, dit_path: str, config) -> dict:
-    """dp=2, allgather: state_dict gathers every block (each rank holds half of it),
-    release puts the whole weights back on every rank."""
+    """dp=2, allgather: state_dict gathers every block (each rank holds half of it), and
+    raises on every rank when the ranks ask for different blocks; release puts the whole
+    weights back on every rank."""
     ref = resident_dit(dit_path, config)
     model = dlo_fx.load(ReferenceDiT, dit_path, config=config, resident=SHARED,
                         options={"mode": "allgather", "collective_timeout_s": 30, **OPTIONS})
@@ -365,6 +366,15 @@ def allgather_state_dict(rank: int, world: int, dit_path: str, config) -> dict:
     out = {"mode": runtime.mode, "dp": runtime.store.dp,
            "host_bytes": runtime.store.host_bytes,
            "total_bytes": sum(b.nbytes for b in runtime.store.blocks)}
+    # Each rank asks for another layer's weights: the ranks would gather different blocks
+    # of the same size into each other's, a state dict of mixed bytes with no error. The
+    # clock before the gather makes both raise, and the runtime stays usable.
+    from dlo_fx.runtime.graph_call import ClockMismatch
+    try:
+        model.blocks[rank].state_dict()
+        out["other_layers"] = "no error"
+    except ClockMismatch as exc:
+        out["other_layers"] = "read outside the graph" in str(exc)
     state = model.state_dict()
     ref_state = ref.state_dict()
     out["state_equal"] = state.keys() == ref_state.keys() and all(

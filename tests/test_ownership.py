@@ -479,6 +479,7 @@ def test_state_dict_and_release_allgather_two_ranks(spawned):
         assert r["mode"] == "allgather" and r["dp"] == 2, r
         assert r["host_bytes"] < r["total_bytes"]  # each rank holds about half
         assert r["state_equal"] and r["release_equal"], (rank, r)
+        assert r["other_layers"] is True, (rank, r)
         assert r["live_after_release"] == 0
 
 

@@ -33,8 +33,10 @@ could break that, and each has its guard:
   (a silent mix of weights) or a different size (an abort inside gloo). Both ranks leave
   their state as it was; the next call starts in step.
 - eager fetches of hollow parameters (`eager.py`) exchange clock words the same way, in
-  the same worker task as their gather, and so does a compile before it compares plans
-  and weight fingerprints (`compile_clock`).
+  the same worker task as their gather, and so do reads of the stored weights outside a
+  graph (``state_dict()``, `release`: `Runtime.host_tensor`) and a compile before it
+  compares plans and weight fingerprints (`compile_clock`). The last word says which kind
+  of step each rank is at, and a mismatch names them.
 
 A collective that fails (a rank died, the timeout passed) closes the runtime: the group is
 unusable afterwards.
@@ -130,7 +132,8 @@ def exchange(group: Any, device: torch.device, words: Sequence[int], what: str) 
     return every.cpu().view(group.dp, -1).tolist()
 
 
-_KINDS = {0: "calls a graph", 1: "fetches weights eagerly", 2: "compiles a graph"}
+_KINDS = {0: "calls a graph", 1: "fetches weights eagerly", 2: "compiles a graph",
+          3: "reads weights outside a graph (state_dict, release)"}
 
 
 def _kinds_hint(group: Any, rows: list[list[int]]) -> str:

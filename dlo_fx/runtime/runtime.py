@@ -72,6 +72,7 @@ from .trace import Tracer
 log = logging.getLogger(__name__)
 
 _EAGER_WORD = int.from_bytes(b"dlo-eager", "little") & (2**62 - 1)
+_HOST_WORD = int.from_bytes(b"dlo-host", "little") & (2**62 - 1)
 
 
 class Runtime:
@@ -292,8 +293,15 @@ class Runtime:
             if self.store.dp > 1:
                 gather_in_place(flat, host.spec.shard_bytes, group, what)
 
+        self._gather_outside_graph(fill_and_gather)
+        return flat
+
+    def _gather_outside_graph(self, task: Callable[[], None]) -> None:
+        """Run ``task`` (clock words, then a gather) on the executor behind every gather
+        already queued, and wait for it. A `ClockMismatch` leaves the runtime usable (no
+        rank gathered anything); a failed collective closes it."""
         with deferred():
-            handle = self.executor.gather(-1, fill_and_gather, None)
+            handle = self.executor.gather(-1, task, None)
         try:
             self.executor.wait(handle)
         except ClockMismatch:
@@ -302,7 +310,6 @@ class Runtime:
             if self.executor.failed(handle):
                 self.broken = f"{type(exc).__name__}: {exc}"
             raise
-        return flat
 
     def drop_block_copy(self) -> None:
         """Free the block copy resident parameters were cut from (after each call)."""
@@ -423,7 +430,11 @@ class Runtime:
     def host_tensor(self, param: torch.Tensor) -> torch.Tensor:
         """A new host (CPU) tensor with the stored weights of ``param``. In allgather mode
         this gathers the block from every rank: every rank of the shard group must ask
-        for the same parameters in the same order (``state_dict``, `release` do)."""
+        for the same parameters in the same order (``state_dict``, `release` do). The
+        ranks exchange clock words first: a rank that asks alone (``state_dict()`` on rank
+        0 only) or for another block raises `ClockMismatch` on every rank instead of
+        pairing its gather with another collective (gloo aborted the processes) or with
+        another block (the state dict would have held another block's bytes)."""
         entry = self.store.entry(param)
         if entry is None:
             raise ValueError(f"dlo: a parameter of shape {tuple(param.shape)} is not in this "
@@ -440,13 +451,19 @@ class Runtime:
         if cached is None or cached[0] != entry.block:
             with torch.inference_mode(False):
                 flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
-            what = f"host block {entry.block} (weights of {entry.fqn!r} read outside the graph)"
+            what = (f"host block {entry.block} (weights of {entry.fqn!r} read outside the graph; "
+                    "state_dict() and release() gather them from every rank, so every rank "
+                    "calls them together)")
+
+            group, device = self.group, self.device
 
             def fill_and_gather() -> None:
+                words = [_HOST_WORD, entry.block, len(block.entries), 3]
+                check_rows(group, exchange(group, device, words, what), what)
                 self._fill_task(flat, entry.block)()
-                gather_in_place(flat, block.spec.shard_bytes, self.group, what)
+                gather_in_place(flat, block.spec.shard_bytes, group, what)
 
-            self.executor.wait(self.executor.gather(-1, fill_and_gather, None))
+            self._gather_outside_graph(fill_and_gather)
             cached = self._host_cache = (entry.block, flat.cpu())
         return entry.view_of(cached[1]).clone()
 
