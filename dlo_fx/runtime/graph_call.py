@@ -132,8 +132,10 @@ def exchange(group: Any, device: torch.device, words: Sequence[int], what: str) 
     return every.cpu().view(group.dp, -1).tolist()
 
 
-_KINDS = {0: "calls a graph", 1: "fetches weights eagerly", 2: "compiles a graph",
-          3: "reads weights outside a graph (state_dict, release)"}
+# The last clock word: what a rank is about to do.
+GRAPH, EAGER, COMPILE, HOST_READ = range(4)
+_KINDS = {GRAPH: "calls a graph", EAGER: "fetches weights eagerly",
+          COMPILE: "compiles a graph", HOST_READ: "reads weights outside a graph (state_dict, release)"}
 
 
 def _kinds_hint(group: Any, rows: list[list[int]]) -> str:
@@ -144,7 +146,7 @@ def _kinds_hint(group: Any, rows: list[list[int]]) -> str:
     doing = "; ".join(f"global rank {group.ranks[i]} {_KINDS.get(k, 'runs')}"
                       for i, k in enumerate(kinds))
     hint = f" ({doing})"
-    if 1 in kinds:
+    if EAGER in kinds:
         hint += (". A rank fetches eagerly where Dynamo runs no compiled code for a module "
                  "that reads streamed weights; for instance, where a graph break made Dynamo "
                  "compile a module's forward as a frame of its own, a new input shape on "
@@ -165,8 +167,8 @@ def check_rows(group: Any, rows: list[list[int]], what: str) -> None:
                 f"block, kind){_kinds_hint(group, rows)}. A call failed or was interrupted on "
                 "one rank only between two graphs, or the ranks run different code, or call "
                 "the model from several threads in different orders, or the model branches "
-                "on its data (a step "
-                "cache such as diffusers' FirstBlockCache skipping blocks on one rank only: "
+                "on its data (a step cache such as diffusers' FirstBlockCache skipping blocks "
+                "on one rank only: "
                 "mode='rank_local' lets each rank run its own graphs). Every rank raises "
                 "here before gathering anything; the next call starts in step")
 
@@ -206,7 +208,7 @@ def compile_clock(runtime: Any, blocks: int, what: str) -> None:
     a rank still compiling while another already runs graphs raises instead of pairing a
     plan exchange with a clock or a gather."""
     if runtime.group.dp > 1:
-        Clock(runtime, [_COMPILE_WORD, 0, 0, 2], what).check()  # plans: check_same_plan
+        Clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what).check()  # plans: check_same_plan
 
 
 def gathers(runtime: Any) -> bool:
@@ -241,7 +243,7 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
                 what = f"a graph of {len(sched.fqns)} blocks (first {sched.fqns[0][0]!r})" \
                     if sched.fqns and sched.fqns[0] else "a graph"
                 clock = Clock(runtime, [sched.key, len(sched.fqns),
-                                        _first_host_block(runtime, sched, args), 0], what)
+                                        _first_host_block(runtime, sched, args), GRAPH], what)
                 clock.check()
                 clock = None
             if compiled is None:  # the gathers a call makes, in its order

@@ -64,7 +64,7 @@ from .device_slots import SlotBlocks, device_slots
 from .file_store import FileStore
 from .host_store import HostStore, is_hollow
 from .fingerprint import block_fingerprint, check_same_weights
-from .graph_call import ClockMismatch, check_rows, exchange, note_fetch
+from .graph_call import EAGER, HOST_READ, ClockMismatch, check_rows, exchange, note_fetch
 from .interrupts import deferred, install as install_interrupt_handler
 from .layout import span_as_bytes
 from .trace import Tracer
@@ -72,7 +72,6 @@ from .trace import Tracer
 log = logging.getLogger(__name__)
 
 _EAGER_WORD = int.from_bytes(b"dlo-eager", "little") & (2**62 - 1)
-_HOST_WORD = int.from_bytes(b"dlo-host", "little") & (2**62 - 1)
 
 
 class Runtime:
@@ -270,13 +269,14 @@ class Runtime:
         return args if out is None else out
 
     def fetch_block(self, block: int, what: str, clock: bool = False,
-                    record: bool = True) -> torch.Tensor:
+                    record: bool = True, kind: int = EAGER) -> torch.Tensor:
         """The whole of host block ``block`` in a fresh device buffer (gathered in
         allgather mode). Through the executor, behind every gather already queued:
         collectives keep one issue order on every rank. With ``clock``, the ranks first
-        exchange clock words in the same task (see [Note: the collective clock]), and a
-        forward being recorded notes the fetch unless ``record`` is false (a resident
-        copy, made once: a replay must not gather it again)."""
+        exchange clock words in the same task (see [Note: the collective clock]; ``kind``
+        is their last word), and a forward being recorded notes the fetch unless
+        ``record`` is false (a resident copy, made once: a replay must not gather it
+        again; a read outside any forward)."""
         host = self.store.blocks[block]
         with torch.inference_mode(False):  # written by the worker thread
             flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
@@ -287,21 +287,14 @@ class Runtime:
         def fill_and_gather() -> None:
             if self.store.dp > 1:
                 if clock:
-                    words = [_EAGER_WORD, block, len(host.entries), 1]
+                    words = [_EAGER_WORD, block, len(host.entries), kind]
                     check_rows(group, exchange(group, device, words, what), what)
             self._fill_task(flat, block)()
             if self.store.dp > 1:
                 gather_in_place(flat, host.spec.shard_bytes, group, what)
 
-        self._gather_outside_graph(fill_and_gather)
-        return flat
-
-    def _gather_outside_graph(self, task: Callable[[], None]) -> None:
-        """Run ``task`` (clock words, then a gather) on the executor behind every gather
-        already queued, and wait for it. A `ClockMismatch` leaves the runtime usable (no
-        rank gathered anything); a failed collective closes it."""
         with deferred():
-            handle = self.executor.gather(-1, task, None)
+            handle = self.executor.gather(-1, fill_and_gather, None)
         try:
             self.executor.wait(handle)
         except ClockMismatch:
@@ -310,6 +303,7 @@ class Runtime:
             if self.executor.failed(handle):
                 self.broken = f"{type(exc).__name__}: {exc}"
             raise
+        return flat
 
     def drop_block_copy(self) -> None:
         """Free the block copy resident parameters were cut from (after each call)."""
@@ -449,21 +443,10 @@ class Runtime:
             return entry.view_of(flat).clone()
         cached = self._host_cache
         if cached is None or cached[0] != entry.block:
-            with torch.inference_mode(False):
-                flat = torch.empty(block.slot_bytes, dtype=torch.uint8, device=self.device)
             what = (f"host block {entry.block} (weights of {entry.fqn!r} read outside the graph; "
                     "state_dict() and release() gather them from every rank, so every rank "
                     "calls them together)")
-
-            group, device = self.group, self.device
-
-            def fill_and_gather() -> None:
-                words = [_HOST_WORD, entry.block, len(block.entries), 3]
-                check_rows(group, exchange(group, device, words, what), what)
-                self._fill_task(flat, entry.block)()
-                gather_in_place(flat, block.spec.shard_bytes, group, what)
-
-            self._gather_outside_graph(fill_and_gather)
+            flat = self.fetch_block(entry.block, what, clock=True, record=False, kind=HOST_READ)
             cached = self._host_cache = (entry.block, flat.cpu())
         return entry.view_of(cached[1]).clone()
 
