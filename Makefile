@@ -25,11 +25,12 @@ demo: $(VENV)/.base
 test: $(VENV)/.test
 	$(PY) -m pytest -q
 
-# The diffusers zoo alone (tests/test_zoo.py): about 30 transformer classes at dp 1 and 2,
-# both modes; about 5 minutes on 2 idle cores. `DLO_FX_ZOO_TABLE=docs/zoo.md make zoo`
-# rewrites its table.
+# The diffusers zoo alone (tests/test_zoo.py), at dp 1 and 2, both modes: the 30 classes
+# `make test` runs and the rest of the release's transformer classes with their variants
+# (tests/zoo_more.py); about 20 minutes on 2 idle cores.
+# `DLO_FX_ZOO_TABLE=docs/zoo.md make zoo` rewrites its table.
 zoo: $(VENV)/.test
-	$(PY) -m pytest -q tests/test_zoo.py
+	DLO_FX_ZOO=all $(PY) -m pytest -q tests/test_zoo.py
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/bench_core.py

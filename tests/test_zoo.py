@@ -1,6 +1,8 @@
-"""The diffusers zoo: every transformer class that builds from a tiny config, streamed.
+"""The diffusers zoo: transformer classes built from tiny configs, streamed.
 
-Spawns of two gloo ranks run the models of `zoo_models.ZOO`, a group of them per spawn:
+Spawns of two gloo ranks run the models of `zoo_models.ZOO` (with ``DLO_FX_ZOO=all``, as
+`make zoo` sets it, also those of `zoo_more.MORE`: the rest of the release's transformer
+classes and their cache and conditioning variants), a group of them per spawn:
 dp=1 (each rank alone on its share of the group), then dp=2 in both modes, two calls
 each, ``resident_bytes=0``. Each model must be bit-identical (`torch.equal`) to its
 resident twin on every call and stream at least half of its parameter bytes (counted
@@ -8,7 +10,7 @@ from the runtime's host store). Each group's spawn is a job of tests/conftest.py
 in the background while the in-process tests of the suite run, and the group's tests check
 its results.
 
-``DLO_FX_ZOO_TABLE=docs/zoo.md pytest tests/test_zoo.py`` also writes the table of the run
+``DLO_FX_ZOO_TABLE=docs/zoo.md make zoo`` also writes the table of the run
 (model x dp x mode: exact, blocks, share streamed) and its timings.
 """
 
@@ -31,6 +33,10 @@ FIRST = ["Mochi", "HiDream", "HunyuanVideo15", "Sana", "Flux", "Wan", "SD3", "Co
          "PixArt", "Lumina2", "Allegro", "HunyuanVideo", "Chroma", "QwenImage", "Cosmos",
          "SkyReelsV2"]
 NAMES = FIRST + [m.name for m in ZOO if m.name not in FIRST]
+if os.environ.get("DLO_FX_ZOO") == "all":
+    from zoo_more import MORE
+
+    NAMES += [m.name for m in MORE]
 GROUPS = [tuple(NAMES[i : i + GROUP]) for i in range(0, len(NAMES), GROUP)]
 
 
@@ -65,7 +71,7 @@ class Zoo:
         rows = {k: v for k, v in self.results.items() if len(k) == 3}
         text = (
             "# The diffusers zoo\n\n"
-            "Written by `DLO_FX_ZOO_TABLE=docs/zoo.md pytest tests/test_zoo.py` from its run "
+            "Written by `DLO_FX_ZOO_TABLE=docs/zoo.md make zoo` from its run "
             "(never by hand).\nEach cell: bit-identical to the resident model on both calls "
             "(`exact`) or the largest absolute\ndifference, or the error raised; the number "
             "of host blocks; the share of parameter bytes\nstreamed with `resident_bytes=0`. "

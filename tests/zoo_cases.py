@@ -18,7 +18,7 @@ from dlo_fx.runtime.eager import kept_materialised
 from dlo_fx.runtime.host_store import is_hollow
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
-from zoo_models import BY_NAME, build, outputs
+from zoo_models import build, by_name, outputs
 
 MODES = ("rank_local", "allgather")
 
@@ -27,7 +27,7 @@ def run_case(name: str, options: dict, calls: int = 2) -> dict:
     """Resident reference vs ``calls`` calls of the dlo-compiled twin, with the figures."""
     torch._dynamo.reset()
     reset_runtimes()
-    entry = BY_NAME[name]
+    entry = by_name(name)
     start, cpu = time.monotonic(), time.process_time()
     result: dict = {"exact": False, "error": None}
     try:

@@ -18,7 +18,7 @@ import torch
 @dataclass(frozen=True)
 class ZooModel:
     name: str
-    cls: str
+    cls: str | Callable[..., torch.nn.Module]  # a diffusers class name, or a factory
     config: dict
     inputs: Callable[[torch.Generator], dict]
 
@@ -256,12 +256,22 @@ ZOO: list[ZooModel] = [
 BY_NAME = {m.name: m for m in ZOO}
 
 
+def by_name(name: str) -> ZooModel:
+    """The entry ``name`` of `ZOO` or of `zoo_more.MORE` (imported when first asked for)."""
+    if name not in BY_NAME:
+        from zoo_more import MORE
+
+        BY_NAME.update((m.name, m) for m in MORE)
+    return BY_NAME[name]
+
+
 def build(entry: ZooModel, seed: int = 0):
     """A fresh model of ``entry`` with seeded weights, and its inputs."""
     import diffusers
 
     torch.manual_seed(seed)
-    model = getattr(diffusers, entry.cls)(**entry.config).eval()
+    cls = getattr(diffusers, entry.cls) if isinstance(entry.cls, str) else entry.cls
+    model = cls(**entry.config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
