@@ -49,7 +49,7 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule, skip_code
 
 from .config import same_device
-from .runtime.eager import hooked_for, unhook
+from .runtime.eager import fetches_eagerly, hooked_for, unhook
 from .runtime.host_store import is_hollow
 from .runtime.runtime import owned_by, owner_of, runtimes_holding
 
@@ -77,9 +77,13 @@ def _stored(t: torch.Tensor) -> bool:
 
 
 # -- eager calls ------------------------------------------------------------------------
-def _under_torch_compile() -> bool:
+def _dynamo_state() -> Any:
+    """Dynamo's eval-frame callback on this thread: ``None`` when Dynamo is off, ``False``
+    when it runs only what it compiled (inside a frame past its recompile limit, or under
+    ``torch._dynamo.run``: code it has not compiled runs eagerly), else the callback that
+    compiles frames."""
     from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    return get_eval_frame_callback() not in (None, False)
+    return get_eval_frame_callback()
 
 
 def _compiled_in_place(module: nn.Module) -> bool:
@@ -103,11 +107,14 @@ def _read_eagerly(module: nn.Module) -> Iterator[torch.Tensor]:
 
 def _hollow_call_guard(module: nn.Module, args: Any) -> None:
     # Not is_compiling(): run eagerly, it is true while any thread compiles (eager.py).
-    if torch.compiler.is_dynamo_compiling() or _under_torch_compile():
+    state = _dynamo_state()
+    if torch.compiler.is_dynamo_compiling() or state not in (None, False):
         return
     hollow = {id(p) for p in _read_eagerly(module) if is_hollow(p)}
     if not hollow:
         return
+    if state is False and fetches_eagerly(module):
+        return  # what Dynamo runs eagerly in run-only mode, the hooks of eager.py fetch
     if not any(_compiled_in_place(m) for m in module.modules()):
         raise RuntimeError(f"{type(module).__name__}: {HOLLOW_CALL_MESSAGE}")
     names = [fqn for fqn, p in module.named_parameters() if id(p) in hollow]
@@ -125,7 +132,7 @@ def _hollow_call_guard(module: nn.Module, args: Any) -> None:
 # Called on the model torch.compile wraps, nn.Module.__call__ runs this pre-hook in a
 # frame of its own, which Dynamo would compile (about 50 ms of CPU on the tiny DiT's
 # second call) for a hook that does nothing there: it runs eagerly instead, where
-# `_under_torch_compile` sees Dynamo's callback and returns at once.
+# `_dynamo_state` is Dynamo's callback, and the guard returns at once.
 skip_code(_hollow_call_guard.__code__)
 
 

@@ -157,6 +157,33 @@ def test_skipped_root_forward_one_runtime_per_model():
                for p in b.parameters())
 
 
+class _Wrapper(torch.nn.Module):
+    """A DiT behind a wrapper: the graph break in its layers ends the wrapper's graph at
+    the call, so the DiT's ``forward`` is a frame of its own (guarded like the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dit = tiny_dit(graph_break=True)[0]
+
+    def forward(self, x, t, text):
+        return self.dit(x * 1.0, t, text)
+
+
+def test_frames_past_the_recompile_limit_run_eagerly_and_exactly():
+    """Past its recompile limit, Dynamo runs the wrapper's frame with its callback set to
+    ``False`` (run only what was compiled): the DiT's frame guard refused that call as an
+    eager one ("call it through torch.compile") although the user did; transformers'
+    Qwen2.5-VL met it on its second image prompt. The hooks fetch what runs eagerly, and
+    every resolution, before and past the limit, is exact."""
+    model, reference = _Wrapper(), _Wrapper()
+    model.load_state_dict(reference.state_dict())
+    compiled = torch.compile(model, backend="dlo", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning):
+        for size in (8, 16, 8, 24):
+            inputs = example_inputs(model.dit.config, batch=2, height=size, width=size, seed=1)
+            assert torch.equal(run(compiled, inputs), run(reference, inputs)), size
+
+
 _STEP_MODEL = None
 
 

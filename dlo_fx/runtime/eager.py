@@ -138,6 +138,17 @@ def unhook(root: torch.nn.Module) -> None:
         _users.pop(module, None)
 
 
+def fetches_eagerly(root: torch.nn.Module) -> bool:
+    """Whether an eager call of ``root`` reads no hollow parameter unfetched: every module
+    under it that owns one carries the hooks `fetch_eagerly` installs for a live runtime."""
+    for module in root.modules():
+        if any(p is not None and is_hollow(p) for p in module._parameters.values()):
+            ref = _RUNTIME_OF.get(module)
+            if module not in _HOOKED or ref is None or ref() is None:
+                return False
+    return True
+
+
 def kept_materialised(root: torch.nn.Module) -> set[int]:
     """Ids of the parameters under ``root`` kept materialised because their module's own
     ``forward`` is compiled as a frame (see the Note): in the host store, but not hollow."""
