@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch._dynamo.eval_frame import OptimizedModule, skip_code
 
 from .config import same_device
@@ -77,15 +78,6 @@ def _stored(t: torch.Tensor) -> bool:
 
 
 # -- eager calls ------------------------------------------------------------------------
-def _dynamo_state() -> Any:
-    """Dynamo's eval-frame callback on this thread: ``None`` when Dynamo is off, ``False``
-    when it runs only what it compiled (inside a frame past its recompile limit, or under
-    ``torch._dynamo.run``: code it has not compiled runs eagerly), else the callback that
-    compiles frames."""
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    return get_eval_frame_callback()
-
-
 def _compiled_in_place(module: nn.Module) -> bool:
     """Whether calls of ``module`` run through Dynamo: compiled in place
     (``nn.Module.compile``) or a ``torch.compile`` wrapper."""
@@ -107,14 +99,15 @@ def _read_eagerly(module: nn.Module) -> Iterator[torch.Tensor]:
 
 def _hollow_call_guard(module: nn.Module, args: Any) -> None:
     # Not is_compiling(): run eagerly, it is true while any thread compiles (eager.py).
-    state = _dynamo_state()
-    if torch.compiler.is_dynamo_compiling() or state not in (None, False):
+    # Dynamo's callback: None when it is off; False when it runs only what it compiled
+    # (inside a frame past its recompile limit, or under torch._dynamo.run), where code it
+    # has not compiled runs eagerly and the hooks of eager.py fetch what that code reads.
+    callback = get_eval_frame_callback()
+    if torch.compiler.is_dynamo_compiling() or callback not in (None, False):
         return
     hollow = {id(p) for p in _read_eagerly(module) if is_hollow(p)}
-    if not hollow:
+    if not hollow or (callback is False and fetches_eagerly(module)):
         return
-    if state is False and fetches_eagerly(module):
-        return  # what Dynamo runs eagerly in run-only mode, the hooks of eager.py fetch
     if not any(_compiled_in_place(m) for m in module.modules()):
         raise RuntimeError(f"{type(module).__name__}: {HOLLOW_CALL_MESSAGE}")
     names = [fqn for fqn, p in module.named_parameters() if id(p) in hollow]
@@ -132,7 +125,7 @@ def _hollow_call_guard(module: nn.Module, args: Any) -> None:
 # Called on the model torch.compile wraps, nn.Module.__call__ runs this pre-hook in a
 # frame of its own, which Dynamo would compile (about 50 ms of CPU on the tiny DiT's
 # second call) for a hook that does nothing there: it runs eagerly instead, where
-# `_dynamo_state` is Dynamo's callback, and the guard returns at once.
+# the guard sees Dynamo's callback and returns at once.
 skip_code(_hollow_call_guard.__code__)
 
 

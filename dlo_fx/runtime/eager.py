@@ -143,8 +143,8 @@ def fetches_eagerly(root: torch.nn.Module) -> bool:
     under it that owns one carries the hooks `fetch_eagerly` installs for a live runtime."""
     for module in root.modules():
         if any(p is not None and is_hollow(p) for p in module._parameters.values()):
-            ref = _RUNTIME_OF.get(module)
-            if module not in _HOOKED or ref is None or ref() is None:
+            ref = _RUNTIME_OF.get(module)  # set with the hooks, popped with them
+            if ref is None or ref() is None:
                 return False
     return True
 
