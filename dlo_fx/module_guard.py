@@ -7,11 +7,13 @@ storage). Ordinary module habits must not read them as if they held data:
 - an eager call raises, telling the user to compile the module (a forward pre-hook);
 - ``module.to(...)``, ``.cpu()``, ``.half()`` and every other ``nn.Module._apply``: the
   conversion function is first tried on an empty tensor of each stored parameter's dtype
-  and device (hollow, or materialised by `runtime/eager.py`). Where it changes neither
+  and device (hollow, or materialised by `runtime/eager.py`), of its shape and strides
+  for a 4-D or 5-D one (``.to(memory_format=...)`` restrides those; it was skipped, and
+  the output differed from the converted resident model's). Where it changes none
   (``.to("cpu:0")`` on a CPU runtime, which accelerate's offload hooks call) the stored
   parameters are skipped and the rest of the module (buffers, resident parameters) is
   converted as usual. Where it would change
-  either, ``ValueError`` names the parameter and the way out (`release` first, or load
+  any, ``ValueError`` names the parameter and the way out (`release` first, or load
   with ``dtype=``) before anything is converted: ``_apply`` converts parameter by
   parameter, so a check that came later would leave the module half converted;
 - ``state_dict()`` returns the stored weights (new host tensors) in place of the hollow
@@ -29,7 +31,13 @@ storage). Ordinary module habits must not read them as if they held data:
   ``fuse_qkv_projections`` and an attention module's ``fuse_projections`` concatenate
   the hollow q/k/v weights (a segfault), ``enable_layerwise_casting`` casts layer by
   layer (it stopped at the first stored layer, the layers before it already cast), and
-  ``enable_group_offload`` moves ``param.data`` between devices;
+  ``enable_group_offload`` moves ``param.data`` between devices. So do LoRA's: a model's
+  ``fuse_lora``/``unfuse_lora`` and peft's layer ``merge``/``unmerge`` add into the base
+  weights through ``param.data`` (a segfault), ``load_lora_adapter(..., hotswap=True)``
+  copies into the loaded adapter's; a compiled pipeline's ``fuse_lora``/``unfuse_lora``
+  (`guard_pipeline`) refuse while a component's weights are stored, since they reach the
+  text encoders' new peft layers before any guard does. A plain ``load_lora_adapter``
+  runs: the next call stores the new adapter like any new parameter;
 - ``param.data = other`` is found on the next call (see [Note: a stored parameter given
   other data] in `runtime/host_store.py`).
 
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -54,7 +63,7 @@ from .runtime.eager import fetches_eagerly, hooked_for, unhook
 from .runtime.host_store import is_hollow
 from .runtime.runtime import owned_by, owner_of, runtimes_holding
 
-__all__ = ["HOLLOW_CALL_MESSAGE", "guard_module", "release"]
+__all__ = ["HOLLOW_CALL_MESSAGE", "guard_module", "guard_pipeline", "release"]
 
 HOLLOW_CALL_MESSAGE = (
     "this model's weights were moved into a dlo host store (its parameters are hollow), "
@@ -136,16 +145,42 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
         if id(p) in seen or not _in_store(p):
             continue
         seen.add(id(p))
-        probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+        probe = fn(_probe_like(p))
         if isinstance(probe, torch.Tensor) and (
-                not same_device(probe.device, p.device) or probe.dtype != p.dtype):
+                not same_device(probe.device, p.device) or probe.dtype != p.dtype
+                or (probe.dim() in (4, 5) and probe.stride() != p.stride())):
+            layout = "" if probe.stride() == p.stride() else f", strides {tuple(probe.stride())}"
+            if _casts_layerwise(module):
+                raise ValueError(
+                    f"dlo: {type(module).__name__} has diffusers' layerwise casting enabled, "
+                    f"which casts each layer's weights around its call (here {fqn!r} to "
+                    f"{probe.dtype}); dlo cannot do that to weights in its host store. Build "
+                    "the model without enable_layerwise_casting and store it in the dtype it "
+                    "should run in (dlo_fx.load(..., dtype=...)); dlo_fx.release(model) gives "
+                    "this one its weights back")
             raise ValueError(
                 f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
-                f"{probe.dtype}: parameter {fqn!r} ({p.device}, {p.dtype}) has its weights "
+                f"{probe.dtype}{layout}: parameter {fqn!r} ({p.device}, {p.dtype}, strides "
+                f"{tuple(p.stride())}) has its weights "
                 "in a dlo host store, and the module is left unchanged. Call "
                 "dlo_fx.release(model) first to put the weights back into the parameters, or "
                 "load the model with dlo_fx.load(..., dtype=...) and options={'device': ...} "
                 "for the dtype and device it should run in")
+
+
+def _casts_layerwise(module: nn.Module) -> bool:
+    """diffusers' ``enable_layerwise_casting`` hook is on ``module`` (it calls ``.to()``)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return registry is not None and registry.get_hook("layerwise_casting") is not None
+
+
+def _probe_like(p: torch.Tensor) -> torch.Tensor:
+    """What a conversion is tried on in place of ``p``: an empty tensor of its dtype and
+    device, or, for a 4-D or 5-D one, a tensor of its shape and strides (``.to(memory_format=
+    ...)`` restrides only those; a conv weight is small). Its values are never read."""
+    if p.dim() in (4, 5):
+        return torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+    return torch.empty(0, dtype=p.dtype, device=p.device)
 
 
 def _guarded_apply(module_ref: "weakref.ReferenceType[nn.Module]", original: Callable,
@@ -192,29 +227,81 @@ def _refuse_deepcopy(module_ref: "weakref.ReferenceType[nn.Module]", memo: Any) 
         "copy the weights alone with model.state_dict(), which returns them")
 
 
-# -- diffusers methods that rewrite the weights -----------------------------------------------
+# -- diffusers and peft methods that rewrite the weights ---------------------------------------
 #: method -> what it would do to the stored weights
 _REWRITING = {
     "fuse_qkv_projections": "it concatenates the q, k and v weights into new ones",
     "fuse_projections": "it concatenates the q, k and v weights into new ones",
     "enable_layerwise_casting": "it casts the weights layer by layer",
     "enable_group_offload": "it moves the weights between devices",
+    # diffusers' LoRA fusing (a model's, and a pipeline's for its components) and peft's
+    # layer merging write through param.data, which no check sees: a segfault
+    "fuse_lora": "it adds the LoRA weights into the base weights in place",
+    "unfuse_lora": "it subtracts the LoRA weights from the base weights in place",
+    "merge": "it adds the adapter's weights into the base weights in place",
+    "unmerge": "it subtracts the adapter's weights from the base weights in place",
 }
+_PEFT_ONLY = ("merge", "unmerge")  # generic names: shadowed on peft's layers only
+
+
+def _refusal(owner: str, name: str) -> ValueError:
+    if name == "enable_layerwise_casting":  # its hooks cast around every call: never works
+        advice = ("Layerwise casting cannot run on a dlo model; store the model in the dtype "
+                  "it should run in (dlo_fx.load(..., dtype=...)), or call "
+                  "dlo_fx.release(model) first and run it without dlo")
+    else:
+        advice = (f"Call {name}() before the weights are stored (before the model's first "
+                  "call compiled with backend='dlo'), or call dlo_fx.release(model) first and "
+                  "compile it again")
+    return ValueError(
+        f"dlo: cannot call {owner}.{name}(): {_REWRITING[name]}, and its weights are in a "
+        f"dlo host store (its parameters are hollow); nothing was changed. {advice}")
 
 
 def _refuse_rewrite(module_ref: "weakref.ReferenceType[nn.Module]", name: str,
                     *args: Any, **kwargs: Any) -> None:
+    raise _refusal(type(module_ref()).__name__, name)
+
+
+def _guarded_lora_load(module_ref: "weakref.ReferenceType[nn.Module]", original: Callable,
+                       *args: Any, **kwargs: Any) -> Any:
+    """diffusers' ``load_lora_adapter``: a new adapter is stored by the next call like any
+    new parameter, but ``hotswap=True`` copies it into the stored adapter's weights in
+    place (peft's ``.data.copy_``: a segfault)."""
     module = module_ref()
-    raise ValueError(
-        f"dlo: cannot call {type(module).__name__}.{name}(): {_REWRITING[name]}, and its "
-        "weights are in a dlo host store (its parameters are hollow); nothing was changed. "
-        f"Call {name}() before the weights are stored (before the model's first call "
-        "compiled with backend='dlo'), or call dlo_fx.release(model) first and compile it "
-        "again")
+    bound = inspect.signature(original).bind(module, *args, **kwargs)
+    if bound.arguments.get("hotswap"):
+        raise ValueError(
+            f"dlo: cannot hotswap a LoRA adapter into {type(module).__name__}: hotswapping "
+            "copies the new adapter's weights into the loaded adapter's in place, and those "
+            "are in a dlo host store; nothing was changed. Load it without hotswap=True (the "
+            "next call stores the new adapter and Dynamo recompiles), or call "
+            "dlo_fx.release(model) first")
+    return original(module, *args, **kwargs)
+
+
+def guard_pipeline(pipe: Any, modules: list[nn.Module]) -> None:
+    """Refuse a pipeline's ``fuse_lora``/``unfuse_lora`` while any of ``modules`` (its
+    compiled components) has stored weights: it fuses text encoders through peft's layers,
+    which a model's guards do not reach before their first call (an adapter loaded since)."""
+    refs = [weakref.ref(m) for m in modules]
+    for name in ("fuse_lora", "unfuse_lora"):
+        original = getattr(type(pipe), name, None)
+        if callable(original) and name not in vars(pipe):
+            vars(pipe)[name] = functools.partial(_guarded_pipe_rewrite, weakref.ref(pipe),
+                                                 refs, name, original)
+
+
+def _guarded_pipe_rewrite(pipe_ref: Any, refs: list, name: str, original: Callable,
+                          *args: Any, **kwargs: Any) -> Any:
+    pipe = pipe_ref()
+    if any(_stored(p) for ref in refs if ref() is not None for p in ref().parameters()):
+        raise _refusal(type(pipe).__name__, name)
+    return original(pipe, *args, **kwargs)
 
 
 # -- installing and removing ----------------------------------------------------------------
-_SHADOWED = ("_apply", "__deepcopy__", *_REWRITING)
+_SHADOWED = ("_apply", "__deepcopy__", "load_lora_adapter", *_REWRITING)
 
 
 def _shadows(sub: nn.Module) -> dict[str, Callable]:
@@ -222,10 +309,15 @@ def _shadows(sub: nn.Module) -> dict[str, Callable]:
     (an instance attribute wins over the class's method for this module only;
     ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance)."""
     ref = weakref.ref(sub)
-    shadows = {"_apply": functools.partial(_guarded_apply, ref, type(sub)._apply),
+    cls = type(sub)
+    shadows = {"_apply": functools.partial(_guarded_apply, ref, cls._apply),
                "__deepcopy__": functools.partial(_refuse_deepcopy, ref)}
     shadows.update({name: functools.partial(_refuse_rewrite, ref, name) for name in _REWRITING
-                    if callable(getattr(type(sub), name, None))})
+                    if callable(getattr(cls, name, None))
+                    and (name not in _PEFT_ONLY or cls.__module__.startswith("peft."))})
+    if callable(getattr(cls, "load_lora_adapter", None)):
+        shadows["load_lora_adapter"] = functools.partial(_guarded_lora_load, ref,
+                                                         cls.load_lora_adapter)
     return shadows
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .config import DLOConfig
+from .module_guard import guard_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         log.info("dlo_fx.compile_pipeline: %s.%s (%s, %d parameters) compiled with "
                  "backend='dlo'", type(pipe).__name__, name, type(module).__name__,
                  sum(1 for _ in module.parameters()))
+    guard_pipeline(pipe, [getattr(pipe, name) for name in names])
     return pipe
 
 

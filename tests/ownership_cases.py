@@ -146,7 +146,17 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
             lambda: wan.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)),
         "enable_group_offload": _error(lambda: wan.enable_group_offload(
             torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)),
+        # LoRA fusing adds into the base weights through param.data: a segfault
+        "fuse_lora": _error(wan.fuse_lora),
+        "unfuse_lora": _error(wan.unfuse_lora),
     }
+    # hotswapping copies into the loaded adapter's weights in place; a plain load passes
+    # through to diffusers (which wants peft, not a test dependency)
+    out["hotswap"] = _error(lambda: wan.load_lora_adapter({}, hotswap=True))
+    out["lora_load"] = _error(lambda: wan.load_lora_adapter({}))
+    # .to(memory_format=...) restrides a 5-D conv weight: refused like a dtype (it was
+    # skipped, and the output differed from the resident model's converted one)
+    out["channels_last"] = _error(lambda: wan.to(memory_format=torch.channels_last_3d))
     after = wan.state_dict()
     out["rewrites_left_nothing"] = (
         after.keys() == want.keys() and all(torch.equal(after[k], want[k]) for k in want)

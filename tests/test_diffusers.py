@@ -164,6 +164,12 @@ def test_compile_pipeline_streams_a_vae_named_in_components():
     assert torch.equal(dp.images(pipe, "flux", cfg=False), dp.images(reference, "flux", cfg=False))
     assert all(is_hollow(p) for p in pipe.vae.decoder.parameters() if p.numel() > 16)
     assert not any(is_hollow(p) for p in pipe.transformer.parameters())  # not named
+    # A pipeline's LoRA fusing reaches its text encoders through peft's layers, which
+    # write into the base weights in place: refused while a component's are stored.
+    for method in ("fuse_lora", "unfuse_lora"):
+        with pytest.raises(ValueError, match=rf"cannot call FluxPipeline\.{method}\(\).*"
+                                             r"dlo_fx\.release\(model\)"):
+            getattr(pipe, method)()
 
 
 def test_engine_factory_builds_every_component_in_the_dtype_asked(saved):

@@ -5,6 +5,7 @@ options refused up front, and no import from the runtime up into the policy."""
 from __future__ import annotations
 
 import ast
+import copy
 import gc
 import re
 import math
@@ -337,6 +338,32 @@ def test_twenty_rounds_give_memory_back():
     assert growth < 3 * model_bytes, (growth, model_bytes, rss)  # leaking: 15 x model
 
 
+def test_replaced_layers_are_forgotten_and_calls_stay_exact():
+    """A layer replaced after the first call (diffusers' ``delete_adapters`` and
+    ``unload_lora`` drop an adapter's layers the same way): the next call stores the new
+    one, exactly, and the store forgets the dead parameters. It kept them, keyed by id:
+    the store grew by every replaced layer, and a new parameter given a dead one's id was
+    refused as ``param.data = ...`` (host_store.py, [Note: a stored parameter that dies])."""
+    reference, inputs = tiny_dit()
+    model, _ = tiny_dit()
+    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    assert torch.equal(run(compiled, inputs), run(reference, inputs))
+    store = runtimes_holding(list(model.parameters()))[0].store
+    sizes = []
+    for seed in range(4):
+        layer = torch.nn.Linear(64, model.blocks[1].fc1.out_features, dtype=torch.bfloat16)
+        torch.nn.init.normal_(layer.weight, std=0.05, generator=torch.Generator().manual_seed(seed))
+        reference.blocks[1].fc1 = layer.requires_grad_(False)
+        model.blocks[1].fc1 = copy.deepcopy(layer)
+        gc.collect()
+        assert torch.equal(run(compiled, inputs), run(reference, inputs)), seed
+        sizes.append((len(store.blocks), store.host_bytes, sum(p in store for p in model.parameters())))
+    # one new block per round; the replaced layer's freed with its last parameter
+    assert [n for n, _, _ in sizes] == [sizes[0][0] + i for i in range(4)], sizes
+    assert len({b for _, b, _ in sizes}) == 1, sizes  # host bytes flat after the first round
+    assert len(store._entries) == sizes[0][2], (len(store._entries), sizes)
+
+
 def test_release_frees_the_runtime_and_gives_back_an_ordinary_module(dit):
     model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"])
     assert torch.equal(run(torch.compile(model, backend="dlo"), dit["inputs"]), dit["expected"])
@@ -491,6 +518,11 @@ def test_module_operations_in_a_child_process(spawned):
         assert text.startswith("ValueError: dlo: cannot call "), (name, text)
         assert f".{name}()" in text and "dlo_fx.release(model)" in text, (name, text)
     assert r["rewrites_left_nothing"]
+    assert r["hotswap"].startswith("ValueError: dlo: cannot hotswap a LoRA adapter"), r["hotswap"]
+    assert "hotswap=True" in r["hotswap"] and "dlo_fx.release(model)" in r["hotswap"]
+    assert not r["lora_load"].startswith("ValueError: dlo:"), r["lora_load"]
+    assert r["channels_last"].startswith("ValueError: dlo: cannot convert"), r["channels_last"]
+    assert "strides" in r["channels_last"] and "patch_embedding.weight" in r["channels_last"]
 
 
 def _state_dict_two_ranks():

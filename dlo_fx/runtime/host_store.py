@@ -32,13 +32,29 @@ garbage when they were next read), or failed with "Trying to resize storage that
 resizable". So `hollow` gives the parameter a new zero-byte storage instead, and the old
 one is freed when nothing else holds it. Only storages dlo made are ever resized: the
 hollow ones, by `runtime/eager.py`.
+
+[Note: a stored parameter that dies]
+The store keys its entries by ``id(parameter)`` and holds no parameter: the model owns
+them. A model can drop some while it lives on: ``delete_adapters``, ``unload_lora`` and a
+replaced submodule free their parameters, and the next call stores the new ones as new
+blocks. Kept, the dead ones' entries grew the host store by every adapter ever loaded, and
+CPython gives a new parameter the id of a freed one: the store took it for the dead one
+(its entry, its block) and refused the call as ``param.data = ...``. So each stored
+parameter carries a finalizer that forgets its entry, storage and version the moment it
+dies, before its id can be reused, and a block none of whose parameters lives has its host
+bytes freed (a memory store; a file-backed one reads nothing more from it). The block keeps
+its index (schedules name blocks by index) and an empty shard; a copy already queued for it
+holds the old `HostBlock` and its bytes until it ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -110,6 +126,12 @@ def hollow(params: Sequence[torch.Tensor]) -> None:
             p.data = hollow_tensor(p.shape, p.stride(), p.dtype, p.device)
 
 
+def _forget(store_ref: "weakref.ReferenceType[HostStore]", key: int) -> None:
+    store = store_ref()
+    if store is not None:
+        store.forget(key)
+
+
 class HostStore:
     """Blocks in registration order; parameters looked up by identity.
 
@@ -130,6 +152,11 @@ class HostStore:
         # other data]
         self._storages: dict[int, torch.UntypedStorage] = {}
         self._versions: dict[int, int] = {}  # id(parameter) -> its version when fetched
+        # block index -> how many of its parameters live: see [Note: a stored parameter
+        # that dies]. The finalizers run on whichever thread frees a parameter.
+        self._live: dict[int, int] = {}
+        self._forget_lock = threading.RLock()
+        self.forgotten = 0  # parameters forgotten so far
         # Entry uids are unique across stores: slot views are cached by uid in slots
         # that runtimes on one device share (see [Note: what a model owns and what a
         # device shares]).
@@ -138,6 +165,10 @@ class HostStore:
     # -- lookup -------------------------------------------------------------------------
     def entry(self, param: torch.Tensor) -> Optional[Entry]:
         return self._entries.get(id(param))
+
+    def entry_by_id(self, key: int) -> Optional[Entry]:
+        """The entry of the live parameter whose id is ``key``."""
+        return self._entries.get(key)
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self._entries
@@ -196,14 +227,34 @@ class HostStore:
                 sources = [span_as_bytes(p) if e.nbytes else None for p, e in zip(params, entries)]
             copy_into_shard(shard, entries, sources, start)
         block = HostBlock(index=index, entries=entries, spec=spec, shard=shard, source=source)
-        self.blocks.append(block)
-        for p, e in zip(params, entries):
-            self._entries[id(p)] = e
-        self._next_uid += len(entries)
         hollow([p for p in params if p.numel()])
-        for p in params:
-            self._storages[id(p)] = p.untyped_storage()
+        with self._forget_lock:
+            self.blocks.append(block)
+            self._live[index] = len(params)
+            for p, e in zip(params, entries):
+                self._entries[id(p)] = e
+                self._storages[id(p)] = p.untyped_storage()
+                weakref.finalize(p, _forget, weakref.ref(self), id(p)).atexit = False
+        self._next_uid += len(entries)
         return block
+
+    def forget(self, key: int) -> None:
+        """The parameter whose id was ``key`` died: see [Note: a stored parameter that
+        dies]."""
+        with self._forget_lock:
+            entry = self._entries.pop(key, None)
+            self._storages.pop(key, None)
+            self._versions.pop(key, None)
+            self.forgotten += 1
+            if entry is None or self._live.get(entry.block) is None:
+                return
+            self._live[entry.block] -= 1
+            if self._live[entry.block] == 0:
+                del self._live[entry.block]
+                block = self.blocks[entry.block]
+                if block.source is None and block.shard.numel():
+                    self.blocks[entry.block] = dataclasses.replace(
+                        block, shard=torch.empty(0, dtype=torch.uint8))
 
     def has_own_storage(self, param: torch.Tensor) -> bool:
         """``param`` still has the storage it had when stored (hollow or fetched)."""
@@ -240,10 +291,12 @@ class HostStore:
     def drop_blocks(self, first: int) -> None:
         """Forget blocks ``first`` onwards (undoing a failed load); their parameters stay
         hollow and must not be used again."""
-        self._entries = {k: e for k, e in self._entries.items() if e.block < first}
-        self._storages = {k: s for k, s in self._storages.items() if k in self._entries}
-        self._versions = {k: v for k, v in self._versions.items() if k in self._entries}
-        del self.blocks[first:]
+        with self._forget_lock:
+            self._entries = {k: e for k, e in self._entries.items() if e.block < first}
+            self._storages = {k: s for k, s in self._storages.items() if k in self._entries}
+            self._versions = {k: v for k, v in self._versions.items() if k in self._entries}
+            self._live = {k: n for k, n in self._live.items() if k < first}
+            del self.blocks[first:]
         if self.files is not None:
             self.files.drop(first)
 

@@ -66,7 +66,7 @@ from .host_store import HostStore, is_hollow
 from .fingerprint import block_fingerprint, check_same_weights
 from .graph_call import EAGER, HOST_READ, ClockMismatch, check_rows, exchange, note_fetch
 from .interrupts import deferred, install as install_interrupt_handler
-from .layout import span_as_bytes
+from .layout import Entry, span_as_bytes
 from .trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,10 @@ class Runtime:
         self._host_cache: Optional[tuple[int, torch.Tensor]] = None  # last gathered block
         self._pending: list = self.shared.pending  # shared with the models on the slots
         self._gathered: list[bool] = [True] * config.num_slots
-        self._resident: dict[int, torch.Tensor] = {}
+        # id(parameter) -> (its entry, its resident copy); the entry tells a dead
+        # parameter's copy from a new one's of the same id (host_store.py)
+        self._resident: dict[int, tuple[Entry, torch.Tensor]] = {}
+        self._pruned_at = 0  # store.forgotten when _resident was last pruned
         self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
@@ -235,9 +238,11 @@ class Runtime:
         """A device copy of a stored (hollow) parameter that a graph keeps resident; a
         parameter this runtime does not store is read as it is (see [Note: a graph
         compiled for another model of the class]). ``clock``: as `fetch_block`'s."""
-        tensor = self._resident.get(id(param))
-        if tensor is None:
-            entry = self.store.entry(param)
+        entry = self.store.entry(param)
+        kept = self._resident.get(id(param))
+        if kept is not None and kept[0] is entry:
+            tensor = kept[1]
+        else:  # never copied, or copied for a dead parameter of the same id
             if entry is None:
                 return read_unstored(param, self.device)
             cached = self._resident_flat
@@ -251,7 +256,7 @@ class Runtime:
             flat = cached[1]
             # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
             tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
-            self._resident[id(param)] = tensor
+            self._resident[id(param)] = (entry, tensor)
         return tensor
 
     def direct_reads(self, args: Sequence, positions: Sequence[int],
@@ -306,12 +311,17 @@ class Runtime:
         return flat
 
     def drop_block_copy(self) -> None:
-        """Free the block copy resident parameters were cut from (after each call)."""
+        """Free the block copy resident parameters were cut from (after each call), and
+        the resident copies of parameters that died since the last call."""
         self._resident_flat = None
+        if self._pruned_at != self.store.forgotten:
+            self._pruned_at = self.store.forgotten
+            self._resident = {k: v for k, v in self._resident.items()
+                              if self.store.entry_by_id(k) is v[0]}
 
     @property
     def resident_copy_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self._resident.values())
+        return sum(t.untyped_storage().nbytes() for _, t in self._resident.values())
 
     # -- the schedule -------------------------------------------------------------------
     def _fill_task(self, flat: torch.Tensor, block: int) -> Callable[[], None]:
