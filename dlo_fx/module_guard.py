@@ -285,12 +285,16 @@ def guard_pipeline(pipe: Any, modules: list[nn.Module]) -> None:
     """Refuse a pipeline's ``fuse_lora``/``unfuse_lora`` while any of ``modules`` (its
     compiled components) has stored weights: it fuses text encoders through peft's layers,
     which a model's guards do not reach before their first call (an adapter loaded since)."""
-    refs = [weakref.ref(m) for m in modules]
     for name in ("fuse_lora", "unfuse_lora"):
         original = getattr(type(pipe), name, None)
-        if callable(original) and name not in vars(pipe):
+        installed = vars(pipe).get(name)
+        if (isinstance(installed, functools.partial)
+                and installed.func is _guarded_pipe_rewrite):  # compiled again: add these
+            installed.args[1].extend(weakref.ref(m) for m in modules)
+        elif callable(original) and installed is None:
             vars(pipe)[name] = functools.partial(_guarded_pipe_rewrite, weakref.ref(pipe),
-                                                 refs, name, original)
+                                                 [weakref.ref(m) for m in modules], name,
+                                                 original)
 
 
 def _guarded_pipe_rewrite(pipe_ref: Any, refs: list, name: str, original: Callable,
