@@ -150,7 +150,9 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
                      and probe.stride() != p.stride())
         if isinstance(probe, torch.Tensor) and (
                 not same_device(probe.device, p.device) or probe.dtype != p.dtype or restrided):
-            layout = f", strides {tuple(probe.stride())}" if restrided else ""
+            # strides named only for a memory-format change
+            to, had = ((f", strides {tuple(probe.stride())}", f", strides {tuple(p.stride())}")
+                       if restrided else ("", ""))
             if _casts_layerwise(module):
                 raise ValueError(
                     f"dlo: {type(module).__name__} has diffusers' layerwise casting enabled, "
@@ -161,8 +163,8 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
                     "this one its weights back")
             raise ValueError(
                 f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
-                f"{probe.dtype}{layout}: parameter {fqn!r} ({p.device}, {p.dtype}"
-                f"{f', strides {tuple(p.stride())}' if restrided else ''}) has its weights "
+                f"{probe.dtype}{to}: parameter {fqn!r} ({p.device}, {p.dtype}{had}) has its "
+                "weights "
                 "in a dlo host store, and the module is left unchanged. Call "
                 "dlo_fx.release(model) first to put the weights back into the parameters, or "
                 "load the model with dlo_fx.load(..., dtype=...) and options={'device': ...} "
