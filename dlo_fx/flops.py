@@ -29,17 +29,20 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+try:  # a SymInt's hint, read without adding a guard
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as _hint
+except ImportError:  # torch < 2.12: the same reading under its older name
+    from torch.fx.experimental.symbolic_shapes import size_hint as _hint
+
 __all__ = ["node_flops", "node_dtype", "graph_flops"]
 
 
 def _int(n: Any) -> int:
     if isinstance(n, int):
         return n
-    try:  # a SymInt: its hint, without adding a guard
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return int(optimization_hint(n, fallback=1))
-    except Exception:
+    try:
+        return int(_hint(n, fallback=1))
+    except Exception:  # no hint at all (unbacked): counted as 1
         return 1
 
 

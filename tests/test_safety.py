@@ -7,6 +7,7 @@ streamed parameters] in runtime/eager.py.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import _thread
@@ -109,6 +110,22 @@ def test_two_models_of_one_class_on_two_threads():
     assert results == [True] * 24, results
 
 
+@contextlib.contextmanager
+def _compile_session():
+    """The process-wide flag ``torch.compiler.is_compiling()`` reads, held as a compile holds
+    it: ``convert_frame`` enters `_compile_session_context` (torch 2.12 and later); before
+    that, only export set the flag, and by hand."""
+    if hasattr(torch.compiler, "_compile_session_context"):
+        with torch.compiler._compile_session_context():
+            yield
+        return
+    old, torch.compiler._is_compiling_flag = torch.compiler._is_compiling_flag, True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
 def test_eager_calls_while_another_thread_compiles():
     """``torch.compiler.is_compiling()``, run eagerly, reads a flag Dynamo holds for the whole
     process while any thread compiles. The eager-fetch hooks and the eager-call refusal
@@ -125,7 +142,7 @@ def test_eager_calls_while_another_thread_compiles():
     with torch.no_grad():
         assert torch.equal(call(compiled, inputs), call(ref_model, inputs))
         assert is_hollow(layer.weight)
-        with torch.compiler._compile_session_context():  # what convert_frame holds
+        with _compile_session():  # what a compile holds
             assert torch.compiler.is_compiling()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # "runs outside a graph"
