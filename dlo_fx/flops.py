@@ -31,7 +31,7 @@ from torch import fx
 
 try:  # a SymInt's hint, read without adding a guard
     from torch.fx.experimental.symbolic_shapes import optimization_hint as _hint
-except ImportError:  # torch < 2.12: the same reading under its older name
+except ImportError:  # torch 2.11 and older: the same reading under its older name
     from torch.fx.experimental.symbolic_shapes import size_hint as _hint
 
 __all__ = ["node_flops", "node_dtype", "graph_flops"]
