@@ -113,8 +113,8 @@ def test_two_models_of_one_class_on_two_threads():
 @contextlib.contextmanager
 def _compile_session():
     """The process-wide flag ``torch.compiler.is_compiling()`` reads, held as a compile holds
-    it: ``convert_frame`` enters `_compile_session_context` (torch 2.12 and later); before
-    that, only export set the flag, and by hand."""
+    it: ``convert_frame`` enters `_compile_session_context` (torch 2.13); torch 2.11 has no
+    such context (only export sets the flag, by hand), so it is set here the same way."""
     if hasattr(torch.compiler, "_compile_session_context"):
         with torch.compiler._compile_session_context():
             yield
