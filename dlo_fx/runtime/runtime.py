@@ -104,6 +104,7 @@ class Runtime:
         self._resident: dict[int, tuple[Entry, torch.Tensor]] = {}
         self._pruned_at = 0  # store.forgotten when _resident was last pruned
         self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
+        self._eager_flat: Optional[tuple[int, torch.Tensor]] = None  # last eager read's block
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
@@ -310,10 +311,28 @@ class Runtime:
             raise
         return flat
 
+    def eager_block(self, block: int, fqn: str) -> torch.Tensor:
+        """The whole of host block ``block`` on the device, for a read of a stored weight
+        outside a graph (`runtime/stored.py`; ``fqn`` names the weight read). Clocked and
+        gathered in allgather mode like any eager fetch; in rank-local mode the last block
+        read is kept until the next graph call (no collective makes the ranks agree on
+        what a cache holds, so with several ranks gathering none is kept)."""
+        with self.lock:
+            self.check_open()
+            cached = self._eager_flat
+            if cached is not None and cached[0] == block:
+                return cached[1]
+            flat = self.fetch_block(block, f"host block {block} (an eager read of {fqn!r})",
+                                    clock=True)
+            if self.store.dp == 1:
+                self._eager_flat = (block, flat)
+            return flat
+
     def drop_block_copy(self) -> None:
-        """Free the block copy resident parameters were cut from (after each call), and
-        the resident copies of parameters that died since the last call."""
+        """Free the block copies resident parameters and eager reads were cut from (after
+        each call), and the resident copies of parameters that died since the last call."""
         self._resident_flat = None
+        self._eager_flat = None
         if self._pruned_at != self.store.forgotten:
             self._pruned_at = self.store.forgotten
             self._resident = {k: v for k, v in self._resident.items()
@@ -477,6 +496,7 @@ class Runtime:
         self.store = HostStore(alignment=self.config.alignment)
         self._resident.clear()
         self._resident_flat = None
+        self._eager_flat = None
         self._host_cache = None
 
 
