@@ -268,13 +268,11 @@ def _aliased_input(func: Any, args: Any) -> Optional[StoredWeight]:
 
 
 def _view(func: Any, args: Any, kwargs: Any, base: StoredWeight) -> Any:
-    meta_args = tree_map(lambda a: _meta_of(a) if isinstance(a, torch.Tensor) else a, args)
-    meta_kwargs = tree_map(lambda a: _meta_of(a) if isinstance(a, torch.Tensor) else a, kwargs)
-    out = func(*meta_args, **meta_kwargs)
     recorded = tree_map(lambda a: _SELF if a is base else a, args)
     if any(isinstance(a, torch.Tensor) for a in tree_flatten((recorded, kwargs))[0]):
         # A view op that takes another tensor: read it now (no later write reaches it)
         return func(*tree_map(_read, args), **tree_map(_read, kwargs))
+    out = func(*tree_map(lambda a: _meta_of(a) if a is base else a, args), **kwargs)
     if isinstance(out, torch.Tensor):
         return _alias(base, ((func, recorded, kwargs, None),), out)
     return type(out)(_alias(base, ((func, recorded, kwargs, i),), o) for i, o in enumerate(out))
