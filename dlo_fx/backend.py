@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 import time
+import warnings
+import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -24,14 +27,14 @@ from .dynamo_contains import install as install_contains_fix
 from .passes import PassContext, run_passes
 from .runtime.collectives import check_same_plan
 from .module_guard import guard_module
-from .runtime.eager import fetch_eagerly
 from .runtime.fingerprint import block_fingerprint, check_same_weights
 from .runtime.graph_call import (compile_clock, note_compile, note_graph, record_schedule,
                                   run_graph)
-from .runtime.host_store import is_hollow
 from .runtime.layout import span_as_bytes
 from .runtime.ops import SCHEDULE_OPS, conflict_message
 from .runtime.runtime import Runtime, claim, owner_of, read_unstored
+from .runtime import torch_private
+from .runtime.stored import _caller_level, is_stored
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,6 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         raise ValueError(f"torch.compile mode={mode!r} is not supported by backend 'dlo'; "
                          "use options={'compiler': ...} instead")
     given = given_options(options)
-    note_compile()  # a forward that compiles is not replayed gather-only (graph_call.py)
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     modules = frame_modules()
     reached = reached_modules(params, modules)
@@ -70,6 +72,13 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         from .inductor.floats import restart_with_floats_specialized
 
         restart_with_floats_specialized(gm)
+    key = _graph_key(gm, example_inputs, config)
+    if runtime is not None and any(is_stored(p) for p in params) and all(
+            p in runtime.store for p in params if is_stored(p)):
+        again = _SCHEDULED.get(key)
+        if again is not None:  # see [Note: a graph compiled again for stored weights]
+            return again
+    note_compile()  # a forward that compiles is not replayed gather-only (graph_call.py)
     if runtime is None:
         runtime = Runtime(config, resolve_device(config, example_inputs))
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
@@ -84,47 +93,75 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         runtime.drain()
         commit(ctx, runtime)
         claim(params, runtime)
-        adopt(runtime, modules, roots, frame_code())
+        adopt(runtime, modules, roots)
     if config.dump_dir:
         from .dump import write_dump
 
         write_dump(gm, ctx, runtime, config.dump_dir)
-    return scheduled_call(gm, ctx, given, example_inputs, compiled, [n for _, n in reached])
+    run = scheduled_call(gm, ctx, given, example_inputs, compiled, [n for _, n in reached])
+    if params:
+        _SCHEDULED[key] = run
+    return run
+
+
+# [Note: a graph compiled again for stored weights]
+# The parameters a compile stores become `StoredWeight`s at the graph's first call (see
+# [Note: when a parameter becomes a StoredWeight] in runtime/host_store.py), and Dynamo's
+# guards check each parameter's type: the model's next call fails them and Dynamo traces
+# the frame again, once (every later model of the class passes one of the two entries:
+# its first call the plain one, then the converted one). That trace gives the same graph
+# over inputs of the same metadata, all stored already, so the backend hands back the
+# scheduled graph it made the first time (its passes, Inductor's kernels and dump are
+# not made twice). The key is the graph's code, every input's metadata (not its type) and
+# the options; a graph none of whose parameters is a `StoredWeight` of the model's
+# runtime always compiles.
+_SCHEDULED: "weakref.WeakValueDictionary[tuple, Callable]" = weakref.WeakValueDictionary()
+
+
+def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DLOConfig) -> tuple:
+    def meta(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):  # sizes as traced: symbols where they are dynamic
+            return ("tensor", tuple(map(str, v.shape)), tuple(map(str, v.stride())), v.dtype,
+                    str(v.device), v.requires_grad, isinstance(v, torch.nn.Parameter),
+                    v.is_inference())
+        return (type(v).__name__, str(v))
+
+    traced = [n.meta.get("example_value", v)
+              for n, v in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)]
+    # The signature annotates each placeholder with its input's type: left out
+    code = re.sub(r" : [\w.]+", "", gm.code)
+    return (code, tuple(meta(v) for v in traced), repr(config))
 
 
 # [Note: the modules a graph's parameters belong to]
-# Hollow parameters are safe outside the graph only in guarded, hooked modules
-# (module_guard.py, runtime/eager.py), and the graph sees parameters, not modules. The
-# compile finds them on Dynamo's frame (`frame_modules`, `compiled_roots`). A graph Dynamo
-# reuses meets parameters no compile saw: the next layer's (a graph break inside the blocks
-# makes one graph per layer) or another model's of the same class. Their blocks are stored
-# on that call, and left unguarded, ``model.state_dict()`` crashed reading a later layer's
-# hollow weights and an eager call of another model's submodule read zero-byte storage. So
-# the first call of a graph for a runtime, and any call that stored new blocks, adopts the
-# modules on the call stack that hold its parameters (`adopt_callers`: the modules being
-# called, and the module locals of frames Dynamo compiled), as the compile adopts those on
-# its frame. Both adopt under the runtime's lock.
+# Stored weights read correctly anywhere (`runtime/stored.py`), but a module holding them
+# needs its guards (module_guard.py: ``state_dict`` returns the real weights, ``.to()`` and
+# ``load_state_dict`` are refused before anything changes), and the graph sees parameters,
+# not modules. The compile finds them on Dynamo's frame (`frame_modules`,
+# `compiled_roots`). A graph Dynamo reuses meets parameters no compile saw: the next
+# layer's (a graph break inside the blocks makes one graph per layer) or another model's
+# of the same class. Their blocks are stored on that call, and left unguarded,
+# ``model.state_dict()`` returned `StoredWeight`s that safetensors cannot serialise. So
+# the first call of a graph for a runtime, and any call that stored new blocks, adopts
+# the modules on the call stack that hold its parameters (`adopt_callers`: the modules
+# being called, and the module locals of frames Dynamo compiled), as the compile adopts
+# those on its frame. Both adopt under the runtime's lock.
+
+
+def _holds_stored(module: torch.nn.Module, runtime: Runtime) -> bool:
+    return any(p in runtime.store for p in module.parameters())
 
 
 def adopt(runtime: Runtime, modules: Sequence[torch.nn.Module],
-          roots: Sequence[torch.nn.Module], code: Any = None) -> None:
+          roots: Sequence[torch.nn.Module]) -> None:
     """Claim the parameters of ``modules`` (a graph's frame) and ``roots`` (the models
     compiled around it) for ``runtime``, so the model's later graphs find it, then guard
-    those holding stored parameters and hook them for eager calls. Idempotent; the caller
-    holds ``runtime.lock``. ``code``: the frame's code; a module whose own ``forward`` it
-    is runs its hooks around it."""
+    those holding stored parameters. Idempotent; the caller holds ``runtime.lock``."""
     claim((p for m in [*modules, *roots] for p in m.parameters()), runtime)
-    for module in modules:
-        if any(is_hollow(p) for p in module.parameters()):
+    runtime.watched.update([*modules, *roots])
+    for module in [*modules, *roots]:
+        if _holds_stored(module, runtime):
             guard_module(module)
-            forward = getattr(type(module).forward, "__code__", None)
-            fetch_eagerly(module, runtime, keep_own=code is not None and code is forward)
-    # A root whose forward Dynamo skipped runs eagerly, and so do the layers it calls
-    # itself (hollow when loaded): no graph names them. Its hooks run on every call.
-    for root in roots:
-        if any(is_hollow(p) for p in root.parameters()):
-            guard_module(root)
-            fetch_eagerly(root, runtime, keep_own=True)
 
 
 def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor],
@@ -136,8 +173,6 @@ def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor],
     For the call of a graph Dynamo reused (see [Note: the modules a graph's parameters
     belong to]). ``reached``: the sources of the modules the graph's frame reached without
     a local (`reached_modules`), evaluated in the nearest frame Dynamo compiled."""
-    from torch._dynamo.utils import orig_code_map  # the code Dynamo made -> the user's
-
     with runtime.lock:  # a release waits; one that came first leaves nothing to adopt for
         if runtime.closed:
             return
@@ -145,7 +180,7 @@ def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor],
         modules: list[torch.nn.Module] = []
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code in orig_code_map:
+            if torch_private.is_dynamo_code(frame.f_code):
                 values = list(frame.f_locals.values()) + _evaluate(reached, frame)
                 reached = ()  # the graph's own frame is the nearest one
             else:
@@ -155,9 +190,52 @@ def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor],
                         and any(id(p) in ours for p in value.parameters())):
                     modules.append(value)
             frame = frame.f_back
-        roots = [m._orig_mod for m in modules if hasattr(m, "_orig_mod")]  # OptimizedModule
+        roots = [m._orig_mod for m in modules if hasattr(m, "_orig_mod")]  # torch.compile wrappers
         adopt(runtime, [m for m in modules if not hasattr(m, "_orig_mod")
                         and all(m is not r for r in roots)], roots)
+
+
+# [Note: parameters no graph reaches]
+# Only the parameters a graph reads are streamed. Code Dynamo does not trace runs eagerly
+# on the parameters as they are: a hook installed before the first call that runs the
+# blocks itself (diffusers' MagCache ran 98 of a Flux's 108 parameters that way), a
+# forward Dynamo skips. Those stay resident on the device, which on a real model is the
+# whole model and an out-of-memory error. So at the second call of a model's first graph
+# (its first forward is complete then) the parameters of the modules it compiled that no
+# graph stored or read are counted, and one RuntimeWarning names them and their bytes.
+# Parameters below ``resident_bytes`` are left out: a graph would have kept them anyway.
+def warn_unreached(runtime: Runtime) -> None:
+    """Warn once per runtime about large parameters of its modules that no graph reached:
+    see [Note: parameters no graph reaches]."""
+    with runtime.lock:
+        if runtime.reach_checked:
+            return
+        runtime.reach_checked = True
+        seen: set[int] = set()
+        unreached: list[tuple[str, int]] = []
+        for module in list(runtime.watched):
+            for name, p in module.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                nbytes = p.numel() * p.element_size()
+                if (p in runtime.store or id(p) in runtime.read_directly
+                        or id(p) in runtime.named_resident
+                        or nbytes <= max(runtime.config.resident_bytes, 0)):
+                    continue
+                unreached.append((name, nbytes))
+    if not unreached:
+        return
+    shown = ", ".join(repr(n) for n, _ in unreached[:5])
+    more = f" and {len(unreached) - 5} more" if len(unreached) > 5 else ""
+    warnings.warn(
+        f"dlo: {len(unreached)} parameters ({sum(b for _, b in unreached)} bytes: {shown}"
+        f"{more}) were read by no compiled graph, so they are not streamed: they stay where "
+        "they are, on the device, for the whole run. Code Dynamo runs eagerly reads them: "
+        "most often a hook installed before the first call that calls the blocks itself "
+        "(diffusers' enable_cache with MagCache, say), or a graph break around them. Enable "
+        "such hooks after the first call, or release the model (dlo_fx.release) and run "
+        "without them", RuntimeWarning, stacklevel=_caller_level())
 
 
 def given_options(options: Any) -> dict[str, Any]:
@@ -189,11 +267,15 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
         bound = [args[i] for i in positions]
         with sched.call_lock:  # sched holds this call's binding: one call at a time
             runtime = sched.bind(bound)
+            with runtime.lock:
+                runtime.store.convert_pending()  # see [Note: when a parameter becomes a StoredWeight]
+            if runtime in sched.adopted and not runtime.reach_checked:
+                warn_unreached(runtime)  # a second call: the first forward is complete
             note_graph(sched, bound, args)  # for gather-only forwards (graph_call.py)
             start = time.perf_counter()
             blocks = len(runtime.store.blocks)
             try:
-                out = run_graph(runtime, sched, compiled, args, bound)  # bound: checked there
+                out = run_graph(runtime, sched, compiled, args)
             finally:
                 runtime.drop_block_copy()  # resident copies are made: free their source
                 if runtime not in sched.adopted or len(runtime.store.blocks) != blocks:
@@ -208,15 +290,15 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
 
 def unscheduled_call(compiled: Callable, positions: Sequence[int]) -> Callable:
     """``compiled``, a graph with parameters and no schedule, reading the resident copy of
-    each stored (hollow) parameter it is called with: see [Note: a graph compiled for
-    another model of the class] in runtime/runtime.py."""
+    each `StoredWeight` it is called with: see [Note: a graph compiled for another model
+    of the class] in runtime/runtime.py."""
     def run(*args: Any) -> Any:
-        hollow = [args[i] for i in positions if is_hollow(args[i])]
-        if not hollow:
+        stored = [args[i] for i in positions if is_stored(args[i])]
+        if not stored:
             return compiled(*args)
-        runtime = owner_of(hollow)
+        runtime = owner_of(stored)
         if runtime is None or runtime.closed:
-            read_unstored(hollow[0], hollow[0].device)  # raises: no storage
+            read_unstored(stored[0], stored[0].device)  # raises: not in a live store
         with runtime.lock:
             runtime.check_open()
             # Clocked as an eager fetch is (no graph clock was exchanged), made once: a
@@ -236,8 +318,8 @@ def resolve_device(config: DLOConfig, example_inputs: Sequence[Any]) -> torch.de
     for value in example_inputs:
         if isinstance(value, torch.nn.Parameter):
             return value.device
-    for value in example_inputs:
-        if isinstance(value, torch.Tensor):
+    for value in example_inputs:  # a meta tensor (a hook's placeholder) places nothing
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
             return value.device
     return torch.device("cpu")
 
@@ -264,7 +346,9 @@ def check_inference_only(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 
 def commit(ctx: PassContext, runtime: Runtime) -> None:
-    """Move the graph's new blocks into the host store (hollowing their parameters).
+    """Move the graph's new blocks into the host store (their parameters become
+    `StoredWeight`s at the graph's first call: see [Note: when a parameter becomes a
+    StoredWeight]).
 
     Runs only after every pass succeeded, so a failing compile leaves the model as it was.
     """
@@ -275,9 +359,9 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
                     f"parameter {p.fqn!r} is on {p.param.device} but dlo computes on "
                     f"{runtime.device}; build the model on that device's metadata with "
                     "dlo_fx.load(...), or set options={'device': ...} to match it")
-            if block.host_block is None and is_hollow(p.param):
+            if block.host_block is None and is_stored(p.param):
                 raise ValueError(
-                    f"parameter {p.fqn!r} has no storage and is not in the host store of "
+                    f"parameter {p.fqn!r} is stored by dlo but not in the host store of "
                     "the model this graph belongs to (a graph that mixes the parameters of "
                     "models stored by dlo separately); compile each model on its own")
     for p in ctx.resident:
@@ -300,8 +384,9 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
         check_same_weights(runtime, fingerprints, [b.params[0].fqn for b in new],
                            f"a graph of {len(ctx.params)} parameters")
     for block in new:
-        runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params])
-    for p in ctx.resident:  # this graph reads them from the module: never hollowed later
+        runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params],
+                               defer=True)
+    for p in ctx.resident:  # this graph reads them from the module: never stored later
         if p.first >= 0 and not ctx.in_store(p.param):
             runtime.read_directly[id(p.param)] = p.param
     plan = ctx.budget_plan
@@ -319,37 +404,22 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
 def frame_modules() -> list[torch.nn.Module]:
     """The modules among the locals of the frame Dynamo is compiling (``self`` of a
     ``forward``): their parameters are claimed by the graph's runtime, so every later
-    graph of the model (after a graph break) finds it, and they are guarded against
-    eager calls. Dynamo's current instruction translator is a private API: a torch that
-    lacks it fails here, loudly, rather than leaving models unguarded."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    if not callable(getattr(InstructionTranslator, "current_tx", None)):
-        raise RuntimeError("dlo: this torch's Dynamo has no InstructionTranslator.current_tx; "
-                           "dlo cannot find the module it compiles (to claim and guard it)")
-    tx = _current_tx()
-    if tx is None:  # the backend called on a graph outside Dynamo
+    graph of the model (after a graph break) finds it, and they are guarded. Read from
+    Dynamo's current instruction translator (`torch_private`): a torch that lacks it fails
+    here, loudly, rather than leaving models unguarded."""
+    frame_locals = torch_private.compiling_frame_locals()
+    if frame_locals is None:  # the backend called on a graph outside Dynamo
         return []
-    return [v for v in tx.f_locals.values() if isinstance(v, torch.nn.Module)]
-
-
-def _current_tx() -> Any:
-    """Dynamo's instruction translator of the frame being compiled; None outside Dynamo."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        return InstructionTranslator.current_tx()
-    except AttributeError:  # its thread-local is unset: no frame is being compiled
-        return None
+    return [v for v in frame_locals.values() if isinstance(v, torch.nn.Module)]
 
 
 # [Note: models a frame reaches without a local]
 # ``torch.compile(step)`` of a ``step(x)`` that calls a global model (or ``pipe.transformer``
 # of a global pipeline) has no local naming the model: `frame_modules` misses it, and the
-# model was never guarded or hooked. Its hollow parameters were then read as they are by
-# an eager call (an out-of-bounds storage error, or a segfault), by ``state_dict()`` and
-# by ``.to()``. Dynamo's tracker of every module it traced holds the module and the
-# source it came from (``G['model']``, ``G['pipe'].transformer``): `reached_modules`
+# model was never guarded: its ``state_dict()`` held `StoredWeight`s, and ``.to()`` was
+# refused only at the first stored parameter, the module half converted. Dynamo's tracker
+# of every module it traced holds the module and the source it came from (``G['model']``,
+# ``G['pipe'].transformer``; `torch_private.traced_modules`): `reached_modules`
 # takes the outermost ones holding the graph's parameters. When Dynamo reuses the graph
 # for another model behind the same name (the global reassigned), `adopt_callers`
 # evaluates those sources in the graph's frame on the new model's first call.
@@ -358,21 +428,10 @@ def reached_modules(params: Sequence[torch.Tensor], found: Sequence[torch.nn.Mod
     """``(module, source)`` of the outermost modules, not under ``found``, holding any of
     ``params`` that the frame Dynamo is compiling reached: see [Note: models a frame
     reaches without a local]. Empty on a torch without Dynamo's tracker cache."""
-    try:
-        from torch._dynamo.variables.nn_module import (NNModuleVariable,
-                                                       UnspecializedNNModuleVariable)
-
-        trackers = list(_current_tx().output.variable_tracker_cache.items())
-    except (ImportError, AttributeError):  # another torch: the locals alone
-        return []
     covered = {id(sub) for m in found for sub in m.modules()}
     reached: dict[int, tuple[torch.nn.Module, str]] = {}
-    for source, vt in trackers:
-        module = getattr(vt, "value", None) if isinstance(
-            vt, (NNModuleVariable, UnspecializedNNModuleVariable)) else None
-        name = getattr(source, "name", None)
-        if isinstance(module, torch.nn.Module) and isinstance(name, str) \
-                and id(module) not in covered:
+    for module, name in torch_private.traced_modules():
+        if id(module) not in covered:
             reached.setdefault(id(module), (module, name))
     inside = {id(sub) for m, _ in reached.values() for sub in m.modules() if sub is not m}
     ours = {id(p) for p in params}
@@ -403,8 +462,6 @@ def compiled_roots(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     ``forward`` becomes a graph of its own, with only that submodule in its locals
     (diffusers' Mochi). Without the root, every such graph would find no runtime and make
     one: six host stores for one model. The compiled module's call frame names the root."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
     if not modules:
         return []
     ours = {id(p) for m in modules for p in m.parameters()}
@@ -414,15 +471,9 @@ def compiled_roots(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     frame = sys._getframe(1)
     while frame is not None:
         wrapper = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if isinstance(wrapper, OptimizedModule) and isinstance(wrapper._orig_mod, torch.nn.Module):
-            root = wrapper._orig_mod
+        root = torch_private.compiled_module_of(wrapper)
+        if root is not None:
             if all(root is not r for r in roots) and any(id(p) in ours for p in root.parameters()):
                 roots.append(root)
         frame = frame.f_back
     return roots
-
-
-def frame_code() -> Any:
-    """The code object of the frame Dynamo is compiling (None outside Dynamo): a module
-    whose own ``forward`` is that frame runs its hooks around the compiled code."""
-    return getattr(_current_tx(), "f_code", None)

@@ -19,8 +19,9 @@ before a single step runs. `load` never holds a private copy of the model:
    rank copies only the bytes of its own host shard, and the views and mappings are
    dropped before the next block. A dtype cast or a non-contiguous parameter costs one
    temporary of that tensor, never a whole-model copy.
-5. The block's parameters end *hollow* (real shape, dtype, strides and device over a
-   zero-byte storage). The host store belongs to the module's own runtime, which
+5. The block's parameters are `StoredWeight`s (real shape, dtype, strides and device, no
+   storage; reads outside a graph are served from the host store: see [Note: a stored
+   weight is a tensor]). The host store belongs to the module's own runtime, which
    `torch.compile(backend="dlo")` finds from the parameters (see [Note: the model owns
    its runtime]): compiling maps the graph's parameters onto the stored blocks and
    inherits the options given here.
@@ -59,11 +60,10 @@ from .checkpoint import Checkpoint, open_views, resolve_checkpoint
 from .config import DLOConfig
 from .load_plan import KeyMap, LoadPlan, Target, plan_load
 from .module_guard import guard_module
-from .runtime.eager import fetch_eagerly
 from .runtime.fingerprint import block_fingerprint, check_same_weights
-from .runtime.host_store import hollow_tensor
 from .runtime.layout import span_as_bytes
 from .runtime.runtime import Runtime, claim
+from .runtime.stored import stored_parameter
 from .shard_dir import ShardDir, checkpoint_extents
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
          key_map: Optional[KeyMap] = None, strict: bool = True,
          options: Union[Mapping[str, Any], DLOConfig, None] = None,
          resident: Sequence[str] = ()) -> nn.Module:
-    """Build ``model`` with hollow parameters whose bytes sit in the dlo host store.
+    """Build ``model`` with parameters whose bytes sit in the dlo host store.
 
     Follows ``from_pretrained``: ``dlo_fx.load(FluxTransformer2DModel, root,
     subfolder="transformer")`` reads ``root/transformer/config.json`` and its weights.
@@ -115,8 +115,9 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
             eagerly reads: when a graph break inside a loop makes Dynamo skip a frame (the
             model's own ``forward``), the layers used there must be real tensors.
 
-    Returns the module in eval mode with ``requires_grad=False`` parameters; calling it
-    eagerly raises, telling you to compile it with ``backend="dlo"``.
+    Returns the module in eval mode with ``requires_grad=False`` parameters, its streamed
+    ones `StoredWeight`s. Compile it with ``backend="dlo"`` to stream them; an eager call
+    is exact too, but copies each block from the host store for every read (it warns once).
 
     Raises ValueError (`dlo_fx.checkpoint.CheckpointError` for the checkpoint's own
     problems) before anything is registered, naming the file, key or parameter at fault.
@@ -156,11 +157,6 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     claim(module.parameters(), runtime)  # the resident ones too: compiling finds the runtime
     module.eval()
     guard_module(module)
-    # Hooked now, not at the first graph that names them: a graph Dynamo compiled for
-    # another model of the class can run first and leave a module to an eager call (see
-    # [Note: eager reads of streamed parameters]). The root keeps its own streamed
-    # parameters materialised, as a compiled model's root does.
-    fetch_eagerly(module, runtime, keep_own=True)
     log.info("dlo_fx.load: %s from %s: %d blocks (%d bytes of host shards on this rank), "
              "%d resident parameters, in %.2f s", type(module).__name__, ckpt.source,
              len(plan.blocks), plan.host_bytes, len(plan.resident), time.perf_counter() - start)
@@ -305,10 +301,9 @@ def _materialised(target: Target, view: Optional[torch.Tensor], device: torch.de
     return out
 
 
-def _hollow_like(target: Target, device: torch.device) -> nn.Parameter:
+def _stored_like(target: Target, device: torch.device) -> nn.Parameter:
     t = target.tensor
-    return nn.Parameter(hollow_tensor(t.shape, t.stride(), target.dtype, device),
-                        requires_grad=False)
+    return stored_parameter(t.shape, t.stride(), target.dtype, device)
 
 
 def _install(target: Target, value: torch.Tensor) -> None:
@@ -341,7 +336,7 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
                 values.append((t, value))
                 progress.update(t.info.nbytes if t.info is not None else 0, t.info is not None)
         for b, block in enumerate(plan.blocks):
-            params = [_hollow_like(t, device) for t in block]
+            params = [_stored_like(t, device) for t in block]
             fqns = [t.fqn for t in block]
             entries, spec = store.layout(params, fqns)
             if shards is not None or store.files is not None:  # read from (or served by) files
@@ -376,7 +371,7 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
     named = {id(t) for t in plan.named}
     for target, value in values:
         _install(target, value)
-        if id(target) in named:  # no graph streams (and so hollows) them either
+        if id(target) in named:  # no graph streams (and so stores) them either
             runtime.named_resident[id(value)] = value
 
 

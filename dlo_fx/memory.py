@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ._procfs import cgroup_memory, process_memory
-from .runtime.host_store import is_hollow
+from .runtime.stored import is_stored
 from .runtime.layout import span_bytes
 from .runtime.platform import max_memory_allocated
 from .runtime.runtime import runtimes_holding
@@ -86,7 +86,7 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
     runtimes = runtimes_holding(params)
     blocks = []
     slot_bytes = num_slots = 0
-    resident = sum(span_bytes(p) for p in params if not is_hollow(p))
+    resident = sum(span_bytes(p) for p in params if not is_stored(p))
     device = params[0].device if params else torch.device("cpu")
     predicted: Optional[dict] = None
     plans = []

@@ -1,45 +1,36 @@
-"""What keeps a module with hollow parameters safe outside the graph, and `release`.
+"""What keeps a module with stored weights whole outside the graph, and `release`.
 
-[Note: hollow parameters outside the graph]
-A module whose weights dlo stores has hollow parameters (real metadata, zero-byte
-storage). Ordinary module habits must not read them as if they held data:
+[Note: a module with stored weights]
+Each stored parameter is a `StoredWeight` (`runtime/stored.py`): every read of it is
+exact and every write to it is refused, one tensor at a time. What a tensor cannot see is
+the module around it, so the modules that hold stored parameters get these guards:
 
-- an eager call raises, telling the user to compile the module (a forward pre-hook);
 - ``module.to(...)``, ``.cpu()``, ``.half()`` and every other ``nn.Module._apply``: the
   conversion function is first tried on an empty tensor of each stored parameter's dtype
-  and device (hollow, or materialised by `runtime/eager.py`), of its shape and strides
-  for a 4-D or 5-D one (``.to(memory_format=...)`` restrides those; it was skipped, and
-  the output differed from the converted resident model's). Where it changes none
-  (``.to("cpu:0")`` on a CPU runtime, which accelerate's offload hooks call) the stored
-  parameters are skipped and the rest of the module (buffers, resident parameters) is
-  converted as usual. Where it would change
-  any, ``ValueError`` names the parameter and the way out (`release` first, or load
-  with ``dtype=``) before anything is converted: ``_apply`` converts parameter by
-  parameter, so a check that came later would leave the module half converted;
-- ``state_dict()`` returns the stored weights (new host tensors) in place of the hollow
-  parameters, so ``safetensors.torch.save_file`` and ``save_pretrained`` work;
+  and device, of its shape and strides for a 4-D or 5-D one (``.to(memory_format=...)``
+  restrides those). Where it changes none (``.to("cpu:0")`` on a CPU runtime, which
+  accelerate's offload hooks call) the stored parameters are skipped and the rest of the
+  module (buffers, resident parameters) is converted as usual. Where it would change any,
+  ``ValueError`` names the parameter and the way out (`release` first, or load with
+  ``dtype=``) before anything is converted: ``_apply`` converts parameter by parameter,
+  and the refusal of the first stored one alone (in the dispatch) left the module half
+  converted;
+- ``state_dict()`` returns the stored weights (new host tensors) in place of the
+  `StoredWeight`s, so ``safetensors.torch.save_file`` and ``save_pretrained`` work;
 - ``load_state_dict`` of a dict that holds a stored parameter's key raises ValueError naming
   it before anything is loaded (a pre-hook on every guarded module checks its whole
-  subtree, so the outermost module called refuses first): copying into a hollow parameter
-  would write through a zero-byte storage, and a write into a materialised one would never
-  reach the host store the graphs read. Keys of resident parameters and buffers load as
-  usual;
-- ``copy.deepcopy`` raises ValueError (an instance ``__deepcopy__``, as for ``_apply``):
-  copying a hollow parameter reads through its zero-byte storage;
-- diffusers' methods that rebuild or move a model's weights in place raise ValueError
-  naming the method before anything changes (instance attributes, as for ``_apply``):
-  ``fuse_qkv_projections`` and an attention module's ``fuse_projections`` concatenate
-  the hollow q/k/v weights (a segfault), ``enable_layerwise_casting`` casts layer by
-  layer (it stopped at the first stored layer, the layers before it already cast), and
-  ``enable_group_offload`` moves ``param.data`` between devices. So do LoRA's: a model's
-  ``fuse_lora``/``unfuse_lora`` and peft's layer ``merge``/``unmerge`` add into the base
-  weights through ``param.data`` (a segfault), ``load_lora_adapter(..., hotswap=True)``
-  copies into the loaded adapter's; a compiled pipeline's ``fuse_lora``/``unfuse_lora``
-  (`guard_pipeline`) refuse while a component's weights are stored, since they reach the
-  text encoders' new peft layers before any guard does. A plain ``load_lora_adapter``
-  runs: the next call stores the new adapter like any new parameter;
-- ``param.data = other`` is found on the next call (see [Note: a stored parameter given
-  other data] in `runtime/host_store.py`).
+  subtree, so the outermost module called refuses first). Keys of resident parameters and
+  buffers load as usual;
+- methods that rewrite several weights in place raise ValueError naming the method before
+  anything changes (instance attributes shadowing the class's method): LoRA's fusing (a
+  model's ``fuse_lora``/``unfuse_lora``, peft's layer ``merge``/``unmerge``),
+  ``load_lora_adapter(..., hotswap=True)``, diffusers' ``enable_layerwise_casting`` and
+  ``enable_group_offload``; a compiled pipeline's ``fuse_lora``/``unfuse_lora``
+  (`guard_pipeline`) refuse while a component's weights are stored. Refused one weight at
+  a time, each would have changed the small resident weights (LoRA's adapters, norms)
+  before the first stored one refused. A plain ``load_lora_adapter`` runs: the next call
+  stores the new adapter like any new parameter; ``fuse_qkv_projections`` runs too (it
+  reads the q, k and v weights and builds new ones, which the next call stores).
 
 `release` puts the weights back into the parameters and closes the runtime: the module
 is an ordinary module again.
@@ -51,24 +42,16 @@ import contextlib
 import functools
 import inspect
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._C._dynamo.eval_frame import get_eval_frame_callback
-from torch._dynamo.eval_frame import OptimizedModule, skip_code
 
 from .config import same_device
-from .runtime.eager import fetches_eagerly, hooked_for, unhook
-from .runtime.host_store import is_hollow
 from .runtime.runtime import owned_by, owner_of, runtimes_holding
+from .runtime.stored import become_real, is_stored
 
-__all__ = ["HOLLOW_CALL_MESSAGE", "guard_module", "guard_pipeline", "release"]
-
-HOLLOW_CALL_MESSAGE = (
-    "this model's weights were moved into a dlo host store (its parameters are hollow), "
-    "so it cannot run eagerly; call it through torch.compile(model, backend=\"dlo\"), or "
-    "call dlo_fx.release(model) to put the weights back")
+__all__ = ["guard_module", "guard_pipeline", "release"]
 
 # module -> the hook handles guard_module installed on it
 _GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
@@ -76,66 +59,15 @@ _STATE_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # with _real_we
 
 
 def _in_store(t: torch.Tensor) -> bool:
-    """A tensor whose weights a live dlo runtime stores (hollow or materialised)."""
+    """A tensor whose weights a live dlo runtime stores (a `StoredWeight`, or a parameter
+    of a compiled graph not called yet)."""
     runtime = owner_of((t,))
     return runtime is not None and t in runtime.store
 
 
 def _stored(t: torch.Tensor) -> bool:
-    """A hollow tensor whose weights a live dlo runtime stores."""
-    return is_hollow(t) and _in_store(t)
-
-
-# -- eager calls ------------------------------------------------------------------------
-def _compiled_in_place(module: nn.Module) -> bool:
-    """Whether calls of ``module`` run through Dynamo: compiled in place
-    (``nn.Module.compile``) or a ``torch.compile`` wrapper."""
-    return (getattr(module, "_compiled_call_impl", None) is not None
-            or isinstance(module, OptimizedModule))
-
-
-def _read_eagerly(module: nn.Module) -> Iterator[torch.Tensor]:
-    """The parameters an eager call of ``module`` may read itself: all under it except
-    those of submodules compiled in place (``nn.Module.compile``, which diffusers'
-    ``compile_repeated_blocks`` calls on each block) or replaced by their
-    ``torch.compile`` wrapper: Dynamo runs those."""
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        yield from (p for p in m._parameters.values() if p is not None)
-        stack.extend(c for c in m._modules.values() if c is not None and not _compiled_in_place(c))
-
-
-def _hollow_call_guard(module: nn.Module, args: Any) -> None:
-    # Not is_compiling(): run eagerly, it is true while any thread compiles (eager.py).
-    # Dynamo's callback: None when it is off; False when it runs only what it compiled
-    # (inside a frame past its recompile limit, or under torch._dynamo.run), where code it
-    # has not compiled runs eagerly and the hooks of eager.py fetch what that code reads.
-    callback = get_eval_frame_callback()
-    if torch.compiler.is_dynamo_compiling() or callback not in (None, False):
-        return
-    hollow = {id(p) for p in _read_eagerly(module) if is_hollow(p)}
-    if not hollow or (callback is False and fetches_eagerly(module)):
-        return
-    if not any(_compiled_in_place(m) for m in module.modules()):
-        raise RuntimeError(f"{type(module).__name__}: {HOLLOW_CALL_MESSAGE}")
-    names = [fqn for fqn, p in module.named_parameters() if id(p) in hollow]
-    shown = ", ".join(repr(n) for n in names[:5])
-    if len(names) > 5:
-        shown += f" ({len(names)} in all)"
-    raise RuntimeError(
-        f"{type(module).__name__} runs eagerly (only some of its submodules are compiled) and "
-        f"reads parameters whose weights are in a dlo host store: {shown}. Keep them on the "
-        "device by loading the model with dlo_fx.load(..., resident=[...]) naming them or "
-        "their modules, compile the whole model with torch.compile(model, backend=\"dlo\"), "
-        "or call dlo_fx.release(model) to put the weights back")
-
-
-# Called on the model torch.compile wraps, nn.Module.__call__ runs this pre-hook in a
-# frame of its own, which Dynamo would compile (about 50 ms of CPU on the tiny DiT's
-# second call) for a hook that does nothing there: it runs eagerly instead, where
-# the guard sees Dynamo's callback and returns at once.
-skip_code(_hollow_call_guard.__code__)
+    """A `StoredWeight` whose weights a live dlo runtime stores."""
+    return is_stored(t) and _in_store(t)
 
 
 # -- .to() and every other _apply -------------------------------------------------------
@@ -192,13 +124,17 @@ def _guarded_apply(module_ref: "weakref.ReferenceType[nn.Module]", original: Cal
     if module is None:  # pragma: no cover - the bound method outlived its module
         raise RuntimeError("dlo: internal error: _apply of a collected module")
     _check_conversion(module, fn)
-
-    def skip_stored(t: torch.Tensor) -> torch.Tensor:
-        # Materialised ones too: .to("cpu:0") copies a "cpu" tensor, and a parameter
-        # given another storage is refused on its next call (runtime/host_store.py).
-        return t if _in_store(t) else fn(t)
-
-    return original(module, skip_stored, *args, **kwargs)
+    # The stored parameters are left out of the conversion (it changes none of them): a
+    # `StoredWeight` handed back by ``fn`` would be swapped into itself (torch swaps
+    # tensor subclasses), and a real copy (``.to("cpu:0")`` copies a "cpu" tensor) would
+    # be refused as ``param.data = ...``. Children are guarded modules of their own.
+    stored = {k: p for k, p in module._parameters.items() if p is not None and _in_store(p)}
+    for key in stored:
+        module._parameters[key] = None
+    try:
+        return original(module, fn, *args, **kwargs)
+    finally:
+        module._parameters.update(stored)
 
 
 # -- state_dict ---------------------------------------------------------------------------
@@ -221,24 +157,13 @@ def _refuse_load(module: nn.Module, state_dict: dict, prefix: str, *unused: Any)
                 "compile the model again; or load the new checkpoint with dlo_fx.load")
 
 
-# -- copy.deepcopy ---------------------------------------------------------------------------
-def _refuse_deepcopy(module_ref: "weakref.ReferenceType[nn.Module]", memo: Any) -> None:
-    module = module_ref()
-    raise ValueError(
-        f"dlo: cannot deepcopy {type(module).__name__}: its weights are in a dlo host store "
-        "(its parameters are hollow). Call dlo_fx.release(model) first to put them back, or "
-        "copy the weights alone with model.state_dict(), which returns them")
-
-
 # -- diffusers and peft methods that rewrite the weights ---------------------------------------
 #: method -> what it would do to the stored weights
 _REWRITING = {
-    "fuse_qkv_projections": "it concatenates the q, k and v weights into new ones",
-    "fuse_projections": "it concatenates the q, k and v weights into new ones",
     "enable_layerwise_casting": "it casts the weights layer by layer",
     "enable_group_offload": "it moves the weights between devices",
     # diffusers' LoRA fusing (a model's, and a pipeline's for its components) and peft's
-    # layer merging write through param.data, which no check sees: a segfault
+    # layer merging write through param.data, layer by layer
     "fuse_lora": "it adds the LoRA weights into the base weights in place",
     "unfuse_lora": "it subtracts the LoRA weights from the base weights in place",
     "merge": "it adds the adapter's weights into the base weights in place",
@@ -258,7 +183,7 @@ def _refusal(owner: str, name: str) -> ValueError:
                   "compile it again")
     return ValueError(
         f"dlo: cannot call {owner}.{name}(): {_REWRITING[name]}, and its weights are in a "
-        f"dlo host store (its parameters are hollow); nothing was changed. {advice}")
+        f"dlo host store; nothing was changed. {advice}")
 
 
 def _refuse_rewrite(module_ref: "weakref.ReferenceType[nn.Module]", name: str,
@@ -270,7 +195,7 @@ def _guarded_lora_load(module_ref: "weakref.ReferenceType[nn.Module]", original:
                        *args: Any, **kwargs: Any) -> Any:
     """diffusers' ``load_lora_adapter``: a new adapter is stored by the next call like any
     new parameter, but ``hotswap=True`` copies it into the stored adapter's weights in
-    place (peft's ``.data.copy_``: a segfault)."""
+    place (peft's ``.data.copy_``), the small resident ones before the stored ones."""
     module = module_ref()
     bound = inspect.signature(original).bind(module, *args, **kwargs)
     if bound.arguments.get("hotswap"):
@@ -308,17 +233,15 @@ def _guarded_pipe_rewrite(pipe_ref: Any, refs: list, name: str, original: Callab
 
 
 # -- installing and removing ----------------------------------------------------------------
-_SHADOWED = ("_apply", "__deepcopy__", "load_lora_adapter", *_REWRITING)
+_SHADOWED = ("_apply", "load_lora_adapter", *_REWRITING)
 
 
 def _shadows(sub: nn.Module) -> dict[str, Callable]:
     """The instance attributes that shadow ``sub``'s class methods while it is guarded
-    (an instance attribute wins over the class's method for this module only;
-    ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance)."""
+    (an instance attribute wins over the class's method for this module only)."""
     ref = weakref.ref(sub)
     cls = type(sub)
-    shadows = {"_apply": functools.partial(_guarded_apply, ref, cls._apply),
-               "__deepcopy__": functools.partial(_refuse_deepcopy, ref)}
+    shadows = {"_apply": functools.partial(_guarded_apply, ref, cls._apply)}
     shadows.update({name: functools.partial(_refuse_rewrite, ref, name) for name in _REWRITING
                     if callable(getattr(cls, name, None))
                     and (name not in _PEFT_ONLY or cls.__module__.startswith("peft."))})
@@ -329,17 +252,15 @@ def _shadows(sub: nn.Module) -> dict[str, Callable]:
 
 
 def guard_module(module: nn.Module) -> None:
-    """Guard ``module`` and its submodules that hold stored (hollow) parameters: see
-    [Note: hollow parameters outside the graph]. Idempotent."""
+    """Guard ``module`` and its submodules that hold stored parameters: see [Note: a
+    module with stored weights]. Idempotent."""
     for sub in module.modules():
-        direct = any(p is not None and _stored(p) for p in sub._parameters.values())
+        direct = any(p is not None and _in_store(p) for p in sub._parameters.values())
         handles = _GUARDS.get(sub)
         if handles is None:
-            if sub is not module and not any(_stored(p) for p in sub.parameters()):
+            if sub is not module and not any(_in_store(p) for p in sub.parameters()):
                 continue
             handles = _GUARDS[sub] = [sub.register_load_state_dict_pre_hook(_refuse_load)]
-            if sub is module:
-                handles.append(sub.register_forward_pre_hook(_hollow_call_guard))
             sub.__dict__.update(_shadows(sub))
         # Its own parameters may be stored after it was guarded (a layer's second graph,
         # after a graph break inside it): state_dict must read those from the store too.
@@ -358,6 +279,23 @@ def unguard_module(module: nn.Module) -> None:
             handle.remove()
         for name in _SHADOWED:
             sub.__dict__.pop(name, None)
+
+
+def _give_back(p: torch.Tensor, value: torch.Tensor, holders: list[nn.Module]) -> None:
+    """Give stored parameter ``p`` its weights back, in place (the same object). Where
+    something outside Python holds its tensor (the swap refuses then), the modules in
+    ``holders`` get a new parameter in its place instead; ``p`` itself reads nothing
+    afterwards (its runtime is closed)."""
+    try:
+        become_real(p, value)
+        return
+    except RuntimeError:
+        pass
+    fresh = nn.Parameter(value.detach(), requires_grad=p.requires_grad)
+    for module in holders:
+        for name, q in module._parameters.items():
+            if q is p:
+                module._parameters[name] = fresh
 
 
 def release(model: nn.Module) -> nn.Module:
@@ -382,25 +320,23 @@ def release(model: nn.Module) -> nn.Module:
             locks.enter_context(runtime.lock)
         for runtime in runtimes:
             runtime.drain(raise_errors=False)
-        # Closing a runtime shared with another model left that model's parameters hollow
-        # and their weights gone (its next call raised reading zero-byte storage): all of
-        # them come back, and the other model's guards and hooks come off too.
+        # Closing a runtime shared with another model left that model's parameters
+        # without weights: all of them come back, and the other model's guards come off too.
         ids = {id(p) for p in params}
         params += [p for p in owned_by(runtimes) if id(p) not in ids]
         ids.update(id(p) for p in params)
-        modules = [model, *hooked_for(runtimes),
-                   *(m for m in list(_GUARDS) if any(id(p) in ids for p in m.parameters()))]
+        modules = [model, *(m for m in list(_GUARDS) if any(id(p) in ids for p in m.parameters()))]
         values = []
         for p in params:  # read everything first: a failure leaves the model as it was
             runtime = owner_of((p,))
-            if runtime is not None and p in runtime.store:
+            # A parameter of a graph not called yet is still real (host_store.py)
+            if runtime is not None and p in runtime.store and is_stored(p):
                 values.append((p, runtime.host_tensor(p).to(p.device)))
-        with torch.no_grad():
-            for p, value in values:
-                p.data = value
+        holders = [m for root in modules for m in root.modules()]
+        for p, value in values:
+            _give_back(p, value, holders)
         for runtime in runtimes:
             runtime.close()
     for module in modules:
         unguard_module(module)
-        unhook(module)
     return model

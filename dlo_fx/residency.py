@@ -10,8 +10,8 @@ A parameter is resident, for the first reason that applies, when it is:
 - named in ``resident=`` at load time (in every graph of the loaded model too);
 - ``read directly by an earlier graph``: another graph of the model (a graph break, a
   second resolution) kept it resident without storing it, and its compiled code reads the
-  module's tensor: streaming it here would hollow that tensor under the earlier graph
-  (an out-of-bounds storage error at best, a read of freed memory at worst);
+  module's tensor: streaming it here would make that tensor a `StoredWeight` under the
+  earlier graph, which would then copy its block on every call;
 - ``unused by this graph``;
 - ``smaller than resident_bytes``;
 - ``returned by the graph``: a view of it escapes through the output, so it must outlive

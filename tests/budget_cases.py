@@ -8,7 +8,7 @@ import torch
 
 import dlo_fx
 from dlo_fx.models import ReferenceDiT
-from dlo_fx.runtime.host_store import is_hollow
+from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
 from models import call, tiny_dit
@@ -51,7 +51,7 @@ def run(options: dict, *, checkpoint: Optional[str] = None, calls: int = 2) -> d
             "streamed_s": plan.streamed_s, "compute_s": plan.compute_s, "flops": plan.flops,
             "block_bytes": plan.block_bytes, "mode": runtime.mode,
             "copies_per_call": runtime.copies - copies,
-            "hollow": sum(is_hollow(p) for p in model.parameters()),
+            "hollow": sum(is_stored(p) for p in model.parameters()),
             "report": dlo_fx.memory_report(model), "plan": plan,
             "plan_budget": plan.device_budget}
 

@@ -171,7 +171,7 @@ def check_bit_exact_with_cfg_two_resolutions(kind: str, reference, pipe, **kw) -
     """``pipe`` (compiled with `compile_pipeline`) equals ``reference`` bit for bit with CFG
     at both resolutions and back at the first; its transformer and text encoders are
     streamed, its VAE is not."""
-    from dlo_fx.runtime.host_store import is_hollow
+    from dlo_fx.runtime.stored import is_stored
 
     sizes = SIZES[kind]
     for height, width in sizes + sizes[:1]:
@@ -183,9 +183,9 @@ def check_bit_exact_with_cfg_two_resolutions(kind: str, reference, pipe, **kw) -
     for name in streamed:  # the text encoders are streamed too (the compiled module's own
         module = getattr(pipe, name)  # parameters stay: its hooks run eagerly on every call)
         own = {id(p) for p in module.parameters(recurse=False)}
-        assert all(is_hollow(p) for p in module.parameters()
+        assert all(is_stored(p) for p in module.parameters()
                    if p.numel() > 16 and id(p) not in own), name
-    assert not any(is_hollow(p) for p in pipe.vae.parameters())  # the VAE only if asked
+    assert not any(is_stored(p) for p in pipe.vae.parameters())  # the VAE only if asked
 
 
 def compile_pipeline_case(kind: str) -> None:

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import os
+import warnings
 import signal
 
 import torch
@@ -15,16 +16,17 @@ from safetensors.torch import load_file, save_file
 
 import dlo_fx
 from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
-from dlo_fx.runtime.host_store import is_hollow
+from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
 
 from loader_cases import SHARED, resident_dit, resident_wan, save_dit, save_wan
+from models import tiny_wan
 
 OPTIONS = {"block_bytes": 300_000}
 
 
 def _hollow_count(model: torch.nn.Module) -> int:
-    return sum(is_hollow(p) for p in model.parameters())
+    return sum(is_stored(p) for p in model.parameters())
 
 
 def _dtypes(model: torch.nn.Module) -> list[str]:
@@ -49,7 +51,7 @@ def _outcome(fn):
 
 def module_operations(rank: int, world: int, out_dir: str) -> dict:
     """Each operation on a loaded, compiled and called DiT: error text and the module's
-    state after it (still hollow, still exact)."""
+    state after it (still stored, still exact)."""
     dit_path, cfg = save_dit(out_dir)
     wan_dir = save_wan(os.path.join(out_dir, "wan-src"))
     ref = resident_dit(dit_path, cfg)
@@ -64,8 +66,6 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
             return torch.equal(compiled(*inputs), expected)
 
     out: dict = {"exact_before": exact()}
-    # Counted after the first call: the compiled module's own parameters are materialised
-    # then (its hooks run eagerly on every call, see runtime/eager.py).
     out["hollow"] = _hollow_count(model)
     out.update(_forked(dit_path, cfg, inputs, expected))
     # 1. .to() the runtime's own device, in every spelling: a no-op.
@@ -101,17 +101,25 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     out["exact_after_load"] = exact()
     out["deepcopy"] = _error(lambda: copy.deepcopy(model))
     out["exact_after_deepcopy"] = exact()
-    # 5. param.data = other for a stored parameter: the next compiled call and the next
-    # eager fetch of its module raise, naming it (the graphs would read the stored weights).
+    # 5. param.data = other and an in-place write into a stored parameter: refused at the
+    # write, naming it (the graphs would read the stored weights); nothing changed.
     name, linear = next((n, m) for n, m in model.named_modules()
-                        if isinstance(m, torch.nn.Linear) and is_hollow(m.weight))
+                        if isinstance(m, torch.nn.Linear) and is_stored(m.weight))
     out["replaced_name"] = f"{name}.weight"
-    linear.weight.data = torch.zeros_like(ref.get_submodule(name).weight)
-    out["replaced_call"] = _error(exact)
-    x = torch.zeros(1, linear.in_features, dtype=linear.weight.dtype)
-    out["replaced_eager"] = _error(lambda: linear(x))
-    # release: the stored weights go back into the parameters (the zeros assigned above
-    # too); the module is ordinary again.
+    out["replaced_data"] = _error(lambda: setattr(
+        linear.weight, "data", torch.zeros_like(ref.get_submodule(name).weight)))
+    out["replaced_in_place"] = _error(lambda: torch.nn.init.zeros_(linear.weight))
+    out["exact_after_replaced"] = exact()
+    x = torch.ones(1, linear.in_features, dtype=linear.weight.dtype)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # read outside a graph: warned
+        out["eager_layer"] = torch.equal(linear(x), ref.get_submodule(name)(x))
+        out["eager_model"] = torch.equal(model(*inputs), expected)
+        out["reads"] = [torch.equal(linear.weight.sum(), ref.get_submodule(name).weight.sum()),
+                        torch.equal(linear.weight.float(), ref.get_submodule(name).weight.float()),
+                        repr(ref.get_submodule(name).weight.detach())[:40] in repr(linear.weight)
+                        or name in repr(linear.weight)]
+    # release: the stored weights go back into the parameters; the module is ordinary again.
     blocks = runtime.store.blocks
     out["blocks_before_release"] = len(blocks)
     out["release"] = _error(lambda: dlo_fx.release(model))
@@ -136,17 +144,14 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     want = resident_wan(wan_dir).state_dict()
     out["save_pretrained_equal"] = got.keys() == want.keys() and all(
         torch.equal(got[k], want[k]) for k in want)
-    # diffusers methods that rewrite the weights in place: refused before anything changes
-    # (fusing read the hollow q/k/v weights: a segfault).
+    # diffusers methods that rewrite the weights in place: refused before anything changes.
     processors = {k: type(v).__name__ for k, v in wan.attn_processors.items()}
     out["rewrites"] = {
-        "fuse_qkv_projections": _error(wan.fuse_qkv_projections),
-        "fuse_projections": _error(wan.blocks[0].attn1.fuse_projections),
         "enable_layerwise_casting": _error(
             lambda: wan.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)),
         "enable_group_offload": _error(lambda: wan.enable_group_offload(
             torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)),
-        # LoRA fusing adds into the base weights through param.data: a segfault
+        # LoRA fusing adds into the base weights through param.data, layer by layer
         "fuse_lora": _error(wan.fuse_lora),
         "unfuse_lora": _error(wan.unfuse_lora),
     }
@@ -163,6 +168,18 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
         and {k: type(v).__name__ for k, v in wan.attn_processors.items()} == processors
         and not any(hasattr(m, "to_qkv") for m in wan.modules())
         and _dtypes(wan) == _dtypes(resident_wan(wan_dir)))
+    # fuse_qkv_projections reads the stored q, k and v weights (exactly) into new fused
+    # ones, which the next compiled call stores: the same output as the resident model
+    # fused the same way.
+    resident = resident_wan(wan_dir)
+    wan_inputs = tiny_wan()[1]
+    out["fuse_qkv"] = _error(wan.fuse_qkv_projections)
+    resident.fuse_qkv_projections()
+    compiled_wan = torch.compile(wan, backend="dlo")
+    with torch.no_grad():
+        want_wan = resident(*wan_inputs)[0]
+        out["fuse_qkv_exact"] = [torch.equal(compiled_wan(*wan_inputs)[0], want_wan)
+                                 for _ in range(2)]
     out.update(_reused_graphs(dit_path, cfg, inputs, expected, ref))  # last: more Dynamo entries
     out.update(_shared_storages(out_dir))
     out.update(_shared_layer())
@@ -224,7 +241,7 @@ def _eager_and_state(model: torch.nn.Module, ref: torch.nn.Module) -> list:
     got = []
     with torch.no_grad():
         for name, m in model.named_modules():
-            if isinstance(m, torch.nn.Linear) and is_hollow(m.weight):
+            if isinstance(m, torch.nn.Linear) and is_stored(m.weight):
                 x = torch.randn(1, m.in_features, generator=gen).to(m.weight.dtype)
                 try:
                     got.append(torch.equal(m(x), ref.get_submodule(name)(x)))
@@ -304,7 +321,12 @@ def _shared_storages(out_dir: str) -> dict:
 def _shared_layer() -> dict:
     """Two models sharing a layer share a runtime. Releasing one closed it and left the
     other's parameters hollow, their weights gone (its next call raised reading zero-byte
-    storage): release gives back every parameter the runtime stores."""
+    storage): release gives back every parameter the runtime stores. Dynamo starts afresh:
+    past its recompile limit for the DiT's frame (the models of the class compiled before
+    in this process, each traced once plain and once stored) it runs the frame eagerly,
+    and the block graphs it then reuses would store ``b``'s own layers in a runtime of
+    their own, which releasing ``a`` does not reach."""
+    torch._dynamo.reset()
     a, b, ref_a, ref_b = (reference_dit(width=64, depth=3, heads=4, seed=seed)
                           .eval().requires_grad_(False) for seed in (6, 7, 6, 7))
     b.blocks[0], ref_b.blocks[0] = a.blocks[0], ref_a.blocks[0]
@@ -344,7 +366,7 @@ def _forked(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
             os.close(read)
             signal.alarm(60)  # a hang ends the child: the parent reads no answer
             linear = next(m for m in model.modules()
-                          if isinstance(m, torch.nn.Linear) and is_hollow(m.weight))
+                          if isinstance(m, torch.nn.Linear) and is_stored(m.weight))
             x = torch.zeros(1, linear.in_features, dtype=linear.weight.dtype)
             answer = {"call": _error(lambda: exact(compiled)), "eager": _error(lambda: linear(x)),
                       "release": _error(lambda: dlo_fx.release(model))}

@@ -151,8 +151,10 @@ def _interrupted_waits(rank: int, rounds: int = 8) -> dict:
 
 def _replaced_on_one_rank(rank: int) -> list:
     """Rank 1 gives a streamed parameter other data (``param.data = ...``) after the first
-    call: its next two calls raise ValueError, after completing each graph's gathers, so
-    rank 0's calls stay exact."""
+    call: refused at the write, nothing changed, so both ranks' calls stay exact. Then rank
+    1 alone reads the weight (``p.sum()``): the read gathers its block behind a clock
+    exchange, which meets rank 0's next call: both raise `ClockMismatch` instead of pairing
+    a gather with another one, and the calls after that are exact on both."""
     _fresh()
     ref_model, inputs = tiny_dit()
     model, _ = tiny_dit()
@@ -160,17 +162,26 @@ def _replaced_on_one_rank(rank: int) -> list:
     compiled = torch.compile(model, backend="dlo", fullgraph=True, options=options)
     name = "blocks.1.fc2_weight"
 
-    def outcome():
+    def outcome(fn=lambda: torch.equal(call(compiled, inputs), ref)):
         try:
-            return torch.equal(call(compiled, inputs), ref)
+            return fn()
         except ValueError as exc:
-            return "refused" if f"parameter {name!r} was given other data" in str(exc) else str(exc)
+            return "refused" if f"param.data = ... would replace parameter {name!r}" in str(exc) \
+                else str(exc)
+        except ClockMismatch:
+            return "clock"
 
     with torch.no_grad():
         ref = call(ref_model, inputs)
-        outcomes = [outcome()]
+        outcomes = [outcome(), outcome()]
         if rank == 1:
-            model.get_parameter(name).data = torch.zeros_like(ref_model.get_parameter(name))
+            param = model.get_parameter(name)
+            outcomes.append(outcome(lambda: setattr(
+                param, "data", torch.zeros_like(ref_model.get_parameter(name)))))
+            outcomes.append(outcome(lambda: torch.equal(param.sum(),
+                                                        ref_model.get_parameter(name).sum())))
+        else:
+            outcomes.append(outcome())  # meets rank 1's read
         return outcomes + [outcome(), outcome()]
 
 
@@ -180,8 +191,8 @@ def _one_rank_recompiles(rank: int) -> list:
     under float16 autocast. A recompile of stored blocks issues no collective, so every
     call is exact on both ranks. They raised ClockMismatch at every call until both ranks
     recompiled together, and the autocast one paired a matmul-rate probe with rank 0's
-    clock: gloo aborted both processes. Then a model with graph breaks in its blocks,
-    where a shape on one rank alone still raises."""
+    clock: gloo aborted both processes. Then a model with graph breaks in its blocks, at a
+    shape on one rank alone."""
     from dlo_fx.models import example_inputs, reference_dit
 
     _fresh()
@@ -201,9 +212,9 @@ def _one_rank_recompiles(rank: int) -> list:
             expected = ref_model(*inputs)
             outcomes.append(_outcome(lambda: torch.equal(compiled(*inputs), expected)))
     # With graph breaks in the blocks, each block's forward is a compiled frame of its own;
-    # at a new shape on rank 1 alone its guards fail there, and the block's hook fetches its
-    # weights eagerly (the forward might run eagerly) while rank 0 calls a graph: both
-    # raise, naming what each rank does, and the same shapes are exact again.
+    # at a new shape on rank 1 alone its guards fail there and it compiles the block again
+    # (stored blocks: no collective), so both ranks call graphs in step, exactly. (Eager
+    # fetch hooks once fetched the block there, and both ranks raised.)
     _fresh()
     model = reference_dit(width=64, depth=3, heads=4, seed=0, graph_break_in_blocks=True)
     compiled = torch.compile(model, backend="dlo", options={

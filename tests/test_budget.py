@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from dlo_fx.budget import BudgetPlan, minimum_bytes, plan_resident_blocks, predict_call_s
 from dlo_fx.config import DLOConfig
 from dlo_fx.dump.blocks_md import blocks_markdown
-from dlo_fx.runtime.host_store import is_hollow
+from dlo_fx.runtime.stored import is_stored
 
 import budget_cases
 from budget_cases import sweep
@@ -137,7 +137,7 @@ def test_budget_below_minimum_raises_before_hollowing():
     assert isinstance(inner, ValueError)
     assert "device_budget=1000" in str(inner) and "below the minimum of" in str(inner)
     assert "num_slots=2 slots of its largest block" in str(inner)
-    assert not any(is_hollow(p) for p in model.parameters())
+    assert not any(is_stored(p) for p in model.parameters())
     with torch.no_grad():
         assert torch.equal(call(model, inputs), call(ref_model, inputs))
 
@@ -274,6 +274,6 @@ def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypat
             kept.append([plan.resident for plan in runtime.budget_plans.values()])
             # what any graph reads from the module is never hollow
             assert runtime.read_directly and not any(
-                is_hollow(p) for p in runtime.read_directly.values())
+                is_stored(p) for p in runtime.read_directly.values())
     assert kept[0] != [[]]  # the small graph keeps blocks resident (then pinned): the
     assert kept[1:] == [[[]]] * 3  # large one's plan adds none

@@ -28,7 +28,7 @@ from dlo_fx import compile_pipeline, load
 from dlo_fx.checkpoint import CheckpointError
 from dlo_fx.cli import build_parser, main
 from dlo_fx.load_plan import MAX_REPORT_LINES
-from dlo_fx.runtime.host_store import is_hollow
+from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.runtime import reset_runtimes
 from loader_cases import same_state
 
@@ -63,7 +63,7 @@ def test_load_forms_of_a_pipeline_folder(saved, tmp_path):
     fresh()
     model = load(FluxTransformer2DModel, root, subfolder="transformer")  # root + subfolder
     assert model.config.num_layers == reference.config.num_layers == 1
-    assert all(is_hollow(p) for p in model.parameters())
+    assert all(is_stored(p) for p in model.parameters())
     assert same_state(model, reference)
     fresh()
     assert same_state(load(FluxTransformer2DModel, root / "transformer"), reference)  # folder
@@ -162,8 +162,8 @@ def test_compile_pipeline_streams_a_vae_named_in_components():
     reference, pipe = dp.flux(), dp.flux()
     compile_pipeline(pipe, components=["vae"], options={"num_slots": 2})
     assert torch.equal(dp.images(pipe, "flux", cfg=False), dp.images(reference, "flux", cfg=False))
-    assert all(is_hollow(p) for p in pipe.vae.decoder.parameters() if p.numel() > 16)
-    assert not any(is_hollow(p) for p in pipe.transformer.parameters())  # not named
+    assert all(is_stored(p) for p in pipe.vae.decoder.parameters() if p.numel() > 16)
+    assert not any(is_stored(p) for p in pipe.transformer.parameters())  # not named
     # A pipeline's LoRA fusing reaches its text encoders through peft's layers, which
     # write into the base weights in place: refused while a component's are stored.
     for method in ("fuse_lora", "unfuse_lora"):
@@ -188,7 +188,7 @@ def test_engine_factory_builds_every_component_in_the_dtype_asked(saved):
     assert {"transformer", "text_encoder", "text_encoder_2", "vae"} <= modules.keys()
     for name, module in modules.items():
         assert {p.dtype for p in module.parameters()} == {torch.float64}, name
-    assert all(is_hollow(p) for p in pipe.transformer.parameters())
+    assert all(is_stored(p) for p in pipe.transformer.parameters())
 
 
 @pytest.mark.spawned.with_args(

@@ -77,15 +77,16 @@ def test_writes_and_conversions_are_refused_naming_the_parameter():
         "through a view": lambda: p.detach().view(-1).add_(1),
         "copy_": lambda: p.copy_(plain),
         "data =": lambda: setattr(p, "data", plain),
-        "to half": lambda: p.to(torch.float16),
         "deepcopy": lambda: copy.deepcopy(p),
     }
     for what, attempt in attempts.items():
         with pytest.raises(ValueError, match=repr(names[0]).replace(".", r"\.")):
             with torch.no_grad():
                 attempt()
-    # a detached view converts like any tensor: a read
+    # a conversion of the parameter (not of its module) is a read, as for any tensor
     assert p.detach().to(torch.float16).dtype == torch.float16
+    with torch.no_grad():
+        assert torch.equal(p.to(torch.float16), p.detach().clone().to(torch.float16))
 
 
 def test_dynamo_hands_the_backend_stored_parameters():

@@ -105,7 +105,7 @@ def test_zoo_model_is_exact_and_streams(spawned: dict, name: str) -> None:
             continue
         if not r["exact"]:
             failures.append(f"{key}: not bit-identical (max |diff| {r['max_abs_diff']:.3g})")
-        if r["streamed_bytes"] * 2 < r["param_bytes"] or not r["hollow"]:
+        if r["streamed_bytes"] * 2 < r["param_bytes"] or not r["stored"]:
             failures.append(f"{key}: streamed {r['streamed_bytes']} of {r['param_bytes']} B")
         if r["runtimes"] != 1:
             failures.append(f"{key}: its parameters are held by {r['runtimes']} runtimes")

@@ -14,8 +14,7 @@ import traceback
 
 import torch
 
-from dlo_fx.runtime.eager import kept_materialised
-from dlo_fx.runtime.host_store import is_hollow
+from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
 from zoo_models import build, by_name, outputs
@@ -61,15 +60,12 @@ def _figures(model: torch.nn.Module) -> dict:
     total = sum(p.numel() * p.element_size() for p in params)
     runtimes = runtimes_holding(params)
     stored = [p for p in params if any(p in rt.store for rt in runtimes)]
-    kept = kept_materialised(model)
     blocks = {(id(rt), rt.store.entry(p).block) for rt in runtimes for p in stored if p in rt.store}
     return {
         "param_bytes": total,
         "streamed_bytes": sum(p.numel() * p.element_size() for p in stored),
-        # The own parameters of a module whose forward is compiled as a frame (the model,
-        # or a submodule Dynamo compiles apart) stay materialised (runtime/eager.py); every
-        # other stored parameter is hollow.
-        "hollow": all(is_hollow(p) for p in stored if id(p) not in kept),
+        # Every parameter in the host store is a StoredWeight (after the first call)
+        "stored": all(is_stored(p) for p in stored),
         "blocks": len(blocks),
         "runtimes": len(runtimes),  # one model, one runtime (however Dynamo splits its frames)
         "mode": runtimes[0].mode if runtimes else None,

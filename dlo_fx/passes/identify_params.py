@@ -19,7 +19,10 @@ import re
 import torch
 from torch import fx
 
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
 from ..runtime.layout import span_bytes
+from ..runtime.stored import is_stored
 from .context import ParamInfo, PassContext
 
 _KEY = re.compile(r"\.?(?:_modules|_parameters|_buffers)\['([^']*)'\]|\.([A-Za-z_]\w*)|\['?([^'\]]*)'?\]")
@@ -59,5 +62,20 @@ def identify_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             fqn = fqn_from_source(grapharg.source.name)
         else:
             fqn = node.name
+        check_streamable(value, fqn)
         ctx.params.append(ParamInfo(node=node, param=value, fqn=fqn, nbytes=span_bytes(value)))
     return gm
+
+
+def check_streamable(param: torch.Tensor, fqn: str) -> None:
+    """ValueError for a parameter whose bytes are not its own storage: a tensor subclass
+    that holds other tensors (torchao's quantized weights, DTensor), other than dlo's own
+    `StoredWeight`. Its storage span says nothing about its data."""
+    if is_traceable_wrapper_subclass(param) and not is_stored(param):
+        kind = f"{type(param).__module__}.{type(param).__qualname__}"
+        raise ValueError(
+            f"dlo: parameter {fqn!r} is a {kind}, a tensor subclass whose data are other "
+            "tensors (as torchao's quantized weights are); dlo does not stream such weights, "
+            "and nothing was stored. Stream the unquantized weights (in bfloat16: "
+            "dlo_fx.load(..., dtype=torch.bfloat16)), or run the quantized model without dlo "
+            "(backend='inductor')")

@@ -13,8 +13,7 @@ With ``device_budget``, the settled blocks are handed to the budget planner
 its compute time from the FLOPs of the nodes it spans (`dlo_fx.flops`) over the measured
 matmul rate (see `block_compute_seconds`). The blocks it keeps resident get the reason
 ``device_budget: ...``; a budget below the minimum (slots for the largest block plus the
-parameters resident anyway) raises ``ValueError`` here, before anything is stored or
-hollowed.
+parameters resident anyway) raises ``ValueError`` here, before anything is stored.
 
 Before/after: no graph change; fills ``ctx.resident``, ``ctx.streamed``, ``ctx.budget``,
 ``ctx.layers``, ``ctx.budget_plan`` and each resident parameter's ``reason``.

@@ -32,9 +32,10 @@ could break that, and each has its guard:
   rank before any gather of that graph, so a gather never pairs with a different block
   (a silent mix of weights) or a different size (an abort inside gloo). Both ranks leave
   their state as it was; the next call starts in step.
-- eager fetches of hollow parameters (`eager.py`) exchange clock words the same way, in
-  the same worker task as their gather, and so do reads of the stored weights outside a
-  graph (``state_dict()``, `release`: `Runtime.host_tensor`) and a compile before it
+- reads of a stored weight outside a graph (`runtime/stored.py`: `Runtime.eager_block`)
+  exchange clock words the same way, in the same worker task as their gather, and so do
+  reads of the stored weights to the host (``state_dict()``, `release`:
+  `Runtime.host_tensor`) and a compile before it
   compares plans and weight fingerprints (`compile_clock`). The last word says which kind
   of step each rank is at, and a mismatch names them.
 
@@ -227,13 +228,11 @@ def complete(runtime: Any, sched: Any, args: Sequence[Any], clock: Optional[Cloc
         target(sched, *_args_of(spec, args))
 
 
-def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequence[Any],
-              params: Sequence[Any] = ()) -> Any:
+def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequence[Any]) -> Any:
     """Call ``compiled(*args)`` under the runtime's lock, keeping the collective clock.
     With ``compiled=None`` the graph's schedule runs without computing (a gather-only
-    forward, see [Note: gather-only forwards]). ``params``, the parameters the graph is
-    bound with, are checked after the clock (`HostStore.check_storages`): a refusal on
-    one rank completes the graph's gathers like any failure, so its peers stay in step."""
+    forward, see [Note: gather-only forwards]). A failure after the clock completes the
+    graph's gathers, so its peers stay in step."""
     with runtime.lock:
         runtime.check_open()  # also raises when another thread released the model
         sched.step = 0
@@ -253,7 +252,6 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
             # Before the check, which may refuse on one rank only: the resident copies
             # gathered here are no schedule step that `complete` would run for the peers.
             args = runtime.direct_reads(args, sched.direct)
-            runtime.store.check_storages(params)
             return compiled(*args)
         except ClockMismatch:
             raise
@@ -271,7 +269,7 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
 # a forward, not its compute. So while a forward runs under `recording()`, every step that
 # issues collectives is noted in order: each scheduled graph (its schedule, the
 # parameters it was bound with, the arguments its schedule nodes read) and each clocked
-# eager fetch of a hollow parameter's block. `replay()` then runs the same steps without
+# eager read of a stored weight's block. `replay()` then runs the same steps without
 # computing: per graph the same clock words, then its schedule nodes (copies into the
 # slots, gathers, waits, swaps) in graph order; per eager fetch the same fetch, its bytes
 # dropped. The ranks therefore issue the same collectives in the same order as a real
@@ -279,7 +277,7 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
 # depend on activation shapes: a replay pairs with a peer's real forward at other shapes
 # exactly as a real padding forward did. Only a steady-state forward is replayed: one
 # during which the backend compiled (`note_compile`) is not, since a first call differs
-# from later ones (it compares plans; parameters read eagerly are not hollow yet).
+# from later ones (it compares plans; its parameters are not converted yet).
 # Replayed schedule nodes act on the slot state as a real call's would, so a resident
 # block gathered once stays gathered once. For the same reason a resident copy (made once
 # per runtime, then cached) is not noted as an eager fetch: a replay would gather it again

@@ -4,34 +4,25 @@ With ``host_store="mmap"`` a block's bytes stay in the checkpoint files and are 
 there at every prefetch (`FileShard`; see [Note: file-backed host store] in
 `file_store.py`); ``shard`` is then empty.
 
-Parameters handed to the store end *hollow*: real shape, dtype, device and strides over a
-zero-byte storage, so Dynamo's guards keep holding while the module holds no weight memory.
+A parameter handed to the store becomes a `StoredWeight` (`runtime/stored.py`): the same
+Python object, with its shape, strides, dtype and device and no storage, whose reads outside
+a graph are served from this store and whose writes are refused. See [Note: a stored weight
+is a tensor] there, and [Note: when a parameter becomes a StoredWeight] below.
 
-[Note: a stored parameter given other data]
-The store keeps each stored parameter's storage (zero bytes, or the bytes an eager fetch
-put back: `runtime/eager.py` resizes that same storage). ``param.data = other`` gives
-the parameter another storage, and the schedule would go on streaming the stored
-weights: the model's output would silently differ from what its parameters say.
-`HostStore.check_storages` finds that on every scheduled call and every eager fetch and
-raises instead. A scheduled call checks after its collective clock, so a refusal on one
-rank completes the graph's gathers like any failure inside a graph, and its peers' calls
-stay exact (`run_graph` in graph_call.py). Holding the storage also keeps its address
-from being reused by a later tensor, so comparing addresses cannot mistake a new storage
-for it. A materialised stored parameter (`runtime/eager.py` keeps the compiled root's
-own ones materialised) can also be written in place (``p.mul_(2)``, ``nn.init``): its
-version counter, noted after each fetch (`note_fetched`), is compared too. A write
-through ``p.data`` bumps another counter and is not seen.
-
-[Note: hollowing never frees a storage it did not make]
-A parameter's storage need not be its own: parameters that are views of one flat tensor
-share it, ``load_state_dict(sd, assign=True)`` leaves the caller's ``sd`` (and any other
-model loaded from it) on it, and ``torch.load(..., mmap=True)`` gives storages over the file
-that cannot be resized at all. Resizing such a storage to zero bytes freed the other
-tensors' memory under them (a resident parameter, the caller's state dict: a segfault or
-garbage when they were next read), or failed with "Trying to resize storage that is not
-resizable". So `hollow` gives the parameter a new zero-byte storage instead, and the old
-one is freed when nothing else holds it. Only storages dlo made are ever resized: the
-hollow ones, by `runtime/eager.py`.
+[Note: when a parameter becomes a StoredWeight]
+A block the loader stores is made of `StoredWeight`s from the start. A block a compile
+stores (`backend.commit`) keeps its parameters real until a graph of its runtime is next
+called (`convert_pending`, under the runtime's lock): Dynamo builds a frame's guards after
+the backend returns, from the parameters as they are then, and a parameter already
+converted made those guards expect a `StoredWeight`; every further model of the class,
+whose parameters were still plain, failed them and compiled an entry of its own (the ninth
+model hit Dynamo's recompile limit). Converted at the first call, the guards expect what
+every fresh model has, and the converted model's own later calls pass them (Dynamo skips
+the tensor checks of a module whose dict did not change; where it does check, it compiles
+once more, for `StoredWeight`s, which maps them onto the blocks they are stored in). The
+pending parameters are held weakly: a model compiled and never called is collected with its
+runtime. A parameter converted in place keeps the memory it had until then only as long as
+something else holds it (its old tensor is let go).
 
 [Note: a stored parameter that dies]
 The store keys its entries by ``id(parameter)`` and holds no parameter: the model owns
@@ -56,12 +47,13 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .file_store import Extent, FileShard, FileStore, read_extents
 from .layout import Entry, ShardSpec, copy_into_shard, plan_offsets, span_as_bytes, span_bytes
+from .stored import become_stored, is_stored
 
 log = logging.getLogger(__name__)
 
@@ -104,28 +96,6 @@ class HostBlock:
         return [e.fqn for e in self.entries]
 
 
-def is_hollow(t: torch.Tensor) -> bool:
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
-
-
-def hollow_tensor(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
-    """A tensor of this metadata over a new zero-byte storage of its own."""
-    data = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype,
-                               device=device)  # never written: on CPU no page is touched
-    data.untyped_storage().resize_(0)
-    return data
-
-
-def hollow(params: Sequence[torch.Tensor]) -> None:
-    """Give each of ``params`` a new zero-byte storage (``param.data = ...``), keeping its
-    identity, shape, strides, dtype, device and inference-ness: see [Note: hollowing never
-    frees a storage it did not make]."""
-    for p in params:
-        with torch.inference_mode(p.is_inference()):  # an inference tensor stays one
-            p.data = hollow_tensor(p.shape, p.stride(), p.dtype, p.device)
-
-
 def _forget(store_ref: "weakref.ReferenceType[HostStore]", key: int) -> None:
     store = store_ref()
     if store is not None:
@@ -148,10 +118,9 @@ class HostStore:
         self.pin = pin
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
-        # id(parameter) -> its storage when stored: see [Note: a stored parameter given
-        # other data]
-        self._storages: dict[int, torch.UntypedStorage] = {}
-        self._versions: dict[int, int] = {}  # id(parameter) -> its version when fetched
+        # Stored parameters not converted yet: see [Note: when a parameter becomes a
+        # StoredWeight]
+        self._pending: list[weakref.ReferenceType] = []
         # block index -> how many of its parameters live: see [Note: a stored parameter
         # that dies]. The finalizers run on whichever thread frees a parameter.
         self._live: dict[int, int] = {}
@@ -192,14 +161,14 @@ class HostStore:
 
     def add_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
                   sources: Optional[Sequence[torch.Tensor]] = None,
-                  extents: Optional[Sequence[Extent]] = None) -> HostBlock:
+                  extents: Optional[Sequence[Extent]] = None, defer: bool = False) -> HostBlock:
         """Lay ``params`` out as a new block and copy this rank's shard of their bytes.
 
         ``sources`` are flat uint8 images of each parameter's storage span (the loader
         passes mmap views); by default the parameters' own bytes are read. ``extents``
         say instead where the block's bytes are in files: a file-backed store keeps them
-        (nothing is copied), a memory store reads them once. The parameters are hollowed
-        afterwards.
+        (nothing is copied), a memory store reads them once. The parameters become
+        `StoredWeight`s afterwards, or, with ``defer``, at `convert_pending`.
         """
         for p, fqn in zip(params, fqns):
             if id(p) in self._entries:
@@ -227,14 +196,18 @@ class HostStore:
                 sources = [span_as_bytes(p) if e.nbytes else None for p, e in zip(params, entries)]
             copy_into_shard(shard, entries, sources, start)
         block = HostBlock(index=index, entries=entries, spec=spec, shard=shard, source=source)
-        hollow([p for p in params if p.numel()])
+        real = [p for p in params if p.numel() and not is_stored(p)]
+        if not defer:
+            for p in real:
+                become_stored(p)
         with self._forget_lock:
             self.blocks.append(block)
             self._live[index] = len(params)
             for p, e in zip(params, entries):
                 self._entries[id(p)] = e
-                self._storages[id(p)] = p.untyped_storage()
                 weakref.finalize(p, _forget, weakref.ref(self), id(p)).atexit = False
+            if defer:
+                self._pending += [weakref.ref(p) for p in real]
         self._next_uid += len(entries)
         return block
 
@@ -243,8 +216,6 @@ class HostStore:
         dies]."""
         with self._forget_lock:
             entry = self._entries.pop(key, None)
-            self._storages.pop(key, None)
-            self._versions.pop(key, None)
             self.forgotten += 1
             if entry is None or self._live.get(entry.block) is None:
                 return
@@ -256,45 +227,31 @@ class HostStore:
                     self.blocks[entry.block] = dataclasses.replace(
                         block, shard=torch.empty(0, dtype=torch.uint8))
 
-    def has_own_storage(self, param: torch.Tensor) -> bool:
-        """``param`` still has the storage it had when stored (hollow or fetched)."""
-        kept = self._storages.get(id(param))
-        return kept is not None and param.untyped_storage()._cdata == kept._cdata
-
-    def note_fetched(self, params: Iterable[torch.Tensor]) -> None:
-        """``params`` were just given their stored bytes (`runtime/eager.py`)."""
-        for p in params:
-            if not p.is_inference():  # an inference tensor has no version counter
-                self._versions[id(p)] = p._version
-
-    def check_storages(self, params: Iterable[torch.Tensor]) -> None:
-        """ValueError naming the first stored parameter among ``params`` that was given
-        other data or written in place since it was stored or fetched: see [Note: a stored
-        parameter given other data]."""
-        for p in params:
-            if id(p) not in self._storages:
-                continue
-            version = self._versions.get(id(p))  # None for an inference tensor
-            if not self.has_own_storage(p):
-                change = "was given other data (param.data = ...)"
-            elif version is not None and p._version != version:
-                change = "was written in place (param.mul_(...), param.copy_(...), nn.init)"
-            else:
-                continue
-            raise ValueError(
-                f"dlo: parameter {self._entries[id(p)].fqn!r} {change} after dlo moved its "
-                "weights into the host store, and the compiled model would go on reading the "
-                "stored weights. To change weights, call dlo_fx.release(model) first (it puts "
-                "the stored weights back, replacing changes made since), change them, then "
-                "compile the model again")
+    def convert_pending(self) -> None:
+        """Turn the parameters a compile stored into `StoredWeight`s: see [Note: when a
+        parameter becomes a StoredWeight]. The caller holds the runtime's lock."""
+        with self._forget_lock:
+            pending, self._pending = self._pending, []
+        kept = []
+        for ref in pending:
+            p = ref()
+            if p is not None and id(p) in self._entries:
+                try:
+                    become_stored(p)
+                except RuntimeError:  # something outside Python holds its tensor
+                    kept.append(self._entries[id(p)].fqn)
+        if kept:
+            warnings.warn(
+                f"dlo: {len(kept)} stored parameters (first {kept[0]!r}) stay real tensors: "
+                "something outside Python holds their tensors (an autograd graph through "
+                "them, a view of them), so their memory is not given back. The model's "
+                "graphs stream them all the same", RuntimeWarning, stacklevel=2)
 
     def drop_blocks(self, first: int) -> None:
-        """Forget blocks ``first`` onwards (undoing a failed load); their parameters stay
-        hollow and must not be used again."""
+        """Forget blocks ``first`` onwards (undoing a failed load); their parameters have
+        no weights and must not be used again."""
         with self._forget_lock:
             self._entries = {k: e for k, e in self._entries.items() if e.block < first}
-            self._storages = {k: s for k, s in self._storages.items() if k in self._entries}
-            self._versions = {k: v for k, v in self._versions.items() if k in self._entries}
             self._live = {k: n for k, n in self._live.items() if k < first}
             del self.blocks[first:]
         if self.files is not None:

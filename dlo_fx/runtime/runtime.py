@@ -33,14 +33,12 @@ own slots, so a model loaded or compiled in the child runs there.
 Dynamo reuses one graph for every model of a class whose calls pass its guards, and the
 guards see a parameter's shape, not its storage. A model built in memory and one from
 ``dlo_fx.load`` differ in what is stored: the built one's small parameters stay resident
-and its graph reads them itself; the loaded one's are stored (hollow) and its graph reads
+and its graph reads them itself; the loaded one's are `StoredWeight`s and its graph reads
 them through ``resident`` ops; a released model stores nothing until its next call. So
 each read adapts to the runtime the call is bound to: `direct_reads` gives a graph the
-resident device copy of each stored hollow parameter it reads itself (a graph without a
-schedule too: `backend.unscheduled_call`), and `resident_tensor` reads a parameter this
-runtime does not store as it is. A loaded model's modules are hooked for eager reads at
-load (`loader.load`): the first graph of its call may be another model's, and a module
-the model's own forward calls eagerly runs before any graph of its own names it.
+resident device copy of each `StoredWeight` it reads itself (a graph without a schedule
+too: `backend.unscheduled_call`), and `resident_tensor` reads a parameter this runtime
+does not store as it is.
 """
 
 from __future__ import annotations
@@ -62,11 +60,12 @@ from .collectives import ShardGroup, gather_in_place, resolve_shard_group
 from . import platform
 from .device_slots import SlotBlocks, device_slots
 from .file_store import FileStore
-from .host_store import HostStore, is_hollow
+from .host_store import HostStore
 from .fingerprint import block_fingerprint, check_same_weights
 from .graph_call import EAGER, HOST_READ, ClockMismatch, check_rows, exchange, note_fetch
 from .interrupts import deferred, install as install_interrupt_handler
 from .layout import Entry, span_as_bytes
+from .stored import is_stored
 from .trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class Runtime:
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
         # Parameters a committed graph reads straight from the module (resident, not in
-        # the host store): no later graph may stream (and so hollow) them.
+        # the host store): no later graph may stream (and so store) them.
         # By id: a WeakSet would compare tensors with ``==``.
         self.read_directly: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
             weakref.WeakValueDictionary()
@@ -118,6 +117,10 @@ class Runtime:
         # compiled).
         self.named_resident: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
             weakref.WeakValueDictionary()
+        # The modules the model's graphs compiled, and whether their parameters no graph
+        # reached were counted (backend.warn_unreached)
+        self.watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self.reach_checked = False
         self.copies = 0  # number of block copies issued (for tests and reports)
         self.broken: Optional[str] = None  # set when a copy or gather failed
         self.tracer: Optional[Tracer] = Tracer() if config.trace else None
@@ -177,8 +180,9 @@ class Runtime:
     # -- registration (compile time, or first call of a reused graph) --------------------
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
                        sources: Optional[Sequence[torch.Tensor]] = None,
-                       extents: Optional[Sequence] = None) -> int:
-        """Store ``params`` as a new host block (this rank's shard of it) and hollow them.
+                       extents: Optional[Sequence] = None, defer: bool = False) -> int:
+        """Store ``params`` as a new host block (this rank's shard of it); they become
+        `StoredWeight`s (with ``defer``, at the next graph call: `HostStore.convert_pending`).
         ``sources`` are flat uint8 images of each parameter's storage span (the loader
         passes mmap views); by default the parameters' own bytes are read."""
         if self.mode is None:
@@ -186,7 +190,7 @@ class Runtime:
                                "decided (passes.choose_mode or the loader decides it)")
         if self.closed:
             raise RuntimeError("dlo: this runtime was released; compile the model again")
-        block = self.store.add_block(params, fqns, sources, extents)
+        block = self.store.add_block(params, fqns, sources, extents, defer)
         claim(params, self)
         self.fit_slots(block.slot_bytes)
         return block.index
@@ -236,7 +240,7 @@ class Runtime:
         return max(counts, key=counts.__getitem__)
 
     def resident_tensor(self, param: torch.Tensor, clock: bool = False) -> torch.Tensor:
-        """A device copy of a stored (hollow) parameter that a graph keeps resident; a
+        """A device copy of a stored parameter that a graph keeps resident; a
         parameter this runtime does not store is read as it is (see [Note: a graph
         compiled for another model of the class]). ``clock``: as `fetch_block`'s."""
         entry = self.store.entry(param)
@@ -263,12 +267,12 @@ class Runtime:
     def direct_reads(self, args: Sequence, positions: Sequence[int],
                      clock: bool = False) -> Sequence:
         """``args`` with each parameter at ``positions`` (the placeholders a graph reads
-        itself, not through a schedule op) that this runtime stores hollow replaced by its
+        itself, not through a schedule op) that is a `StoredWeight` replaced by its
         resident device copy. See [Note: a graph compiled for another model of the class]."""
         out = None
         for i in positions:
             p = args[i]
-            if is_hollow(p):
+            if is_stored(p):
                 if out is None:
                     out = list(args)
                 out[i] = self.resident_tensor(p, clock)  # raises where not stored here
@@ -520,9 +524,9 @@ def read_unstored(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``param``, which no runtime the graph runs with stores, as the graph may read it:
     ValueError where it has no storage or lives on another device than ``device``."""
     what = f"a parameter of shape {tuple(param.shape)} ({param.dtype})"
-    if is_hollow(param):
+    if is_stored(param):
         raise ValueError(
-            f"dlo: {what} that this graph reads has no storage and is not in the host store "
+            f"dlo: {what} that this graph reads is stored by dlo but not in the host store "
             "of the model the graph is called with (a graph that mixes the parameters of "
             "models stored by dlo separately, or a model whose weights were dropped); "
             "compile each model on its own")
@@ -583,6 +587,6 @@ def live_runtimes() -> list[Runtime]:
 
 def reset_runtimes() -> None:
     """Close every live runtime (tests: no host store outlives its test). The models they
-    stored stay hollow and unusable."""
+    stored keep no weights and are unusable."""
     for rt in live_runtimes():
         rt.close()

@@ -23,18 +23,20 @@ use by a view of a device slot. Outside a graph every operation goes through
 - a view (``p.t()``, ``p[0]``, ``p.view(...)``) is another `StoredWeight` that replays the
   view on the fetched bytes, so a write through it is refused too;
 - a write (an in-place op or an ``out=`` into it, ``p.data = ...``, ``copy_`` from
-  ``load_state_dict``, a LoRA merge through ``param.data``), ``.to()`` of the parameter to
-  another dtype, device or memory format (``module.to(...)``, ``.half()``, layerwise
-  casting, group offloading) and ``copy.deepcopy`` raise ``ValueError`` naming the
-  parameter and `dlo_fx.release`; a detached view converts like any tensor (a read);
+  ``load_state_dict``, a LoRA merge through ``param.data``) and ``copy.deepcopy`` raise
+  ``ValueError`` naming the parameter and `dlo_fx.release`. A conversion (``p.float()``,
+  ``p.to(device)``) is a read: it returns a new tensor, as for any parameter. Converting
+  the module (``module.to(...)``, ``.half()``) would replace its parameters: it is refused
+  for the whole module before anything changes (`dlo_fx.module_guard`), and the
+  parameter's ``data`` setter refuses it where no guard is;
 - ``torch.save`` and pickling store the real weights; ``.numpy()`` returns a copy.
 
 While Dynamo traces (its fake mode is active on the inner tensor) an op computes fake
 outputs of the right metadata, so tracing reads nothing.
 
-The loader and the backend still store parameters hollow (`runtime/host_store.py`); this
-is the representation that takes their place, tested on its own (tests/test_stored_weight.py)
-on parameters turned into it after their blocks were stored.
+The loader makes stored parameters `StoredWeight`s from the start; a compile turns the
+parameters it stored into them at the graph's first call (see [Note: when a parameter
+becomes a StoredWeight] in `runtime/host_store.py`).
 """
 
 from __future__ import annotations
@@ -152,8 +154,6 @@ class StoredWeight(torch.Tensor):
         if func in (aten.detach.default, aten.alias.default):
             return _alias(args[0], ())
         _check_writes(func, args, kwargs)
-        if func is aten._to_copy.default:
-            _check_conversion(args[0], kwargs)
         aliased = _aliased_input(func, args)
         if aliased is not None:
             return _view(func, args, kwargs, aliased)
@@ -302,22 +302,6 @@ def _check_writes(func: Any, args: Any, kwargs: Any) -> None:
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         if isinstance(value, StoredWeight):
             raise _refusal(value, f"{func.__name__} would write into")
-
-
-def _check_conversion(t: StoredWeight, kwargs: dict) -> None:
-    """``.to()`` of the parameter itself to another dtype or device (module.to, .half()):
-    refused, as a conversion of the module would otherwise leave it half streamed."""
-    if t._dlo_origin is not None or not getattr(t, "_is_param", False):
-        return  # a detached view: converting it is a read
-    from ..config import same_device
-
-    dtype = kwargs.get("dtype") or t.dtype
-    device = kwargs.get("device") or t.device
-    fmt = kwargs.get("memory_format")
-    restrides = fmt not in (None, torch.preserve_format) and not t.is_contiguous(memory_format=fmt)
-    if dtype != t.dtype or not same_device(device, t.device) or restrides:
-        raise _refusal(t, f"converting (.to({dtype}, {device}"
-                          f"{', ' + str(fmt) if restrides else ''}))")
 
 
 # -- becoming stored and back -------------------------------------------------------------------

@@ -1,7 +1,11 @@
-"""The private torch APIs the stored-weight representation needs, in one place.
+"""The private torch APIs dlo uses outside its Inductor pieces, in one place.
 
 Each is checked against the torch versions the project supports (2.11 to 2.13); a torch
-that lacks one fails here with a message naming it, not somewhere inside a call.
+that lacks one fails here with a message naming it, or answers "nothing found" where a
+fallback is safe, not somewhere inside a call. Two groups: what the stored-weight
+representation needs (`fake_mode_of`, `swap_in_place`), and what the backend reads of the
+frame Dynamo is compiling (`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`,
+`compiled_module_of`).
 """
 
 from __future__ import annotations
@@ -43,3 +47,60 @@ def swap_in_place(t1: torch.Tensor, t2: torch.Tensor) -> None:
     vars(t2).clear()
     vars(t2).update(d1)
     torch._C._swap_tensor_impl(t1, t2)
+
+
+# -- the frame Dynamo is compiling (backend.py) ------------------------------------------
+def _current_tx() -> Any:
+    """Dynamo's instruction translator of the frame being compiled; None outside Dynamo."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    if not callable(getattr(InstructionTranslator, "current_tx", None)):
+        raise RuntimeError("dlo: this torch's Dynamo has no InstructionTranslator.current_tx; "
+                           "dlo cannot find the module it compiles (to claim and guard it)")
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:  # its thread-local is unset: no frame is being compiled
+        return None
+
+
+def compiling_frame_locals() -> Optional[dict]:
+    """The locals of the frame Dynamo is compiling, or None outside a compile."""
+    tx = _current_tx()
+    return None if tx is None else dict(tx.f_locals)
+
+
+def traced_modules() -> list[tuple[torch.nn.Module, str]]:
+    """``(module, source name)`` of every module the frame being compiled traced, from
+    Dynamo's tracker cache (``G['model']``, ``L['pipe'].transformer``); empty on a torch
+    without it."""
+    try:
+        from torch._dynamo.variables.nn_module import (NNModuleVariable,
+                                                       UnspecializedNNModuleVariable)
+
+        trackers = list(_current_tx().output.variable_tracker_cache.items())
+    except (ImportError, AttributeError, RuntimeError):  # another torch: nothing found
+        return []
+    found = []
+    for source, vt in trackers:
+        module = getattr(vt, "value", None) if isinstance(
+            vt, (NNModuleVariable, UnspecializedNNModuleVariable)) else None
+        name = getattr(source, "name", None)
+        if isinstance(module, torch.nn.Module) and isinstance(name, str):
+            found.append((module, name))
+    return found
+
+
+def is_dynamo_code(code: Any) -> bool:
+    """Whether ``code`` is a code object Dynamo made for a frame it compiled."""
+    from torch._dynamo.utils import orig_code_map
+
+    return code in orig_code_map
+
+
+def compiled_module_of(value: Any) -> Optional[torch.nn.Module]:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) wraps, else None."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(value, OptimizedModule) and isinstance(value._orig_mod, torch.nn.Module):
+        return value._orig_mod
+    return None
