@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -235,15 +236,26 @@ def test_engine_serves_mixed_waves_and_per_request_failures():
 
 
 def test_engine_start_over_its_timeout_fails_and_leaves_no_worker():
-    launched = []
+    """Also with silent connections to the control port queued ahead of the workers
+    (issue 40, item 11: each held the front end for a 2 s handshake, one after another,
+    and the start's deadline was checked only once the queue was empty)."""
+    launched, silent, started = [], [], []
 
     def launch(spec):
-        launched.append(LocalWorkers(spec))
+        launched.append(LocalWorkers(spec))  # the first fork may wait for the fork server
+        silent.extend(socket.create_connection(launched[-1].channel.address)
+                      for _ in range(4))
+        started.append(time.monotonic())
         return launched[-1]
 
     engine = Engine("slow_pipeline:build", 2, wave_timeout_s=0.5, launcher=launch)
-    with pytest.raises(RuntimeError, match="timed out after 0.5 s .* while starting"):
-        engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="timed out after 0.5 s .* while starting"):
+            engine.start()
+    finally:
+        for sock in silent:
+            sock.close()
+    assert time.monotonic() - started[0] < 3.0
     assert engine._workers is None
     assert [p.exitcode for p in launched[0].procs] == [-signal.SIGKILL] * 2
 

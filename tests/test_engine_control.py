@@ -1,6 +1,7 @@
 """The engine's control plane and up-front checks, without worker processes (except the
-front-end-death case): authentication against a process that knows only the port,
-signed store messages for torchrun, limits, and the forward clock."""
+front-end-death case): authentication against a process that knows only the port, and
+against silent connections; signed store messages for torchrun, limits, and the forward
+clock."""
 
 from __future__ import annotations
 
@@ -85,6 +86,31 @@ def test_local_control_plane_refuses_a_process_that_only_knows_the_port():
         silent.close()
     finally:
         pump.stop()
+        front.close()
+
+
+def test_silent_peers_do_not_delay_the_local_front_end():
+    """Issue 40, item 11: connections that never answer the handshake, queued ahead of
+    the workers, neither block the front end's receive loop nor delay the workers."""
+    secret = new_secret()
+    front = LocalFront(2, secret)
+    silent = [socket.create_connection(front.address) for _ in range(3)]
+    try:
+        start = time.monotonic()
+        assert front.receive(0.05) == []
+        assert time.monotonic() - start < 1.0  # each silent peer took 2 s, one by one
+        joined = []
+        for rank in (0, 1):
+            threading.Thread(target=lambda r=rank: joined.append(LocalWorker(
+                front.address, secret, r)), daemon=True).start()
+        while len(front.conns) < 2 and time.monotonic() - start < 10:
+            began = time.monotonic()
+            front.receive(0.05)
+            assert time.monotonic() - began < 1.0
+        assert sorted(front.conns) == [0, 1] and time.monotonic() - start < 1.5
+    finally:
+        for sock in silent:
+            sock.close()
         front.close()
 
 

@@ -18,8 +18,10 @@ worker has connected: then the listening socket is closed. Each connection start
 mutual challenge-response over HMAC-SHA256 with the engine's random 32-byte secret
 (`handshake`), which the workers get through multiprocessing's process-start pipe
 (never argv or the environment); a process that knows the port but not the secret is
-refused before it can read a request or send a reply. The process group meets in a ``FileStore`` in a private
-(0700) temporary folder and gloo is bound to the loopback interface, so no rendezvous
+refused before it can read a request or send a reply. Each handshake runs on a thread of
+its own and is cut off after ``_HANDSHAKE_S``, so connections that stay silent delay
+neither the workers nor the start's deadline (`LocalFront`). The process group meets in
+a ``FileStore`` in a private (0700) temporary folder and gloo is bound to the loopback interface, so no rendezvous
 port is published. What this does not cover: gloo's own loopback connections are not
 authenticated (torch.distributed has no authentication); a local user who finds and
 connects to them can disturb the collectives, though not read or forge the control
@@ -37,9 +39,12 @@ import hashlib
 import hmac
 import json
 import logging
+import os
+import queue
 import secrets
 import socket
 import struct
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, NamedTuple, Optional
@@ -53,6 +58,7 @@ log = logging.getLogger(__name__)
 _META = "dlo_fx_reply"
 _HELLO = b"dlo-fx-engine-1\0"
 _HANDSHAKE_S = 2
+_HANDSHAKES = 64
 
 
 class ChannelError(RuntimeError):
@@ -131,6 +137,14 @@ def _recv_timeout(conn: Connection, seconds: float) -> None:
         sock.detach()
 
 
+def _cut(sock: socket.socket) -> None:
+    """End a connection's handshake: its thread's next read ends at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def handshake(conn: Connection, secret: bytes, *, server: bool) -> None:
     """Mutual challenge-response: each side proves it holds ``secret`` over the other's
     fresh nonce; ``ChannelError`` when the peer does not."""
@@ -159,7 +173,12 @@ def handshake(conn: Connection, secret: bytes, *, server: bool) -> None:
 
 class LocalFront:
     """The front end of a local engine: listens on loopback until every worker rank has
-    connected and authenticated, then talks to each over its own connection."""
+    connected and authenticated, then talks to each over its own connection.
+
+    Each connection's handshake runs on a thread of its own and is cut off after
+    ``_HANDSHAKE_S``, so peers that connect and stay silent (or trickle bytes) delay
+    neither the workers nor the front end's loop, which checks its deadline every poll;
+    at most ``_HANDSHAKES`` run at once (more wait in the listen queue)."""
 
     def __init__(self, world: int, secret: bytes) -> None:
         self.world = world
@@ -173,36 +192,83 @@ class LocalFront:
         self.conns: dict[int, Connection] = {}
         self.lost: dict[int, str] = {}
         """Ranks whose connection closed, and how."""
+        self.refused = ""
+        """How many connections were refused, and the latest ("" if none)."""
+        self._refusals = 0
+        self._handshakes: dict[int, tuple[socket.socket, float]] = {}
+        """Handshakes running, by number: the accepted socket and when it began."""
+        self._accepted = 0
+        self._shaken: "queue.SimpleQueue[tuple[int, Optional[Connection], Any, str]]" = \
+            queue.SimpleQueue()
+        """Finished handshakes: ``(number, conn, rank, "")``, or ``(number, None, peer,
+        why it was refused)``."""
 
     def _accept(self) -> None:
-        assert self._listener is not None
-        while len(self.conns) < self.world:
+        """Start a handshake for every queued connection (as many as may run at once)."""
+        while self._listener is not None and len(self._handshakes) < _HANDSHAKES:
             try:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             sock.setblocking(True)
-            conn = Connection(sock.detach())
+            self._accepted += 1
+            self._handshakes[self._accepted] = (sock, time.monotonic())
+            # The thread reads a duplicate, so that `_admit` can cut it off by shutting
+            # the socket down, whatever the thread does with its descriptor meanwhile.
+            conn = Connection(os.dup(sock.fileno()))
+            threading.Thread(target=self._handshake, args=(self._accepted, conn, peer),
+                             daemon=True, name="dlo-engine-handshake").start()
+
+    def _handshake(self, number: int, conn: Connection, peer: Any) -> None:
+        """One connection's handshake, on its own thread; the result goes to `_admit`."""
+        try:
+            _recv_timeout(conn, _HANDSHAKE_S)
+            handshake(conn, self.secret, server=True)
+            header, _ = unpack(conn.recv_bytes(4096))
+            rank = header.get("rank")
+            if not isinstance(rank, int) or not 0 <= rank < self.world:
+                raise ChannelError(f"a worker connected as rank {rank!r}")
+            _recv_timeout(conn, 0)
+        except Exception as exc:
+            conn.close()
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self._shaken.put((number, None, f"{peer[0]}:{peer[1]}", why))
+            return
+        self._shaken.put((number, conn, rank, ""))
+
+    def _admit(self) -> None:
+        """Take the connections whose handshake finished, and cut off those that ran
+        past ``_HANDSHAKE_S`` (on the caller's thread)."""
+        while True:
             try:
-                _recv_timeout(conn, _HANDSHAKE_S)  # a silent peer cannot stall the front end
-                handshake(conn, self.secret, server=True)
-                header, _ = unpack(conn.recv_bytes(4096))
-                rank = header.get("rank")
-                if not isinstance(rank, int) or not 0 <= rank < self.world or rank in self.conns:
-                    raise ChannelError(f"a worker connected as rank {rank!r}")
-                _recv_timeout(conn, 0)
-            except (ChannelError, OSError, EOFError, ValueError, struct.error) as exc:
-                log.warning("dlo engine: refused a control connection from %s: %s", peer, exc)
+                number, conn, who, why = self._shaken.get_nowait()
+            except queue.Empty:
+                break
+            self._handshakes.pop(number)[0].close()
+            if conn is not None and (who in self.conns or len(self.conns) == self.world):
                 conn.close()
+                conn, why = None, f"a second connection as rank {who}"
+            if conn is not None:
+                self.conns[who] = conn
                 continue
-            self.conns[rank] = conn
-        self._listener.close()
-        self._listener = None
+            self._refusals += 1
+            self.refused = (f"refused {self._refusals} connection"
+                            f"{'s' if self._refusals > 1 else ''} to the control port, the "
+                            f"latest from {who}: {why}")
+            log.warning("dlo engine: refused a control connection from %s: %s", who, why)
+        late = time.monotonic() - _HANDSHAKE_S
+        for sock, began in self._handshakes.values():
+            if began < late:
+                _cut(sock)
+        if len(self.conns) == self.world and self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def receive(self, timeout_s: float) -> list[Message]:
         """Messages that arrived within ``timeout_s`` (accepting workers meanwhile)."""
+        self._admit()
         waitables: list[Any] = [c for r, c in self.conns.items() if r not in self.lost]
-        if self._listener is not None:
+        if self._listener is not None and len(self._handshakes) < _HANDSHAKES:
             waitables.append(self._listener)
         messages = []
         for ready in wait(waitables, timeout_s):
@@ -233,6 +299,9 @@ class LocalFront:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        for sock, _ in self._handshakes.values():
+            _cut(sock)
+            sock.close()
         for conn in self.conns.values():
             conn.close()
 
