@@ -21,16 +21,31 @@ mutual challenge-response over HMAC-SHA256 with the engine's random 32-byte secr
 refused before it can read a request or send a reply. Each handshake runs on a thread of
 its own and is cut off after ``_HANDSHAKE_S``, so connections that stay silent delay
 neither the workers nor the start's deadline (`LocalFront`). The process group meets in
-a ``FileStore`` in a private (0700) temporary folder and gloo is bound to the loopback interface, so no rendezvous
-port is published. What this does not cover: gloo's own loopback connections are not
-authenticated (torch.distributed has no authentication); a local user who finds and
-connects to them can disturb the collectives, though not read or forge the control
-plane. Under ``torchrun`` (`serve`) the control plane lives in the job's store, which
-listens where torchrun says; every message there carries an HMAC-SHA256 of its key and
-value under a secret from ``DLO_FX_ENGINE_SECRET`` or a 0600 file named by
-``DLO_FX_ENGINE_SECRET_FILE``, so forged or replayed messages are refused, and keys are
-deleted once read. Messages there are not encrypted: run the job on a network you trust
-with what the prompts say.
+a ``FileStore`` in a private (0700) temporary folder and gloo is bound to the loopback
+interface, so no rendezvous port is published. What this does not cover: gloo's own
+loopback connections are not authenticated (torch.distributed has no authentication); a
+local user who finds and connects to them can disturb the collectives, though not read
+or forge the control plane.
+
+Under ``torchrun`` (`serve`) the control plane lives in the job's store, torchrun's
+``TCPStore``, which has no authentication: any process that reaches its port (other
+users of the node; other hosts, unless a firewall stops them) can list, read, write and
+delete its keys. Every message there carries an HMAC-SHA256 under the job's secret
+(``DLO_FX_ENGINE_SECRET``, or a 0600 file named by ``DLO_FX_ENGINE_SECRET_FILE``) over a
+nonce the ranks agree on for this job, the key and the value (see [Note: messages bound
+to their job] in store_channel.py). So such a process cannot make the front end take a
+forged reply, or one recorded in an earlier job with the same secret, nor make a worker
+run a wave the front end did not send: such values are refused, never taken, never
+raised. What it can still do: read every request (prompts, negative prompts, seeds,
+``extra_args``) and every output while they sit in the store, since they are signed, not
+encrypted; see how many requests, waves and replies there are, their sizes and timing;
+and deny service, by deleting or overwriting a message after its writer stored it: that
+request gets an error (a reply whose loss the worker's next message proves, at once),
+or its wave fails at its timeout, and a torchrun job cannot restart its workers, so its
+later waves fail too. It can also disturb the process group, which meets in the same
+store over unauthenticated gloo or NCCL connections. The secret protects the answers,
+not the prompts: run such jobs where every user who can reach the store's port may read
+them.
 """
 
 from __future__ import annotations
