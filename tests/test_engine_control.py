@@ -96,7 +96,7 @@ def test_silent_peers_do_not_delay_the_local_front_end():
     the workers, neither block the front end's receive loop nor delay the workers."""
     secret = new_secret()
     front = LocalFront(2, secret)
-    silent = [socket.create_connection(front.address) for _ in range(3)]
+    silent = [socket.create_connection(front.address, timeout=5) for _ in range(3)]
     try:
         start = time.monotonic()
         assert front.receive(0.05) == []
@@ -211,6 +211,20 @@ def test_torchrun_greeting_survives_forged_and_replayed_values():
     _joined(worker, front)
     assert "'job/0'" in worker.refused
     assert store.num_keys() == 0
+
+    # A rank with another secret: it refuses every answer, and both ends say so.
+    front = StoreFront(dist.HashStore(), secret, 2)
+    stranger = StoreWorker(front.store, new_secret(), 1, timeout_s=2.5)
+    failed = []
+    sent = threading.Thread(target=lambda: failed.append(pytest.raises(
+        ChannelError, stranger.send, {"kind": "ready"})), daemon=True)
+    sent.start()
+    deadline = time.monotonic() + 10
+    while sent.is_alive() and time.monotonic() < deadline:
+        assert front.receive(0.05) == []
+    assert "same control-plane secret" in str(failed[0].value)
+    assert "worker rank 1 refused that answer (it holds another control-plane secret" \
+        in front.refused and SECRET_ENV in front.refused
 
 
 def test_torchrun_unauthenticated_values_are_refused_never_raised():

@@ -201,7 +201,7 @@ class LocalFront:
         self._listener: Optional[socket.socket] = socket.socket(socket.AF_INET,
                                                                 socket.SOCK_STREAM)
         self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(2 * world)
+        self._listener.listen(_HANDSHAKES)  # room for the workers behind silent peers
         self._listener.setblocking(False)
         self.address: tuple[str, int] = self._listener.getsockname()
         self.conns: dict[int, Connection] = {}

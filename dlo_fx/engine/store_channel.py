@@ -10,9 +10,11 @@ first, and every later value is ``HMAC-SHA256(secret, job nonce, key, body) + bo
 - ``hello/{rank}``: worker ``rank``'s own fresh nonce, written when it starts.
 - ``job/{rank}``: the front end's answer, its fresh job nonce with an HMAC over the
   rank, the job nonce and the greeting it read. A worker takes the job nonce only from an
-  answer to its own nonce, so the answer of another job is refused; if the front end read
-  a greeting someone else wrote, the worker writes its own again and the front end
-  answers that one. Both keys are deleted once the worker's first message arrives.
+  answer to its own nonce, so the answer of another job is refused. When it refuses an
+  answer (the front end read a greeting someone else wrote, or holds another secret) it
+  greets again with a fresh nonce, at most once a second, and the front end answers the
+  new greeting; a greeting that changes after its answer is noted as the sign of a rank
+  with another secret. Both keys are deleted once the worker's first message arrives.
 - ``wave/{seq}``: the front end's ``seq``-th message to every worker; deleted by the
   front end once the wave ended.
 - ``msg/{rank}/{n}``: worker ``rank``'s ``n``-th message to the front end (its header,
@@ -124,14 +126,17 @@ class _Signed:
         waits for the genuine value."""
         digest = hashlib.sha256(value).digest()
         if self._refused_values.get(key) != digest:
+            self._note(key, why, "; waiting for the genuine one",
+                       quiet=key in self._refused_values)
             self._refused_values[key] = digest
-            self._note(key, why, "; waiting for the genuine one")
 
-    def _note(self, key: str, why: str, then: str = "") -> None:
+    def _note(self, key: str, why: str, then: str = "", quiet: bool = False) -> None:
+        """Count a refusal (``quiet``: a key refused before, logged at debug level)."""
         self._refusals += 1
         self.refused = (f"refused {self._refusals} value{'s' if self._refusals > 1 else ''} "
                         f"in the job's store, the latest at {key!r}: it {why}")
-        log.warning("dlo engine: refused the control message at %r: it %s%s", key, why, then)
+        log.log(logging.DEBUG if quiet else logging.WARNING,
+                "dlo engine: refused the control message at %r: it %s%s", key, why, then)
 
 
 class StoreFront(_Signed):
@@ -147,6 +152,7 @@ class StoreFront(_Signed):
         self._published: list[str] = []
         self._greetings: dict[int, Optional[bytes]] = dict.fromkeys(range(world))
         """Ranks whose first message has not arrived: the greeting answered last."""
+        self._greeted_again: set[int] = set()
 
     def broadcast(self, header: Mapping[str, Any]) -> None:
         key = f"wave/{self._seq}"
@@ -164,6 +170,13 @@ class StoreFront(_Signed):
         """Answer worker ``rank``'s greeting with the job's nonce (again, if it changed)."""
         greeting = self._peek(f"hello/{rank}")
         if greeting is not None and greeting != self._greetings[rank]:
+            if self._greetings[rank] is not None:
+                self._note(f"hello/{rank}", f"replaced a greeting the front end had answered: "
+                           f"worker rank {rank} refused that answer (it holds another "
+                           "control-plane secret than rank 0, or another process wrote a "
+                           f"greeting); give every rank the same {SECRET_ENV}",
+                           quiet=rank in self._greeted_again)
+                self._greeted_again.add(rank)
             self._greetings[rank] = greeting
             assert self.job is not None
             self.store.set(f"job/{rank}", mac(self.secret, b"dlo-fx-engine-job",
@@ -243,7 +256,7 @@ class StoreWorker(_Signed):
             return
         if self._failed:
             raise ChannelError(self._failed)
-        key, backoff, refused = f"job/{self.rank}", Backoff(), None
+        key, backoff, refused, again = f"job/{self.rank}", Backoff(), None, 0.0
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             value = self._peek(key)
@@ -255,8 +268,12 @@ class StoreWorker(_Signed):
                     return
                 refused = value
                 self._refuse(key, value, "does not answer this worker's greeting (another "
-                             "job's answer, or an answer to a greeting someone else wrote)")
-                # Greet again with a fresh nonce: the front end answers a changed greeting.
+                             "job's answer, an answer to a greeting someone else wrote, or "
+                             "a front end with another control-plane secret)")
+            if value is not None and value == refused and time.monotonic() >= again:
+                # Greet again, with a fresh nonce (the front end answers a changed
+                # greeting), at most once a second.
+                again = time.monotonic() + 1.0
                 self._nonce = secrets.token_hex(_NONCE_BYTES).encode()
                 self.store.set(f"hello/{self.rank}", self._nonce)
             backoff.sleep()
