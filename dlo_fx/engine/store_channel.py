@@ -24,10 +24,13 @@ first, and every later value is ``HMAC-SHA256(secret, job nonce, key, body) + bo
 Each key is read once, in sequence, by one reader. A value that fails authentication
 (forged without the secret, moved from another key, or replayed from another job) is
 refused: logged and left where it is, never taken and never raised, while the reader
-waits for the genuine value, which its writer stores over it. If the genuine value never
-comes (someone overwrote or deleted it after it was written), the wave fails at its
-timeout, its error naming the refused key (`WorkerSet`); a payload changed or removed
-after its worker wrote it makes that reply an error. Reads never block: ``compare_set``
+waits for the genuine value, which its writer stores over it. When a genuine message
+follows a refused one from the same worker, the refused value replaced a message its
+worker had written: the front end moves on, and a reply lost that way becomes its
+request's error once the worker's ``done`` arrives (`WorkerSet`). Otherwise a genuine
+value that never comes (overwritten or deleted after it was written) fails the wave at
+its timeout, the error naming the refused key. A payload changed or removed after its
+worker wrote it makes that reply an error. Reads never block: ``compare_set``
 with a sentinel returns the value or the sentinel at once (`_Signed._peek`), where
 ``get`` would wait for the store's timeout on a key deleted meanwhile.
 """
