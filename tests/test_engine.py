@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -235,15 +236,26 @@ def test_engine_serves_mixed_waves_and_per_request_failures():
 
 
 def test_engine_start_over_its_timeout_fails_and_leaves_no_worker():
-    launched = []
+    """Also with silent connections to the control port queued ahead of the workers
+    (issue 40, item 11: each held the front end for a 2 s handshake, one after another,
+    and the start's deadline was checked only once the queue was empty)."""
+    launched, silent, started = [], [], []
 
     def launch(spec):
-        launched.append(LocalWorkers(spec))
+        launched.append(LocalWorkers(spec))  # the first fork may wait for the fork server
+        silent.extend(socket.create_connection(launched[-1].channel.address, timeout=5)
+                      for _ in range(5))
+        started.append(time.monotonic())
         return launched[-1]
 
     engine = Engine("slow_pipeline:build", 2, wave_timeout_s=0.5, launcher=launch)
-    with pytest.raises(RuntimeError, match="timed out after 0.5 s .* while starting"):
-        engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="timed out after 0.5 s .* while starting"):
+            engine.start()
+    finally:
+        for sock in silent:
+            sock.close()
+    assert time.monotonic() - started[0] < 6.0  # 10 s when each peer held it 2 s
     assert engine._workers is None
     assert [p.exitcode for p in launched[0].procs] == [-signal.SIGKILL] * 2
 
@@ -286,7 +298,7 @@ TORCHRUN_REQUESTS = [
 
 
 def _torchrun_serve() -> tuple[int, str, list, list]:
-    """The torchrun job of the test below (a spawned job: tests/conftest.py): its exit
+    """The torchrun job of the tests below (a spawned job: tests/conftest.py): its exit
     status, its log, the rows of results.jsonl and the outputs they name."""
     import secrets
     import socket
@@ -307,6 +319,7 @@ def _torchrun_serve() -> tuple[int, str, list, list]:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", "2", "-m", "dlo_fx.engine.cli",
+                   "--pipeline", "control_attacks:attacked",  # the reference, attacked
                    "--requests", str(tmp_path / "requests.jsonl"), "--out", str(out),
                    "--threads", "1", "--wave-timeout", "60", "--no-preview",
                    *(a for k, v in DIT.items() for a in ("--pipeline-arg", f"{k}={v}"))]
@@ -333,7 +346,8 @@ def test_torchrun_serve_runs_mixed_waves_of_two_shapes_exactly(spawned):
     compiles or runs two graphs, and rank 0's thread runs one shape while rank 1 runs the
     other), then a partial wave (rank 1 only pads): a job serving two shapes was seen to
     kill rank 0 with SIGSEGV. Every rank must exit 0 and every output equal the request
-    run alone on a resident model."""
+    run alone on a resident model, though rank 1 attacks the control plane (the test
+    below)."""
     returncode, log, rows, outputs = spawned
     assert returncode == 0, log
     assert "5/5 requests succeeded in 3 wave(s) on dp=2" in log, log
@@ -342,3 +356,18 @@ def test_torchrun_serve_runs_mixed_waves_of_two_shapes_exactly(spawned):
     for row, data, output in zip(rows, TORCHRUN_REQUESTS, outputs):
         assert row["error"] is None, row
         assert torch.equal(output, alone(Request.from_dict(data))), row
+
+
+@pytest.mark.spawned.with_args(_torchrun_serve)
+def test_torchrun_serve_refuses_forged_and_replayed_control_messages(spawned):
+    """The same job, attacked from rank 1 through torchrun's store before the keys it
+    targets are written (tests/control_attacks.py): an unauthenticated value where rank
+    0's first reply goes, and rank 1's first reply as another job with the same secret
+    signed it. Issue 40: the first escaped `generate` as a ChannelError and killed rank 0
+    with SIGABRT, the second was taken as request 1's output. Both are refused and
+    logged; every result is this job's own (the test above checks them exactly)."""
+    returncode, log, rows, _ = spawned
+    assert returncode == 0, log
+    for key in ("msg/0/1", "msg/1/1"):
+        assert f"refused the control message at '{key}': it failed authentication" in log, log
+    assert [r["error"] for r in rows] == [None] * len(TORCHRUN_REQUESTS)

@@ -1,6 +1,8 @@
 """The engine's control plane and up-front checks, without worker processes (except the
-front-end-death case): authentication against a process that knows only the port,
-signed store messages for torchrun, limits, and the forward clock."""
+front-end-death case): authentication against a process that knows only the port, and
+against silent connections; signed store messages for torchrun, bound to their job
+(forged, replayed and overwritten values, also through an engine whose rank 0 runs on a
+thread here); limits, and the forward clock."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dlo_fx.engine import ForwardClock, Limits, Request
-from dlo_fx.engine.channel import ChannelError, LocalFront, LocalWorker, new_secret, pack
+from dlo_fx.engine import Engine, ForwardClock, Limits, Request
+from dlo_fx.engine.channel import ChannelError, LocalFront, LocalWorker, new_secret
 from dlo_fx.engine.reference_pipeline import resident
 from dlo_fx.engine.request import plan_waves
+from dlo_fx.engine.serve import TorchrunWorkers
 from dlo_fx.engine.store_channel import (SECRET_ENV, SECRET_FILE_ENV, StoreFront, StoreWorker,
                                          secret_from_environment)
 
@@ -88,11 +91,41 @@ def test_local_control_plane_refuses_a_process_that_only_knows_the_port():
         front.close()
 
 
+def test_silent_peers_do_not_delay_the_local_front_end():
+    """Issue 40, item 11: connections that never answer the handshake, queued ahead of
+    the workers, neither block the front end's receive loop nor delay the workers."""
+    secret = new_secret()
+    front = LocalFront(2, secret)
+    silent = [socket.create_connection(front.address, timeout=5) for _ in range(3)]
+    try:
+        start = time.monotonic()
+        assert front.receive(0.05) == []
+        assert time.monotonic() - start < 1.0  # each silent peer took 2 s, one by one
+        joined = []
+        for rank in (0, 1):
+            threading.Thread(target=lambda r=rank: joined.append(LocalWorker(
+                front.address, secret, r)), daemon=True).start()
+        while len(front.conns) < 2 and time.monotonic() - start < 10:
+            began = time.monotonic()
+            front.receive(0.05)
+            assert time.monotonic() - began < 1.0
+        assert sorted(front.conns) == [0, 1] and time.monotonic() - start < 4.0  # 6 s
+    finally:
+        for sock in silent:
+            sock.close()
+        front.close()
+
+
 def test_torchrun_control_messages_are_signed_and_deleted():
     store = dist.HashStore()
     secret = new_secret()
     front = StoreFront(store, secret, 2)
     workers = [StoreWorker(store, secret, r) for r in range(2)]
+    front.receive(0)  # answers both workers' greetings: each learns the job's nonce
+    for rank, worker in enumerate(workers):
+        worker.send({"kind": "ready", "rank": rank})
+    assert sorted(m.rank for m in _receive(front, 2)) == [0, 1]
+    assert store.num_keys() == 0  # greetings and messages deleted once read
     front.broadcast({"kind": "wave", "seq": 0, "requests": ["a prompt"]})
     assert workers[1].receive()["requests"] == ["a prompt"]
     workers[1].send({"kind": "reply", "seq": 0}, b"x" * (9 << 20))  # chunked past 8 MiB
@@ -101,16 +134,179 @@ def test_torchrun_control_messages_are_signed_and_deleted():
     assert store.num_keys() == 1  # only the wave message, until the wave ends
     front.retire()
     assert store.num_keys() == 0
-    # A forged reply (no secret) and a genuine one replayed onto another key both fail.
-    store.set("msg/0/0", b"\0" * 32 + pack({"kind": "reply", "seq": 1, "_chunks": 0,
-                                            "_sha256": ""}))
-    with pytest.raises(ChannelError, match="'msg/0/0' failed authentication"):
-        front.receive(1.0)
-    front.broadcast({"kind": "stop"})
-    store.set("wave/2", store.get("wave/1"))
-    workers[0]._seq = 2
-    with pytest.raises(ChannelError, match="'wave/2' failed authentication"):
-        workers[0].receive()
+
+
+def _receive(front: StoreFront, count: int, seconds: float = 10.0) -> list:
+    """``count`` messages from ``front``, waiting at most ``seconds``."""
+    messages, deadline = [], time.monotonic() + seconds
+    while len(messages) < count and time.monotonic() < deadline:
+        messages += front.receive(0.05)
+    assert len(messages) == count, messages
+    return messages
+
+
+def _joined(worker: StoreWorker, front: StoreFront) -> None:
+    """Let ``worker`` learn the job's nonce from ``front`` (its first send does), pumping
+    the front end meanwhile; bounded."""
+    sent = threading.Thread(target=worker.send, args=({"kind": "ready"},), daemon=True)
+    sent.start()
+    _receive(front, 1)
+    sent.join(10)
+    assert not sent.is_alive()
+
+
+def test_torchrun_messages_of_another_job_are_refused():
+    """Issue 40, item 9: a value recorded in job 1 and written into job 2 (same secret,
+    same key) is refused on both sides; the genuine message written after it is taken."""
+    from control_attacks import other_job
+
+    secret = new_secret()
+    reply = {"kind": "reply", "seq": 0, "wave": 0, "index": 1, "dp_rank": 1}
+    recorded = other_job(secret, 1, 2, [({"kind": "ready"}, b""),
+                                        (reply, b"job 1's output")])
+    store = dist.HashStore()
+    front = StoreFront(store, secret, 2)
+    worker = StoreWorker(store, secret, 1)
+    for key, value in recorded.items():  # before job 2's worker writes these keys
+        store.set(key, value)
+    assert front.receive(0.2) == []  # job 1's ready: refused, not raised
+    _joined(worker, front)
+    assert front.receive(0.2) == []  # job 1's reply: refused
+    assert "'msg/1/1'" in front.refused and "failed authentication" in front.refused
+    worker.send(reply, b"job 2's output")
+    (message,) = _receive(front, 1)
+    assert message.header["kind"] == "reply" and message.payload == b"job 2's output"
+
+    # The front end's messages of job 1 are refused by job 2's worker, which waits for
+    # its own front end's message on the same key.
+    old = StoreFront(dist.HashStore(), secret, 2)
+    old.broadcast({"kind": "wave", "seq": 0, "requests": ["job 1's prompt"]})
+    store.set("wave/0", old.store.get("wave/0"))
+    got = []
+    reader = threading.Thread(target=lambda: got.append(worker.receive()), daemon=True)
+    reader.start()
+    reader.join(0.5)
+    assert got == [] and "'wave/0'" in worker.refused
+    front.broadcast({"kind": "wave", "seq": 0, "requests": ["job 2's prompt"]})
+    reader.join(10)
+    assert got == [{"kind": "wave", "seq": 0, "requests": ["job 2's prompt"]}]
+
+
+def test_torchrun_greeting_survives_forged_and_replayed_values():
+    """A worker learns the job's nonce only from a value bound to its own fresh nonce: a
+    forged greeting read by the front end, or the front end's answer of another job, is
+    refused, and the worker joins once the front end answers its genuine greeting."""
+    secret = new_secret()
+    old_store = dist.HashStore()
+    old_front = StoreFront(old_store, secret, 2)
+    StoreWorker(old_store, secret, 0)
+    old_front.receive(0)
+    replayed = old_store.get("job/0")
+    store = dist.HashStore()
+    front = StoreFront(store, secret, 2)
+    worker = StoreWorker(store, secret, 0)
+    store.set("hello/0", b"forged")  # overwrites the worker's greeting
+    front.receive(0)  # answers the forged one
+    store.set("job/0", replayed)  # and another job's answer on top
+    _joined(worker, front)
+    assert "'job/0'" in worker.refused
+    assert store.num_keys() == 0
+
+    # A rank with another secret: it refuses every answer, and both ends say so.
+    front = StoreFront(dist.HashStore(), secret, 2)
+    stranger = StoreWorker(front.store, new_secret(), 1, timeout_s=2.5)
+    failed = []
+    sent = threading.Thread(target=lambda: failed.append(pytest.raises(
+        ChannelError, stranger.send, {"kind": "ready"})), daemon=True)
+    sent.start()
+    deadline = time.monotonic() + 10
+    while sent.is_alive() and time.monotonic() < deadline:
+        assert front.receive(0.05) == []
+    assert "same control-plane secret" in str(failed[0].value)
+    assert "worker rank 1 refused that answer (it holds another control-plane secret" \
+        in front.refused and SECRET_ENV in front.refused
+
+
+def test_torchrun_unauthenticated_values_are_refused_never_raised():
+    """Issue 40, item 10: an unauthenticated value at ``msg/0/0`` is refused (never an
+    exception out of the front end), and the genuine message that overwrites it is taken.
+    A reply whose payload was changed after its worker wrote it arrives as an error."""
+    from control_attacks import forged_reply
+
+    secret = new_secret()
+    store = dist.HashStore()
+    front = StoreFront(store, secret, 2)
+    workers = [StoreWorker(store, secret, r) for r in range(2)]
+    store.set("msg/0/0", forged_reply(0))
+    store.set("msg/1/0", b"short")
+    assert front.receive(0.2) == []
+    assert front.refused.startswith("refused 2 values") and "'msg/1/0'" in front.refused
+    for worker in workers:
+        _joined(worker, front)
+    workers[1].send({"kind": "reply", "seq": 0, "index": 1}, b"the output")
+    store.set("msg/1/1/0", b"the attacker's output")  # after the worker wrote it
+    (message,) = _receive(front, 1)
+    assert message.payload == b"" and "altered" in message.header["error"]
+    assert "'msg/1/1'" in message.header["error"]
+
+
+def _torchrun_engine(store, secret: bytes, **kwargs) -> Engine:
+    """An engine over a torchrun job of one rank, in this process: rank 0's worker (the
+    `control_attacks.echo` pipeline) on its thread, the control plane in ``store``."""
+    spec = Engine("control_attacks:echo", 1, **kwargs).spec
+    workers = TorchrunWorkers(store, secret, spec, "cpu")
+    return Engine("control_attacks:echo", 1, launcher=workers.launch, **kwargs)
+
+
+def test_torchrun_engine_answers_its_own_job_despite_replays_and_forgeries():
+    """Issue 40, items 9 and 10 through the engine: every message job 1's worker wrote,
+    recorded and written into job 2 (same secret) before it starts, and an unauthenticated
+    value where job 2's second reply goes: job 2 answers its own requests, its workers
+    kept."""
+    from control_attacks import Store, forged_reply
+
+    secret = new_secret()
+    job1 = Store(dist.HashStore())
+    with _torchrun_engine(job1, secret, wave_timeout_s=30) as engine:
+        (first,) = engine.generate([Request(prompt="job 1", seed=1)])
+    assert torch.equal(first.output, torch.full((2, 3), 1.0))
+    job2 = dist.HashStore()
+    for key, value in job1.sets.items():
+        if key.startswith("msg/"):
+            job2.set(key, value)
+    job2.set("msg/0/3", forged_reply(0, seq=1, wave=1))
+    with _torchrun_engine(job2, secret, wave_timeout_s=30) as engine:
+        results = engine.generate([Request(prompt="job 2", seed=2),
+                                   Request(prompt="job 2 again", seed=3)])
+        assert results[0].ok and results[0].output[0, 0] == 2.0  # not job 1's 1.0
+        assert results[1].ok and results[1].output[0, 0] == 3.0
+        assert engine.generations == 1
+        assert "'msg/0/3'" in engine._workers.channel.refused
+
+
+def test_torchrun_engine_answers_overwritten_messages_with_errors():
+    """Issue 40, item 10: genuine messages overwritten by an unauthenticated value right
+    after their worker wrote them. A reply (the worker's next message proves it was
+    written) becomes that request's error at once, the workers kept; a reply and the
+    worker's last message of the wave fail the wave at its timeout. Every error names the
+    refused key; nothing escapes `generate`."""
+    from control_attacks import Store, forged_reply
+
+    overwritten = {"msg/0/1", "msg/0/3", "msg/0/4"}  # wave 0's reply; wave 1's reply, done
+    store = Store(dist.HashStore(), lambda key, value: forged_reply(0) if key in overwritten
+                  else value)
+    with _torchrun_engine(store, new_secret(), wave_timeout_s=1.5) as engine:
+        start = time.monotonic()
+        (first,) = engine.generate([Request(prompt="x", seed=1)])  # not at the timeout:
+        assert first.output is None and first.dp_rank == 0  # the error says why
+        assert engine.generations == 1 and engine._workers is not None
+        assert "ChannelError: its reply at 'msg/0/1' in the job's store was replaced" \
+            in first.error
+        (second,) = engine.generate([Request(prompt="y", seed=2)])
+        assert time.monotonic() - start < 10
+    assert second.output is None and "timed out after 1.5 s" in second.error
+    assert "refused 3 values in the job's store, the latest at 'msg/0/4': it failed " \
+        "authentication" in second.error, second.error
 
 
 def test_torchrun_secret_comes_from_the_environment(tmp_path, monkeypatch):

@@ -18,17 +18,34 @@ worker has connected: then the listening socket is closed. Each connection start
 mutual challenge-response over HMAC-SHA256 with the engine's random 32-byte secret
 (`handshake`), which the workers get through multiprocessing's process-start pipe
 (never argv or the environment); a process that knows the port but not the secret is
-refused before it can read a request or send a reply. The process group meets in a ``FileStore`` in a private
-(0700) temporary folder and gloo is bound to the loopback interface, so no rendezvous
-port is published. What this does not cover: gloo's own loopback connections are not
-authenticated (torch.distributed has no authentication); a local user who finds and
-connects to them can disturb the collectives, though not read or forge the control
-plane. Under ``torchrun`` (`serve`) the control plane lives in the job's store, which
-listens where torchrun says; every message there carries an HMAC-SHA256 of its key and
-value under a secret from ``DLO_FX_ENGINE_SECRET`` or a 0600 file named by
-``DLO_FX_ENGINE_SECRET_FILE``, so forged or replayed messages are refused, and keys are
-deleted once read. Messages there are not encrypted: run the job on a network you trust
-with what the prompts say.
+refused before it can read a request or send a reply. Each handshake runs on a thread of
+its own and is cut off after ``_HANDSHAKE_S``, so connections that stay silent delay
+neither the workers nor the start's deadline (`LocalFront`). The process group meets in
+a ``FileStore`` in a private (0700) temporary folder and gloo is bound to the loopback
+interface, so no rendezvous port is published. What this does not cover: gloo's own
+loopback connections are not authenticated (torch.distributed has no authentication); a
+local user who finds and connects to them can disturb the collectives, though not read
+or forge the control plane.
+
+Under ``torchrun`` (`serve`) the control plane lives in the job's store, torchrun's
+``TCPStore``, which has no authentication: any process that reaches its port (other
+users of the node; other hosts, unless a firewall stops them) can list, read, write and
+delete its keys. Every message there carries an HMAC-SHA256 under the job's secret
+(``DLO_FX_ENGINE_SECRET``, or a 0600 file named by ``DLO_FX_ENGINE_SECRET_FILE``) over a
+nonce the ranks agree on for this job, the key and the value (see [Note: messages bound
+to their job] in store_channel.py). So such a process cannot make the front end take a
+forged reply, or one recorded in an earlier job with the same secret, nor make a worker
+run a wave the front end did not send: such values are refused, never taken, never
+raised. What it can still do: read every request (prompts, negative prompts, seeds,
+``extra_args``) and every output while they sit in the store, since they are signed, not
+encrypted; see how many requests, waves and replies there are, their sizes and timing;
+and deny service, by deleting or overwriting a message after its writer stored it: that
+request gets an error (a reply whose loss the worker's next message proves, at once),
+or its wave fails at its timeout, and a torchrun job cannot restart its workers, so its
+later waves fail too. It can also disturb the process group, which meets in the same
+store over unauthenticated gloo or NCCL connections. The secret protects the answers,
+not the prompts: run such jobs where every user who can reach the store's port may read
+them.
 """
 
 from __future__ import annotations
@@ -37,9 +54,12 @@ import hashlib
 import hmac
 import json
 import logging
+import os
+import queue
 import secrets
 import socket
 import struct
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, NamedTuple, Optional
@@ -53,6 +73,7 @@ log = logging.getLogger(__name__)
 _META = "dlo_fx_reply"
 _HELLO = b"dlo-fx-engine-1\0"
 _HANDSHAKE_S = 2
+_HANDSHAKES = 64
 
 
 class ChannelError(RuntimeError):
@@ -131,6 +152,14 @@ def _recv_timeout(conn: Connection, seconds: float) -> None:
         sock.detach()
 
 
+def _cut(sock: socket.socket) -> None:
+    """End a connection's handshake: its thread's next read ends at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def handshake(conn: Connection, secret: bytes, *, server: bool) -> None:
     """Mutual challenge-response: each side proves it holds ``secret`` over the other's
     fresh nonce; ``ChannelError`` when the peer does not."""
@@ -159,7 +188,12 @@ def handshake(conn: Connection, secret: bytes, *, server: bool) -> None:
 
 class LocalFront:
     """The front end of a local engine: listens on loopback until every worker rank has
-    connected and authenticated, then talks to each over its own connection."""
+    connected and authenticated, then talks to each over its own connection.
+
+    Each connection's handshake runs on a thread of its own and is cut off after
+    ``_HANDSHAKE_S``, so peers that connect and stay silent (or trickle bytes) delay
+    neither the workers nor the front end's loop, which checks its deadline every poll;
+    at most ``_HANDSHAKES`` run at once (more wait in the listen queue)."""
 
     def __init__(self, world: int, secret: bytes) -> None:
         self.world = world
@@ -167,42 +201,89 @@ class LocalFront:
         self._listener: Optional[socket.socket] = socket.socket(socket.AF_INET,
                                                                 socket.SOCK_STREAM)
         self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(2 * world)
+        self._listener.listen(_HANDSHAKES)  # room for the workers behind silent peers
         self._listener.setblocking(False)
         self.address: tuple[str, int] = self._listener.getsockname()
         self.conns: dict[int, Connection] = {}
         self.lost: dict[int, str] = {}
         """Ranks whose connection closed, and how."""
+        self.refused = ""
+        """How many connections were refused, and the latest ("" if none)."""
+        self._refusals = 0
+        self._handshakes: dict[int, tuple[socket.socket, float]] = {}
+        """Handshakes running, by number: the accepted socket and when it began."""
+        self._accepted = 0
+        self._shaken: "queue.SimpleQueue[tuple[int, Optional[Connection], Any, str]]" = \
+            queue.SimpleQueue()
+        """Finished handshakes: ``(number, conn, rank, "")``, or ``(number, None, peer,
+        why it was refused)``."""
 
     def _accept(self) -> None:
-        assert self._listener is not None
-        while len(self.conns) < self.world:
+        """Start a handshake for every queued connection (as many as may run at once)."""
+        while self._listener is not None and len(self._handshakes) < _HANDSHAKES:
             try:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             sock.setblocking(True)
-            conn = Connection(sock.detach())
+            self._accepted += 1
+            self._handshakes[self._accepted] = (sock, time.monotonic())
+            # The thread reads a duplicate, so that `_admit` can cut it off by shutting
+            # the socket down, whatever the thread does with its descriptor meanwhile.
+            conn = Connection(os.dup(sock.fileno()))
+            threading.Thread(target=self._handshake, args=(self._accepted, conn, peer),
+                             daemon=True, name="dlo-engine-handshake").start()
+
+    def _handshake(self, number: int, conn: Connection, peer: Any) -> None:
+        """One connection's handshake, on its own thread; the result goes to `_admit`."""
+        try:
+            _recv_timeout(conn, _HANDSHAKE_S)
+            handshake(conn, self.secret, server=True)
+            header, _ = unpack(conn.recv_bytes(4096))
+            rank = header.get("rank")
+            if not isinstance(rank, int) or not 0 <= rank < self.world:
+                raise ChannelError(f"a worker connected as rank {rank!r}")
+            _recv_timeout(conn, 0)
+        except Exception as exc:
+            conn.close()
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self._shaken.put((number, None, f"{peer[0]}:{peer[1]}", why))
+            return
+        self._shaken.put((number, conn, rank, ""))
+
+    def _admit(self) -> None:
+        """Take the connections whose handshake finished, and cut off those that ran
+        past ``_HANDSHAKE_S`` (on the caller's thread)."""
+        while True:
             try:
-                _recv_timeout(conn, _HANDSHAKE_S)  # a silent peer cannot stall the front end
-                handshake(conn, self.secret, server=True)
-                header, _ = unpack(conn.recv_bytes(4096))
-                rank = header.get("rank")
-                if not isinstance(rank, int) or not 0 <= rank < self.world or rank in self.conns:
-                    raise ChannelError(f"a worker connected as rank {rank!r}")
-                _recv_timeout(conn, 0)
-            except (ChannelError, OSError, EOFError, ValueError, struct.error) as exc:
-                log.warning("dlo engine: refused a control connection from %s: %s", peer, exc)
+                number, conn, who, why = self._shaken.get_nowait()
+            except queue.Empty:
+                break
+            self._handshakes.pop(number)[0].close()
+            if conn is not None and (who in self.conns or len(self.conns) == self.world):
                 conn.close()
+                conn, why = None, f"a second connection as rank {who}"
+            if conn is not None:
+                self.conns[who] = conn
                 continue
-            self.conns[rank] = conn
-        self._listener.close()
-        self._listener = None
+            self._refusals += 1
+            self.refused = (f"refused {self._refusals} connection"
+                            f"{'s' if self._refusals > 1 else ''} to the control port, the "
+                            f"latest from {who}: {why}")
+            log.warning("dlo engine: refused a control connection from %s: %s", who, why)
+        late = time.monotonic() - _HANDSHAKE_S
+        for sock, began in self._handshakes.values():
+            if began < late:
+                _cut(sock)
+        if len(self.conns) == self.world and self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def receive(self, timeout_s: float) -> list[Message]:
         """Messages that arrived within ``timeout_s`` (accepting workers meanwhile)."""
+        self._admit()
         waitables: list[Any] = [c for r, c in self.conns.items() if r not in self.lost]
-        if self._listener is not None:
+        if self._listener is not None and len(self._handshakes) < _HANDSHAKES:
             waitables.append(self._listener)
         messages = []
         for ready in wait(waitables, timeout_s):
@@ -233,6 +314,9 @@ class LocalFront:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        for sock, _ in self._handshakes.values():
+            _cut(sock)
+            sock.close()
         for conn in self.conns.values():
             conn.close()
 

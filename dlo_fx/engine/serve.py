@@ -46,8 +46,8 @@ class TorchrunWorkers(WorkerSet):
         super().__init__(StoreFront(store, secret, spec.topology.world_size), spec)
         self._launched = False
         self._stopped = False
-        self._thread = threading.Thread(target=self._rank0, args=(StoreWorker(store, secret, 0),
-                                                                  device),
+        channel = StoreWorker(store, secret, 0, timeout_s=spec.timeout_s)
+        self._thread = threading.Thread(target=self._rank0, args=(channel, device),
                                         daemon=True, name="dlo-engine-rank0")
         self._thread.start()
 
@@ -57,8 +57,7 @@ class TorchrunWorkers(WorkerSet):
             server.ready()
             server.serve()
         except BaseException as exc:  # the front end, in this process, logs it
-            channel.send({"kind": "fatal", "rank": 0,
-                          "report": failure_report(0, self.spec.topology, exc)})
+            _report(channel, failure_report(0, self.spec.topology, exc))
 
     def launch(self, spec: WorkerSpec) -> WorkerSet:
         if self._launched:
@@ -83,6 +82,16 @@ class TorchrunWorkers(WorkerSet):
             pass
         if not kill:
             self._thread.join(timeout=10)
+
+
+def _report(channel: StoreWorker, report: dict) -> None:
+    """Tell the front end why this worker stops; when the control plane itself failed,
+    the log is the only trace."""
+    try:
+        channel.send({"kind": "fatal", "rank": report["rank"], "report": report})
+    except Exception as exc:
+        log.error("dlo engine: worker rank %d could not report its failure (%s):\n%s",
+                  report["rank"], exc, report["traceback"])
 
 
 def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
@@ -124,15 +133,14 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
     if rank == 0:
         workers = TorchrunWorkers(control, secret, spec, device_name)
         return Engine(pipeline, world // sp_size, launcher=workers.launch, **common)
-    channel = StoreWorker(control, secret, rank)
+    channel = StoreWorker(control, secret, rank, timeout_s=spec.timeout_s)
     try:
         server = WaveServer(channel, spec, rank, device_name)
         server.ready()
         server.serve()
     except BaseException as exc:
         log.error("dlo engine: worker rank %d failed", rank, exc_info=True)
-        channel.send({"kind": "fatal", "rank": rank,
-                      "report": failure_report(rank, spec.topology, exc)})
+        _report(channel, failure_report(rank, spec.topology, exc))
         raise
     finally:
         dist.destroy_process_group()

@@ -50,6 +50,11 @@ class WorkerSet:
         """What the pipeline declared it serves (rank 0's, once ready)."""
         self._inbox: list[Message] = []
         self._seq = 0
+        self._refused = ""
+        """``channel.refused`` when the current wait began: a timeout names what the
+        channel refused since (see [Note: messages bound to their job])."""
+        self._lost: dict[int, str] = {}
+        """Ranks with a message of this wave lost in the store, and its key."""
 
     # -- what subclasses provide ------------------------------------------------------------
     def dead(self) -> list[str]:
@@ -88,8 +93,11 @@ class WorkerSet:
             dead = dead or [f"worker rank {r}: {why}" for r, why in sorted(lost.items())]
             raise WaveFailed(f"{'; '.join(dead)} while {waiting_for}")
         if time.monotonic() > deadline:
+            refused = self.channel.refused
             raise WaveFailed(f"timed out after {timeout_s:g} s (wave_timeout_s) while "
-                             f"{waiting_for}")
+                             f"{waiting_for}" + (f"; meanwhile the control plane "
+                                                 f"{refused}" if refused != self._refused
+                                                 else ""))
 
     def _fatal_message(self) -> str:
         for rank, report in sorted(self.fatal.items()):
@@ -100,6 +108,7 @@ class WorkerSet:
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        self._refused = self.channel.refused
         while len(self.ready) < self.world:
             self._check(deadline, "starting the workers", timeout_s)
             self._pump(0.02)
@@ -113,6 +122,8 @@ class WorkerSet:
         seq = self._seq
         self._seq += 1
         deadline = time.monotonic() + timeout_s
+        self._refused = self.channel.refused
+        self._lost.clear()
         self.channel.broadcast({"kind": "wave", "seq": seq, "wave": wave,
                                 "requests": [r.to_dict() for r in requests],
                                 "assign": list(assign)})
@@ -148,11 +159,16 @@ class WorkerSet:
     def _accept(self, message: Message, seq: int, replier: dict, replies: dict,
                 done: set) -> None:
         header = message.header
+        if header.get("kind") == "lost":  # see [Note: messages bound to their job]
+            self._lost[message.rank] = header["key"]
+            return
         if header.get("seq") != seq:
             raise WaveFailed(f"worker rank {message.rank} sent a {header.get('kind')!r} for "
                              f"message {header.get('seq')}, expected {seq}")
         if header.get("kind") == "done":
             done.add(message.rank)
+            if message.rank in self._lost:
+                self._lost_replies(message.rank, replier, replies)
             return
         index = header.get("index")
         if (header.get("kind") != "reply" or index not in replier or index in replies
@@ -163,6 +179,20 @@ class WorkerSet:
         if "error" not in header:
             reply["output"] = decode_output(message.payload)
         replies[index] = reply
+
+    def _lost_replies(self, rank: int, replier: dict, replies: dict) -> None:
+        """Worker ``rank`` finished the wave, but a message of it was replaced in the
+        store: a reply it owes that has not arrived is that message; answer it with an
+        error naming the key."""
+        key, topology = self._lost.pop(rank), self.spec.topology
+        if not topology.replies(rank):
+            return
+        for index, dp_rank in replier.items():
+            if index not in replies and dp_rank == topology.dp_rank(rank):
+                replies[index] = {"dp_rank": dp_rank, "error": (
+                    f"ChannelError: its reply at {key!r} in the job's store was replaced by a "
+                    "value that failed authentication (a process without this job's secret "
+                    "wrote it)")}
 
     def problem(self) -> Optional[str]:
         """Why this set cannot take a wave (a worker failed or died while idle), or
