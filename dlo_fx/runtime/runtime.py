@@ -58,6 +58,7 @@ import torch
 from ..config import DLOConfig, same_device
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .agreement import agree_on_settings
 from .collectives import ShardGroup, gather_in_place, resolve_shard_group
 from . import platform
 from .device_slots import SlotBlocks, device_slots
@@ -81,6 +82,7 @@ class Runtime:
         # See [Note: what a model owns and what a device shares].
         self.shared = device_slots(device, config.num_slots, config.fault_delay_s)
         self.pid = os.getpid()  # see [Note: a forked process]
+        agree_on_settings(config, device)  # before the group these settings pick is made
         self.group: ShardGroup = self.shared.shard_group(config.shard_group,
                                                          config.collective_timeout_s,
                                                          resolve_shard_group)
@@ -417,6 +419,8 @@ class Runtime:
                     # again. (An interrupted wait is no failure: the copy still runs.)
                     self.broken = f"{type(exc).__name__}: {exc}"
                     self.slot_block = [None] * self.slots.num_slots
+                    # The failure is this model's only ([Note: a failure stays with its model])
+                    self.shared.drop_failed(slot, pending)
                 raise
             if self._pending[slot] is pending:
                 self._pending[slot] = None
@@ -442,7 +446,11 @@ class Runtime:
         for slot, pending in enumerate(self._pending):
             try:
                 self.executor.wait(pending)
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, Exception) and self.executor.failed(pending):
+                    # the failure of the model that issued it, raised by its own wait
+                    self.shared.drop_failed(slot, pending)
+                    continue
                 if raise_errors:
                     raise  # the handle stays: an interrupted drain can be waited on again
             if self._pending[slot] is pending:
