@@ -1,5 +1,6 @@
 """Find a safetensors checkpoint on disk, validate every file's header, and read tensors
-through short-lived mmap views.
+with ``os.pread`` (never through a mapping: a file truncated while it is read is an error
+naming it, where a mapped page of it raised SIGBUS).
 
 Forms understood by `resolve_checkpoint`:
 
@@ -18,7 +19,6 @@ so a truncated file or a corrupt header is an error naming the file, not a crash
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -26,12 +26,12 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 __all__ = ["CheckpointError", "Checkpoint", "TensorInfo", "resolve_checkpoint", "read_header",
-           "load_error", "open_views", "read_tensor"]
+           "load_error", "read_tensor"]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit
@@ -365,37 +365,3 @@ def _data_offset(info: TensorInfo) -> int:
         raise CheckpointError(f"{info.path}: no tensor {info.key!r} in its header; the file "
                               "changed since it was opened: restore it")
     return found.offset
-
-
-@contextlib.contextmanager
-def open_views(infos: Sequence[TensorInfo]) -> Iterator[dict[str, torch.Tensor]]:
-    """mmap views of ``infos``' tensors, by key, valid inside the ``with`` block only.
-
-    Each file is opened with ``safetensors.safe_open`` (one private read-only mapping shared
-    with the OS page cache, so ranks on one host read the same pages). The views, the
-    handles and so the mappings are dropped on exit: open one group of tensors at a time to
-    keep the mapped (and PSS-counted) pages to that group.
-    """
-    from safetensors import safe_open
-
-    views: dict[str, torch.Tensor] = {}
-    handles = []
-    try:
-        by_file: dict[str, list[TensorInfo]] = {}
-        for info in infos:
-            by_file.setdefault(info.path, []).append(info)
-        for path, group in by_file.items():
-            try:
-                handle = safe_open(path, framework="pt", device="cpu")
-                handles.append(handle)
-                for info in group:
-                    views[info.key] = handle.get_tensor(info.key)
-            except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"{path}: reading tensor(s) failed: {exc}") from exc
-        yield views
-    finally:
-        views.clear()
-        for handle in handles:
-            with contextlib.suppress(Exception):
-                handle.__exit__(None, None, None)
-        handles.clear()

@@ -59,10 +59,9 @@ from torch import nn
 
 from .checkpoint import Checkpoint, load_error, read_tensor, resolve_checkpoint
 from .config import DLOConfig
-from .load_plan import KeyMap, LoadPlan, Target, plan_load
+from .load_plan import KeyMap, LoadPlan, Target, agree_on_load, plan_load
 from .module_guard import guard_module
 from .runtime.eager import fetch_eagerly
-from .load_plan import agree_on_load
 from .runtime.fingerprint import extent_sources, file_fingerprint
 from .runtime.host_store import hollow_tensor
 from .runtime.layout import span_as_bytes

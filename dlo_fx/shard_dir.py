@@ -14,13 +14,21 @@ makes for the same options) and writes:
 * ``dlo-shards.json``: the manifest: the model class, N, the mode, the options that shape
   the blocks (``alignment``, ``block_bytes``, ``resident_bytes``, ``resident``, ``dtype``),
   the plan digest (every block's FQNs, shapes, strides, dtypes and offsets), an id that
-  every rank file repeats in its metadata, and each file's size.
+  every rank file repeats in its metadata, each file's size, each block's size in a rank
+  file (``block_shard_bytes``), each block's fingerprint of the checkpoint as `dlo_fx.load`
+  takes it (``fingerprints``) and a sampled digest of every block of every rank file
+  (``block_checks``).
 
-``dlo_fx.load(cls, DIR, options=...)`` recognises the manifest, plans the load as usual,
-and raises ValueError listing every field that differs from what the manifest was written
-for (a shard file that is missing, of another ``dlo-fx shard`` run, or of another size is
-an error too) before anything is registered. With ``host_store="mmap"`` the blocks are then
-served from the rank file; with ``"memory"`` each rank reads its file once.
+``dlo_fx.load(cls, DIR, options=...)`` recognises the manifest (a malformed one is a
+`CheckpointError` naming the field), plans the load as usual, and raises ValueError listing
+every field that differs from what the manifest was written for before anything is
+registered. The rank's file is checked against the manifest first: missing, of another
+``dlo-fx shard`` run, of another size, a header whose ``block.B`` is not exactly
+``block_shard_bytes[B]`` uint8 bytes inside the file, or sampled bytes that differ from the
+digests, each an error naming the file (and the block). Ranks loading folders of two runs
+are refused by the ranks' agreement (the run id and the fingerprints; see [Note: one
+agreement before the first gather] in runtime/agreement.py). With ``host_store="mmap"`` the
+blocks are then served from the rank file; with ``"memory"`` each rank reads its file once.
 """
 
 from __future__ import annotations
@@ -39,12 +47,12 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .checkpoint import Checkpoint, CheckpointError, TensorInfo, open_views, read_header
+from .checkpoint import Checkpoint, CheckpointError, TensorInfo, read_header, read_tensor
 from .config import DLOConfig
 from .load_plan import LoadPlan, Target
-from .runtime.file_store import CHECK_SAMPLES, CHECK_WINDOW, Convert, Extent
+from .runtime.file_store import CHECK_SAMPLES, CHECK_WINDOW, Convert, Extent, read_extents
 from .runtime.fingerprint import extent_sources, file_fingerprint
-from .runtime.layout import Entry, ShardSpec, copy_into_shard, plan_offsets
+from .runtime.layout import Entry, ShardSpec, plan_offsets
 
 __all__ = ["MANIFEST", "ShardDir", "checkpoint_extents", "write_shard_dir"]
 
@@ -146,14 +154,11 @@ def sampled_digest(read: Any, nbytes: int) -> str:
 
 
 def _padded_block(block: Sequence[Target], offsets: list[int], spec: ShardSpec) -> torch.Tensor:
-    """A block's whole padded flat image, read from the checkpoint."""
-    from .loader import _model_layout_bytes  # the loader's own conversion
-
+    """A block's whole padded flat image, read from the checkpoint with ``pread`` and
+    converted as `dlo_fx.load` converts it (the same extents)."""
     flat = torch.zeros(spec.padded_bytes, dtype=torch.uint8)
-    entries = _entries(block, offsets)
-    with open_views([t.info for t in block if t.nbytes]) as views:
-        sources = [_model_layout_bytes(t, views[t.info.key]) if t.nbytes else None for t in block]
-        copy_into_shard(flat, entries, sources, 0)
+    read_extents(checkpoint_extents(block, _entries(block, offsets)), 0, flat,
+                 f"the block of {block[0].fqn!r}")
     return flat
 
 
@@ -226,9 +231,8 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
             f.close()
     common: dict[str, torch.Tensor] = {}
     small = [t for t in plan.buffers + plan.resident if t.info is not None]
-    with open_views([t.info for t in small]) as views:
-        for t in small:
-            common[t.fqn] = _materialised(t, views[t.info.key], torch.device("cpu")).contiguous()
+    for t in small:
+        common[t.fqn] = _materialised(t, read_tensor(t.info), torch.device("cpu")).contiguous()
     from safetensors.torch import save_file
 
     save_file(common, str(out / COMMON), metadata={"format": FORMAT, "shard_id": shard_id})
