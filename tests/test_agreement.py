@@ -122,7 +122,7 @@ def test_index_entry_outside_its_folder_is_refused(files, tmp_path, name):
 
 
 @pytest.mark.parametrize("change", ["no-dp", "files-list", "tensor-not-object", "bad-dtype",
-                                    "no-fingerprints", "shard-bytes-short"])
+                                    "no-fingerprints", "shard-bytes-short", "common-dtype"])
 def test_malformed_manifest_is_a_clear_error(files, tmp_path, change):
     folder = tmp_path / "m"
     write_shard_dir(ReferenceDiT, files["a"], str(folder), dp=1, config=files["config"],
@@ -138,8 +138,10 @@ def test_malformed_manifest_is_a_clear_error(files, tmp_path, change):
         manifest["tensors"][next(iter(manifest["tensors"]))]["dtype"] = "torch.nonsense"
     elif change == "no-fingerprints":
         del manifest["fingerprints"]
-    else:
+    elif change == "shard-bytes-short":
         manifest["block_shard_bytes"] = manifest["block_shard_bytes"][:-1]
+    else:  # a tensor of common.safetensors said to have another dtype than its header's
+        manifest["tensors"]["modulation_table"]["dtype"] = "torch.float16"
     (folder / MANIFEST).write_text(json.dumps(manifest))
     fresh()
     with pytest.raises(CheckpointError, match="manifest") as info:

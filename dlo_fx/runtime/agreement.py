@@ -17,6 +17,13 @@ in one exchange, before any gather of the blocks they describe:
   the resident parameters, a sampled fingerprint of every block's weights whatever the
   store (`fingerprint.py`), and the ``dlo-fx shard`` run the files come from.
 
+The settings that pick a runtime's weight group (``num_slots``, ``fault_delay_s``, the
+timeout, the shard group) are compared once more, earlier, when the runtime is made and
+before it takes that group (`agree_on_settings`, on a control group of the same ranks):
+the group is made per setting by ``dist.new_group``, which pairs the ranks' calls by count,
+so a group made on one rank only would leave every later exchange paired with something
+else. The same comparison and messages serve both exchanges.
+
 `dlo_fx.load` agrees once its blocks are stored (a rank whose load failed joins the
 exchange with its error, so every rank raises together instead of waiting out the
 timeout); a compile that stores new blocks agrees on its plan and their weights
@@ -30,10 +37,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 __all__ = ["Fact", "agree", "agree_on_compile", "agree_on_settings", "runtime_facts"]
+
+_SETTINGS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -224,5 +234,6 @@ def agree_on_settings(config: Any, device: Any) -> None:
     mine = {"rank": group.ranks[group.rank], "position": group.rank, "error": None,
             "names": [f.name for f in facts], "facts": [f.value for f in facts]}
     what = "the runtime of a new model"
-    rows = exchange_json(mine, group, f"the settings of {what}")
+    with _SETTINGS_LOCK:  # one exchange at a time on the control group in this process
+        rows = exchange_json(mine, group, f"the settings of {what}")
     _compare(group, rows, facts, what)
