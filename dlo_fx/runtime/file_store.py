@@ -171,27 +171,25 @@ def _sample_runs(files: dict[str, _ServedFile], runs: list[_Run], what: str) -> 
     out, base, k = [], 0, 0
     for r in runs:
         at: list[int] = []
+        seen = bytearray()
+        f = files[r.path]
         while k < len(starts) and starts[k] < base + r.src_nbytes:
-            pos = starts[k] - base
-            at += range(pos, min(pos + CHECK_WINDOW, r.src_nbytes))
+            pos = max(starts[k] - base, at[-1] + 1 if at else 0)  # windows never overlap
+            n = min(CHECK_WINDOW, r.src_nbytes - pos)
+            if n > 0:  # one small read per window
+                raw = os.pread(f.fd, n, r.offset + pos)
+                if len(raw) < n:
+                    f.check(what)
+                    raise FileChangedError(
+                        f"dlo: {f.path} ended while reading {r.what} of {what}; the file is "
+                        "truncated: restore it and load the model again")
+                at += range(pos, pos + n)
+                seen += raw
             k += 1
         base += r.src_nbytes
-        if not at:
-            out.append(r)
-            continue
-        at = sorted(set(at))
-        f = files[r.path]
-        seen = bytearray(len(at))
-        lo = at[0]
-        raw = os.pread(f.fd, at[-1] + 1 - lo, r.offset + lo)
-        if len(raw) < at[-1] + 1 - lo:
-            f.check(what)
-            raise FileChangedError(f"dlo: {f.path} ended while reading {r.what} of {what}; "
-                                   "the file is truncated: restore it and load the model again")
-        for i, a in enumerate(at):
-            seen[i] = raw[a - lo]
-        out.append(replace(r, check_at=torch.tensor(at, dtype=torch.int64),
-                           check_bytes=torch.frombuffer(seen, dtype=torch.uint8)))
+        out.append(r if not at else replace(
+            r, check_at=torch.tensor(at, dtype=torch.int64),
+            check_bytes=torch.frombuffer(seen, dtype=torch.uint8)))
     return out
 
 
