@@ -86,6 +86,10 @@ def agreement_cases(rank: int, world: int, files: dict) -> dict:
             a, config, {**opts, "num_slots": 2 + rank}, a))
         out[("slots-after", store)] = outcome(lambda: _loaded_equal(
             a, config, {**opts, "num_slots": 3}, a))
+    # rank-local mode gathers nothing: the order of the list changes nothing either
+    out[("order", "rank-local")] = outcome(lambda: _loaded_equal(
+        a, config, {**base, "mode": "rank_local", "host_store": "mmap", "shard_group": [1, 0]},
+        a))
     # A model built in memory and compiled (its blocks agreed at compile)
     out[("order", "built")] = outcome(lambda: _built_equal({**base, "shard_group": [1, 0]}))
     out[("slots", "built")] = outcome(lambda: _built_equal({**base, "num_slots": 2 + rank}))

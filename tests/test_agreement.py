@@ -37,6 +37,7 @@ def _two_ranks():
 def test_ranks_agree_on_everything_that_shapes_a_gather(spawned):
     results = spawned
     for rank, out in results.items():
+        assert out[("order", "rank-local")] is True, (rank, out[("order", "rank-local")])
         for store in (*STORES, "built"):
             # 1. shard_group=[1, 0]: accepted in any order, exact
             assert out[("order", store)] is True, (rank, store, out[("order", store)])
