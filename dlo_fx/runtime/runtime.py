@@ -181,8 +181,9 @@ class Runtime:
                        sources: Optional[Sequence[torch.Tensor]] = None,
                        extents: Optional[Sequence] = None) -> int:
         """Store ``params`` as a new host block (this rank's shard of it) and hollow them.
-        ``sources`` are flat uint8 images of each parameter's storage span (the loader
-        passes mmap views); by default the parameters' own bytes are read."""
+        ``sources`` are flat uint8 images of each parameter's storage span; by default the
+        parameters' own bytes are read. ``extents``: where they are in files (the loader's
+        blocks, `HostStore.add_block`)."""
         if self.mode is None:
             raise RuntimeError("dlo: internal error: a block is stored before the mode is "
                                "decided (passes.choose_mode or the loader decides it)")
