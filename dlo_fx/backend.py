@@ -25,9 +25,9 @@ from torch import fx
 from .config import DLOConfig
 from .dynamo_contains import install as install_contains_fix
 from .passes import PassContext, run_passes
-from .runtime.collectives import check_same_plan
+from .runtime.agreement import agree_on_compile
 from .module_guard import guard_module
-from .runtime.fingerprint import block_fingerprint, check_same_weights
+from .runtime.fingerprint import block_fingerprint
 from .runtime.graph_call import (compile_clock, note_compile, note_graph, record_schedule,
                                   run_graph)
 from .runtime.layout import span_as_bytes
@@ -374,15 +374,15 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
     if runtime.mode == "allgather" and new:  # see [Note: a compile on one rank only]
         compile_clock(runtime, len(ctx.blocks), f"compiling a graph of {len(ctx.params)} parameters")
         rows = [(len(b.params), b.nbytes, b.params[0].fqn) for b in ctx.blocks]
-        check_same_plan(rows, runtime.group, f"a graph of {len(ctx.params)} parameters")
         fingerprints = []
         for b in new:
             params = [p.param for p in b.params]
             entries, _ = runtime.store.layout(params, [p.fqn for p in b.params])
             fingerprints.append(block_fingerprint(
                 entries, [span_as_bytes(p) if p.numel() else None for p in params]))
-        check_same_weights(runtime, fingerprints, [b.params[0].fqn for b in new],
-                           f"a graph of {len(ctx.params)} parameters")
+        agree_on_compile(runtime, rows, [p.fqn for p in ctx.resident if p.first >= 0],
+                         fingerprints, [b.params[0].fqn for b in new],
+                         f"a graph of {len(ctx.params)} parameters")
     for block in new:
         runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params],
                                defer=True)

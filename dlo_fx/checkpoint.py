@@ -1,5 +1,6 @@
 """Find a safetensors checkpoint on disk, validate every file's header, and read tensors
-through short-lived mmap views.
+with ``os.pread`` (never through a mapping: a file truncated while it is read is an error
+naming it, where a mapped page of it raised SIGBUS).
 
 Forms understood by `resolve_checkpoint`:
 
@@ -18,7 +19,6 @@ so a truncated file or a corrupt header is an error naming the file, not a crash
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -26,12 +26,12 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 __all__ = ["CheckpointError", "Checkpoint", "TensorInfo", "resolve_checkpoint", "read_header",
-           "open_views"]
+           "load_error", "read_tensor"]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit
@@ -61,6 +61,7 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    offset: Optional[int] = None  # where its bytes start in the file (None: not known)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     for key, meta in header.items():
         if key == "__metadata__":
             continue
-        out[key] = _tensor_info(path, key, meta, data_bytes)
+        out[key] = _tensor_info(path, key, meta, data_bytes, 8 + length)
     _check_with_reader(path)
     return out
 
@@ -138,7 +139,7 @@ def _check_with_reader(path: str) -> None:
                               "re-save it") from None
 
 
-def _tensor_info(path: str, key: str, meta: object, data_bytes: int) -> TensorInfo:
+def _tensor_info(path: str, key: str, meta: object, data_bytes: int, base: int) -> TensorInfo:
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: corrupt safetensors header for tensor {key!r}: {what}")
 
@@ -161,7 +162,8 @@ def _tensor_info(path: str, key: str, meta: object, data_bytes: int) -> TensorIn
         raise CheckpointError(
             f"{path}: truncated safetensors file: tensor {key!r} ends at data byte {offsets[1]} "
             f"but the file holds only {data_bytes} data bytes; re-download or re-save it")
-    return TensorInfo(key=key, path=path, dtype=dtype, shape=tuple(shape), nbytes=nbytes)
+    return TensorInfo(key=key, path=path, dtype=dtype, shape=tuple(shape), nbytes=nbytes,
+                      offset=base + offsets[0])
 
 
 # -- finding the files --------------------------------------------------------------------
@@ -237,6 +239,7 @@ def _from_index(index: Path, source: str) -> Checkpoint:
                               "mapping tensor names to file names")
     files = list(dict.fromkeys(weight_map.values()))
     for name in files:
+        _inside(index, name)
         if not name.endswith(".safetensors"):
             _refuse_pickles([Path(name)], str(index))
             raise CheckpointError(f"{index}: shard {name!r} is not a .safetensors file")
@@ -253,6 +256,19 @@ def _from_index(index: Path, source: str) -> Checkpoint:
         tensors[key] = info
     return Checkpoint(source=source, files=tuple(str(index.parent / n) for n in files),
                       tensors=tensors, folder=str(index.parent))
+
+
+def _inside(index: Path, name: str) -> None:
+    """Refuse an index entry that names a file outside the index's folder (an absolute
+    path, or ``..`` leading out of it): a checkpoint is the files of its folder. Checked
+    on the path as written, so a symbolic link inside the folder (a Hugging Face cache
+    snapshot's links into its blobs) is still followed."""
+    folder = os.path.normpath(os.path.abspath(index.parent))
+    target = os.path.normpath(os.path.join(folder, name))
+    if os.path.isabs(name) or os.path.commonpath([folder, target]) != folder:
+        raise CheckpointError(f"{index} maps tensors to {name!r}, which is outside the folder "
+                              f"{index.parent}; an index may only name files in its own "
+                              "folder: move the file there and name it relative to the folder")
 
 
 def _from_files(paths: Sequence[Path], source: str, folder: Optional[Path]) -> Checkpoint:
@@ -318,35 +334,34 @@ def _components_hint(path: Path) -> str:
 
 
 # -- reading ------------------------------------------------------------------------------
-@contextlib.contextmanager
-def open_views(infos: Sequence[TensorInfo]) -> Iterator[dict[str, torch.Tensor]]:
-    """mmap views of ``infos``' tensors, by key, valid inside the ``with`` block only.
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """The tensor ``info`` names, read with ``os.pread`` into memory of its own (never a
+    mapping: a file truncated meanwhile is a `FileChangedError` naming it, not a SIGBUS)."""
+    from .runtime.file_store import Extent, read_extents
 
-    Each file is opened with ``safetensors.safe_open`` (one private read-only mapping shared
-    with the OS page cache, so ranks on one host read the same pages). The views, the
-    handles and so the mappings are dropped on exit: open one group of tensors at a time to
-    keep the mapped (and PSS-counted) pages to that group.
-    """
-    from safetensors import safe_open
+    offset = info.offset if info.offset is not None else _data_offset(info)
+    with torch.inference_mode(False):
+        flat = torch.empty(info.nbytes, dtype=torch.uint8)
+    read_extents([Extent(dest=0, nbytes=info.nbytes, path=info.path, offset=offset,
+                         src_nbytes=info.nbytes, what=repr(info.key))], 0, flat,
+                 f"tensor {info.key!r}")
+    return flat.view(info.dtype).view(info.shape)
 
-    views: dict[str, torch.Tensor] = {}
-    handles = []
-    try:
-        by_file: dict[str, list[TensorInfo]] = {}
-        for info in infos:
-            by_file.setdefault(info.path, []).append(info)
-        for path, group in by_file.items():
-            try:
-                handle = safe_open(path, framework="pt", device="cpu")
-                handles.append(handle)
-                for info in group:
-                    views[info.key] = handle.get_tensor(info.key)
-            except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"{path}: reading tensor(s) failed: {exc}") from exc
-        yield views
-    finally:
-        views.clear()
-        for handle in handles:
-            with contextlib.suppress(Exception):
-                handle.__exit__(None, None, None)
-        handles.clear()
+
+def load_error(exc: BaseException) -> BaseException:
+    """``exc`` as `dlo_fx.load` raises it: a file that could not be read as its header
+    promised (`FileChangedError`: removed, truncated or rewritten since it was checked) is
+    the checkpoint's problem, a `CheckpointError` naming the file."""
+    from .runtime.file_store import FileChangedError
+
+    if isinstance(exc, FileChangedError):
+        return CheckpointError(str(exc).removeprefix("dlo: "))
+    return exc
+
+
+def _data_offset(info: TensorInfo) -> int:
+    found = read_header(info.path).get(info.key)
+    if found is None or found.offset is None:
+        raise CheckpointError(f"{info.path}: no tensor {info.key!r} in its header; the file "
+                              "changed since it was opened: restore it")
+    return found.offset

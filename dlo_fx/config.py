@@ -75,7 +75,7 @@ class DLOConfig:
 
     alignment: int = 256
     """Byte alignment of every tensor inside a flattened block, and of shard sizes.
-    A power of two of at least 16. Default: ``256``."""
+    A power of two from 16 to 1 MiB. Default: ``256``."""
 
     shard_group: Any = None
     """Ranks a block is gathered over: a ``ProcessGroup``, a list of global ranks, or
@@ -84,7 +84,7 @@ class DLOConfig:
 
     collective_timeout_s: float = 300.0
     """Timeout of the weight-gather process group; a rank that dies or raises makes the
-    others raise within it. Finite and > 0. Default: ``300.0``."""
+    others raise within it. More than 0 and at most a week (604800). Default: ``300.0``."""
 
     dump_dir: Optional[str] = None
     """Folder to write schedule dumps into (``DLO_FX_DUMP_DIR`` sets it too).
@@ -115,7 +115,7 @@ class DLOConfig:
 
     fault_delay_s: float = 0.0
     """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``
-    to prove that ``wait`` orders the slot. Finite and >= 0. Default: ``0.0``."""
+    to prove that ``wait`` orders the slot. From 0 to 60. Default: ``0.0``."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
@@ -147,10 +147,10 @@ class DLOConfig:
                     "device_budget='auto'"
                 )
         _check_int("alignment", self.alignment, minimum=16)
-        if self.alignment & (self.alignment - 1):
+        if self.alignment & (self.alignment - 1) or self.alignment > MAX_ALIGNMENT:
             raise ValueError(
                 f"DLOConfig option 'alignment'={self.alignment!r} is not allowed: "
-                "it must be a power of two >= 16"
+                f"it must be a power of two from 16 to {MAX_ALIGNMENT} (1 MiB)"
             )
         for name in ("pin_memory", "trace", "debug_passes"):
             if not isinstance(getattr(self, name), bool):
@@ -158,13 +158,14 @@ class DLOConfig:
                     f"DLOConfig option {name!r}={getattr(self, name)!r} is not allowed: "
                     "expected True or False"
                 )
-        for name in ("collective_timeout_s", "fault_delay_s"):
+        for name, most in (("collective_timeout_s", MAX_TIMEOUT_S),
+                           ("fault_delay_s", MAX_FAULT_DELAY_S)):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < 0):
+                    or not math.isfinite(value) or not 0 <= value <= most):
                 raise ValueError(
                     f"DLOConfig option {name!r}={value!r} is not allowed: "
-                    "expected a finite number of seconds >= 0"
+                    f"expected a number of seconds from 0 to {most}"
                 )
         if self.collective_timeout_s == 0:
             raise ValueError(
@@ -260,6 +261,17 @@ class DLOConfig:
 
 MAX_SLOTS = 64
 """Most slots a runtime may have: each is the size of the largest block on the device."""
+
+MAX_ALIGNMENT = 1 << 20
+"""Largest ``alignment``: every tensor of a block, and the data of a shard file, starts at a
+multiple of it, so each costs up to that many bytes of padding."""
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest ``collective_timeout_s`` (a week): longer ones overflow the process group's
+timeout, and a hang that long is no timeout."""
+
+MAX_FAULT_DELAY_S = 60.0
+"""Longest ``fault_delay_s``: a test delay, not a sleep that outlives the process."""
 
 PER_COMPILE_OPTIONS = ("dump_dir", "debug_passes", "user_passes", "compiler", "trace")
 """Options each ``torch.compile`` call may set for itself. Every other option shapes the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from .runtime.layout import storage_span
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KeyMap", "LoadPlan", "Target", "plan_load"]
+__all__ = ["KeyMap", "LoadPlan", "Target", "agree_on_load", "plan_load"]
 
 log = logging.getLogger(__name__)
 
@@ -264,3 +264,31 @@ def _resident_set(params: list[Target], names: Sequence[str]) -> set[int]:
                              "(give parameter FQNs or module prefixes such as 'patch_embed')")
         keep.update(id(t) for t in hits)
     return keep
+
+
+def agree_on_load(runtime: Any, plan: LoadPlan, fingerprints: Sequence[int], shards: Any,
+                  error: Optional[BaseException] = None) -> None:
+    """The ranks' agreement once `dlo_fx.load` stored its blocks (see [Note: one agreement
+    before the first gather]): the runtime's facts, each block's layout, the resident
+    parameters, the `dlo-fx shard` run and every block's fingerprint. ``error``: this
+    rank's load failed; every rank raises."""
+    from .runtime.agreement import Fact, agree, layout_digest, runtime_facts
+    from .runtime.fingerprint import weights_fact
+
+    names = [b[0].fqn for b in plan.blocks]
+    stored = runtime.store.blocks[len(runtime.store.blocks) - len(plan.blocks):] \
+        if error is None else []
+    facts = runtime_facts(runtime) + [
+        Fact("`dlo-fx shard` run (the shard id in its manifest)",
+             shards.manifest["shard_id"] if shards is not None else None,
+             "Every rank must load the files of one `dlo-fx shard` run: copy that run's folder "
+             "to every rank (a folder of another run, or a stale copy, holds other weights), "
+             "or rerun `dlo-fx shard` once and copy its output"),
+        Fact("layouts", [layout_digest(b.entries, b.spec.padded_bytes) for b in stored],
+             "Every rank must load the same model with the same options and dtype",
+             blocks=names),
+        Fact("resident parameters", sorted(t.fqn for t in plan.resident),
+             "Every rank must load with the same resident= and resident_bytes"),
+        weights_fact(fingerprints, names),
+    ]
+    agree(runtime, facts, f"loading {plan.ckpt.source}", error)

@@ -14,11 +14,13 @@ before a single step runs. `load` never holds a private copy of the model:
    (`dlo_fx.partition`; budget = ``block_bytes`` or the largest layer); parameters
    smaller than ``resident_bytes``, or named in ``resident=``, are materialised on the
    device instead (`dlo_fx.residency`).
-4. For each block, its tensors are opened as safetensors mmap views (one read-only
-   mapping per file, backed by the OS page cache that every rank on the host shares), the
-   rank copies only the bytes of its own host shard, and the views and mappings are
-   dropped before the next block. A dtype cast or a non-contiguous parameter costs one
-   temporary of that tensor, never a whole-model copy.
+4. For each block, the rank reads only the bytes of its own host shard, with ``os.preadv``
+   from the files (served by the OS page cache that every rank on the host shares), never
+   through a mapping: a file truncated while it is read is an error naming it, not a
+   SIGBUS. A dtype cast or a non-contiguous parameter costs one temporary of that tensor,
+   never a whole-model copy. In allgather mode each block's sampled fingerprint is read
+   the same way, and the ranks agree on it and on everything else that shapes their
+   gathers before the load returns (see [Note: one agreement before the first gather]).
 5. The block's parameters are `StoredWeight`s (real shape, dtype, strides and device, no
    storage; reads outside a graph are served from the host store: see [Note: a stored
    weight is a tensor]). The host store belongs to the module's own runtime, which
@@ -56,11 +58,11 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, open_views, resolve_checkpoint
+from .checkpoint import Checkpoint, load_error, read_tensor, resolve_checkpoint
 from .config import DLOConfig
-from .load_plan import KeyMap, LoadPlan, Target, plan_load
+from .load_plan import KeyMap, LoadPlan, Target, agree_on_load, plan_load
 from .module_guard import guard_module
-from .runtime.fingerprint import block_fingerprint, check_same_weights
+from .runtime.fingerprint import extent_sources, file_fingerprint
 from .runtime.layout import span_as_bytes
 from .runtime.runtime import Runtime, claim
 from .runtime.stored import stored_parameter
@@ -325,47 +327,40 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
                          level=logging.INFO if store.rank == 0 else logging.DEBUG)
     values: list[tuple[Target, torch.Tensor]] = []
     fingerprints: list[int] = []
+    joined = False  # the ranks' agreement: every rank joins it, failed or not
     try:
-        small = plan.buffers + plan.resident
-        with open_views([t.info for t in small if t.info is not None]) as views:
-            for t in small:
-                view = views.get(t.info.key) if t.info is not None else None
-                value = _materialised(t, view, device)
-                if t.kind == "param":
-                    value = nn.Parameter(value, requires_grad=False)
-                values.append((t, value))
-                progress.update(t.info.nbytes if t.info is not None else 0, t.info is not None)
+        # Every read goes through pread, whatever the store: a file truncated while it is
+        # read is an error naming it (a mapped page of it raised SIGBUS).
+        for t in plan.buffers + plan.resident:
+            view = read_tensor(t.info) if t.info is not None else None
+            value = _materialised(t, view, device)
+            if t.kind == "param":
+                value = nn.Parameter(value, requires_grad=False)
+            values.append((t, value))
+            progress.update(t.info.nbytes if t.info is not None else 0, t.info is not None)
         for b, block in enumerate(plan.blocks):
             params = [_stored_like(t, device) for t in block]
             fqns = [t.fqn for t in block]
             entries, spec = store.layout(params, fqns)
-            if shards is not None or store.files is not None:  # read from (or served by) files
-                extents = (shards.block_extents(b, store.rank, spec)
-                           if shards is not None else checkpoint_extents(block, entries))
-                host = store.blocks[runtime.register_block(params, fqns, extents=extents)]
-                plan.host_bytes += host.shard.numel()
-                values += list(zip(block, params))
-                progress.update(sum(t.info.nbytes for t in block), len(block))
-                continue
-            lo, hi = spec.rank_range(store.rank) if store.dp > 1 else (0, spec.padded_bytes)
-            need = [e.nbytes > 0 and e.offset < hi and e.offset + e.nbytes > lo for e in entries]
-            with open_views([t.info for t in block if t.info is not None]) as views:
-                if runtime.mode == "allgather":  # sampled from the checkpoint's own bytes
-                    fingerprints.append(block_fingerprint(entries, [
-                        views[t.info.key].reshape(-1).view(torch.uint8) if e.nbytes else None
-                        for t, e in zip(block, entries)]))
-                sources = [_model_layout_bytes(t, views[t.info.key]) if n else None
-                           for t, n in zip(block, need)]
-                host = store.blocks[runtime.register_block(params, fqns, sources)]  # this rank's range only
-                del sources
+            extents = (shards.block_extents(b, store.rank, spec)
+                       if shards is not None else checkpoint_extents(block, entries))
+            if runtime.mode == "allgather" and store.dp > 1:  # of the checkpoint's own bytes
+                fingerprints.append(shards.fingerprint(b) if shards is not None else
+                                    file_fingerprint(entries, extent_sources(entries, extents)))
+            host = store.blocks[runtime.register_block(params, fqns, extents=extents)]
             plan.host_bytes += host.shard.numel()
             values += list(zip(block, params))
             progress.update(sum(t.info.nbytes for t in block), len(block))
-        check_same_weights(runtime, fingerprints, [b[0].fqn for b in plan.blocks],
-                           f"the checkpoint {plan.ckpt.source}")
-    except BaseException:
+        joined = True
+        agree_on_load(runtime, plan, fingerprints, shards)
+    except BaseException as exc:
         store.drop_blocks(first)
-        raise
+        failure = load_error(exc)  # a file that changed while it was read: the checkpoint's
+        if not joined:  # raises on every rank: ``failure`` here, naming this rank elsewhere
+            agree_on_load(runtime, plan, fingerprints, shards, failure)
+        if failure is exc:
+            raise
+        raise failure from None
     finally:
         progress.close()
     named = {id(t) for t in plan.named}

@@ -14,13 +14,21 @@ makes for the same options) and writes:
 * ``dlo-shards.json``: the manifest: the model class, N, the mode, the options that shape
   the blocks (``alignment``, ``block_bytes``, ``resident_bytes``, ``resident``, ``dtype``),
   the plan digest (every block's FQNs, shapes, strides, dtypes and offsets), an id that
-  every rank file repeats in its metadata, and each file's size.
+  every rank file repeats in its metadata, each file's size, each block's size in a rank
+  file (``block_shard_bytes``), each block's fingerprint of the checkpoint as `dlo_fx.load`
+  takes it (``fingerprints``) and a sampled digest of every block of every rank file
+  (``block_checks``).
 
-``dlo_fx.load(cls, DIR, options=...)`` recognises the manifest, plans the load as usual,
-and raises ValueError listing every field that differs from what the manifest was written
-for (a shard file that is missing, of another ``dlo-fx shard`` run, or of another size is
-an error too) before anything is registered. With ``host_store="mmap"`` the blocks are then
-served from the rank file; with ``"memory"`` each rank reads its file once.
+``dlo_fx.load(cls, DIR, options=...)`` recognises the manifest (a malformed one is a
+`CheckpointError` naming the field), plans the load as usual, and raises ValueError listing
+every field that differs from what the manifest was written for before anything is
+registered. The rank's file is checked against the manifest first: missing, of another
+``dlo-fx shard`` run, of another size, a header whose ``block.B`` is not exactly
+``block_shard_bytes[B]`` uint8 bytes inside the file, or sampled bytes that differ from the
+digests, each an error naming the file (and the block). Ranks loading folders of two runs
+are refused by the ranks' agreement (the run id and the fingerprints; see [Note: one
+agreement before the first gather] in runtime/agreement.py). With ``host_store="mmap"`` the
+blocks are then served from the rank file; with ``"memory"`` each rank reads its file once.
 """
 
 from __future__ import annotations
@@ -39,16 +47,17 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .checkpoint import Checkpoint, CheckpointError, TensorInfo, open_views
+from .checkpoint import Checkpoint, CheckpointError, TensorInfo, read_header, read_tensor
 from .config import DLOConfig
 from .load_plan import LoadPlan, Target
-from .runtime.file_store import Convert, Extent
-from .runtime.layout import Entry, ShardSpec, copy_into_shard, plan_offsets
+from .runtime.file_store import CHECK_SAMPLES, CHECK_WINDOW, Convert, Extent, read_extents
+from .runtime.fingerprint import extent_sources, file_fingerprint
+from .runtime.layout import Entry, ShardSpec, plan_offsets
 
 __all__ = ["MANIFEST", "ShardDir", "checkpoint_extents", "write_shard_dir"]
 
 MANIFEST = "dlo-shards.json"
-FORMAT = "dlo-fx-shards/1"
+FORMAT = "dlo-fx-shards/2"
 COMMON = "common.safetensors"
 
 
@@ -81,9 +90,9 @@ def checkpoint_extents(block: Sequence[Target], entries: Sequence[Entry]) -> lis
         if e.nbytes == 0 or t.info is None:
             continue
         info = t.info
-        if info.path not in offsets:
+        if info.offset is None and info.path not in offsets:
             offsets[info.path] = tensor_offsets(info.path)
-        start, _ = offsets[info.path][info.key]
+        start = info.offset if info.offset is not None else offsets[info.path][info.key][0]
         convert = None
         if info.dtype != e.dtype or not t.tensor.is_contiguous():
             convert = Convert(info.dtype, tuple(t.tensor.shape), e.dtype, e.stride)
@@ -124,17 +133,32 @@ def _block_bytes(plan: LoadPlan, b: int, alignment: int) -> tuple[list[int], int
 
 
 # -- writing ---------------------------------------------------------------------------------
-def _padded_block(block: Sequence[Target], offsets: list[int], spec: ShardSpec) -> torch.Tensor:
-    """A block's whole padded flat image, read from the checkpoint."""
-    from .loader import _model_layout_bytes  # the loader's own conversion
+def _entries(block: Sequence[Target], offsets: list[int]) -> list[Entry]:
+    return [Entry(uid=i, fqn=t.fqn, block=0, offset=off, nbytes=t.nbytes,
+                  shape=tuple(t.tensor.shape), stride=tuple(t.tensor.stride()), dtype=t.dtype)
+            for i, (t, off) in enumerate(zip(block, offsets))]
 
+
+def sampled_digest(read: Any, nbytes: int) -> str:
+    """A digest of ``CHECK_SAMPLES`` windows of ``CHECK_WINDOW`` bytes spread evenly over
+    ``nbytes`` bytes, ``read(at, n)`` giving the bytes at ``at``: the manifest's check of
+    each block of each rank file, compared when the file is loaded."""
+    h = hashlib.sha256(str(nbytes).encode())
+    for at in sorted({i * nbytes // CHECK_SAMPLES for i in range(CHECK_SAMPLES)} if nbytes else ()):
+        n = min(CHECK_WINDOW, nbytes - at)
+        got = read(at, n)
+        if len(got) != n:
+            raise OSError(f"read {len(got)} of {n} bytes")
+        h.update(got)
+    return h.hexdigest()[:16]
+
+
+def _padded_block(block: Sequence[Target], offsets: list[int], spec: ShardSpec) -> torch.Tensor:
+    """A block's whole padded flat image, read from the checkpoint with ``pread`` and
+    converted as `dlo_fx.load` converts it (the same extents)."""
     flat = torch.zeros(spec.padded_bytes, dtype=torch.uint8)
-    entries = [Entry(uid=i, fqn=t.fqn, block=0, offset=off, nbytes=t.nbytes,
-                     shape=tuple(t.tensor.shape), stride=tuple(t.tensor.stride()), dtype=t.dtype)
-               for i, (t, off) in enumerate(zip(block, offsets))]
-    with open_views([t.info for t in block if t.nbytes]) as views:
-        sources = [_model_layout_bytes(t, views[t.info.key]) if t.nbytes else None for t in block]
-        copy_into_shard(flat, entries, sources, 0)
+    read_extents(checkpoint_extents(block, _entries(block, offsets)), 0, flat,
+                 f"the block of {block[0].fqn!r}")
     return flat
 
 
@@ -177,11 +201,15 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
     if (out / MANIFEST).exists():
         (out / MANIFEST).unlink()  # a half-written folder is never taken for a finished one
     shard_id = uuid.uuid4().hex
-    specs, offsets = [], []
+    specs, offsets, fingerprints = [], [], []
     for b in range(len(plan.blocks)):
         offs, total = _block_bytes(plan, b, cfg.alignment)
         offsets.append(offs)
         specs.append(ShardSpec.of(total, dp, cfg.alignment))
+        entries = _entries(plan.blocks[b], offs)  # as `dlo_fx.load` fingerprints the checkpoint
+        fingerprints.append(file_fingerprint(
+            entries, extent_sources(entries, checkpoint_extents(plan.blocks[b], entries))))
+    checks: list[list[str]] = [[] for _ in range(dp)]
     sizes = [s.shard_bytes if dp > 1 else s.padded_bytes for s in specs]
     names = [rank_file(r, dp) for r in range(dp)]
     handles = [open(out / n, "wb") for n in names]
@@ -194,16 +222,17 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
             flat = _padded_block(block, offsets[b], specs[b])
             for r, f in enumerate(handles):
                 lo = specs[b].rank_range(r)[0] if dp > 1 else 0
-                f.write(flat[lo : lo + sizes[b]].numpy().tobytes())
+                data = flat[lo : lo + sizes[b]].numpy().tobytes()
+                checks[r].append(sampled_digest(lambda at, n: data[at : at + n], sizes[b]))
+                f.write(data)
             del flat
     finally:
         for f in handles:
             f.close()
     common: dict[str, torch.Tensor] = {}
     small = [t for t in plan.buffers + plan.resident if t.info is not None]
-    with open_views([t.info for t in small]) as views:
-        for t in small:
-            common[t.fqn] = _materialised(t, views[t.info.key], torch.device("cpu")).contiguous()
+    for t in small:
+        common[t.fqn] = _materialised(t, read_tensor(t.info), torch.device("cpu")).contiguous()
     from safetensors.torch import save_file
 
     save_file(common, str(out / COMMON), metadata={"format": FORMAT, "shard_id": shard_id})
@@ -217,6 +246,8 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         "format": FORMAT, "shard_id": shard_id, "source": str(checkpoint),
         **_shape_fields(plan, cfg, dp, mode, dtype, resident),
         "block_shard_bytes": sizes,
+        "fingerprints": fingerprints,
+        "block_checks": checks,
         "files": {n: (out / n).stat().st_size for n in names + [COMMON]},
         "tensors": tensors,
     }
@@ -227,8 +258,54 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
 
 
 # -- reading ---------------------------------------------------------------------------------
+_FIELDS: dict[str, Any] = {  # manifest field -> what it must be
+    "shard_id": str, "source": str, "model": str, "dp": int, "mode": str, "alignment": int,
+    "blocks": int, "plan_digest": str, "block_shard_bytes": list, "fingerprints": list,
+    "block_checks": list, "files": dict, "tensors": dict,
+}
+
+
+def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """CheckpointError naming the first field of ``manifest`` that is missing or malformed."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: malformed manifest: {what}; rerun `dlo-fx shard` (a "
+                               "manifest is written by it, never by hand)")
+
+    for name, kind in _FIELDS.items():
+        value = manifest.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise bad(f"field {name!r} is {value!r}, expected a {kind.__name__}")
+    dp, blocks = manifest["dp"], manifest["blocks"]
+    if dp < 1 or blocks < 0:
+        raise bad(f"dp={dp}, blocks={blocks}")
+    for name, count in (("block_shard_bytes", blocks), ("fingerprints", blocks)):
+        value = manifest[name]
+        if len(value) != count or not all(isinstance(v, int) and not isinstance(v, bool)
+                                           and v >= 0 for v in value):
+            raise bad(f"field {name!r} is not {count} integers >= 0")
+    checks = manifest["block_checks"]
+    if len(checks) != dp or not all(isinstance(c, list) and len(c) == blocks and all(
+            isinstance(x, str) for x in c) for c in checks):
+        raise bad(f"field 'block_checks' is not {dp} lists of {blocks} digests")
+    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+               for k, v in manifest["files"].items()):
+        raise bad("field 'files' does not map file names to sizes")
+    for fqn, meta in manifest["tensors"].items():
+        if (not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str)
+                or not isinstance(meta.get("shape"), list)
+                or not all(isinstance(n, int) and n >= 0 for n in meta["shape"])):
+            raise bad(f"tensor {fqn!r} is {meta!r}, expected {{'dtype': ..., 'shape': [...]}}")
+        try:
+            _dtype(meta["dtype"])
+        except (AttributeError, TypeError):
+            raise bad(f"tensor {fqn!r} has dtype {meta['dtype']!r}, not a torch dtype") from None
+
+
 def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
+    dtype = getattr(torch, name.removeprefix("torch."))
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(name)
+    return dtype
 
 
 @dataclass
@@ -237,6 +314,9 @@ class ShardDir:
 
     folder: Path
     manifest: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self._offsets: dict[str, dict[str, tuple[int, int]]] = {}  # checked rank files
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Optional["ShardDir"]:
@@ -252,6 +332,7 @@ class ShardDir:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"{folder / MANIFEST}: not a {FORMAT} manifest; rerun "
                                   "`dlo-fx shard` with this version of dlo-fx")
+        _check_manifest(folder / MANIFEST, manifest)
         return cls(folder, manifest)
 
     @property
@@ -270,7 +351,11 @@ class ShardDir:
             raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {name} has {size} "
                                   f"bytes, the manifest says {want}; the file is truncated or "
                                   "from another `dlo-fx shard` run: rerun it")
-        got = _metadata(str(path)).get("shard_id")
+        try:
+            got = _metadata(str(path)).get("shard_id")
+        except (OSError, ValueError, struct.error) as exc:
+            raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {name} has no "
+                                  f"readable header ({exc}); rerun `dlo-fx shard`") from None
         if got != self.manifest["shard_id"]:
             raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {name} belongs to "
                                   f"another `dlo-fx shard` output (shard id {got}, the manifest "
@@ -278,16 +363,81 @@ class ShardDir:
                                   "folders: copy all files of one run")
         return path
 
+    def _rank_file(self, rank: int) -> tuple[str, dict[str, tuple[int, int]]]:
+        """This rank's file, checked against the manifest, and its blocks' byte ranges.
+
+        Every ``block.B`` of the header must be a uint8 tensor of exactly the manifest's
+        ``block_shard_bytes[B]`` bytes inside the file, and the sampled bytes of each must
+        match the manifest's ``block_checks``: a header that gives a block fewer bytes left
+        the rest of its slot holding the previous block's bytes."""
+        name = rank_file(rank if self.dp > 1 else 0, self.dp)
+        found = self._offsets.get(name)
+        if found is not None:
+            return name, found
+        path = self._check_file(name)
+        where = f"pre-sharded checkpoint {self.folder}: {name}"
+        fix = "the file does not match its manifest: copy it again from the `dlo-fx shard` run"
+        try:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            header.pop("__metadata__")
+            base, size = 8 + length, path.stat().st_size
+        except (OSError, ValueError, KeyError, AttributeError, struct.error) as exc:
+            raise CheckpointError(f"{where}: unreadable header ({exc}); {fix}") from None
+        sizes = self.manifest["block_shard_bytes"]
+        names = {f"block.{b}" for b in range(len(sizes))}
+        if set(header) != names:
+            extra = sorted(set(header) - names)[:3]
+            missing = sorted(names - set(header))[:3]
+            raise CheckpointError(f"{where} holds tensors {extra} the manifest does not name "
+                                  f"and lacks {missing}; {fix}")
+        offsets = {}
+        digests = self.manifest["block_checks"][rank if self.dp > 1 else 0]
+        with open(path, "rb") as f:
+            for b, want in enumerate(sizes):
+                meta = header[f"block.{b}"]
+                span = meta.get("data_offsets") if isinstance(meta, dict) else None
+                if (not isinstance(span, list) or len(span) != 2
+                        or not all(isinstance(x, int) for x in span)
+                        or meta.get("dtype") != "U8" or meta.get("shape") != [want]
+                        or span[1] - span[0] != want or span[0] < 0
+                        or base + span[1] > size):
+                    raise CheckpointError(
+                        f"{where}: its header gives block.{b} {meta!r} but the manifest says "
+                        f"{want} bytes of U8 (block_shard_bytes) inside the file's {size} "
+                        f"bytes; {fix}")
+                start = base + span[0]
+
+                def read(at: int, n: int, start: int = start) -> bytes:
+                    return os.pread(f.fileno(), n, start + at)
+
+                if sampled_digest(read, want) != digests[b]:
+                    raise CheckpointError(
+                        f"{where}: the bytes of block.{b} differ from those `dlo-fx shard` "
+                        f"wrote (sampled check); {fix}")
+                offsets[f"block.{b}"] = (start, start + want)
+        self._offsets[name] = offsets
+        return name, offsets
+
     def checkpoint(self, source: str) -> Checkpoint:
-        """The tensors the manifest promises, for planning the load (`plan_load`)."""
+        """The tensors the manifest promises, for planning the load (`plan_load`); those in
+        ``common.safetensors`` checked against its header (dtype and shape)."""
         common = str(self._check_file(COMMON))
-        in_common = tensor_offsets(common)
+        in_common = read_header(common)
         tensors = {}
         for fqn, meta in self.manifest["tensors"].items():
             dtype, shape = _dtype(meta["dtype"]), tuple(meta["shape"])
             nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            tensors[fqn] = TensorInfo(key=fqn, path=common if fqn in in_common else "", dtype=dtype,
-                                      shape=shape, nbytes=nbytes)
+            held = in_common.get(fqn)
+            if held is not None and (held.dtype, held.shape) != (dtype, shape):
+                raise CheckpointError(
+                    f"pre-sharded checkpoint {self.folder}: {COMMON} holds {fqn!r} as "
+                    f"{held.dtype} {list(held.shape)}, the manifest says {dtype} {list(shape)}; "
+                    "the file does not match its manifest: rerun `dlo-fx shard`")
+            tensors[fqn] = TensorInfo(key=fqn, path=common if held is not None else "",
+                                      dtype=dtype, shape=shape, nbytes=nbytes,
+                                      offset=held.offset if held is not None else None)
         return Checkpoint(source=source, files=(common,), tensors=tensors,
                           folder=str(self.folder))
 
@@ -295,7 +445,8 @@ class ShardDir:
               rank: int, dtype: Optional[torch.dtype], resident: Sequence[str],
               key_map: Any) -> None:
         """Raise ValueError naming every field in which this load differs from the one the
-        folder was written for, or a shard file this rank needs that is missing or foreign."""
+        folder was written for, or a shard file this rank needs that is missing, foreign
+        or does not match the manifest."""
         where = f"dlo_fx.load: pre-sharded checkpoint {self.folder}"
         if key_map is not None:
             raise ValueError(f"{where}: its keys are model FQNs already; drop key_map=")
@@ -312,17 +463,26 @@ class ShardDir:
                 f"{where} does not match this load:\n  " + "\n  ".join(diffs) +
                 f"\nload with the options it was written for, or rerun `dlo-fx shard "
                 f"{self.manifest.get('source')} --dp {shards} --out {self.folder}` with yours")
-        self._check_file(rank_file(rank if shards > 1 else 0, shards))
+        self._rank_file(rank)
 
     def block_extents(self, index: int, rank: int, spec: ShardSpec) -> list[Extent]:
         """Block ``index``'s bytes of ``rank``'s range, in that rank's file."""
-        shards = self.dp
-        name = rank_file(rank if shards > 1 else 0, shards)
+        name, offsets = self._rank_file(rank)
+        start, end = offsets[f"block.{index}"]
+        want = spec.shard_bytes if self.dp > 1 else spec.padded_bytes
+        if end - start != want:
+            raise CheckpointError(
+                f"pre-sharded checkpoint {self.folder}: {name} holds {end - start} bytes of "
+                f"block.{index}, but this load's layout needs {want}; rerun `dlo-fx shard`")
+        lo = spec.rank_range(rank)[0] if self.dp > 1 else 0
         path = str(self.folder / name)
-        start, end = tensor_offsets(path)[f"block.{index}"]
-        lo = spec.rank_range(rank)[0] if shards > 1 else 0
         return [Extent(dest=lo, nbytes=end - start, path=path, offset=start,
                        src_nbytes=end - start, what=f"block.{index} of {name}")]
+
+    def fingerprint(self, index: int) -> int:
+        """Block ``index``'s fingerprint of the checkpoint, as `dlo_fx.load` takes it
+        (`runtime.fingerprint.file_fingerprint`), recorded when the folder was written."""
+        return int(self.manifest["fingerprints"][index])
 
 
 # -- the command -----------------------------------------------------------------------------

@@ -20,10 +20,13 @@ def test_defaults_and_mapping():
     ({"mode": "ring"}, "mode"),
     ({"compiler": "tvm"}, "compiler"),
     ({"alignment": 100}, "alignment"),
+    ({"alignment": 2**40}, "alignment"),  # a power of two, but every tensor padded to 1 TiB
     ({"device": "gpu7"}, "device"),
     ({"pin_memory": "yes"}, "pin_memory"),
     ({"collective_timeout_s": 0}, "collective_timeout_s"),
     ({"fault_delay_s": -1}, "fault_delay_s"),
+    ({"fault_delay_s": 1e300}, "fault_delay_s"),  # finite, but no sleep or timedelta takes it
+    ({"collective_timeout_s": 1e300}, "collective_timeout_s"),
     ({"shard_group": [0, 0]}, "shard_group"),
     ({"user_passes": [1]}, "user_passes"),
 ])

@@ -143,3 +143,18 @@ def test_dp_above_one_without_process_group_is_a_value_error():
             compiled(*inputs)
     inner = getattr(info.value, "inner_exception", info.value)
     assert isinstance(inner, ValueError) and "init_process_group" in str(inner)
+
+
+def test_shard_group_naming_another_rank_without_process_group_is_refused():
+    from dlo_fx.runtime.collectives import resolve_shard_group
+
+    assert resolve_shard_group((0,), 30.0).ranks == (0,)
+    with pytest.raises(ValueError, match=r"'shard_group'=\[5\] names global rank 5"):
+        resolve_shard_group((5,), 30.0)
+    model, inputs = tiny_dit(depth=1)
+    compiled = torch.compile(model, backend="dlo", options={"shard_group": [5]})
+    with pytest.raises(Exception) as info:
+        with torch.no_grad():
+            compiled(*inputs)
+    inner = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(inner, ValueError) and "init_process_group" in str(inner)

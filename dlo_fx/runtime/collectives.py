@@ -4,7 +4,8 @@ Weight gathers never share a process group with the model's own collectives: the
 of the shard group get a dedicated group (``dist.new_group`` with a timeout), so a
 sequence-parallel all-to-all issued by the model can never interleave with a weight
 AllGather. Every rank of the group must issue the same gathers in the same order; that
-is checked when a graph is scheduled (`check_same_plan`).
+is checked when blocks are stored (see [Note: one agreement before the first gather] in
+agreement.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 class ShardGroup:
     """This rank's place in the shard group (``dp == 1``: no group, nothing gathered)."""
 
-    ranks: tuple[int, ...]
+    ranks: tuple[int, ...]  # global ranks, sorted: the order of the group's members
     rank: int  # index of this process in ``ranks``
     pg: Any = None  # the dedicated weight-gather process group
 
@@ -37,24 +38,35 @@ class ShardGroup:
 
 def resolve_shard_group(spec: Any, timeout_s: float) -> ShardGroup:
     """``None`` -> WORLD when initialised (dp = 1 otherwise); a ProcessGroup or a rank list
-    -> those ranks. Creates the dedicated weight group."""
+    -> those ranks. Creates the dedicated weight group.
+
+    The ranks are sorted: ``dist.new_group`` orders a group's members by global rank
+    whatever order it is given, and a gather puts each member's slice at its place in the
+    group. Taking the position from the list as given (``shard_group=[1, 0]``) put every
+    rank's slice where another rank's belongs: every output was wrong."""
     initialised = dist.is_available() and dist.is_initialized()
     if spec is None:
         if not initialised or dist.get_world_size() == 1:
             return ShardGroup(ranks=(0,), rank=0)
         ranks = tuple(range(dist.get_world_size()))
     elif isinstance(spec, (list, tuple)):
-        ranks = tuple(spec)
+        ranks = tuple(sorted(spec))
         if len(ranks) > 1 and not initialised:
             raise ValueError(
-                f"DLOConfig option 'shard_group'={list(ranks)!r} asks for dp={len(ranks)}, "
+                f"DLOConfig option 'shard_group'={list(spec)!r} asks for dp={len(ranks)}, "
                 "but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group(...) on every rank first")
+        if not initialised and ranks != (0,):
+            raise ValueError(
+                f"DLOConfig option 'shard_group'={list(spec)!r} names global rank {ranks[0]}, "
+                "but torch.distributed is not initialised, so this process is rank 0 of no "
+                "group; drop the option, give [0], or call "
+                "torch.distributed.init_process_group(...) first")
     else:
         if not initialised:
             raise ValueError("DLOConfig option 'shard_group' is a ProcessGroup but "
                              "torch.distributed is not initialised")
-        ranks = tuple(dist.get_process_group_ranks(spec))
+        ranks = tuple(sorted(dist.get_process_group_ranks(spec)))
     if len(ranks) == 1 and not initialised:
         return ShardGroup(ranks=ranks, rank=0)
     me = dist.get_rank()
@@ -114,33 +126,3 @@ def exchange_json(value: Any, group: ShardGroup, what: str) -> list[Any]:
 
 def plan_digest(items: Sequence[Any]) -> str:
     return hashlib.sha256(json.dumps(list(items), default=str).encode()).hexdigest()[:16]
-
-
-def check_same_plan(rows: list[tuple], group: ShardGroup, what: str) -> None:
-    """Raise on every rank when the ranks' block plans differ (instead of hanging later).
-
-    ``rows`` holds one tuple per block (e.g. parameter count, bytes, first FQN).
-    """
-    if group.dp == 1:
-        return
-    rows = json.loads(json.dumps(list(rows), default=str))  # as every rank receives them
-    mine = (plan_digest(rows), rows)
-    plans = exchange_json(mine, group, f"the block plans of {what}")
-    if all(p[0] == mine[0] for p in plans):
-        return
-    for other_index, (_, other_rows) in enumerate(plans):
-        if other_rows == rows:
-            continue
-        for b in range(max(len(rows), len(other_rows))):
-            a = rows[b] if b < len(rows) else None
-            o = other_rows[b] if b < len(other_rows) else None
-            if a != o:
-                raise ValueError(
-                    f"dlo: the ranks scheduled different block plans for {what}: block {b} "
-                    f"is {a} on global rank {group.ranks[group.rank]} but {o} on global rank "
-                    f"{group.ranks[other_index]} (rows are parameter count, bytes, first "
-                    f"FQN; {len(rows)} vs {len(other_rows)} blocks). Every rank of the "
-                    f"{group.describe()} must compile the same model with the same options "
-                    "and reach the same graphs (a model that branches on its data, such as "
-                    "diffusers' FirstBlockCache skipping blocks on one rank only, needs "
-                    "mode='rank_local')")

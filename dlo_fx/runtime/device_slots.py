@@ -21,6 +21,17 @@ model used it. The last task issued into each slot (``pending``) is shared too, 
 for one model is ordered after another model's never-waited gather into that slot, and
 every graph of every model using the slots runs under one ``lock``: calls from several
 threads are serialised graph by graph.
+
+[Note: a failure stays with its model]
+A copy or gather that fails (a file truncated under a model served from it, a rank that
+died) fails its own model: that runtime's ``wait`` raises, marks it broken (it raises on
+every later call) and drops the failed task from ``pending``, with the slot's holder.
+Every other model on the slots goes on exactly: a copy issued after a failed task only
+orders after it (``executor.settle``), and a drain (a compile, slots growing for a load)
+drops a failed task it meets instead of raising it, so a model that was never waited on
+copies its block again at its next ``wait`` and raises its own error there. Once the slot
+kept the failed task, and every model that used it raised the first model's error on
+every call, even an unrelated model compiled later.
 """
 
 from __future__ import annotations
@@ -62,7 +73,8 @@ class DeviceSlots:
         as well: a group resolved before ``init_process_group`` (dp = 1) or under a
         group since destroyed must not serve a later compile or load."""
         world = _default_process_group()
-        key = (self.key, spec if spec is None or isinstance(spec, tuple) else ("group", id(spec)),
+        key = (self.key, None if spec is None else tuple(sorted(spec))
+               if isinstance(spec, (tuple, list)) else ("group", id(spec)),
                float(timeout_s), id(world))
         with _LOCK:
             found = _GROUPS.get(key)
@@ -75,6 +87,38 @@ class DeviceSlots:
     def forget(self) -> None:
         """No slot holds a known block any more (buffers replaced, or a failed copy)."""
         self.holder = [None] * self.pool.num_slots
+
+    def drop_failed(self, slot: int, handle: Any) -> None:
+        """The task ``handle`` into ``slot`` failed: it is no longer the slot's last task,
+        and the slot holds no known block. See [Note: a failure stays with its model]."""
+        if self.pending[slot] is handle:
+            self.pending[slot] = None
+        self.holder[slot] = None
+
+
+def control_group(ranks: tuple[int, ...], timeout_s: float) -> Any:
+    """The `ShardGroup` of ``ranks`` (sorted) on which the ranks agree on a new runtime's
+    settings before it takes its weight group (`agreement.agree_on_settings`): one per
+    ranks and default process group, whatever the settings, so every rank makes it at the
+    same point."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from .collectives import ShardGroup
+
+    world = _default_process_group()
+    key = ("control", ranks, id(world))
+    with _LOCK:
+        found = _GROUPS.get(key)
+        if found is None:
+            for stale in [k for k, v in _GROUPS.items() if v[1] is not world]:
+                del _GROUPS[stale]
+            pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
+                                use_local_synchronization=True)
+            found = _GROUPS[key] = (ranks, world, ShardGroup(
+                ranks=ranks, rank=ranks.index(dist.get_rank()), pg=pg))
+    return found[2]
 
 
 def _shutdown(executor) -> None:

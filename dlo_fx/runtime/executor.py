@@ -9,6 +9,8 @@ Both keep one contract, driven by `Runtime` (see [Note: slot reuse and stream or
 - ``gather(slot, task, after)``: run ``task`` (the in-place AllGather) after ``after``;
 - ``wait(handle)``: compute may read what ``handle`` produced (interruptible: the handle
   stays valid and may be waited on again);
+- ``settle(handle)``: as ``wait``, but a task that failed does not raise here (ordering
+  after another model's failed copy; see [Note: a failure stays with its model]);
 - ``failed(handle)``: the task behind ``handle`` itself raised (not the wait);
 - ``release(slot)``: compute has issued its last read of ``slot``;
 - ``sync()``: everything issued has finished (compile time only).
@@ -64,7 +66,7 @@ class CpuExecutor:
     def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0,
              after: Any = None) -> Optional[Future]:
         if nbytes < self.inline_bytes and not self.fault_delay_s:
-            self.wait(after)  # FIFO: every earlier task touching the slot is done too
+            self.settle(after)  # FIFO: every earlier task touching the slot is done too
             task()
             return None
         if self.fault_delay_s:
@@ -89,6 +91,17 @@ class CpuExecutor:
     def wait(handle: Optional[Future]) -> None:
         if handle is not None:
             handle.result()
+
+    @staticmethod
+    def settle(handle: Optional[Future]) -> None:
+        """Wait until ``handle``'s task has ended, whether or not it failed: an order, not
+        a result. Its failure is its owner's (the model whose copy it was raises it from
+        its own ``wait``); a copy into the slot after it must not fail for it."""
+        if handle is not None:
+            try:
+                handle.result()
+            except Exception:
+                pass
 
     @staticmethod
     def failed(handle: Optional[Future]) -> bool:
@@ -142,6 +155,8 @@ class DeviceExecutor:
     def wait(self, handle: Optional[torch.Event]) -> None:
         if handle is not None:
             platform.current_stream(self.device).wait_event(handle)
+
+    settle = wait  # an event carries no failure: a task that failed raised when issued
 
     @staticmethod
     def failed(handle: Optional[torch.Event]) -> bool:

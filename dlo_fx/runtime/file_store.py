@@ -22,7 +22,17 @@ anonymous memory.
   short, which is an exception naming the file. So nothing here touches a mapped page.
 * **A file that changed.** Every read first compares the file's size and mtime with those
   seen at load, and again after the read (a rewrite racing the read): a difference raises
-  `FileChangedError` naming the file, the block and the rank, never a wrong output.
+  `FileChangedError` naming the file, the block and the rank, never a wrong output. A
+  rewrite that keeps both (``cp -p``, ``tar x``, ``touch -r`` over another checkpoint of
+  the same shapes) is caught by sampled bytes: at load, `FileStore.shard` reads
+  ``CHECK_SAMPLES`` windows of ``CHECK_WINDOW`` bytes spread evenly over the file bytes of
+  each block shard, and every read compares the same bytes of what it read with them (a
+  gather of 128 bytes per block read). The limit, exactly: a same-size, same-mtime rewrite
+  that changes none of those windows is served. Another checkpoint's weights change
+  essentially all of them; a rewrite of a few bytes between two windows is not seen.
+* **Extents inside their files.** `FileStore.shard` refuses a run that ends past the end of
+  its file as it was opened, naming the file and the block, so a header that promises more
+  bytes than the file holds is a load error, not a short read at the first call.
 * **Read-ahead.** A daemon thread, woken by every block read, asks the OS for the next
   ``depth`` blocks' ranges (``posix_fadvise(WILLNEED)``, asynchronous) and, when free
   memory (host or cgroup) is below twice the read-ahead window, lets go of the block just
@@ -38,7 +48,7 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -91,6 +101,14 @@ class _Run:
     what: str
     convert: Optional[Convert] = None
     skip: int = 0  # converted runs: bytes of the converted span before ``dest``
+    # Sampled bytes seen at load: positions in the run's file bytes, and their values
+    # (see [Note: file-backed host store], a file that changed).
+    check_at: Optional[torch.Tensor] = field(default=None, compare=False)
+    check_bytes: Optional[torch.Tensor] = field(default=None, compare=False)
+
+
+CHECK_SAMPLES = 16
+CHECK_WINDOW = 8
 
 
 class _ServedFile:
@@ -120,6 +138,59 @@ class _ServedFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _check_sampled(f: _ServedFile, r: _Run, got: torch.Tensor, what: str) -> None:
+    """Raise when the sampled bytes of run ``r`` in ``got`` (its file bytes as just read)
+    differ from those read at load: the file was rewritten keeping its size and mtime."""
+    if r.check_at is None or torch.equal(got.index_select(0, r.check_at), r.check_bytes):
+        return
+    diff = (got.index_select(0, r.check_at) != r.check_bytes).nonzero()[0].item()
+    raise FileChangedError(
+        f"dlo: {f.path} was rewritten in place keeping its size and mtime (the byte at file "
+        f"offset {r.offset + int(r.check_at[diff])} differs from the one read when the model "
+        f"was loaded) while host_store='mmap' serves {what} from it; the weights would be "
+        "wrong. Restore the file (or never write to a checkpoint being served) and load the "
+        "model again")
+
+
+def _sample_runs(files: dict[str, _ServedFile], runs: list[_Run], what: str) -> list[_Run]:
+    """``runs`` with their sampled bytes read now (``CHECK_SAMPLES`` windows spread evenly
+    over the runs' file bytes), after checking that each run lies inside its file."""
+    for r in runs:
+        f = files[r.path]
+        if r.offset + r.src_nbytes > f.size:
+            raise FileChangedError(
+                f"dlo: {f.path} holds {f.size} bytes, but {r.what} of {what} is at bytes "
+                f"{r.offset} to {r.offset + r.src_nbytes} of it; the file is truncated or its "
+                "header is wrong: restore or rewrite it and load the model again")
+    total = sum(r.src_nbytes for r in runs)
+    if total == 0:
+        return runs
+    starts = sorted({i * total // CHECK_SAMPLES for i in range(CHECK_SAMPLES)})
+    out, base, k = [], 0, 0
+    for r in runs:
+        at: list[int] = []
+        seen = bytearray()
+        f = files[r.path]
+        while k < len(starts) and starts[k] < base + r.src_nbytes:
+            pos = max(starts[k] - base, at[-1] + 1 if at else 0)  # windows never overlap
+            n = min(CHECK_WINDOW, r.src_nbytes - pos)
+            if n > 0:  # one small read per window
+                raw = os.pread(f.fd, n, r.offset + pos)
+                if len(raw) < n:
+                    f.check(what)
+                    raise FileChangedError(
+                        f"dlo: {f.path} ended while reading {r.what} of {what}; the file is "
+                        "truncated: restore it and load the model again")
+                at += range(pos, pos + n)
+                seen += raw
+            k += 1
+        base += r.src_nbytes
+        out.append(r if not at else replace(
+            r, check_at=torch.tensor(at, dtype=torch.int64),
+            check_bytes=torch.frombuffer(seen, dtype=torch.uint8)))
+    return out
 
 
 def _pread_into(f: _ServedFile, dest: torch.Tensor, offset: int, what: str) -> None:
@@ -212,11 +283,13 @@ def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.
         f = files[r.path]
         if r.convert is None:
             _pread_into(f, dest[r.dest : r.dest + r.nbytes], r.offset, f"{r.what} of {what}")
+            _check_sampled(f, r, dest[r.dest : r.dest + r.nbytes], what)
             continue
         c = r.convert
         with torch.inference_mode(False):
             raw = scratch.take(0, r.src_nbytes)
             _pread_into(f, raw, r.offset, f"{r.what} of {what}")
+            _check_sampled(f, r, raw, what)
             src = raw.view(c.src_dtype).view(c.shape)
             span = dest[r.dest : r.dest + r.nbytes]
             if r.skip == 0 and r.nbytes == _span_nbytes(c):  # the whole tensor: in place
@@ -299,6 +372,7 @@ class FileStore:
         for r in runs:
             if r.path not in self.files:
                 self.files[r.path] = _ServedFile(r.path)
+        runs = _sample_runs(self.files, runs, f"host block {index} (rank {self.rank})")
         shard = FileShard(self, index, hi - lo, runs)
         self.shards.append(shard)
         return shard

@@ -4,23 +4,42 @@ The plan digest compares shapes only; in allgather mode a rank that loaded anoth
 checkpoint of the same shapes would gather a silent mix of both. So every block also gets
 a fingerprint of ``SAMPLES`` windows of ``WINDOW`` bytes spread evenly over its flat layout
 (plus its size), taken from the full bytes before sharding, and the ranks compare them
-with one tensor collective (`check_same_weights`). A handful of reads per block: its cost
-is measured against load time in docs/benchmarks.md. A fingerprint cannot prove equality:
-two checkpoints that differ only between the sampled windows pass.
+in their one agreement (`agreement.py`). `dlo_fx.load` reads them from the checkpoint's
+files with ``os.pread`` whatever the store (`file_fingerprint`), a compile from the
+parameters (`block_fingerprint`). A handful of reads per block: its cost is measured
+against load time in docs/benchmarks.md. A fingerprint cannot prove equality: two
+checkpoints that differ only between the sampled windows pass.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 from typing import Any, Optional, Sequence
 
 import torch
 
+from .file_store import FileChangedError
 from .layout import Entry
 
 SAMPLES = 64
 WINDOW = 8
+
+
+def _windows(entries: Sequence[Entry]) -> tuple[int, list[tuple[int, list[int]]]]:
+    """The block's size, and per entry with a sampled position (not all padding) its index
+    and the entry-relative starts of its windows (``SAMPLES`` spread over the block)."""
+    total = max((e.offset + e.nbytes for e in entries), default=0)
+    out: list[tuple[int, list[int]]] = []
+    if total:
+        positions = sorted({i * total // SAMPLES for i in range(SAMPLES)})
+        for i, e in enumerate(entries):
+            lo = bisect.bisect_left(positions, e.offset)
+            hi = bisect.bisect_left(positions, e.offset + e.nbytes)
+            if lo < hi:
+                out.append((i, [p - e.offset for p in positions[lo:hi]]))
+    return total, out
 
 
 def block_fingerprint(entries: Sequence[Entry], sources: Sequence[Optional[torch.Tensor]]) -> int:
@@ -28,53 +47,82 @@ def block_fingerprint(entries: Sequence[Entry], sources: Sequence[Optional[torch
 
     The byte indices of every window are made once per block; an entry takes its slice of
     them, so it costs a handful of tensor operations whatever its size."""
-    total = max((e.offset + e.nbytes for e in entries), default=0)
+    total, windows = _windows(entries)
     h = hashlib.sha256(str(total).encode())
-    if total:
-        positions = sorted({i * total // SAMPLES for i in range(SAMPLES)})
-        every = (torch.tensor(positions)[:, None] + torch.arange(WINDOW)).reshape(-1)
-        for e, src in zip(entries, sources):
-            lo = bisect.bisect_left(positions, e.offset)
-            hi = bisect.bisect_left(positions, e.offset + e.nbytes)
-            if lo == hi:
-                continue  # every sampled position of this entry is alignment padding
+    for i, starts in windows:
+        src, e = sources[i], entries[i]
+        if src is None:
+            h.update(b"?")
+            continue
+        at = (torch.tensor(starts)[:, None] + torch.arange(WINDOW)).reshape(-1)
+        if starts[-1] + WINDOW > e.nbytes:  # the last window runs over
+            at.clamp_(max=e.nbytes - 1)
+        # One gather per entry; bytes() of a list, never .numpy() (that pins the storage).
+        h.update(bytes(src.index_select(0, at.to(src.device)).tolist()))
+    return int.from_bytes(h.digest()[:8], "little") >> 2
+
+
+def extent_sources(entries: Sequence[Entry], extents: Sequence[Any]
+                   ) -> list[Optional[tuple[str, int, int]]]:
+    """Per entry, where `file_fingerprint` reads it: the ``(path, offset, nbytes)`` of the
+    extent that starts at the entry's offset (`shard_dir.checkpoint_extents` makes one per
+    tensor), or None."""
+    at = {x.dest: (x.path, x.offset, x.src_nbytes) for x in extents}
+    return [at.get(e.offset) if e.nbytes else None for e in entries]
+
+
+def file_fingerprint(entries: Sequence[Entry],
+                     sources: Sequence[Optional[tuple[str, int, int]]]) -> int:
+    """`block_fingerprint` of bytes in files, read with ``os.pread`` (one read per window,
+    no mapping: a file truncated meanwhile is an error naming it, never a SIGBUS).
+    ``sources``: per entry, ``(path, offset, nbytes)`` of its bytes in the file (the
+    checkpoint tensor as stored, whatever dtype the block casts it to), or None.
+
+    Every store and every rank computes it from the checkpoint the same way, so ranks that
+    read another checkpoint of the same shapes differ (`dlo_fx.runtime.agreement`)."""
+    total, windows = _windows(entries)
+    h = hashlib.sha256(str(total).encode())
+    fds: dict[str, int] = {}
+    try:
+        for i, starts in windows:
+            src, e = sources[i], entries[i]
             if src is None:
                 h.update(b"?")
                 continue
-            at = every[lo * WINDOW : hi * WINDOW] - e.offset
-            if positions[hi - 1] - e.offset + WINDOW > e.nbytes:  # the last window runs over
-                at.clamp_(max=e.nbytes - 1)
-            # One gather per entry; bytes() of a list, never .numpy() (that pins the storage).
-            h.update(bytes(src.index_select(0, at.to(src.device)).tolist()))
+            path, offset, nbytes = src
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            got = bytearray()
+            for start in starts:  # the file's bytes may be fewer (a dtype cast): clipped
+                n = max(0, min(WINDOW, nbytes - start))
+                chunk = os.pread(fds[path], n, offset + start) if n else b""
+                if len(chunk) < n:
+                    raise FileChangedError(
+                        f"dlo: {path} ended at byte {offset + start + len(chunk)} while reading "
+                        f"the weights of {e.fqn!r} (the file is truncated, or was truncated "
+                        "while the model loaded); restore the file and load the model again")
+                got += chunk
+            h.update(bytes(got))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return int.from_bytes(h.digest()[:8], "little") >> 2
+
+
+def weights_fact(fingerprints: Sequence[int], names: Sequence[str]) -> Any:
+    """The blocks' fingerprints as a fact of the ranks' agreement (`agreement.py`)."""
+    from .agreement import Fact
+
+    return Fact("weights", list(fingerprints), "Every rank of the shard group must load the "
+                "same checkpoint (same files, same dtype); this compares sampled fingerprints, "
+                "64 windows of 8 bytes per block", blocks=list(names))
 
 
 def check_same_weights(runtime: Any, fingerprints: Sequence[int], names: Sequence[str],
                        what: str) -> None:
     """Raise `ValueError` on every rank when the ranks' fingerprints differ, naming the
-    first differing block. One exchange of the block count, then one of the fingerprints,
-    through the executor's worker (in the order of every other collective)."""
-    group = runtime.group
-    if group.dp == 1 or runtime.mode != "allgather":
-        return
-    from .graph_call import CLOCK_WORDS, check_rows, exchange, word
+    first differing block; the runtime's own facts are compared in the same exchange
+    (see [Note: one agreement before the first gather])."""
+    from .agreement import agree, runtime_facts
 
-    rows: dict[str, list] = {}
-    clock = [word("dlo-fingerprints"), len(fingerprints)] + [3] * (CLOCK_WORDS - 2)
-
-    def task() -> None:  # a clock first: every control exchange has the same size
-        check_rows(group, exchange(group, runtime.device, clock, what), what)
-        rows["every"] = exchange(group, runtime.device, list(fingerprints) or [0], what)
-
-    runtime.executor.wait(runtime.executor.gather(-1, task, None))
-    every = rows["every"]
-    mine = every[group.rank]
-    for b in range(len(fingerprints)):
-        for i, row in enumerate(every):
-            if row[b] != mine[b]:
-                raise ValueError(
-                    f"dlo: the ranks hold different weights for block {b} of {what} (first "
-                    f"parameter {names[b]!r}): sampled fingerprint {mine[b]:#x} on global rank "
-                    f"{group.ranks[group.rank]} but {row[b]:#x} on global rank "
-                    f"{group.ranks[i]}. Every rank of the {group.describe()} must load the "
-                    "same checkpoint (same files, same dtype)")
+    agree(runtime, runtime_facts(runtime) + [weights_fact(fingerprints, names)], what)

@@ -209,7 +209,7 @@ def compile_clock(runtime: Any, blocks: int, what: str) -> None:
     a rank still compiling while another already runs graphs raises instead of pairing a
     plan exchange with a clock or a gather."""
     if runtime.group.dp > 1:
-        Clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what).check()  # plans: check_same_plan
+        Clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what).check()  # then: agreement.py
 
 
 def gathers(runtime: Any) -> bool:

@@ -164,8 +164,8 @@ class HostStore:
                   extents: Optional[Sequence[Extent]] = None, defer: bool = False) -> HostBlock:
         """Lay ``params`` out as a new block and copy this rank's shard of their bytes.
 
-        ``sources`` are flat uint8 images of each parameter's storage span (the loader
-        passes mmap views); by default the parameters' own bytes are read. ``extents``
+        ``sources`` are flat uint8 images of each parameter's storage span; by default
+        the parameters' own bytes are read. ``extents`` (what the loader passes)
         say instead where the block's bytes are in files: a file-backed store keeps them
         (nothing is copied), a memory store reads them once. The parameters become
         `StoredWeight`s afterwards, or, with ``defer``, at `convert_pending`.

@@ -56,6 +56,7 @@ import torch
 from ..config import DLOConfig, same_device
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .agreement import agree_on_settings
 from .collectives import ShardGroup, gather_in_place, resolve_shard_group
 from . import platform
 from .device_slots import SlotBlocks, device_slots
@@ -80,6 +81,7 @@ class Runtime:
         # See [Note: what a model owns and what a device shares].
         self.shared = device_slots(device, config.num_slots, config.fault_delay_s)
         self.pid = os.getpid()  # see [Note: a forked process]
+        agree_on_settings(config, device)  # before the group these settings pick is made
         self.group: ShardGroup = self.shared.shard_group(config.shard_group,
                                                          config.collective_timeout_s,
                                                          resolve_shard_group)
@@ -183,8 +185,9 @@ class Runtime:
                        extents: Optional[Sequence] = None, defer: bool = False) -> int:
         """Store ``params`` as a new host block (this rank's shard of it); they become
         `StoredWeight`s (with ``defer``, at the next graph call: `HostStore.convert_pending`).
-        ``sources`` are flat uint8 images of each parameter's storage span (the loader
-        passes mmap views); by default the parameters' own bytes are read."""
+        ``sources`` are flat uint8 images of each parameter's storage span; by default the
+        parameters' own bytes are read. ``extents``: where they are in files (the loader's
+        blocks, `HostStore.add_block`)."""
         if self.mode is None:
             raise RuntimeError("dlo: internal error: a block is stored before the mode is "
                                "decided (passes.choose_mode or the loader decides it)")
@@ -421,6 +424,8 @@ class Runtime:
                     # again. (An interrupted wait is no failure: the copy still runs.)
                     self.broken = f"{type(exc).__name__}: {exc}"
                     self.slot_block = [None] * self.slots.num_slots
+                    # The failure is this model's only ([Note: a failure stays with its model])
+                    self.shared.drop_failed(slot, pending)
                 raise
             if self._pending[slot] is pending:
                 self._pending[slot] = None
@@ -446,7 +451,11 @@ class Runtime:
         for slot, pending in enumerate(self._pending):
             try:
                 self.executor.wait(pending)
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, Exception) and self.executor.failed(pending):
+                    # the failure of the model that issued it, raised by its own wait
+                    self.shared.drop_failed(slot, pending)
+                    continue
                 if raise_errors:
                     raise  # the handle stays: an interrupted drain can be waited on again
             if self._pending[slot] is pending:
