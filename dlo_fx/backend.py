@@ -79,8 +79,12 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         if again is not None:  # see [Note: a graph compiled again for stored weights]
             return again
     note_compile()  # a forward that compiles is not replayed gather-only (graph_call.py)
-    if runtime is None:
+    if runtime is None and (params or any(True for m in owners for _ in m.parameters())):
         runtime = Runtime(config, resolve_device(config, example_inputs))
+    # A graph without parameters and no model's runtime around it (a helper function
+    # Dynamo compiles apart) gets none: it streams nothing, and making one is a collective
+    # (the ranks agree on its settings) that a recompile on one rank alone, at a shape only
+    # that rank sees, could not pair.
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
     gm = run_passes(gm, ctx, extra=config.user_passes)
     check_inference_only(gm, ctx)
@@ -89,11 +93,12 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         from .inductor import compile_pieces
 
         compiled = compile_pieces(gm, example_inputs, ctx)
-    with runtime.lock:  # no graph of another thread gathers while this one compares plans
-        runtime.drain()
-        commit(ctx, runtime)
-        claim(params, runtime)
-        adopt(runtime, modules, roots)
+    if runtime is not None:
+        with runtime.lock:  # no graph of another thread gathers while this one compares plans
+            runtime.drain()
+            commit(ctx, runtime)
+            claim(params, runtime)
+            adopt(runtime, modules, roots)
     if config.dump_dir:
         from .dump import write_dump
 

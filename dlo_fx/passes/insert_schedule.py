@@ -46,6 +46,8 @@ def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     nodes = list(graph.nodes)
     k = ctx.config.num_slots
     blocks = ctx.blocks
+    if ctx.runtime is None and not blocks:  # no parameters, no model: nothing to schedule
+        return gm
     sched = GraphSchedule(runtime=ctx.runtime, slot_of=[b.index % k for b in blocks],
                           fqns=[[p.fqn for p in b.params] for b in blocks])
     ctx.schedule = sched

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch.fx.node import has_side_effect
@@ -76,8 +76,9 @@ class GraphSchedule(torch.nn.Module):
         return runtime
 
     @runtime.setter
-    def runtime(self, runtime: Runtime) -> None:
-        self._runtime_ref = weakref.ref(runtime)
+    def runtime(self, runtime: Optional[Runtime]) -> None:
+        # None: a graph that streams nothing (no parameters) and has no runtime
+        self._runtime_ref = weakref.ref(runtime) if runtime is not None else lambda: None
 
     def bind(self, params: Sequence[torch.Tensor]) -> Runtime:
         """Bind this call to the runtime of the model whose ``params`` it is called with.

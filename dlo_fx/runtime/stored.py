@@ -122,6 +122,13 @@ class StoredWeight(torch.Tensor):
             "a dlo host store, which the copy would not own. Call dlo_fx.release(model) first "
             "to put them back, or copy the weights alone with model.state_dict()")
 
+    def as_tensor(self) -> torch.Tensor:
+        """A view of the weight, for code written for diffusers' ``GGUFParameter`` (whose
+        ``quant_type`` a stored parameter keeps): its dequantisation calls ``as_tensor()``
+        and reads the bytes through views, which read the stored weight here, or the
+        slot inside a graph."""
+        return self.view(self.shape)
+
     def numpy(self, *, force: bool = False) -> Any:  # a copy: the fetched bytes are cached
         return _read(self).detach().cpu().clone().numpy()
 
@@ -199,6 +206,13 @@ def _read(x: Any, cache: Optional[dict] = None) -> Any:
     origin = x.origin
     runtime = _owner(origin)
     entry = runtime.store.entry(origin) if runtime is not None and not runtime.closed else None
+    if entry is None and runtime is None:
+        raise ValueError(
+            f"dlo: a stored weight of shape {tuple(origin.shape)} ({origin.dtype}) that no dlo "
+            "runtime holds was read: a copy of a stored parameter made by other code (another "
+            "torch.compile backend, such as 'inductor', rebuilds it). Compile the model with "
+            "backend='dlo' (options={'compiler': 'inductor'} for Inductor's kernels), or call "
+            "dlo_fx.release(model) first to run it without dlo")
     if entry is None:
         raise ValueError(
             f"dlo: parameter of shape {tuple(origin.shape)} ({origin.dtype}) was stored by a "

@@ -1,0 +1,60 @@
+"""GGUF-quantized weights (diffusers' ``GGUFLinear`` over ``GGUFParameter``s holding Q8_0
+blocks, quantized here with the ``gguf`` package) stream through dlo: the quantized bytes
+are stored, and every call, compiled or eager, is exact against the resident model. Once
+stored, a weight is a `StoredWeight` that keeps ``quant_type``; the frame's second trace
+(for the stored weights) records diffusers' ``as_tensor()`` call on it, which the passes
+replace by the weight itself."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+class _GGUFModel(torch.nn.Module):
+    def __init__(self) -> None:
+        from diffusers.quantizers.gguf.utils import GGUFLinear
+
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            GGUFLinear(64, 64, True, compute_dtype=torch.float32) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return x
+
+
+def _q8_model() -> torch.nn.Module:
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    model = _GGUFModel()
+    gen = torch.Generator().manual_seed(0)
+    for layer in model.layers:
+        weight = torch.randn(64, 64, generator=gen).numpy()
+        quantized = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+        layer.weight = GGUFParameter(torch.from_numpy(quantized),
+                                     quant_type=gguf.GGMLQuantizationType.Q8_0)
+        layer.bias = torch.nn.Parameter(torch.randn(64, generator=gen), requires_grad=False)
+    return model.eval()
+
+
+def test_gguf_q8_weights_stream_exactly_compiled_and_eager():
+    from dlo_fx.runtime.runtime import runtimes_holding
+    from dlo_fx.runtime.stored import is_stored
+
+    ref, model = _q8_model(), _q8_model()
+    compiled = torch.compile(model, backend="dlo")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(x)
+        assert all(torch.equal(compiled(x), want) for _ in range(3))
+        weights = [layer.weight for layer in model.layers]
+        assert all(is_stored(w) and w.dtype == torch.uint8 for w in weights)
+        store = runtimes_holding(weights)[0].store
+        assert sum(b.nbytes for b in store.blocks) < 64 * 64 * 4 * 4 / 3  # the Q8_0 bytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # read outside a graph: warned
+            assert torch.equal(model(x), want)
