@@ -272,8 +272,9 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
         bound = [args[i] for i in positions]
         with sched.call_lock:  # sched holds this call's binding: one call at a time
             runtime = sched.bind(bound)
-            with runtime.lock:
-                runtime.store.convert_pending()  # see [Note: when a parameter becomes a StoredWeight]
+            if runtime.store.pending:  # see [Note: when a parameter becomes a StoredWeight]
+                with runtime.lock:
+                    runtime.store.convert_pending()
             if runtime in sched.adopted and not runtime.reach_checked:
                 warn_unreached(runtime)  # a second call: the first forward is complete
             note_graph(sched, bound, args)  # for gather-only forwards (graph_call.py)

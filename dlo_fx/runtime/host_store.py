@@ -227,6 +227,13 @@ class HostStore:
                     self.blocks[entry.block] = dataclasses.replace(
                         block, shard=torch.empty(0, dtype=torch.uint8))
 
+    @property
+    def pending(self) -> bool:
+        """Whether parameters a compile stored wait to become `StoredWeight`s. A graph call
+        asks on every call without the lock (a stale answer only leaves the conversion to
+        the next call), so a steady call takes no extra lock."""
+        return bool(self._pending)
+
     def convert_pending(self) -> None:
         """Turn the parameters a compile stored into `StoredWeight`s: see [Note: when a
         parameter becomes a StoredWeight]. The caller holds the runtime's lock."""
