@@ -14,9 +14,10 @@ from .loader import load
 from .memory import memory_report
 from .module_guard import release
 from .pipelines import compile_pipeline
+from .storage_dtype import take_over_layerwise_casting
 
 __all__ = ["DLOConfig", "Engine", "Request", "Result", "compile_pipeline", "load",
-           "memory_report", "release"]
+           "memory_report", "release", "take_over_layerwise_casting"]
 __version__ = "0.1.0"
 
 _ENGINE = ("Engine", "Request", "Result")

@@ -28,13 +28,14 @@ from .passes import PassContext, run_passes
 from .runtime.agreement import agree_on_compile
 from .module_guard import guard_module
 from .runtime.fingerprint import block_fingerprint
+from .runtime.layout import leaf_entries
 from .runtime.graph_call import (compile_clock, note_compile, note_graph, record_schedule,
                                   run_graph)
-from .runtime.layout import span_as_bytes
 from .runtime.ops import SCHEDULE_OPS, conflict_message
 from .runtime.runtime import Runtime, claim, owner_of, read_unstored
 from .runtime import torch_private
 from .runtime.stored import _caller_level, is_stored
+from .storage_dtype import mark_model
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     note_compile()  # a forward that compiles is not replayed gather-only (graph_call.py)
     if runtime is None and (params or any(True for m in owners for _ in m.parameters())):
         runtime = Runtime(config, resolve_device(config, example_inputs))
+    if runtime is not None:  # before the passes size the blocks: see [Note: storing weights
+        # in another dtype] in storage_dtype.py
+        mark_model(compiled_roots(modules) or owners, config.storage_dtype, runtime.device)
     # A graph without parameters and no model's runtime around it (a helper function
     # Dynamo compiles apart) gets none: it streams nothing, and making one is a collective
     # (the ranks agree on its settings) that a recompile on one rank alone, at a shape only
@@ -384,8 +388,8 @@ def commit(ctx: PassContext, runtime: Runtime) -> None:
         for b in new:
             params = [p.param for p in b.params]
             entries, _ = runtime.store.layout(params, [p.fqn for p in b.params])
-            fingerprints.append(block_fingerprint(
-                entries, [span_as_bytes(p) if p.numel() else None for p in params]))
+            fingerprints.append(block_fingerprint(leaf_entries(entries),
+                                                  runtime.store.sources(params, entries)))
         agree_on_compile(runtime, rows, [p.fqn for p in ctx.resident if p.first >= 0],
                          fingerprints, [b.params[0].fqn for b in new],
                          f"a graph of {len(ctx.params)} parameters")

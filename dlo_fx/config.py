@@ -113,6 +113,16 @@ class DLOConfig:
     anonymous memory: for models larger than host RAM. Needs `dlo_fx.load`. See
     `dlo_fx.runtime.file_store`. Default: ``"memory"``."""
 
+    storage_dtype: Union[torch.dtype, str, None] = None
+    """Store (and stream) the weights of the model's linear and convolution layers in this
+    floating-point dtype, and cast them to the parameter's own dtype on the device, in the
+    graph, right after the slot view: the same layers and the same casts as diffusers'
+    ``enable_layerwise_casting(storage_dtype=..., compute_dtype=<the model's dtype>)``
+    (its default skip patterns, the model's ``_skip_layerwise_casting_patterns`` and
+    ``_keep_in_fp32_modules``), so the output is bit-identical to that model run
+    resident. ``torch.float8_e4m3fn`` halves bf16's host, transfer and slot bytes. A dtype
+    or its name (``"float8_e4m3fn"``). See `dlo_fx.storage_dtype`. Default: ``None``."""
+
     fault_delay_s: float = 0.0
     """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``
     to prove that ``wait`` orders the slot. From 0 to 60. Default: ``0.0``."""
@@ -122,6 +132,8 @@ class DLOConfig:
         _check_choice("compiler", self.compiler, _COMPILERS)
         _check_choice("host_store", self.host_store, _HOST_STORES)
         _check_int("num_slots", self.num_slots, minimum=2)
+        if self.storage_dtype is not None:
+            object.__setattr__(self, "storage_dtype", _floating_dtype(self.storage_dtype))
         if self.num_slots > MAX_SLOTS:
             raise ValueError(
                 f"DLOConfig option 'num_slots'={self.num_slots!r} is not allowed: expected an "
@@ -314,6 +326,20 @@ def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
             f"DLOConfig option {name!r}={value!r} is not allowed: expected one of "
             f"{', '.join(repr(a) for a in allowed)}"
         )
+
+
+def _floating_dtype(value: Any) -> torch.dtype:
+    """``storage_dtype`` as a floating-point torch dtype (a dtype or its name)."""
+    dtype = value
+    if isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"DLOConfig option 'storage_dtype'={value!r} is not allowed: expected a "
+            "floating-point torch dtype or its name, such as torch.float8_e4m3fn, "
+            "'float8_e5m2', 'bfloat16' or 'float16' (integer quantisation is torchao's: "
+            "quantize the model, then compile it)")
+    return dtype
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:

@@ -20,7 +20,8 @@ from .checkpoint import Checkpoint, TensorInfo
 from .config import DLOConfig
 from .partition import Unit, partition
 from .residency import Candidate, decide_residency
-from .runtime.layout import storage_span
+from .runtime.layout import STORAGE_MARK, storage_span
+from .storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,20 @@ class Target:
         return self.names[0][2]
 
     @property
+    def stored_as(self) -> Optional[torch.dtype]:
+        """The dtype a parameter is stored in when it differs from its own (``storage_dtype``:
+        see [Note: storing weights in another dtype] in storage_dtype.py), else None."""
+        mark = getattr(self.tensor, STORAGE_MARK, None)
+        return mark if self.kind == "param" and mark is not None and mark != self.dtype else None
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return self.stored_as or self.dtype
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of its storage span in the model's layout and final dtype."""
-        return storage_span(self.tensor) * _itemsize(self.dtype)
+        """Bytes of its storage span in the model's layout and final dtype, as stored."""
+        return storage_span(self.tensor) * _itemsize(self.stored_dtype)
 
 
 @dataclass(eq=False)
@@ -174,6 +186,8 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
 
     Raises ValueError listing every mismatch; registers nothing.
     """
+    if cfg.storage_dtype is not None:
+        mark_storage(module, cfg.storage_dtype)
     params, buffers = _targets(module, dtype)
     by_name = _map_keys(ckpt, key_map)
     what = f"{type(module).__name__} from checkpoint {ckpt.source!r}"

@@ -63,10 +63,11 @@ from .config import DLOConfig
 from .load_plan import KeyMap, LoadPlan, Target, agree_on_load, plan_load
 from .module_guard import guard_module
 from .runtime.fingerprint import extent_sources, file_fingerprint
-from .runtime.layout import span_as_bytes
+from .runtime.layout import STORAGE_MARK, span_as_bytes
 from .runtime.runtime import Runtime, claim
 from .runtime.stored import stored_parameter
 from .shard_dir import ShardDir, checkpoint_extents
+from .storage_dtype import check_castable
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,9 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
         module = _construct(model, config, ckpt)
         plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map if shards is None
                          else None, strict=strict, resident=resident)
+        for stored, compute in {(t.stored_as, t.dtype): t for b in plan.blocks for t in b
+                                if t.stored_as is not None}:
+            check_castable(stored, compute, device, f"{type(module).__name__}'s weights")
         if shards is not None:
             shards.check(plan, cfg, dp=runtime.group.dp, mode=runtime.mode,
                          rank=runtime.group.rank, dtype=dtype, resident=resident, key_map=key_map)
@@ -305,7 +309,10 @@ def _materialised(target: Target, view: Optional[torch.Tensor], device: torch.de
 
 def _stored_like(target: Target, device: torch.device) -> nn.Parameter:
     t = target.tensor
-    return stored_parameter(t.shape, t.stride(), target.dtype, device)
+    p = stored_parameter(t.shape, t.stride(), target.dtype, device)
+    if target.stored_as is not None:  # see [Note: a storage dtype] in runtime/layout.py
+        setattr(p, STORAGE_MARK, target.stored_as)
+    return p
 
 
 def _install(target: Target, value: torch.Tensor) -> None:

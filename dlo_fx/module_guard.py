@@ -89,9 +89,12 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
                 raise ValueError(
                     f"dlo: {type(module).__name__} has diffusers' layerwise casting enabled, "
                     f"which casts each layer's weights around its call (here {fqn!r} to "
-                    f"{probe.dtype}); dlo cannot do that to weights in its host store. Build "
-                    "the model without enable_layerwise_casting and store it in the dtype it "
-                    "should run in (dlo_fx.load(..., dtype=...)); dlo_fx.release(model) gives "
+                    f"{probe.dtype}); dlo cannot do that to weights in its host store. dlo "
+                    "stores and casts them itself: compile the pipeline with "
+                    "dlo_fx.compile_pipeline(pipe), which takes the casting over, or call "
+                    "dlo_fx.take_over_layerwise_casting(model) before "
+                    "torch.compile, or build the model without it and pass options="
+                    "{'storage_dtype': torch.float8_e4m3fn}; dlo_fx.release(model) gives "
                     "this one its weights back")
             raise ValueError(
                 f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
@@ -174,8 +177,9 @@ _PEFT_ONLY = ("merge", "unmerge")  # generic names: shadowed on peft's layers on
 
 def _refusal(owner: str, name: str) -> ValueError:
     if name == "enable_layerwise_casting":  # its hooks cast around every call: never works
-        advice = ("Layerwise casting cannot run on a dlo model; store the model in the dtype "
-                  "it should run in (dlo_fx.load(..., dtype=...)), or call "
+        advice = ("dlo stores and casts low-precision weights itself: load or compile the "
+                  "model with options={'storage_dtype': torch.float8_e4m3fn} (the same "
+                  "layers and casts as layerwise casting), or call "
                   "dlo_fx.release(model) first and run it without dlo")
     else:
         advice = (f"Call {name}() before the weights are stored (before the model's first "

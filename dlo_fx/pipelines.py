@@ -30,6 +30,7 @@ from torch import nn
 
 from .config import DLOConfig
 from .module_guard import guard_pipeline
+from .storage_dtype import take_over_layerwise_casting
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         compile_kwargs: further ``torch.compile`` arguments (``dynamic=``, ``fullgraph=``).
 
     Returns ``pipe``, its modules compiled in place (see [Note: one set of slots for a
-    pipeline]). Outputs are bit-identical to the resident pipeline's. The weights move into
+    pipeline]). Outputs are bit-identical to the resident pipeline's. A component with
+    diffusers' layerwise casting enabled streams its weights in the storage dtype and casts
+    them in the graph (`dlo_fx.storage_dtype.take_over_layerwise_casting`). The weights move into
     the dlo host store at each module's first call; the modules are set to eval mode and
     ``requires_grad=False`` (dlo streams weights for inference only).
 
@@ -91,6 +94,11 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     for name in names:
         module = getattr(pipe, name)
         module.eval().requires_grad_(False)
+        taken = take_over_layerwise_casting(module)  # see [Note: storing weights in another dtype]
+        if taken:
+            log.info("dlo_fx.compile_pipeline: %s.%s: diffusers' layerwise casting of %d layers "
+                     "taken over (stored in their storage dtype, cast in the graph)",
+                     type(pipe).__name__, name, taken)
         module.compile(backend="dlo", options=options, **compile_kwargs)
         for method in ENTRY_METHODS:
             if callable(getattr(type(module), method, None)) and method not in vars(module):

@@ -95,7 +95,10 @@ def checkpoint_extents(block: Sequence[Target], entries: Sequence[Entry]) -> lis
         start = info.offset if info.offset is not None else offsets[info.path][info.key][0]
         convert = None
         if info.dtype != e.dtype or not t.tensor.is_contiguous():
-            convert = Convert(info.dtype, tuple(t.tensor.shape), e.dtype, e.stride)
+            # Stored in another dtype: cast through the parameter's own first, as the
+            # model in memory is cast (fp32 file -> bf16 model -> fp8 store), never at once
+            via = e.compute_dtype if e.compute_dtype not in (None, info.dtype) else None
+            convert = Convert(info.dtype, tuple(t.tensor.shape), e.dtype, e.stride, via)
         out.append(Extent(dest=e.offset, nbytes=e.nbytes, path=info.path, offset=start,
                           src_nbytes=info.nbytes, what=repr(t.fqn), convert=convert))
     return out
@@ -108,7 +111,7 @@ def _layout_rows(plan: LoadPlan, alignment: int) -> list[list]:
         offsets, _ = plan_offsets([t.nbytes for t in block], alignment)
         for t, off in zip(block, offsets):
             rows.append([b, t.fqn, list(t.tensor.shape), list(t.tensor.stride()), str(t.dtype),
-                         off, t.nbytes])
+                         off, t.nbytes] + ([str(t.stored_as)] if t.stored_as else []))
     return rows
 
 
@@ -122,6 +125,7 @@ def _shape_fields(plan: LoadPlan, cfg: DLOConfig, dp: int, mode: str,
         "resident_bytes": cfg.resident_bytes,
         "resident": sorted([resident] if isinstance(resident, str) else resident),
         "dtype": str(dtype) if dtype is not None else None,
+        "storage_dtype": str(cfg.storage_dtype) if cfg.storage_dtype is not None else None,
         "blocks": len(plan.blocks),
         "plan_digest": hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:32],
     }
@@ -135,7 +139,8 @@ def _block_bytes(plan: LoadPlan, b: int, alignment: int) -> tuple[list[int], int
 # -- writing ---------------------------------------------------------------------------------
 def _entries(block: Sequence[Target], offsets: list[int]) -> list[Entry]:
     return [Entry(uid=i, fqn=t.fqn, block=0, offset=off, nbytes=t.nbytes,
-                  shape=tuple(t.tensor.shape), stride=tuple(t.tensor.stride()), dtype=t.dtype)
+                  shape=tuple(t.tensor.shape), stride=tuple(t.tensor.stride()),
+                  dtype=t.stored_dtype, compute_dtype=t.dtype if t.stored_as else None)
             for i, (t, off) in enumerate(zip(block, offsets))]
 
 
@@ -496,6 +501,10 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
                         help="JSON object of constructor arguments (default: config.json)")
     parser.add_argument("--dtype", default=None, help="cast floating-point weights, e.g. bfloat16")
+    parser.add_argument("--storage-dtype", default=None,
+                        help="store the linear and convolution weights in this dtype, e.g. "
+                        "float8_e4m3fn, converted block by block while sharding (the "
+                        "storage_dtype option; load with the same)")
     parser.add_argument("--options", default="{}",
                         help="JSON dlo options the model will be loaded with (alignment, "
                         "block_bytes, resident_bytes)")
@@ -525,10 +534,13 @@ def _model_from(spec: Optional[str], ckpt_path: str) -> Any:
 
 
 def run_shard(args: argparse.Namespace) -> int:
+    options = json.loads(args.options)
+    if args.storage_dtype is not None:
+        options["storage_dtype"] = args.storage_dtype
     manifest = write_shard_dir(
         _model_from(args.model, args.checkpoint), args.checkpoint, args.out, dp=args.dp,
         config=json.loads(args.config) if args.config else None,
-        dtype=_dtype(args.dtype) if args.dtype else None, options=json.loads(args.options),
+        dtype=_dtype(args.dtype) if args.dtype else None, options=options,
         resident=tuple(args.resident))
     total = sum(manifest["files"].values())
     print(f"wrote {len(manifest['files'])} files ({total} bytes) for dp={manifest['dp']}, "

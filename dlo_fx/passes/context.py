@@ -24,7 +24,8 @@ class ParamInfo:
     node: fx.Node
     param: torch.nn.Parameter
     fqn: str
-    nbytes: int
+    nbytes: int  # bytes of its storage span as stored
+    stored_as: Optional[torch.dtype] = None  # stored in this dtype, not its own
     first: int = -1  # index of the first node that reads it (or an alias of it)
     last: int = -1  # index of the last such node
     reason: Optional[str] = None  # why it is resident, if it is

@@ -22,7 +22,7 @@ from torch import fx
 
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..runtime.layout import span_bytes
+from ..runtime.layout import leaf_tensors, param_bytes, span_bytes, storage_of
 from ..runtime.stored import is_stored
 from .context import ParamInfo, PassContext
 
@@ -57,15 +57,19 @@ def identify_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not is_param_placeholder(node, value):
             continue
         entry = ctx.runtime.store.entry(value) if ctx.runtime is not None else None
+        stored_as = storage_of(value)  # see [Note: a storage dtype] in runtime/layout.py
         if entry is not None:
             fqn = entry.fqn
+            stored_as = entry.dtype if entry.compute_dtype is not None else None
         elif grapharg is not None:
             fqn = fqn_from_source(grapharg.source.name)
         else:
             fqn = node.name
         check_streamable(value, fqn)
         _inline_as_tensor(gm, node)
-        ctx.params.append(ParamInfo(node=node, param=value, fqn=fqn, nbytes=span_bytes(value)))
+        ctx.params.append(ParamInfo(node=node, param=value, fqn=fqn,
+                                    nbytes=param_bytes(value, stored_as),
+                                    stored_as=stored_as))
     return gm
 
 
@@ -81,14 +85,50 @@ def _inline_as_tensor(gm: fx.GraphModule, node: fx.Node) -> None:
 
 
 def check_streamable(param: torch.Tensor, fqn: str) -> None:
-    """ValueError for a parameter whose bytes are not its own storage: a tensor subclass
-    that holds other tensors (torchao's quantized weights, DTensor), other than dlo's own
-    `StoredWeight`. Its storage span says nothing about its data."""
-    if is_traceable_wrapper_subclass(param) and not is_stored(param):
-        kind = f"{type(param).__module__}.{type(param).__qualname__}"
+    """ValueError for a parameter whose bytes dlo cannot lay out: a tensor subclass with no
+    storage of its own that does not flatten into plain tensors (``__tensor_flatten__``),
+    or a DTensor (already sharded by another framework). A traceable subclass made of plain
+    tensors (torchao's quantized weights) streams as those tensors: see [Note: a quantized
+    weight is its inner tensors] in runtime/layout.py."""
+    if is_stored(param):
+        return
+    kind = f"{type(param).__module__}.{type(param).__qualname__}"
+    if type(param).__name__ == "DTensor":
         raise ValueError(
-            f"dlo: parameter {fqn!r} is a {kind}, a tensor subclass whose data are other "
-            "tensors (as torchao's quantized weights are); dlo does not stream such weights, "
-            "and nothing was stored. Stream the unquantized weights (in bfloat16: "
-            "dlo_fx.load(..., dtype=torch.bfloat16)), or run the quantized model without dlo "
-            "(backend='inductor')")
+            f"dlo: parameter {fqn!r} is a DTensor, sharded by torch.distributed already; dlo "
+            "shards weights itself and nothing was stored. Compile the model with plain "
+            "parameters (full_tensor() of each) and dlo's own shard_group")
+    if not is_traceable_wrapper_subclass(param):
+        if _has_storage(param):
+            return
+        raise ValueError(
+            f"dlo: parameter {fqn!r} is a {kind}, a tensor subclass with no storage of its own "
+            "that does not implement __tensor_flatten__/__tensor_unflatten__, so dlo cannot "
+            "find its bytes, and nothing was stored. Make the subclass traceable (as torchao's "
+            "are), or run the model without dlo")
+    try:
+        leaves = leaf_tensors(param)
+    except Exception as exc:  # a flatten that fails, or names attributes it lacks
+        raise ValueError(
+            f"dlo: parameter {fqn!r} is a {kind} whose __tensor_flatten__ failed "
+            f"({type(exc).__name__}: {exc}); dlo cannot lay out its inner tensors, and nothing "
+            "was stored") from None
+    bad = [x for x in leaves if is_traceable_wrapper_subclass(x) or not _has_storage(x)]
+    if bad:
+        raise ValueError(
+            f"dlo: parameter {fqn!r} is a {kind} whose inner tensors include a "
+            f"{type(bad[0]).__qualname__} without storage of its own; dlo streams subclasses "
+            "made of plain tensors only, and nothing was stored")
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are a storage of its own (a wrapper subclass has a storage
+    object of the right size whose data pointer cannot be read)."""
+    if t.numel() == 0:
+        return True
+    try:
+        storage = t.untyped_storage()
+        storage.data_ptr()
+        return storage.nbytes() >= span_bytes(t)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False

@@ -6,6 +6,8 @@ For graph block ``g`` in slot ``s = g % num_slots``::
     allgather_b{g}(_dlo, g)             # right after it, in allgather mode only
     wait_b{g}(_dlo, g)                  # before the first read of any of its parameters
     <fqn> = slot_view(_dlo, g, wait_b{g}, param)   # every use of param now reads this
+    <fqn>_stored = slot_view(_dlo, g, wait_b{g}, param, dtype)   # stored in another dtype:
+    <fqn> = <fqn>_stored.to(dtype)                              # cast right after the view
     swap_slot_b{g}(_dlo, g)             # after the last read of any view of its params
 
 plus the ring: ``prefetch_b{s}_wrap`` for each of the first ``num_slots`` blocks once slot
@@ -101,10 +103,20 @@ def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             token = make(ops.wait, (sched_node, block.index), f"wait_b{block.index}",
                          _meta("wait", block, slot))
             for info in block.params:
-                view = make(ops.slot_view, (sched_node, block.index, token, info.node),
-                            _name(info.fqn), {"kind": "slot_view", "block": block.index,
-                                              "slot": slot, "fqn": info.fqn,
-                                              "bytes": info.nbytes})
+                args = (sched_node, block.index, token, info.node)
+                meta = {"kind": "slot_view", "block": block.index, "slot": slot,
+                        "fqn": info.fqn, "bytes": info.nbytes}
+                if info.stored_as is None:
+                    view = make(ops.slot_view, args, _name(info.fqn), meta)
+                else:  # stored in another dtype: cast on the device, right after the view
+                    dtype = info.param.dtype
+                    stored = make(ops.slot_view, (*args, dtype), _name(info.fqn) + "_stored",
+                                  {**meta, "stored_as": str(info.stored_as)})
+                    view = graph.create_node("call_method", "to", (stored, dtype),
+                                             name=_name(info.fqn))
+                    view.meta["dlo"] = {"kind": "cast", "block": block.index, "fqn": info.fqn,
+                                        "from": str(info.stored_as), "to": str(dtype)}
+                    dlo_nodes.add(view)
                 redirect(info, view)
         with graph.inserting_after(nodes[block.last]):
             swap = make(ops.swap_slot, (sched_node, block.index), f"swap_slot_b{block.index}",

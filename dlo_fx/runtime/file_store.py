@@ -75,6 +75,7 @@ class Convert:
     shape: tuple[int, ...]
     dtype: torch.dtype
     stride: tuple[int, ...]
+    via: Optional[torch.dtype] = None  # cast to this dtype first (the parameter's own)
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,8 @@ def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.
             _pread_into(f, raw, r.offset, f"{r.what} of {what}")
             _check_sampled(f, r, raw, what)
             src = raw.view(c.src_dtype).view(c.shape)
+            if c.via is not None:
+                src = src.to(c.via)
             span = dest[r.dest : r.dest + r.nbytes]
             if r.skip == 0 and r.nbytes == _span_nbytes(c):  # the whole tensor: in place
                 typed = span.view(c.dtype)

@@ -52,7 +52,8 @@ from typing import Optional, Sequence
 import torch
 
 from .file_store import Extent, FileShard, FileStore, read_extents
-from .layout import Entry, ShardSpec, copy_into_shard, plan_offsets, span_as_bytes, span_bytes
+from .layout import (Entry, ShardSpec, copy_into_shard, lay_out, leaf_entries, leaf_tensors,
+                     storage_of, stored_bytes)
 from .stored import become_stored, is_stored
 
 log = logging.getLogger(__name__)
@@ -149,15 +150,24 @@ class HostStore:
     # -- building -----------------------------------------------------------------------
     def layout(self, params: Sequence[torch.Tensor], fqns: Sequence[str]) -> tuple[list[Entry], ShardSpec]:
         """Entries and shard geometry a block of ``params`` would get (no copy)."""
-        sizes = [span_bytes(p) for p in params]
-        offsets, total = plan_offsets(sizes, self.alignment)
-        index = len(self.blocks)
-        entries = []
-        for p, fqn, off, size in zip(params, fqns, offsets, sizes):
-            entries.append(Entry(uid=self._next_uid + len(entries), fqn=fqn, block=index,
-                                 offset=off, nbytes=size, shape=tuple(p.shape),
-                                 stride=tuple(p.stride()), dtype=p.dtype))
-        return entries, ShardSpec.of(total, self.dp, self.alignment)
+        # See [Note: a storage dtype] and [Note: a quantized weight is its inner tensors]
+        index, cursor, entries = len(self.blocks), 0, []
+        for p, fqn in zip(params, fqns):
+            entry, cursor = lay_out(p, fqn, cursor, self.alignment,
+                                    self._next_uid + len(entries), index, storage_of(p))
+            entries.append(entry)
+        return entries, ShardSpec.of(cursor, self.dp, self.alignment)
+
+    @staticmethod
+    def sources(params: Sequence[torch.Tensor], entries: Sequence[Entry]) -> list:
+        """The flat bytes of each of ``leaf_entries(entries)`` (None for an empty one): a
+        parameter's own, a cast copy's where its entry stores another dtype, or its inner
+        tensors' (a tensor subclass)."""
+        out = []
+        for p, e in zip(params, entries):
+            for t, leaf in zip(leaf_tensors(p), e.leaves):
+                out.append(stored_bytes(t, leaf.dtype) if leaf.nbytes else None)
+        return out
 
     def add_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
                   sources: Optional[Sequence[torch.Tensor]] = None,
@@ -193,8 +203,8 @@ class HostStore:
         else:
             shard = self._allocate(size)
             if sources is None:
-                sources = [span_as_bytes(p) if e.nbytes else None for p, e in zip(params, entries)]
-            copy_into_shard(shard, entries, sources, start)
+                sources = self.sources(params, entries)
+            copy_into_shard(shard, leaf_entries(entries), sources, start)
         block = HostBlock(index=index, entries=entries, spec=spec, shard=shard, source=source)
         real = [p for p in params if p.numel() and not is_stored(p)]
         if not defer:

@@ -8,6 +8,23 @@ slot with ``as_strided`` over the same bytes, never re-ordered by element. Every
 starts at a multiple of ``alignment`` bytes, so dtype views are legal and kernels see the
 same pointer alignment as on a resident tensor. A block may mix dtypes.
 
+[Note: a storage dtype]
+A parameter may be stored in another dtype than its own (``storage_dtype``: fp8 bytes of a
+bf16 layer). Its entry's ``dtype`` is then the stored one and ``compute_dtype`` the
+parameter's: the block, the shards, the files and the slots hold the stored bytes, and the
+parameter's value is ``view_of(...).to(compute_dtype)``, cast on the device: in the graph
+by a node right after the slot view, elsewhere by `Entry.value_of`. The parameter itself
+(a `StoredWeight`) keeps its own dtype, which is what Dynamo traced the graph with.
+
+[Note: a quantized weight is its inner tensors]
+A parameter that is a traceable tensor subclass (torchao's ``Int8Tensor``, ``Float8Tensor``,
+...: ``__tensor_flatten__`` names the plain tensors it is made of, ``qdata`` and ``scale``)
+is laid out as those inner tensors, each aligned like a parameter of its own (`Entry.parts`,
+recursively for a subclass inside a subclass). Its value is rebuilt from their views with
+``__tensor_unflatten__`` and the flatten context kept at store time (`Entry.view_of`), in
+the slot as anywhere else, so the graph's ``linear(x, weight)`` runs the subclass's own
+kernel on the streamed quantized bytes: what the resident quantized model runs.
+
 Sharding over ``dp`` ranks pads the block to ``dp * S`` bytes with
 ``S = roundup(ceil(nbytes / dp), alignment)``; rank ``r`` keeps bytes ``[r*S, (r+1)*S)``,
 zero-padded at the tail, and an in-place AllGather of the ``dp`` shards rebuilds the block.
@@ -15,9 +32,11 @@ zero-padded at the tail, and an in-place AllGather of the ``dp`` shards rebuilds
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -33,6 +52,35 @@ def storage_span(t: torch.Tensor) -> int:
 
 def span_bytes(t: torch.Tensor) -> int:
     return storage_span(t) * t.element_size()
+
+
+STORAGE_MARK = "_dlo_storage_dtype"
+"""The attribute of a parameter naming the dtype it is to be stored in
+(`dlo_fx.storage_dtype.mark_storage`)."""
+
+
+def storage_of(param: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype ``param`` is to be stored in when it differs from its own, else None."""
+    dtype = getattr(param, STORAGE_MARK, None)
+    return dtype if dtype is not None and dtype != param.dtype else None
+
+
+def stored_span_bytes(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> int:
+    """Bytes of ``t``'s storage span stored as ``dtype`` (default: its own)."""
+    if dtype is None or dtype == t.dtype:
+        return span_bytes(t)
+    return storage_span(t) * torch.empty((), dtype=dtype).element_size()
+
+
+def stored_bytes(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The flat bytes ``t``'s storage span is stored as: its own (a view), or, stored as
+    another ``dtype``, those of a cast copy with its shape and strides."""
+    if dtype is None or dtype == t.dtype:
+        return span_as_bytes(t)
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t.detach())
+    return span_as_bytes(out)
 
 
 def span_as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -53,10 +101,30 @@ class Entry:
     nbytes: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype  # the dtype of the stored bytes
+    compute_dtype: Optional[torch.dtype] = None  # the parameter's, when stored in another
+    # A tensor subclass: the entries of its inner tensors, and (class, flatten context,
+    # inner names) to rebuild it (see [Note: a quantized weight is its inner tensors])
+    parts: tuple["Entry", ...] = ()
+    wrapper: Any = field(default=None, compare=False)
+
+    @property
+    def leaves(self) -> list["Entry"]:
+        """The entries that hold bytes: itself, or its inner tensors' (recursively)."""
+        return [self] if not self.parts else [x for p in self.parts for x in p.leaves]
+
+    def value_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter's value from a block's flat bytes: `view_of`, cast to the
+        parameter's dtype when it is stored in another (see [Note: a storage dtype])."""
+        view = self.view_of(flat)
+        return view if self.compute_dtype is None else view.to(self.compute_dtype)
 
     def view_of(self, flat: torch.Tensor) -> torch.Tensor:
         """Rebuild the parameter's view over a block's flat uint8 bytes."""
+        if self.parts:
+            cls, ctx, names = self.wrapper
+            inner = {n: p.view_of(flat) for n, p in zip(names, self.parts)}
+            return cls.__tensor_unflatten__(inner, ctx, self.shape, self.stride)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         if self.nbytes == 0:
             return torch.empty(self.shape, dtype=self.dtype, device=flat.device)
@@ -106,3 +174,59 @@ def copy_into_shard(
         lo, hi = max(entry.offset, start), min(entry.offset + entry.nbytes, end)
         if lo < hi:
             shard[lo - start : hi - start].copy_(src[lo - entry.offset : hi - entry.offset])
+
+
+def is_composite(t: Any) -> bool:
+    """Whether ``t`` is a tensor subclass made of inner tensors (torchao's quantized
+    weights) that dlo lays out as those tensors, not dlo's own `StoredWeight`."""
+    from .stored import is_stored
+
+    return is_traceable_wrapper_subclass(t) and not is_stored(t)
+
+
+def inner_tensors(t: torch.Tensor) -> tuple[list[str], Any, list[torch.Tensor]]:
+    """The names, flatten context and tensors of a composite ``t``'s inner tensors."""
+    names, ctx = t.__tensor_flatten__()
+    return list(names), ctx, [getattr(t, n) for n in names]
+
+
+def leaf_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s bytes, in layout order."""
+    if not is_composite(t):
+        return [t]
+    return [x for inner in inner_tensors(t)[2] for x in leaf_tensors(inner)]
+
+
+def param_bytes(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> int:
+    """Bytes a parameter is stored as: its storage span (in ``dtype``), or its inner
+    tensors' spans (unaligned)."""
+    if is_composite(t):
+        return sum(span_bytes(x) for x in leaf_tensors(t))
+    return stored_span_bytes(t, dtype)
+
+
+def lay_out(t: torch.Tensor, fqn: str, cursor: int, alignment: int, uid: int, block: int,
+            stored_as: Optional[torch.dtype] = None) -> tuple[Entry, int]:
+    """The entry of ``t`` starting at byte ``cursor`` of its block (aligned up), and the
+    aligned cursor after it. A composite's inner tensors follow each other, each aligned."""
+    if is_composite(t):
+        names, ctx, inner = inner_tensors(t)
+        parts = []
+        start = round_up(cursor, alignment)
+        for name, x in zip(names, inner):
+            part, cursor = lay_out(x, f"{fqn}.{name}", cursor, alignment, uid, block)
+            parts.append(part)
+        end = max((p.offset + p.nbytes for p in parts), default=start)
+        return Entry(uid=uid, fqn=fqn, block=block, offset=start, nbytes=end - start,
+                     shape=tuple(t.shape), stride=tuple(t.stride()), dtype=t.dtype,
+                     parts=tuple(parts), wrapper=(type(t), ctx, tuple(names))), cursor
+    offset = round_up(cursor, alignment)
+    size = stored_span_bytes(t, stored_as)
+    entry = Entry(uid=uid, fqn=fqn, block=block, offset=offset, nbytes=size,
+                  shape=tuple(t.shape), stride=tuple(t.stride()), dtype=stored_as or t.dtype,
+                  compute_dtype=t.dtype if stored_as is not None else None)
+    return entry, round_up(offset + size, alignment)
+
+
+def leaf_entries(entries: Sequence[Entry]) -> list[Entry]:
+    return [x for e in entries for x in e.leaves]

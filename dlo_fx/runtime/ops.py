@@ -147,9 +147,12 @@ def wait(sched: GraphSchedule, block: int) -> None:
     sched.step += 1
 
 
-def slot_view(sched: GraphSchedule, block: int, token: None, param: torch.nn.Parameter) -> torch.Tensor:
-    """``param`` as a view of its slot; ``token`` is the block's ``wait`` (ordering only)."""
-    view = sched.runtime.view(sched.slot_of[block], sched.bound[block], param)
+def slot_view(sched: GraphSchedule, block: int, token: None, param: torch.nn.Parameter,
+              cast: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``param`` as a view of its slot; ``token`` is the block's ``wait`` (ordering only).
+    ``cast``: the parameter is stored in another dtype and the graph's next node casts
+    the view to ``cast`` (see [Note: a storage dtype] in layout.py)."""
+    view = sched.runtime.view(sched.slot_of[block], sched.bound[block], param, cast)
     sched.step += 1
     return view
 

@@ -65,7 +65,7 @@ from .host_store import HostStore
 from .fingerprint import block_fingerprint, check_same_weights
 from .graph_call import EAGER, HOST_READ, ClockMismatch, check_rows, exchange, note_fetch
 from .interrupts import deferred, install as install_interrupt_handler
-from .layout import Entry, span_as_bytes
+from .layout import Entry, leaf_entries
 from .stored import is_stored
 from .trace import Tracer
 
@@ -229,8 +229,8 @@ class Runtime:
             new_params, new_fqns = [p for p, _ in fresh], [f for _, f in fresh]
             if self.mode == "allgather":
                 layout, _ = self.store.layout(new_params, new_fqns)
-                fingerprint = block_fingerprint(
-                    layout, [span_as_bytes(p) if p.numel() else None for p in new_params])
+                fingerprint = block_fingerprint(leaf_entries(layout),
+                                                self.store.sources(new_params, layout))
                 check_same_weights(self, [fingerprint], new_fqns[:1],
                                    f"the layer of {new_fqns[0]!r}")
             return self.register_block(new_params, new_fqns)
@@ -263,7 +263,7 @@ class Runtime:
                     entry.block, self.fetch_block(entry.block, what, clock, record=False))
             flat = cached[1]
             # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
-            tensor = entry.view_of(flat).clone().requires_grad_(param.requires_grad)
+            tensor = entry.value_of(flat).clone().requires_grad_(param.requires_grad)
             self._resident[id(param)] = (entry, tensor)
         return tensor
 
@@ -441,11 +441,19 @@ class Runtime:
             self.tracer.add("compute", self.slot_block[slot], slot, self._ready_ns[slot],
                             time.perf_counter_ns())
 
-    def view(self, slot: int, block: int, param: torch.Tensor) -> torch.Tensor:
+    def view(self, slot: int, block: int, param: torch.Tensor,
+             cast: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``param`` as a view of ``slot``, in the dtype it is stored in when the graph
+        casts it (``cast``: the graph's node after the slot view does), else in its own
+        (see [Note: a storage dtype] in layout.py)."""
         entry = self.store.entry(param)
         if entry.block != block:  # held by another host block: see `resolve`
             return self.resident_tensor(param)
-        return self.slots.view(slot, entry, param.requires_grad)
+        view = self.slots.view(slot, entry, param.requires_grad)
+        if entry.compute_dtype is not None and cast is None:
+            # a graph scheduled for a model of the class stored in its own dtype
+            return view.to(entry.compute_dtype)
+        return view
 
     def drain(self, *, raise_errors: bool = True) -> None:
         for slot, pending in enumerate(self._pending):
@@ -478,11 +486,11 @@ class Runtime:
         block = self.store.blocks[entry.block]
         if self.store.dp == 1:
             if block.source is None:
-                return entry.view_of(block.shard).clone()
+                return entry.value_of(block.shard).clone()
             with torch.inference_mode(False):
                 flat = torch.empty(block.shard_nbytes, dtype=torch.uint8)
             block.copy_to(flat)  # host_store="mmap": read from the file
-            return entry.view_of(flat).clone()
+            return entry.value_of(flat).clone()
         cached = self._host_cache
         if cached is None or cached[0] != entry.block:
             what = (f"host block {entry.block} (weights of {entry.fqn!r} read outside the graph; "
@@ -490,7 +498,7 @@ class Runtime:
                     "calls them together)")
             flat = self.fetch_block(entry.block, what, clock=True, record=False, kind=HOST_READ)
             cached = self._host_cache = (entry.block, flat.cpu())
-        return entry.view_of(cached[1]).clone()
+        return entry.value_of(cached[1]).clone()
 
     def close(self) -> None:
         """Free the host store and resident copies, forget the slots this runtime filled

@@ -48,6 +48,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import torch_private
@@ -165,8 +166,11 @@ class StoredWeight(torch.Tensor):
         if aliased is not None:
             return _view(func, args, kwargs, aliased)
         cache: dict = {}
-        return func(*tree_map(lambda x: _read(x, cache), args),
-                    **tree_map(lambda x: _read(x, cache), kwargs))
+        try:
+            return func(*tree_map(lambda x: _read(x, cache), args),
+                        **tree_map(lambda x: _read(x, cache), kwargs))
+        except NotImplementedError as exc:
+            raise _unsupported_read(func, stored, exc) from exc
 
 
 def _fake_like(x: Any) -> Any:
@@ -225,12 +229,32 @@ def _read(x: Any, cache: Optional[dict] = None) -> Any:
         if cache is not None:
             cache[key] = flat
         _warn_once(runtime, entry.fqn)
-    value = entry.view_of(flat)
+    value = entry.value_of(flat)
     for func, args, kwargs, index in x._dlo_steps:
         value = func(*_put(args, value), **_put(kwargs, value))
         if index is not None:
             value = value[index]
     return value
+
+
+def _unsupported_read(func: Any, stored: list, exc: BaseException) -> BaseException:
+    """A read outside the graph that a stored weight's own tensor subclass (a torchao
+    quantized weight) does not implement at the level dlo reads it: say so, naming it."""
+    for t in stored:
+        runtime = _owner(t.origin)
+        entry = runtime.store.entry(t.origin) if runtime is not None else None
+        if entry is not None and entry.parts:
+            break
+    else:
+        return exc
+    kind = entry.wrapper[0].__qualname__
+    return NotImplementedError(
+        f"dlo: parameter {entry.fqn!r} (a {kind}) was read outside a compiled graph by "
+        f"{func}, which {kind} does not implement below torch functions (it implements "
+        "linear as a whole); outside a graph dlo reads a stored weight op by op. Run the "
+        "layers that use it inside the graph compiled with backend='dlo' (no graph break "
+        "around them), or call dlo_fx.release(model) to run it without dlo. "
+        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
 def _warn_once(runtime: Any, fqn: str) -> None:
@@ -340,7 +364,11 @@ def become_stored(p: torch.Tensor) -> None:
     with torch.inference_mode(p.is_inference()):  # an inference tensor stays one
         new = StoredWeight(p.shape, p.stride(), p.dtype, p.device, requires_grad=p.requires_grad,
                            storage_offset=p.storage_offset())
-    extra = {k: v for k, v in vars(p).items() if k not in _OURS}
+    # A tensor subclass's own fields (torchao's qdata, scale, block_size) are its data, now
+    # in the store: only the attributes others set on the parameter stay
+    own = set(p.__tensor_flatten__()[0]) if is_traceable_wrapper_subclass(p) else set()
+    extra = {k: v for k, v in vars(p).items() if k not in _OURS and k not in own
+             and not isinstance(v, torch.Tensor)}
     vars(new).update(extra)
     vars(new)["_is_param"] = True
     torch_private.swap_in_place(p, new)

@@ -1,0 +1,171 @@
+"""Which parameters are stored in a low-precision dtype, and diffusers' layerwise casting.
+
+[Note: storing weights in another dtype]
+``options={"storage_dtype": torch.float8_e4m3fn}`` stores the weights of a model's linear
+and convolution layers as fp8 bytes: the host store, the files `dlo-fx shard` writes, the
+transfers and the slots hold those bytes, and the graph casts each weight to the
+parameter's own dtype on the device right after its slot view (see [Note: a storage dtype]
+in `runtime/layout.py`). The layers are the ones diffusers' ``enable_layerwise_casting``
+picks (`layerwise_layers`): its default skip patterns, the model's
+``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``, and peft's adapter
+layers; the casts are the same (``fp8 -> compute dtype`` before the layer runs), so the
+output is bit-identical to the model with layerwise casting run resident.
+
+The choice is a mark on each parameter (`mark_storage`, read by `storage_of`), made on the
+whole model before its first graph is scheduled, so a graph Dynamo reuses for the next
+layer stores that layer's weights the same way. A stored parameter keeps its own dtype (a
+bf16 `StoredWeight` whose bytes are fp8): that is what Dynamo traces with, what
+``model.dtype`` reports (diffusers reports the compute dtype of a layerwise-cast model too),
+and what a read outside the graph returns.
+
+diffusers' own hooks cannot run on a compiled model: each one casts its module's
+parameters with ``module.to()`` around every call, which breaks Dynamo's graph at every
+layer (a resident model compiled with any backend does, and hits the recompile limit) and
+would rewrite the stored weights. `take_over_layerwise_casting` replaces them before the
+model is compiled (`dlo_fx.compile_pipeline` calls it): it removes each layer's hook, puts
+the parameter back in the compute dtype (the fp8 values, exactly) and marks it to be stored
+in the hook's storage dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .runtime.layout import STORAGE_MARK as _MARK
+from .runtime.layout import is_composite, storage_of
+from .runtime.torch_private import swap_in_place
+
+__all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage_of",
+           "take_over_layerwise_casting"]
+
+DEFAULT_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
+"""diffusers' default ``skip_modules_pattern`` of layerwise casting: module names
+(``re.search``) whose weights keep their dtype."""
+
+CAST_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+               nn.ConvTranspose3d, nn.Linear)
+"""The layer classes layerwise casting casts (diffusers' supported PyTorch layers)."""
+
+
+
+def skip_patterns(root: nn.Module) -> tuple[str, ...]:
+    """The skip patterns diffusers' ``enable_layerwise_casting`` uses on ``root`` by
+    default: the defaults, the model's ``_keep_in_fp32_modules`` and
+    ``_skip_layerwise_casting_patterns``, and peft's adapter layer names."""
+    patterns = list(DEFAULT_SKIP_PATTERNS)
+    for attr in ("_keep_in_fp32_modules", "_skip_layerwise_casting_patterns"):
+        patterns += list(getattr(root, attr, None) or ())
+    try:
+        from peft.tuners.loha.layer import LoHaLayer
+        from peft.tuners.lokr.layer import LoKrLayer
+        from peft.tuners.lora.layer import LoraLayer
+    except ImportError:
+        pass
+    else:
+        for layer in (LoHaLayer, LoKrLayer, LoraLayer):
+            patterns += list(layer.adapter_layer_names)
+    return tuple(dict.fromkeys(patterns))
+
+
+def layerwise_layers(root: nn.Module, patterns: Optional[Sequence[str]] = None
+                     ) -> Iterator[tuple[str, nn.Module]]:
+    """The layers of ``root`` whose weights layerwise casting stores in low precision, as
+    diffusers picks them: walking down from ``root``, a module whose name matches a skip
+    pattern is left out with everything under it, and a linear or convolution layer is
+    taken whole."""
+    patterns = skip_patterns(root) if patterns is None else tuple(patterns)
+
+    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+        if prefix and any(re.search(p, prefix) for p in patterns):
+            return
+        if isinstance(module, CAST_LAYERS):
+            yield prefix, module
+            return
+        for name, child in module.named_children():
+            yield from walk(child, f"{prefix}.{name}" if prefix else name)
+
+    return walk(root, "")
+
+
+def mark_storage(root: nn.Module, dtype: torch.dtype) -> int:
+    """Mark the floating-point parameters of ``root``'s layerwise-cast layers to be stored
+    in ``dtype``; returns how many were marked. Parameters already marked keep their mark
+    (a layer diffusers' hook was taken over from keeps the hook's dtype)."""
+    count = 0
+    for _, layer in layerwise_layers(root):
+        for p in layer.parameters(recurse=False):
+            if (p.dtype.is_floating_point and getattr(p, _MARK, None) is None
+                    and not is_composite(p)):  # a quantized weight keeps its own bytes
+                setattr(p, _MARK, dtype)
+                count += 1
+    return count
+
+
+def take_over_layerwise_casting(root: nn.Module) -> int:
+    """Replace diffusers' layerwise-casting hooks under ``root`` by dlo's storage dtype (see
+    [Note: storing weights in another dtype]); returns the number of layers taken over.
+    Call it before the model is compiled: the hooks' ``module.to()`` calls break Dynamo's
+    graph."""
+    count = 0
+    for module in root.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook("layerwise_casting") if registry is not None else None
+        if hook is None:
+            continue
+        # The hook refuses to be removed (it would have to cast the fp8 weights back,
+        # which it cannot do without loss); dlo keeps the fp8 values, so nothing is lost.
+        hook.deinitalize_hook = lambda module: module
+        registry.remove_hook("layerwise_casting", recurse=False)
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dtype != hook.storage_dtype or not p.dtype.is_floating_point:
+                continue
+            with torch.no_grad():
+                value = nn.Parameter(p.detach().to(hook.compute_dtype), p.requires_grad)
+            vars(value).update(vars(p))
+            setattr(value, _MARK, hook.storage_dtype)
+            swap_in_place(p, value)  # the same object, in the compute dtype
+        count += 1
+    return count
+
+
+def layerwise_casting_of(module: nn.Module) -> Optional[tuple[torch.dtype, torch.dtype]]:
+    """(storage, compute) dtypes of diffusers' layerwise-casting hook on ``module``."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.get_hook("layerwise_casting") if registry is not None else None
+    return (hook.storage_dtype, hook.compute_dtype) if hook is not None else None
+
+
+def check_castable(stored: torch.dtype, compute: torch.dtype, device: torch.device,
+                   what: str) -> None:
+    """ValueError when ``device`` cannot cast ``stored`` weights to ``compute`` and back
+    (fp8 on a device without fp8 conversions), before anything is stored."""
+    try:
+        probe = torch.zeros(2, dtype=compute, device=device)
+        probe.to(stored).to(compute)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        raise ValueError(
+            f"dlo: {what} would be stored as {stored} and computed as {compute}, but {device} "
+            f"cannot cast between them ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+            "choose a storage_dtype the device converts (bfloat16 or float16), or compute on "
+            "another device") from None
+
+
+def mark_model(roots: Sequence[nn.Module], dtype: Optional[torch.dtype],
+               device: torch.device) -> None:
+    """Apply ``options["storage_dtype"]`` to the models being compiled or loaded: mark
+    their layerwise-cast layers' parameters (`mark_storage`) and check that ``device``
+    casts each marked dtype pair."""
+    pairs: dict[tuple[torch.dtype, torch.dtype], str] = {}
+    for root in roots:
+        if dtype is not None:
+            mark_storage(root, dtype)
+        for name, p in root.named_parameters():
+            stored = storage_of(p)
+            if stored is not None:
+                pairs.setdefault((stored, p.dtype), f"parameter {name!r}")
+    for (stored, compute), what in pairs.items():
+        check_castable(stored, compute, device, what)

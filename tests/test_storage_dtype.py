@@ -1,0 +1,155 @@
+"""Weights stored in a low-precision dtype and cast in the graph (``storage_dtype``, and
+diffusers' layerwise casting taken over): the host store, the shard files and the slots hold
+the fp8 bytes, and every call is bit-identical to the same model with layerwise casting run
+resident. See [Note: storing weights in another dtype] in dlo_fx/storage_dtype.py."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+import dlo_fx
+from dlo_fx.runtime.runtime import runtimes_holding
+from dlo_fx.runtime.stored import is_stored
+from dlo_fx.shard_dir import rank_file
+from dlo_fx.storage_dtype import layerwise_layers
+
+import storage_cases
+from distributed import spawn
+from storage_cases import BF16, FP8, flux, ref_model, run
+
+
+def _store(model):
+    return runtimes_holding(list(model.parameters()))[0].store
+
+
+def test_compiled_from_memory_streams_fp8_bytes_exactly():
+    want = run(ref_model(flux()))
+    assert not torch.equal(want, run(flux()))  # fp8 storage changes the output
+    model = flux()
+    model.compile(backend="dlo", options={"storage_dtype": FP8})
+    assert all(torch.equal(run(model), want) for _ in range(3))
+    weight = model.transformer_blocks[0].attn.to_q.weight
+    assert is_stored(weight) and weight.dtype == BF16 and model.dtype == BF16
+    resident = ref_model(flux()).transformer_blocks[0].attn.to_q.weight
+    assert torch.equal(weight.float(), resident.float())  # a read outside the graph: cast
+    store = _store(model)
+    stored = {e.fqn: e for e in store._entries.values()}
+    assert stored["transformer_blocks.0.attn.to_q.weight"].dtype == FP8
+    assert stored["transformer_blocks.0.ff.net.2.weight"].dtype == FP8
+    # diffusers' skip patterns: everything under a module named like "norm" keeps bf16
+    assert stored["transformer_blocks.0.norm1.linear.weight"].dtype == BF16
+    fp8_bytes = sum(b.nbytes for b in store.blocks)
+    plain = flux()
+    plain.compile(backend="dlo")
+    run(plain)
+    bf16_bytes = sum(b.nbytes for b in _store(plain).blocks)
+    assert fp8_bytes < 0.7 * bf16_bytes  # the AdaLN (norm) linears stay bf16
+
+
+def test_the_graph_casts_right_after_the_slot_view(tmp_path):
+    from dlo_fx.passes.identify_params import identify_params  # noqa: F401 (the pass)
+
+    graphs = []
+
+    def keep(gm, ctx):
+        graphs.append(gm)
+        return gm
+
+    model = flux()
+    model.compile(backend="dlo", options={"storage_dtype": FP8, "user_passes": [keep]})
+    run(model)
+    casts = [n for n in graphs[0].graph.nodes if n.meta.get("dlo", {}).get("kind") == "cast"]
+    assert casts and all(n.target == "to" and n.args[1] == BF16 for n in casts)
+    assert all(n.args[0].meta["dlo"]["kind"] == "slot_view" for n in casts)
+    assert all(n.args[0].meta["dlo"]["stored_as"] == str(FP8) for n in casts)
+
+
+def test_dlo_selects_the_layers_diffusers_casts():
+    from diffusers import SD3Transformer2DModel, WanTransformer3DModel
+
+    def hooked(model):
+        model.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=BF16)
+        return {n for n, m in model.named_modules() if getattr(m, "_diffusers_hook", None)
+                and m._diffusers_hook.get_hook("layerwise_casting") is not None}
+
+    builders = [
+        flux,
+        lambda: SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2,
+                                      attention_head_dim=8, num_attention_heads=2,
+                                      joint_attention_dim=16, caption_projection_dim=16,
+                                      pooled_projection_dim=16, out_channels=4),
+        lambda: WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2,
+                                      attention_head_dim=8, in_channels=4, out_channels=4,
+                                      text_dim=16, freq_dim=16, ffn_dim=16, num_layers=2,
+                                      rope_max_seq_len=32),
+    ]
+    for build in builders:
+        assert {n for n, _ in layerwise_layers(build())} == hooked(build())
+
+
+def test_layerwise_casting_taken_over_before_compile_is_exact():
+    want = run(ref_model(flux()))
+    model = ref_model(flux())
+    assert dlo_fx.take_over_layerwise_casting(model) > 0
+    model.compile(backend="dlo")
+    assert all(torch.equal(run(model), want) for _ in range(2))
+    assert {e.dtype for e in _store(model)._entries.values()} == {FP8, BF16}
+
+
+def test_load_casts_through_the_model_dtype_into_fp8_both_host_stores():
+    from diffusers import FluxTransformer2DModel
+
+    with tempfile.TemporaryDirectory() as folder:
+        storage_cases.write_checkpoint(folder)
+        root = os.path.join(folder, "flux")
+        want = run(ref_model(FluxTransformer2DModel.from_pretrained(root, torch_dtype=BF16)))
+        for host_store in ("memory", "mmap"):
+            torch._dynamo.reset()
+            for source in (root, os.path.join(folder, "fp8-dp1")):
+                model = dlo_fx.load(FluxTransformer2DModel, source, dtype=BF16, options={
+                    "storage_dtype": "float8_e4m3fn", "host_store": host_store})
+                assert torch.equal(run(model), want), (host_store, source)
+                model.compile(backend="dlo")
+                assert all(torch.equal(run(model), want) for _ in range(2)), (host_store, source)
+        # the fp8 shard folder holds fp8 bytes: about half of the bf16 one
+        sizes = {}
+        for name, options in (("bf16", {}), ("fp8", {"storage_dtype": FP8})):
+            from dlo_fx.shard_dir import write_shard_dir
+
+            out = os.path.join(folder, f"sized-{name}")
+            write_shard_dir(FluxTransformer2DModel, root, out, dp=1, dtype=BF16, options=options)
+            sizes[name] = os.path.getsize(os.path.join(out, rank_file(0, 1)))
+        assert sizes["fp8"] < 0.7 * sizes["bf16"]
+        with pytest.raises(ValueError, match="storage_dtype"):  # loaded without the option
+            dlo_fx.load(FluxTransformer2DModel, os.path.join(folder, "fp8-dp1"), dtype=BF16)
+
+
+def test_bad_storage_dtypes_are_refused_naming_the_option():
+    for bad in ("int8", torch.int8, "float9", 3):
+        with pytest.raises(ValueError, match="storage_dtype"):
+            dlo_fx.DLOConfig.from_options({"storage_dtype": bad})
+    model = flux()
+    model.compile(backend="dlo", options={"storage_dtype": torch.float4_e2m1fn_x2})
+    with pytest.raises(Exception, match="cannot cast between them") as info:
+        run(model)
+    assert "float4_e2m1fn_x2" in str(info.value)
+
+
+def _ranks():
+    with tempfile.TemporaryDirectory() as folder:
+        spawn(1, storage_cases.write_case, folder)
+        return spawn(2, storage_cases.ranks_case, folder)
+
+
+@pytest.mark.spawned.with_args(_ranks)
+def test_two_ranks_both_modes_from_memory_and_fp8_shards(spawned):
+    for rank, out in spawned.items():
+        for key, value in out.items():
+            if key[0] == "dtypes":
+                assert value == ["torch.bfloat16", "torch.float8_e4m3fn"], (rank, key)
+            else:
+                assert all(value), (rank, key, value)
