@@ -28,7 +28,7 @@ from .passes import PassContext, run_passes
 from .runtime.agreement import agree_on_compile
 from .module_guard import guard_module
 from .runtime.fingerprint import block_fingerprint
-from .runtime.layout import leaf_entries
+from .runtime.layout import is_composite, leaf_entries
 from .runtime.graph_call import (compile_clock, note_compile, note_graph, record_schedule,
                                   run_graph)
 from .runtime.ops import SCHEDULE_OPS, conflict_message
@@ -84,7 +84,11 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         runtime = Runtime(config, resolve_device(config, example_inputs))
     if runtime is not None:  # before the passes size the blocks: see [Note: storing weights
         # in another dtype] in storage_dtype.py
-        mark_model(compiled_roots(modules) or owners, config.storage_dtype, runtime.device)
+        roots_now = outermost_callers(owners)
+        name = torch_private.compiling_frame_name()
+        at_start = any(r is m for r in roots_now for m in modules) and not (
+            name or "").startswith("torch_dynamo_resume_in")
+        mark_model(roots_now, config.storage_dtype, runtime.device, at_start)
     # A graph without parameters and no model's runtime around it (a helper function
     # Dynamo compiles apart) gets none: it streams nothing, and making one is a collective
     # (the ranks agree on its settings) that a recompile on one rank alone, at a shape only
@@ -95,6 +99,8 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     compiled = gm.forward
     if config.compiler == "inductor":  # before commit: a failure leaves the model intact
         from .inductor import compile_pieces
+
+        check_no_subclass_weights(ctx)
 
         compiled = compile_pieces(gm, example_inputs, ctx)
     if runtime is not None:
@@ -355,6 +361,20 @@ def check_inference_only(gm: fx.GraphModule, ctx: PassContext) -> None:
                 "model.requires_grad_(False) and pass inputs that do not require grad")
 
 
+def check_no_subclass_weights(ctx: PassContext) -> None:
+    """ValueError for ``compiler="inductor"`` over quantized tensor-subclass weights: the
+    pieces Inductor compiles take plain tensors, and a subclass rebuilt from slot views
+    reached them unallocated (a raw RuntimeError)."""
+    for p in ctx.params:
+        entry = ctx.runtime.store.entry(p.param) if ctx.runtime is not None else None
+        if is_composite(p.param) or (entry is not None and entry.parts):
+            kind = type(p.param).__qualname__ if entry is None else entry.wrapper[0].__qualname__
+            raise ValueError(
+                f"dlo: parameter {p.fqn!r} is a {kind} (a quantized tensor subclass); it "
+                "streams with options={'compiler': 'eager'} (the default), which runs the "
+                "subclass's own kernels, not with compiler='inductor'")
+
+
 def commit(ctx: PassContext, runtime: Runtime) -> None:
     """Move the graph's new blocks into the host store (their parameters become
     `StoredWeight`s at the graph's first call: see [Note: when a parameter becomes a
@@ -461,6 +481,26 @@ def _evaluate(sources: Sequence[str], frame: Any) -> list[Any]:
         except Exception:
             continue
     return values
+
+
+def outermost_callers(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The outermost modules holding ``modules``' parameters: the ``self`` of the
+    outermost module call on the stack that holds any of them (the model whose call is
+    running: a frame Dynamo compiles after a graph break is a block's ``forward``, whose
+    locals name the block only), else the outermost of ``modules``. ``storage_dtype``'s
+    layer rule names layers from the model's root, as diffusers does (see [Note: storing
+    weights in another dtype])."""
+    ours = {id(p) for m in modules for p in m.parameters()}
+    found: list[torch.nn.Module] = list(modules)
+    frame = sys._getframe(1)
+    while frame is not None and ours:
+        value = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(value, torch.nn.Module) and all(value is not m for m in found) and any(
+                id(p) in ours for p in value.parameters()):
+            found.append(value)
+        frame = frame.f_back
+    inside = {id(sub) for m in found for sub in m.modules() if sub is not m}
+    return [m for m in found if id(m) not in inside]
 
 
 def compiled_roots(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

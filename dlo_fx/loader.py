@@ -304,6 +304,8 @@ def _materialised(target: Target, view: Optional[torch.Tensor], device: torch.de
     out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=target.dtype, device=device)
     with torch.no_grad():
         out.copy_(view.view(t.shape))
+        if target.stored_as is not None:  # resident, with storage_dtype's values
+            out.copy_(out.to(target.stored_as))
     return out
 
 

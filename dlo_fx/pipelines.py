@@ -30,7 +30,7 @@ from torch import nn
 
 from .config import DLOConfig
 from .module_guard import guard_pipeline
-from .storage_dtype import take_over_layerwise_casting
+from .storage_dtype import mark_model, take_over_layerwise_casting
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
 
     Raises ValueError naming an unknown or non-module component, or a bad option.
     """
-    DLOConfig.from_options(options)  # a bad option fails here, before anything compiles
+    config = DLOConfig.from_options(options)  # a bad option fails here, before anything compiles
     if "backend" in compile_kwargs or "options" in compile_kwargs:
         raise ValueError("compile_pipeline: pass the dlo options as options=...; the "
                          "backend is always 'dlo'")
@@ -95,6 +95,8 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         module = getattr(pipe, name)
         module.eval().requires_grad_(False)
         taken = take_over_layerwise_casting(module)  # see [Note: storing weights in another dtype]
+        if config.storage_dtype is not None:  # before the first trace: every call exact
+            mark_model([module], config.storage_dtype, _device_of(module, config))
         if taken:
             log.info("dlo_fx.compile_pipeline: %s.%s: diffusers' layerwise casting of %d layers "
                      "taken over (stored in their storage dtype, cast in the graph)",
@@ -119,3 +121,9 @@ def _components(pipe: Any) -> dict[str, Any]:
                          "torch.compile(module, backend='dlo'))")
     return dict(found)
 
+
+
+def _device_of(module: nn.Module, config: DLOConfig) -> torch.device:
+    if config.device is not None:
+        return torch.device(config.device)
+    return next((p.device for p in module.parameters()), torch.device("cpu"))

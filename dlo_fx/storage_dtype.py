@@ -37,6 +37,7 @@ from torch import nn
 
 from .runtime.layout import STORAGE_MARK as _MARK
 from .runtime.layout import is_composite, storage_of
+from .runtime.stored import is_stored
 from .runtime.torch_private import swap_in_place
 
 __all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage_of",
@@ -45,6 +46,8 @@ __all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage
 DEFAULT_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
 """diffusers' default ``skip_modules_pattern`` of layerwise casting: module names
 (``re.search``) whose weights keep their dtype."""
+
+_ROUNDED = "_dlo_rounded_to_storage"  # a marked parameter holding its storage dtype's values
 
 CAST_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                nn.ConvTranspose3d, nn.Linear)
@@ -127,6 +130,7 @@ def take_over_layerwise_casting(root: nn.Module) -> int:
                 value = nn.Parameter(p.detach().to(hook.compute_dtype), p.requires_grad)
             vars(value).update(vars(p))
             setattr(value, _MARK, hook.storage_dtype)
+            setattr(value, _ROUNDED, True)  # the fp8 values, in the compute dtype
             swap_in_place(p, value)  # the same object, in the compute dtype
         count += 1
     return count
@@ -155,10 +159,13 @@ def check_castable(stored: torch.dtype, compute: torch.dtype, device: torch.devi
 
 
 def mark_model(roots: Sequence[nn.Module], dtype: Optional[torch.dtype],
-               device: torch.device) -> None:
-    """Apply ``options["storage_dtype"]`` to the models being compiled or loaded: mark
-    their layerwise-cast layers' parameters (`mark_storage`) and check that ``device``
-    casts each marked dtype pair."""
+               device: torch.device, at_start: bool = True) -> None:
+    """Apply ``options["storage_dtype"]`` to the models being compiled: mark their
+    layerwise-cast layers' parameters (`mark_storage`), check that ``device`` casts each
+    marked dtype pair, then give every marked parameter not stored yet its storage dtype's
+    values (`round_to_storage`): a layer that never reaches a graph (a frame Dynamo skips
+    after a graph break runs eagerly) computes with them too, as the layerwise-cast model
+    does, and storing them later is exact."""
     pairs: dict[tuple[torch.dtype, torch.dtype], str] = {}
     for root in roots:
         if dtype is not None:
@@ -169,3 +176,34 @@ def mark_model(roots: Sequence[nn.Module], dtype: Optional[torch.dtype],
                 pairs.setdefault((stored, p.dtype), f"parameter {name!r}")
     for (stored, compute), what in pairs.items():
         check_castable(stored, compute, device, what)
+    unrounded = [p for root in roots if pairs for p in root.parameters()
+                 if storage_of(p) is not None and not is_stored(p) and not is_composite(p)
+                 and not getattr(p, _ROUNDED, False)]
+    if unrounded and not at_start:
+        raise ValueError(
+            f"dlo: storage_dtype={dtype}: the first graph Dynamo compiled for "
+            f"{type(roots[0]).__name__} is not the start of its forward (a graph break made "
+            "Dynamo run the model's own frame eagerly), so layers ran before dlo saw the model, "
+            "with weights not in their storage dtype yet, and this call would differ from the "
+            "layerwise-cast model; nothing was changed. Prepare the model before compiling: "
+            "model.enable_layerwise_casting(storage_dtype=..., compute_dtype=...) then "
+            "dlo_fx.take_over_layerwise_casting(model), or dlo_fx.compile_pipeline(pipe, "
+            "options={'storage_dtype': ...}), or load it with dlo_fx.load(..., "
+            "options={'storage_dtype': ...})")
+    for root in roots if pairs else ():
+        for p in root.parameters():
+            if not is_stored(p):
+                round_to_storage(p)
+
+
+def round_to_storage(param: torch.Tensor) -> None:
+    """Give a marked parameter that stays resident (never stored) the values its storage
+    dtype holds, in place: the layer computes with ``fp8 -> compute dtype`` values, as the
+    layerwise-cast model does, whether or not dlo streams it. Idempotent."""
+    stored = storage_of(param)
+    if stored is None or is_composite(param) or getattr(param, _ROUNDED, False):
+        return
+    with torch.no_grad():
+        param.copy_(param.to(stored).to(param.dtype))
+    setattr(param, _ROUNDED, True)
+

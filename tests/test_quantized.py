@@ -85,3 +85,11 @@ def test_two_ranks_both_modes_stream_torchao_weights_exactly(spawned):
     for rank, out in spawned.items():
         for key, got in out.items():
             assert all(got["equal"]) and got["kinds"], (rank, key, got)
+
+
+def test_quantized_weights_with_compiler_inductor_are_refused_naming_the_parameter():
+    model = quantized_cases.quantized("int8")
+    model.compile(backend="dlo", options={"compiler": "inductor"})
+    with pytest.raises(Exception, match=r"dlo: parameter '[\w.]+' is a Int8Tensor .*"
+                       "compiler': 'eager'"):
+        run(model)

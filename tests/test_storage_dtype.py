@@ -153,3 +153,81 @@ def test_two_ranks_both_modes_from_memory_and_fp8_shards(spawned):
                 assert value == ["torch.bfloat16", "torch.float8_e4m3fn"], (rank, key)
             else:
                 assert all(value), (rank, key, value)
+
+
+class _BreakInLoop(torch.nn.Module):
+    """A graph break inside the model's loop: Dynamo runs the model's own frame eagerly
+    (its first layer before dlo's backend is ever called) and compiles each block's."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.l(x))
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(32, 32)
+        self.blocks = torch.nn.ModuleList(self.Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i == 1:
+                torch._dynamo.graph_break()
+            x = block(x)
+        return x
+
+
+def _break_in_loop():
+    torch.manual_seed(0)
+    return _BreakInLoop().to(BF16).eval().requires_grad_(False)
+
+
+def test_a_model_frame_run_eagerly_is_refused_or_taken_over_exactly():
+    from diffusers.hooks import apply_layerwise_casting
+
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1)).to(BF16)
+    ref = _break_in_loop()
+    apply_layerwise_casting(ref, FP8, BF16)
+    with torch.no_grad():
+        want = ref(x)
+    # The option alone: the first layer ran eagerly before dlo saw the model, in bf16; the
+    # first call was silently different from the layerwise-cast model. Now refused.
+    model = _break_in_loop()
+    before = model.inp.weight.detach().clone()
+    model.compile(backend="dlo", options={"storage_dtype": FP8})
+    with torch.no_grad(), pytest.raises(Exception, match="not the start of its forward"):
+        model(x)
+    assert torch.equal(model.inp.weight, before)  # nothing was changed
+    # Prepared before compiling: exact from the first call
+    torch._dynamo.reset()
+    model = _break_in_loop()
+    apply_layerwise_casting(model, FP8, BF16)
+    dlo_fx.take_over_layerwise_casting(model)
+    model.compile(backend="dlo")
+    with torch.no_grad():
+        assert all(torch.equal(model(x), want) for _ in range(3))
+
+
+def test_compile_pipeline_takes_over_layerwise_casting_and_applies_storage_dtype():
+    import diffusers_pipelines as dp
+
+    reference = dp.flux(0)
+    reference.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    want = dp.images(reference, "flux")
+    for how in ("hooks", "option"):
+        torch._dynamo.reset()
+        pipe = dp.flux(0)
+        if how == "hooks":
+            pipe.transformer.enable_layerwise_casting(storage_dtype=FP8,
+                                                      compute_dtype=torch.float32)
+            dlo_fx.compile_pipeline(pipe, components=["transformer"])
+        else:
+            dlo_fx.compile_pipeline(pipe, components=["transformer"],
+                                    options={"storage_dtype": FP8})
+        assert torch.equal(dp.images(pipe, "flux"), want), how
+        entries = _store(pipe.transformer)._entries.values()
+        assert {e.dtype for e in entries} == {FP8, torch.float32}, how

@@ -87,10 +87,13 @@ class CompiledPiece(torch.nn.Module):
 
 # -- example inputs ----------------------------------------------------------------------
 def _weight_source(node: fx.Node) -> Optional[fx.Node]:
-    """The parameter placeholder a ``slot_view``/``resident`` node stands for."""
+    """The parameter placeholder a ``slot_view``/``resident`` node (or the cast after a
+    slot view of a parameter stored in another dtype) stands for."""
     meta = node.meta.get("dlo", {})
     if meta.get("kind") == "slot_view":
         return node.args[3]
+    if meta.get("kind") == "cast":  # a stored dtype's cast: the parameter's own metadata
+        return node.args[0].args[3]
     if meta.get("kind") == "resident":
         return node.args[1]
     return None

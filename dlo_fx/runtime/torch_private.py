@@ -69,6 +69,13 @@ def compiling_frame_locals() -> Optional[dict]:
     return None if tx is None else dict(tx.f_locals)
 
 
+def compiling_frame_name() -> Optional[str]:
+    """The code name of the frame Dynamo is compiling (``forward``, or a resume function
+    Dynamo made after a graph break), or None outside a compile."""
+    tx = _current_tx()
+    return None if tx is None else getattr(getattr(tx, "f_code", None), "co_name", None)
+
+
 def traced_modules() -> list[tuple[torch.nn.Module, str]]:
     """``(module, source name)`` of every module the frame being compiled traced, from
     Dynamo's tracker cache (``G['model']``, ``L['pipe'].transformer``); empty on a torch
