@@ -495,6 +495,7 @@ def outermost_callers(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Modul
     frame = sys._getframe(1)
     while frame is not None and ours:
         value = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        value = torch_private.compiled_module_of(value) or value  # torch.compile's wrapper
         if isinstance(value, torch.nn.Module) and all(value is not m for m in found) and any(
                 id(p) in ours for p in value.parameters()):
             found.append(value)

@@ -78,6 +78,11 @@ def ranks_case(rank: int, world: int, folder: str) -> dict:
         model = flux()
         model.compile(backend="dlo", options={"mode": mode, "storage_dtype": FP8})
         out[("memory", mode)] = [torch.equal(run(model), want_memory) for _ in range(2)]
+        torch._dynamo.reset()
+        model = dlo_fx.load(FluxTransformer2DModel, root, dtype=BF16, options={
+            "mode": mode, "storage_dtype": FP8})  # the checkpoint itself, cast while read
+        model.compile(backend="dlo")
+        out[("root", mode)] = [torch.equal(run(model), want) for _ in range(2)]
         shards = os.path.join(folder, f"fp8-dp{world if mode == 'allgather' else 1}")
         for host_store in ("memory", "mmap"):
             torch._dynamo.reset()
