@@ -104,3 +104,16 @@ def compiled_module_of(value: Any) -> Optional[torch.nn.Module]:
     if isinstance(value, OptimizedModule) and isinstance(value._orig_mod, torch.nn.Module):
         return value._orig_mod
     return None
+
+
+# -- errors raised past Dynamo (compile_errors.py) ---------------------------------------
+def unwrapped_error_base() -> type:
+    """Dynamo's ``ShortenTraceback``: what a backend raises of that class reaches the
+    caller as raised, where any other exception becomes ``BackendCompilerFailed`` (first
+    line ``backend='dlo_backend' raised:``). ``Exception`` on a torch without it (the error
+    is then wrapped, but still raised)."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:
+        return Exception
+    return ShortenTraceback
