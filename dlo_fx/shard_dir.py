@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,6 +205,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         (out / MANIFEST).unlink()  # a half-written folder is never taken for a finished one
     shard_id = uuid.uuid4().hex
     specs, offsets, fingerprints = [], [], []
+    bar = _bar(2 * len(plan.blocks))  # each block read (fingerprint), then written
     for b in range(len(plan.blocks)):
         offs, total = _block_bytes(plan, b, cfg.alignment)
         offsets.append(offs)
@@ -211,6 +213,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         entries = _entries(plan.blocks[b], offs)  # as `dlo_fx.load` fingerprints the checkpoint
         fingerprints.append(file_fingerprint(
             entries, extent_sources(entries, checkpoint_extents(plan.blocks[b], entries))))
+        bar.update()
     checks: list[list[str]] = [[] for _ in range(dp)]
     sizes = [s.shard_bytes if dp > 1 else s.padded_bytes for s in specs]
     names = [rank_file(r, dp) for r in range(dp)]
@@ -228,7 +231,9 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
                 checks[r].append(sampled_digest(lambda at, n: data[at : at + n], sizes[b]))
                 f.write(data)
             del flat
+            bar.update()
     finally:
+        bar.close()
         for f in handles:
             f.close()
     common: dict[str, torch.Tensor] = {}
@@ -485,6 +490,18 @@ class ShardDir:
         """Block ``index``'s fingerprint of the checkpoint, as `dlo_fx.load` takes it
         (`runtime.fingerprint.file_fingerprint`), recorded when the folder was written."""
         return int(self.manifest["fingerprints"][index])
+
+
+def _bar(total: int) -> Any:
+    """A tqdm bar over the blocks on a terminal (off otherwise)."""
+    from tqdm.auto import tqdm
+
+    try:
+        shown = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        shown = False
+    return tqdm(total=total, desc="dlo-fx shard: blocks read and written", unit="block",
+                leave=False, disable=not shown)
 
 
 # -- the command -----------------------------------------------------------------------------

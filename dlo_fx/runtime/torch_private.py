@@ -117,3 +117,16 @@ def unwrapped_error_base() -> type:
     except ImportError:
         return Exception
     return ShortenTraceback
+
+
+# -- compile time (engine/progress.py) -----------------------------------------------------
+def on_compile(start: Any, end: Any) -> bool:
+    """Call ``start()`` when Dynamo begins compiling (no compile under way) and ``end()``
+    when it is done (Dynamo's ``callback_handler``); False on a torch without it."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return False
+    callback_handler.register_start_callback(lambda _args: start())
+    callback_handler.register_end_callback(lambda _args: end())
+    return True
