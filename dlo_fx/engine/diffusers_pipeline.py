@@ -329,10 +329,11 @@ def resident(path: Union[str, os.PathLike]) -> DiffusersPipeline:
 
 
 def load_state_dict(cls: type, folder: Path) -> torch.nn.Module:
-    """``cls`` from ``folder/config.json``, every weight from its safetensors files."""
+    """``cls`` from ``folder/config.json`` (diffusers' ``load_config``), every weight from
+    its safetensors files."""
     from safetensors.torch import load_file
 
-    model = cls.from_config(json.loads((folder / "config.json").read_text()))
+    model = cls.from_config(cls.load_config(folder))
     state: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file)))

@@ -130,3 +130,11 @@ def on_compile(start: Any, end: Any) -> bool:
     callback_handler.register_start_callback(lambda _args: start())
     callback_handler.register_end_callback(lambda _args: end())
     return True
+
+
+# -- profiler spans (ops.py) ------------------------------------------------------------
+def profiler_enabled() -> bool:
+    """Whether a torch profiler records now (``torch.autograd.profiler``'s own flag, set
+    by ``torch.profiler.profile`` on entry): a schedule op opens a ``record_function`` span
+    only then, so a call pays one attribute read per op otherwise."""
+    return torch.autograd.profiler._is_profiler_enabled
