@@ -5,7 +5,7 @@ Shown only when the command's stderr is a terminal and ``--quiet`` is not given;
 engine then starts its workers with ``progress=True`` and rank 0 shows its steps (one bar
 per terminal: the other ranks run the same steps in lock-step). A phase's seconds: load
 (starting the workers: each builds its pipeline, ``dlo_fx.load`` included), compile
-(Dynamo and the dlo backend during the first wave, rank 0's), warm-up (the rest of the
+(Dynamo and the dlo backend during the first wave, on the rank that replied), warm-up (the rest of the
 first wave: its first forwards, first copies and gathers).
 """
 
@@ -101,7 +101,7 @@ class WaveProgress:
             info = next((r.info for r in results if "compile_s" in r.info), {})
             seconds = max(r.seconds for r in results)
             compile_s = float(info.get("compile_s", 0.0))
-            self.phase("compile", compile_s, "first wave, rank 0")
+            self.phase("compile", compile_s, "first wave, the rank that replied")
             self.phase("warm-up", max(seconds - compile_s, 0.0), "first wave, the rest")
         if self._bar is not None:
             self._bar.set_postfix_str(f"wave {self.waves}", refresh=False)
