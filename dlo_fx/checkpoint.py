@@ -328,7 +328,7 @@ def _components_hint(path: Path) -> str:
     names = sorted(p.name for p in path.iterdir() if p.is_dir() and any(
         c.name.endswith(".safetensors") or c.name.endswith(".safetensors.index.json")
         for c in p.iterdir()))
-    return (f"; it is a diffusers pipeline folder (model_index.json): pass subfolder= one of "
+    return (f"; it is a diffusers pipeline folder (model_index.json): pass subfolder= (dlo-fx shard: --subfolder) one of "
             f"{', '.join(map(repr, names)) or '(none holds safetensors)'}, e.g. "
             "dlo_fx.load(FluxTransformer2DModel, root, subfolder='transformer')")
 
