@@ -127,6 +127,7 @@ def quantize_module(module: nn.Module, ckpt: Checkpoint, dtype: Optional[torch.d
     keep = [m for m in (getattr(type(module), "_keep_in_fp32_modules", None) or []) if m]
     modules = dict(module.named_modules())
     params = {fqn for fqn, _ in module.named_parameters(remove_duplicate=False)}
+    _check_names(module, ckpt, params, by_name)
     refused = []
     for fqn in quantized:
         owner, _, attr = fqn.rpartition(".")
@@ -160,6 +161,24 @@ def quantize_module(module: nn.Module, ckpt: Checkpoint, dtype: Optional[torch.d
         owner._parameters["weight"] = utils.GGUFParameter(
             torch.empty(nbytes, dtype=torch.uint8, device="meta"), quant_type=qtype)
     return compute
+
+
+def _check_names(module: nn.Module, ckpt: Checkpoint, params: set[str],
+                 by_name: dict[str, TensorInfo]) -> None:
+    """Most of the model's parameters absent from the file: its tensors are in another
+    layout (a model's original one), which this loader does not convert."""
+    found = len(params & set(by_name))
+    if not params or found * 2 >= len(params):
+        return  # a few missing or misnamed: plan_load reports them one by one
+    theirs = sorted(set(by_name) - params)[:3]
+    raise ValueError(
+        f"dlo_fx.load: only {found} of {type(module).__name__}'s {len(params)} parameters are "
+        f"tensors of {ckpt.source!r} (its tensors are named e.g. "
+        f"{', '.join(map(repr, theirs))}): GGUF files are read in the model's own (diffusers) "
+        "names. Rename them with key_map= (e.g. key_map=lambda k: "
+        "k.removeprefix('model.diffusion_model.')); a file in a model's original layout "
+        "(BFL's Flux keys), whose tensors diffusers splits and concatenates, must be "
+        "converted to diffusers names first")
 
 
 def shape_text(shape: tuple[int, ...], quant_type: Any, quant_shape: Any) -> str:

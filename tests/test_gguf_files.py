@@ -98,6 +98,23 @@ def test_a_file_that_does_not_match_the_config_names_the_tensors(tmp_path, gguf_
             "[32, 34]), the checkpoint holds [16, 32] (Q8_0, bytes [16, 34])") in text
 
 
+def test_a_file_in_other_names_is_refused_with_a_hint_and_loads_through_key_map(tmp_path,
+                                                                                 gguf_file):
+    def prefixed(tensors):
+        return {"model.diffusion_model." + k: v for k, v in tensors.items()}
+
+    path = str(tmp_path / "comfy.gguf")
+    write_gguf(path, flux(torch.float32), prefixed)
+    config = os.path.dirname(gguf_file)
+    with pytest.raises(ValueError, match="GGUF files are read in the model's own .diffusers. "
+                       "names. Rename them with key_map="):
+        dlo_fx.load(_flux_cls(), path, config=config)
+    model = dlo_fx.load(_flux_cls(), path, config=config, dtype=COMPUTE,
+                        key_map=lambda k: k.removeprefix("model.diffusion_model."))
+    assert model.transformer_blocks[0].attn.to_q.weight.quant_type.name == "Q8_0"
+    assert torch.equal(run(model), run(reference(gguf_file)))  # eager: no compile
+
+
 def test_bad_files_are_errors_naming_the_file_tensor_or_type(tmp_path, gguf_file):
     import numpy as np
 
