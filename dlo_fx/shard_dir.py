@@ -193,6 +193,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
     [Note: pre-sharded checkpoints]); returns the manifest. ``dp=1`` writes whole blocks
     (for rank-local mode or one rank). The arguments are `dlo_fx.load`'s."""
     from .checkpoint import resolve_checkpoint
+    from .gguf_file import is_gguf
     from .load_plan import plan_load
     from .loader import _construct, _materialised
 
@@ -200,6 +201,10 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         raise ValueError(f"dlo-fx shard: --dp {dp!r} must be an integer >= 1")
     cfg = DLOConfig.from_options(options)
     ckpt = resolve_checkpoint(checkpoint, subfolder)
+    if is_gguf(ckpt):
+        raise NotImplementedError(
+            f"dlo-fx shard: {ckpt.source!r} is a GGUF file, which is not sharded yet; load it "
+            "with dlo_fx.load (host_store='mmap' serves its quantized bytes from the file)")
     module = _construct(model, config, ckpt)
     plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map, strict=strict,
                      resident=resident)
