@@ -12,8 +12,7 @@ parts in `dlo_fx.engine`, the reference DiT in `dlo_fx.models`.
 from .config import DLOConfig
 from .loader import load
 from .memory import memory_report
-from .module_guard import release
-from .pipelines import compile_pipeline
+from .pipelines import compile_pipeline, release
 from .storage_dtype import take_over_layerwise_casting
 
 __all__ = ["DLOConfig", "Engine", "Request", "Result", "compile_pipeline", "load",

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import fx
 
+from .compile_errors import CompileOptionsError
 from .config import DLOConfig
 from .dynamo_contains import install as install_contains_fix
 from .passes import PassContext, run_passes
@@ -49,8 +50,10 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                 **unused: Any) -> Callable:
     """Schedule ``gm`` so that its parameters stream through the device slots."""
     if mode not in (None, "default"):
-        raise ValueError(f"torch.compile mode={mode!r} is not supported by backend 'dlo'; "
-                         "use options={'compiler': ...} instead")
+        raise CompileOptionsError(
+            f"torch.compile mode={mode!r} is not supported by backend 'dlo' (it takes "
+            "mode=None or 'default'); drop mode= and use options={'compiler': 'inductor'} "
+            "to compile the compute with Inductor")
     given = given_options(options)
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     modules = frame_modules()
@@ -64,7 +67,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         runtime.check_process()  # a forked child: before any pass probes or gathers
         differing = runtime.config.differing(given)
         if differing:  # before anything changes
-            raise ValueError(conflict_message(differing))
+            raise CompileOptionsError(conflict_message(differing))
         config = runtime.config.merged(given)
     else:
         config = DLOConfig.from_options(options)
@@ -257,7 +260,10 @@ def given_options(options: Any) -> dict[str, Any]:
     """The options a compile call set itself (validated), as a dict."""
     if isinstance(options, DLOConfig):
         return {f.name: getattr(options, f.name) for f in dataclasses.fields(DLOConfig)}
-    DLOConfig.from_options(options)  # ValueError for anything not allowed
+    try:
+        DLOConfig.from_options(options)
+    except ValueError as exc:  # the user's input: raised past Dynamo, not wrapped by it
+        raise CompileOptionsError(str(exc)) from None
     return dict(options or {})
 
 

@@ -8,13 +8,15 @@ Forms understood by `resolve_checkpoint`:
 * a folder holding a ``*.safetensors.index.json`` (the Hugging Face / diffusers sharded
   layout: ``weight_map`` names the file of every tensor), or that index file itself;
 * a folder of ``.safetensors`` files without an index (their tensors are united);
+* a ``.gguf`` file, or a folder holding one (and no safetensors): see `dlo_fx.gguf_file`;
 * a local Hugging Face cache repo folder (``models--org--name``, resolved through
   ``refs/main`` or its only ``snapshots/<rev>/``), or a hub id ``org/name`` already in the
   local cache. Nothing is ever downloaded.
 
-Pickled checkpoints (``.bin``, ``.pt``, ``.pth``, ...) are refused: only safetensors are
-loaded. Every header is parsed and checked against the file size before any tensor is read,
-so a truncated file or a corrupt header is an error naming the file, not a crash halfway.
+Pickled checkpoints (``.bin``, ``.pt``, ``.pth``, ...) are refused: only safetensors (and
+GGUF) are loaded. Every header is parsed and checked against the file size before any tensor
+is read, so a truncated file or a corrupt header is an error naming the file, not a crash
+halfway.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -54,7 +56,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of a safetensors file, as its header describes it."""
+    """One tensor of a safetensors (or GGUF) file, as its header describes it."""
 
     key: str
     path: str
@@ -62,6 +64,10 @@ class TensorInfo:
     shape: tuple[int, ...]
     nbytes: int
     offset: Optional[int] = None  # where its bytes start in the file (None: not known)
+    # A quantized GGUF tensor: its GGMLQuantizationType and the shape of its values
+    # (``shape`` is then that of its uint8 bytes); None for a plain tensor
+    quant_type: Any = None
+    quant_shape: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -302,9 +308,13 @@ def resolve_checkpoint(source: str | os.PathLike, subfolder: Optional[str] = Non
             return _from_index(path, text)
         if path.name.endswith(".safetensors"):
             return _from_files([path], text, None)
+        if path.name.endswith(".gguf"):
+            from .gguf_file import read_gguf
+
+            return read_gguf(path, text, None)
         _refuse_pickles([path], str(path))
-        raise CheckpointError(f"{path}: not a .safetensors file or a *.safetensors.index.json "
-                              "index; dlo_fx only loads safetensors")
+        raise CheckpointError(f"{path}: not a .safetensors file, a *.safetensors.index.json "
+                              "index or a .gguf file; dlo_fx only loads safetensors and GGUF")
     children = sorted(path.iterdir())
     indexes = [p for p in children if p.name.endswith(".safetensors.index.json")]
     if len(indexes) > 1:
@@ -315,9 +325,17 @@ def resolve_checkpoint(source: str | os.PathLike, subfolder: Optional[str] = Non
     files = [p for p in children if p.name.endswith(".safetensors") and p.is_file()]
     if files:
         return _from_files(files, text, path)
+    ggufs = [p for p in children if p.name.endswith(".gguf") and p.is_file()]
+    if len(ggufs) > 1:
+        raise CheckpointError(f"{path} holds several .gguf files "
+                              f"({', '.join(p.name for p in ggufs)}); pass the one to load")
+    if ggufs:
+        from .gguf_file import read_gguf
+
+        return read_gguf(ggufs[0], text, path)
     _refuse_pickles(children, str(path))
-    raise CheckpointError(f"{path} holds no .safetensors file and no *.safetensors.index.json"
-                          + _components_hint(path))
+    raise CheckpointError(f"{path} holds no .safetensors file, no *.safetensors.index.json "
+                          "and no .gguf file" + _components_hint(path))
 
 
 def _components_hint(path: Path) -> str:
@@ -326,9 +344,9 @@ def _components_hint(path: Path) -> str:
     if not index.is_file():
         return ""
     names = sorted(p.name for p in path.iterdir() if p.is_dir() and any(
-        c.name.endswith(".safetensors") or c.name.endswith(".safetensors.index.json")
+        c.name.endswith((".safetensors", ".safetensors.index.json", ".gguf"))
         for c in p.iterdir()))
-    return (f"; it is a diffusers pipeline folder (model_index.json): pass subfolder= one of "
+    return (f"; it is a diffusers pipeline folder (model_index.json): pass subfolder= (dlo-fx shard: --subfolder) one of "
             f"{', '.join(map(repr, names)) or '(none holds safetensors)'}, e.g. "
             "dlo_fx.load(FluxTransformer2DModel, root, subfolder='transformer')")
 

@@ -1,4 +1,8 @@
-"""The ``dlo-fx`` command line."""
+"""The ``dlo-fx`` command line.
+
+Every error is one line on stderr, ``dlo-fx COMMAND: message``, and exit status 2; ``-v``
+(before or after the command) logs at INFO level and shows an error's traceback.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,12 @@ import sys
 from typing import Optional, Sequence
 
 
+VERBOSE_HELP = "log at INFO level; show an error's traceback"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dlo-fx", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser = argparse.ArgumentParser(prog="dlo-fx", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="the showcase: 2 CPU ranks load the reference DiT "
@@ -43,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="predict memory and time of both modes")
     add_plan_arguments(plan)
+    for command in sub.choices.values():  # -v after the command too
+        command.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP,
+                             default=argparse.SUPPRESS)
     return parser
 
 
@@ -50,6 +60,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run_command(args)
+    except Exception as exc:
+        if args.verbose:
+            raise
+        print(f"dlo-fx {args.command}: {one_line(exc)} (-v shows the traceback)",
+              file=sys.stderr)
+        return 2
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (the backend's own error where Dynamo wrapped it)."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    message = "; ".join(lines) or type(inner).__name__
+    return message if isinstance(inner, (ValueError, OSError)) else \
+        f"{type(inner).__name__}: {message}"
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; returns its exit status."""
     if args.command == "demo" and not args.single_process:
         from .engine.showcase import run_showcase
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint, TensorInfo
 from .config import DLOConfig
+from .gguf_file import shape_text
 from .partition import Unit, partition
 from .residency import Candidate, decide_residency
 from .runtime.layout import STORAGE_MARK, storage_span
@@ -25,7 +26,7 @@ from .storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KeyMap", "LoadPlan", "Target", "agree_on_load", "plan_load"]
+__all__ = ["KeyMap", "LoadPlan", "Target", "agree_on_load", "map_keys", "plan_load"]
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,8 @@ def _targets(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[list[Targ
     return list(params.values()), list(buffers.values())
 
 
-def _map_keys(ckpt: Checkpoint, key_map: Optional[KeyMap]) -> dict[str, TensorInfo]:
+def map_keys(ckpt: Checkpoint, key_map: Optional[KeyMap]) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors by model FQN, through ``key_map``."""
     if key_map is not None and not (isinstance(key_map, Mapping) or callable(key_map)):
         raise ValueError(f"dlo_fx.load: key_map={key_map!r} must be a dict or a callable")
     out: dict[str, TensorInfo] = {}
@@ -189,7 +191,7 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
     if cfg.storage_dtype is not None:
         mark_storage(module, cfg.storage_dtype)
     params, buffers = _targets(module, dtype)
-    by_name = _map_keys(ckpt, key_map)
+    by_name = map_keys(ckpt, key_map)
     what = f"{type(module).__name__} from checkpoint {ckpt.source!r}"
     missing, kept = [], []
     shapes, dtypes, casts = [], [], []
@@ -206,8 +208,10 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
         t.info = info = by_name[found]
         where = "the checkpoint" if info.key == t.fqn else f"checkpoint key {info.key!r}"
         if tuple(t.tensor.shape) != info.shape:
-            shapes.append(f"{t.fqn!r}: the model expects {list(t.tensor.shape)}, {where} "
-                          f"holds {list(info.shape)}")
+            expects = shape_text(tuple(t.tensor.shape), getattr(t.tensor, "quant_type", None),
+                                 getattr(t.tensor, "quant_shape", None))  # a GGUFParameter's
+            holds = shape_text(info.shape, info.quant_type, info.quant_shape)
+            shapes.append(f"{t.fqn!r}: the model expects {expects}, {where} holds {holds}")
         elif info.dtype != t.dtype:
             if info.dtype.is_floating_point and t.dtype.is_floating_point:
                 casts.append((info.dtype, t.dtype))  # See [Note: the dtype rule]

@@ -60,12 +60,13 @@ from torch import nn
 
 from .checkpoint import Checkpoint, load_error, read_tensor, resolve_checkpoint
 from .config import DLOConfig
-from .load_plan import KeyMap, LoadPlan, Target, agree_on_load, plan_load
+from .gguf_file import is_gguf, quantize_module
+from .load_plan import KeyMap, LoadPlan, Target, agree_on_load, map_keys, plan_load
 from .module_guard import guard_module
 from .runtime.fingerprint import extent_sources, file_fingerprint
 from .runtime.layout import STORAGE_MARK, span_as_bytes
 from .runtime.runtime import Runtime, claim
-from .runtime.stored import stored_parameter
+from .runtime.stored import carried_attributes, stored_parameter
 from .shard_dir import ShardDir, checkpoint_extents
 from .storage_dtype import check_castable
 
@@ -92,7 +93,9 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
         checkpoint: a ``.safetensors`` file, a folder of them (with or without a
             ``*.safetensors.index.json``), an index file, a local Hugging Face cache repo
             folder, a hub id already in the local cache, or a folder written by
-            ``dlo-fx shard`` (its manifest must match the model and options). Never
+            ``dlo-fx shard`` (its manifest must match the model and options), or a
+            ``.gguf`` file (or a folder holding one): its quantized tensors are stored as
+            they are, and ``dtype`` is the compute dtype (see `dlo_fx.gguf_file`). Never
             downloads.
         subfolder: a folder inside ``checkpoint`` holding the weights and config.json: the
             component of a diffusers pipeline folder (``"transformer"``, ``"text_encoder_2"``).
@@ -140,6 +143,8 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
         ckpt = (shards.checkpoint(os.fspath(source)) if shards is not None
                 else resolve_checkpoint(checkpoint, subfolder))
         module = _construct(model, config, ckpt)
+        if is_gguf(ckpt):  # see [Note: a GGUF file is a checkpoint like any other]
+            dtype = quantize_module(module, ckpt, dtype, map_keys(ckpt, key_map))
         plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map if shards is None
                          else None, strict=strict, resident=resident)
         for stored, compute in {(t.stored_as, t.dtype): t for b in plan.blocks for t in b
@@ -312,8 +317,22 @@ def _materialised(target: Target, view: Optional[torch.Tensor], device: torch.de
 def _stored_like(target: Target, device: torch.device) -> nn.Parameter:
     t = target.tensor
     p = stored_parameter(t.shape, t.stride(), target.dtype, device)
+    vars(p).update({k: v for k, v in carried_attributes(t).items()  # a GGUFParameter's
+                    if k != STORAGE_MARK})  # quant_type, but never a storage dtype twice
     if target.stored_as is not None:  # see [Note: a storage dtype] in runtime/layout.py
         setattr(p, STORAGE_MARK, target.stored_as)
+    return p
+
+
+def _resident_like(target: Target, value: torch.Tensor) -> nn.Parameter:
+    """A resident parameter of ``value``, of the meta parameter's class (diffusers'
+    ``GGUFParameter``, whose ``as_tensor`` its layer calls) and attributes."""
+    cls = type(target.tensor)
+    carried = {k: v for k, v in carried_attributes(target.tensor).items() if k != STORAGE_MARK}
+    if not carried or cls is nn.Parameter or not issubclass(cls, nn.Parameter):
+        return nn.Parameter(value, requires_grad=False)
+    p = torch.Tensor._make_subclass(cls, value, False)
+    vars(p).update(carried)
     return p
 
 
@@ -344,7 +363,7 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
             view = read_tensor(t.info) if t.info is not None else None
             value = _materialised(t, view, device)
             if t.kind == "param":
-                value = nn.Parameter(value, requires_grad=False)
+                value = _resident_like(t, value)
             values.append((t, value))
             progress.update(t.info.nbytes if t.info is not None else 0, t.info is not None)
         for b, block in enumerate(plan.blocks):

@@ -22,7 +22,9 @@ as far as the runtime shares them per device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -30,11 +32,13 @@ from torch import nn
 
 from .config import DLOConfig
 from .module_guard import guard_pipeline
+from .module_guard import release as release_module
+from .runtime.runtime import owner_of, runtimes_holding
 from .storage_dtype import mark_model, take_over_layerwise_casting
 
 log = logging.getLogger(__name__)
 
-__all__ = ["compile_pipeline", "default_components"]
+__all__ = ["compile_pipeline", "default_components", "release"]
 
 SKIPPED_BY_DEFAULT = ("vae",)
 """Component name prefixes not compiled unless named in ``components=``: the VAE runs once
@@ -73,12 +77,19 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     the dlo host store at each module's first call; the modules are set to eval mode and
     ``requires_grad=False`` (dlo streams weights for inference only).
 
-    Raises ValueError naming an unknown or non-module component, or a bad option.
+    Raises ValueError naming an unknown or non-module component, a bad option, or options
+    that differ from those a component was loaded or compiled with (before anything
+    changes: the pipeline keeps working as it was; `release` it first to change them).
     """
     config = DLOConfig.from_options(options)  # a bad option fails here, before anything compiles
     if "backend" in compile_kwargs or "options" in compile_kwargs:
         raise ValueError("compile_pipeline: pass the dlo options as options=...; the "
                          "backend is always 'dlo'")
+    if compile_kwargs.get("mode") not in (None, "default"):
+        raise ValueError(f"compile_pipeline: mode={compile_kwargs['mode']!r} is not supported "
+                         "by backend 'dlo' (it takes mode=None or 'default'); drop mode= and "
+                         "use options={'compiler': 'inductor'} to compile the compute with "
+                         "Inductor")
     found = _components(pipe)
     names = default_components(pipe) if components is None else list(components)
     if isinstance(components, str):
@@ -91,8 +102,12 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
             raise ValueError(f"compile_pipeline: components={name!r} {what} of "
                              f"{type(pipe).__name__}, not a torch module; its torch modules: "
                              f"{', '.join(modules) or 'none'}")
+    given = _given(options)
+    for name in names:
+        _check_same_options(pipe, name, given)
     for name in names:
         module = getattr(pipe, name)
+        _COMPILED_WITH[module] = given
         module.eval().requires_grad_(False)
         taken = take_over_layerwise_casting(module)  # see [Note: storing weights in another dtype]
         if config.storage_dtype is not None:  # before the first trace: every call exact
@@ -111,6 +126,76 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
                  sum(1 for _ in module.parameters()))
     guard_pipeline(pipe, [getattr(pipe, name) for name in names])
     return pipe
+
+
+_COMPILED_WITH: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+"""The options each component was last compiled with by `compile_pipeline` (until it is
+released): a second compile with other options is refused before anything changes."""
+
+
+def _given(options: Union[Mapping[str, Any], DLOConfig, None]) -> dict[str, Any]:
+    if isinstance(options, DLOConfig):
+        return {f.name: getattr(options, f.name) for f in dataclasses.fields(DLOConfig)}
+    return dict(options or {})
+
+
+def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
+    """``ValueError`` when ``given`` asks component ``name`` for other options than its
+    runtime was built with (`dlo_fx.load`, a first call) or it was compiled with."""
+    module = getattr(pipe, name)
+    runtime = owner_of(module.parameters())
+    if runtime is not None and not runtime.closed:
+        config, where = runtime.config, "its runtime was built with (dlo_fx.load or its first call)"
+    elif module in _COMPILED_WITH:
+        config = DLOConfig.from_options(_COMPILED_WITH[module])
+        where = "a previous compile_pipeline gave it"
+    else:
+        return
+    differing = config.differing(given)
+    if differing:
+        raise ValueError(f"compile_pipeline: options for {type(pipe).__name__}.{name} differ "
+                         f"from those {where}: {'; '.join(differing)}. Options are given once: "
+                         "pass the same options (or none, to keep them), or call "
+                         "dlo_fx.release(pipe) first; nothing was changed")
+
+
+def release(target: Any) -> Any:
+    """Put the weights dlo stores back into a module's parameters, or into every streamed
+    component of a diffusers pipeline; returns ``target``.
+
+    A module: see `dlo_fx.module_guard.release`. A pipeline (anything with a
+    ``components`` dict): every torch module component whose weights dlo stores is
+    released, so the pipeline can be saved, moved or cast as usual; compiling it again
+    (`compile_pipeline`) takes new options. Raises ValueError when nothing in ``target`` is
+    stored by dlo, and TypeError for anything but a module or a pipeline."""
+    if isinstance(target, nn.Module):
+        _forget(target)
+        return release_module(target)
+    found = getattr(target, "components", None)
+    if not isinstance(found, Mapping):
+        raise TypeError(f"dlo_fx.release takes a torch module (nn.Module) or a diffusers "
+                        f"pipeline (an object with a 'components' dict), not a "
+                        f"{type(target).__name__}")
+    modules = {n: m for n, m in found.items() if isinstance(m, nn.Module)}
+    stored = [n for n, m in modules.items() if runtimes_holding(list(m.parameters()))]
+    for module in modules.values():
+        _forget(module)
+    if not stored:
+        raise ValueError(f"dlo_fx.release: no component of {type(target).__name__} "
+                         f"({', '.join(modules) or 'it has no torch modules'}) has weights "
+                         "in a dlo host store (was it compiled with compile_pipeline and "
+                         "called, or its transformer loaded with dlo_fx.load?)")
+    for name in stored:
+        module = modules[name]
+        if runtimes_holding(list(module.parameters())):  # a shared runtime may be gone
+            release_module(module)
+        log.info("dlo_fx.release: %s.%s released", type(target).__name__, name)
+    return target
+
+
+def _forget(module: nn.Module) -> None:
+    for sub in module.modules():
+        _COMPILED_WITH.pop(sub, None)
 
 
 def _components(pipe: Any) -> dict[str, Any]:

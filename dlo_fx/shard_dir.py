@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,18 +186,25 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
                     dp: int, config: Any = None, dtype: Optional[torch.dtype] = None,
                     key_map: Any = None, strict: bool = True,
                     options: Mapping[str, Any] | DLOConfig | None = None,
-                    resident: Sequence[str] = ()) -> dict[str, Any]:
-    """Write the per-rank shard files of ``checkpoint`` for ``dp`` ranks into ``out`` (see
+                    resident: Sequence[str] = (),
+                    subfolder: Optional[str] = None) -> dict[str, Any]:
+    """Write the per-rank shard files of ``checkpoint`` (its ``subfolder``, for a
+    component of a diffusers pipeline folder) for ``dp`` ranks into ``out`` (see
     [Note: pre-sharded checkpoints]); returns the manifest. ``dp=1`` writes whole blocks
     (for rank-local mode or one rank). The arguments are `dlo_fx.load`'s."""
     from .checkpoint import resolve_checkpoint
+    from .gguf_file import is_gguf
     from .load_plan import plan_load
     from .loader import _construct, _materialised
 
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dlo-fx shard: --dp {dp!r} must be an integer >= 1")
     cfg = DLOConfig.from_options(options)
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt = resolve_checkpoint(checkpoint, subfolder)
+    if is_gguf(ckpt):
+        raise NotImplementedError(
+            f"dlo-fx shard: {ckpt.source!r} is a GGUF file, which is not sharded yet; load it "
+            "with dlo_fx.load (host_store='mmap' serves its quantized bytes from the file)")
     module = _construct(model, config, ckpt)
     plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map, strict=strict,
                      resident=resident)
@@ -207,6 +215,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         (out / MANIFEST).unlink()  # a half-written folder is never taken for a finished one
     shard_id = uuid.uuid4().hex
     specs, offsets, fingerprints = [], [], []
+    bar = _bar(2 * len(plan.blocks))  # each block read (fingerprint), then written
     for b in range(len(plan.blocks)):
         offs, total = _block_bytes(plan, b, cfg.alignment)
         offsets.append(offs)
@@ -214,6 +223,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         entries = _entries(plan.blocks[b], offs)  # as `dlo_fx.load` fingerprints the checkpoint
         fingerprints.append(file_fingerprint(
             entries, extent_sources(entries, checkpoint_extents(plan.blocks[b], entries))))
+        bar.update()
     checks: list[list[str]] = [[] for _ in range(dp)]
     sizes = [s.shard_bytes if dp > 1 else s.padded_bytes for s in specs]
     names = [rank_file(r, dp) for r in range(dp)]
@@ -231,7 +241,9 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
                 checks[r].append(sampled_digest(lambda at, n: data[at : at + n], sizes[b]))
                 f.write(data)
             del flat
+            bar.update()
     finally:
+        bar.close()
         for f in handles:
             f.close()
     common: dict[str, torch.Tensor] = {}
@@ -248,7 +260,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         if t.info is not None:
             tensors[t.fqn] = {"dtype": str(t.dtype), "shape": list(t.tensor.shape)}
     manifest = {
-        "format": FORMAT, "shard_id": shard_id, "source": str(checkpoint),
+        "format": FORMAT, "shard_id": shard_id, "source": ckpt.source,
         **_shape_fields(plan, cfg, dp, mode, dtype, resident),
         "block_shard_bytes": sizes,
         "fingerprints": fingerprints,
@@ -490,9 +502,24 @@ class ShardDir:
         return int(self.manifest["fingerprints"][index])
 
 
+def _bar(total: int) -> Any:
+    """A tqdm bar over the blocks on a terminal (off otherwise)."""
+    from tqdm.auto import tqdm
+
+    try:
+        shown = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        shown = False
+    return tqdm(total=total, desc="dlo-fx shard: blocks read and written", unit="block",
+                leave=False, disable=not shown)
+
+
 # -- the command -----------------------------------------------------------------------------
 def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="safetensors file, folder, index or cached hub id")
+    parser.add_argument("--subfolder", default=None,
+                        help="the component folder inside a diffusers pipeline folder, e.g. "
+                        "transformer (as dlo_fx.load(..., subfolder=...))")
     parser.add_argument("--dp", type=int, required=True, help="ranks of the shard group")
     parser.add_argument("--out", required=True, help="folder to write the shard files into")
     parser.add_argument("--model", default=None,
@@ -512,7 +539,7 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameter FQN or module prefix to keep resident (repeatable)")
 
 
-def _model_from(spec: Optional[str], ckpt_path: str) -> Any:
+def _model_from(spec: Optional[str], ckpt_path: str, subfolder: Optional[str] = None) -> Any:
     if spec is not None:
         module, _, attr = spec.partition(":")
         if not attr:
@@ -520,7 +547,7 @@ def _model_from(spec: Optional[str], ckpt_path: str) -> Any:
         return getattr(importlib.import_module(module), attr)
     from .checkpoint import resolve_checkpoint
 
-    folder = resolve_checkpoint(ckpt_path).folder
+    folder = resolve_checkpoint(ckpt_path, subfolder).folder
     config = Path(folder) / "config.json" if folder else None
     if config is None or not config.is_file():
         raise ValueError("dlo-fx shard: no config.json next to the checkpoint; pass --model")
@@ -538,7 +565,8 @@ def run_shard(args: argparse.Namespace) -> int:
     if args.storage_dtype is not None:
         options["storage_dtype"] = args.storage_dtype
     manifest = write_shard_dir(
-        _model_from(args.model, args.checkpoint), args.checkpoint, args.out, dp=args.dp,
+        _model_from(args.model, args.checkpoint, args.subfolder), args.checkpoint, args.out,
+        subfolder=args.subfolder, dp=args.dp,
         config=json.loads(args.config) if args.config else None,
         dtype=_dtype(args.dtype) if args.dtype else None, options=options,
         resident=tuple(args.resident))

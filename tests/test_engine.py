@@ -371,3 +371,23 @@ def test_torchrun_serve_refuses_forged_and_replayed_control_messages(spawned):
     for key in ("msg/0/1", "msg/1/1"):
         assert f"refused the control message at '{key}': it failed authentication" in log, log
     assert [r["error"] for r in rows] == [None] * len(TORCHRUN_REQUESTS)
+
+
+def test_requests_refused_before_any_forward_fail_alone_without_a_clock():
+    """A pipeline without a forward clock whose ``check`` refuses a request: the request
+    gets its error, its rank runs a peer's request in its place (so the peer's gathers are
+    served), every other request completes exactly, and no worker restarts."""
+    requests = [req("refuse this one", 1), req("a red fox", 2), req("refuse that", 3),
+                req("refuse both", 4)]
+    with Engine("refusing_pipeline:build", 2, pipeline_kwargs=DIT, wave_timeout_s=240,
+                options={"mode": "allgather"}) as engine:
+        results = engine.generate(requests)
+        assert [r.wave for r in results] == [0, 0, 1, 1]
+        assert [r.ok for r in results] == [False, True, False, False]
+        for index in (0, 2, 3):
+            assert f"failed on dp rank" in results[index].error
+            assert "is refused by this pipeline" in results[index].error
+        assert torch.equal(results[1].output, alone(requests[1]))
+        again = engine.run_wave([req("a blue bird", 5), req("a hill", 6)])
+        assert all(r.ok for r in again) and engine.generations == 1
+        assert torch.equal(again[1].output, alone(req("a hill", 6)))

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -67,6 +68,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: cores / ranks)")
     parser.add_argument("--no-preview", action="store_true", help="write no PNG previews")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress (bars per wave and step, a line per phase of the "
+                             "first wave); they show only on a terminal anyway")
     return parser
 
 
@@ -100,6 +104,7 @@ def write_outputs(results: Sequence[Any], out: Path, *, preview: bool = True) ->
         for index, result in enumerate(results):
             row = {"index": index, "prompt": result.request.prompt, "seed": result.request.seed,
                    "wave": result.wave, "dp_rank": result.dp_rank,
+                   "pid": result.info.get("pid"),
                    "seconds": round(result.seconds, 4), "error": result.error}
             if result.ok:
                 output = result.output
@@ -142,6 +147,7 @@ def _pictures(out: Path, index: int, tensors: dict) -> list:
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``dlo-fx generate``; returns the exit status."""
     from .engine import Engine
+    from .progress import WaveProgress, terminal
     from .serve import serve
 
     try:
@@ -170,9 +176,19 @@ def run_generate(args: argparse.Namespace) -> int:
             return 0  # a worker rank: rank 0 writes the outputs
     else:
         threads = args.threads or max(1, (os.cpu_count() or 1) // (args.dp * args.sp))
-        engine = Engine(args.pipeline, args.dp, sp_size=args.sp, num_threads=threads, **common)
+        engine = Engine(args.pipeline, args.dp, sp_size=args.sp, num_threads=threads,
+                        progress=not args.quiet and terminal(sys.stderr), **common)
+    progress = WaveProgress(len(requests), enabled=engine.spec.progress)
     with engine:
-        results = engine.generate(requests)
+        start = time.perf_counter()
+        engine.start()
+        progress.phase("load", time.perf_counter() - start,
+                       f"{engine.topology.world_size} worker(s) built the pipeline")
+        progress.start()
+        try:
+            results = engine.generate(requests, on_wave=progress.wave_done)
+        finally:
+            progress.close()
     write_outputs(results, args.out, preview=not args.no_preview)
     failed = [i for i, r in enumerate(results) if not r.ok]
     waves = len({r.wave for r in results})

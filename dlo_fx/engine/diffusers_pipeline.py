@@ -22,6 +22,22 @@ field the pipeline cannot honour is a ``ValueError`` naming it, never silently d
 decoded output becomes 8-bit RGB exactly as diffusers' ``numpy_to_pil`` rounds it
 (``round(x * 255)``): ``{"images": uint8 [N, H, W, 3]}`` or, for a video pipeline,
 ``{"frames": uint8 [N, F, H, W, 3]}``; ``dlo-fx generate`` writes one PNG per image or frame.
+
+[Note: what a diffusers pipeline declares]
+The factory declares the pipeline's `Limits` from what it loaded, so the front end refuses
+a request it cannot serve before any wave, naming the field (`pipeline_limits`): an image
+pipeline (no ``num_frames`` argument) serves one frame, a video pipeline ``k *
+vae_scale_factor_temporal + 1``; height and width are multiples of the VAE's spatial factor
+times the denoiser's patch (at least 2 where the pipeline packs 2x2 latents, as Flux
+does), and at most ``pos_embed_max_size`` patches where the denoiser has that table (SD3);
+its ``sample_size`` is the size it was trained at, not a bound, so it bounds nothing; steps
+up to the scheduler's ``num_train_timesteps``; a Request field the call does not take
+(``true_cfg_scale``, ``negative_prompt``, ...) must keep its default; ``extra_args`` keys
+are the call's other arguments. A request that passes those can still fail in the
+pipeline's own ``check_inputs`` (``max_sequence_length`` too large): `DiffusersPipeline.
+check` runs it, and ``call_arguments``, on every rank for every request of a wave before
+any forward, so such a request fails alone and its rank runs a peer's request in its
+place (see [Note: refused requests fail alone] in worker.py).
 """
 
 from __future__ import annotations
@@ -34,6 +50,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .limits import Limits
+from .progress import shows_progress
 from .request import Request
 
 DENOISER_PREFIXES = ("transformer", "unet")
@@ -49,6 +67,26 @@ class DiffusersPipeline:
         self.streamed = tuple(streamed)
         """Components compiled with backend="dlo"."""
         self._params = inspect.signature(type(pipe).__call__).parameters
+        self.limits = pipeline_limits(pipe, self._params)
+        """What it serves (see [Note: what a diffusers pipeline declares])."""
+
+    def check(self, request: Request) -> None:
+        """Raise what the pipeline would raise for ``request`` before its first forward:
+        a field it cannot honour (`call_arguments`), or its own ``check_inputs``."""
+        kwargs = call_arguments(request, self._params, type(self.pipe).__name__)
+        check_inputs = getattr(self.pipe, "check_inputs", None)
+        if not callable(check_inputs):
+            return
+        arguments = {}
+        for name, param in inspect.signature(check_inputs).parameters.items():
+            if name in kwargs:
+                arguments[name] = kwargs[name]
+            elif name in self._params and self._params[name].default is not param.empty:
+                arguments[name] = self._params[name].default
+            elif param.default is param.empty and param.kind not in (param.VAR_POSITIONAL,
+                                                                     param.VAR_KEYWORD):
+                return  # an argument only the call computes: its own check runs then
+        check_inputs(**arguments)
 
     def __call__(self, request: Request) -> dict:
         kwargs = call_arguments(request, self._params, type(self.pipe).__name__)
@@ -64,6 +102,58 @@ class DiffusersPipeline:
 
         return {name: asdict(memory_report(getattr(self.pipe, name)))
                 for name in self.streamed}
+
+
+RESERVED = ("generator", "output_type", "return_dict", "latents")
+"""Call arguments the factory sets itself, never from ``extra_args``."""
+
+PER_PROMPT = ("num_images_per_prompt", "num_videos_per_prompt")
+REQUEST_ARGUMENTS = ("prompt", "height", "width", "num_inference_steps", "negative_prompt",
+                     "guidance_scale", "true_cfg_scale", "num_frames", *PER_PROMPT)
+"""Call arguments set from the request's own fields."""
+
+
+def pipeline_limits(pipe: Any, params: Mapping[str, inspect.Parameter]) -> Limits:
+    """The `Limits` of ``pipe`` (see [Note: what a diffusers pipeline declares])."""
+    fixed = [f for f in ("negative_prompt", "guidance_scale", "true_cfg_scale")
+             if f not in params] + ["cfg_normalize"]
+    video = "num_frames" in params
+    spatial = (getattr(pipe, "vae_scale_factor_spatial", None)
+               or getattr(pipe, "vae_scale_factor", None) or 8)
+    config = _denoiser_config(pipe)
+    patch = config.get("patch_size") or 1
+    patch = int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
+    cell = patch if not callable(getattr(pipe, "_pack_latents", None)) else max(patch, 2)
+    largest = config.get("pos_embed_max_size")
+    largest = int(largest) * patch * int(spatial) if largest else None
+    scheduler = getattr(getattr(pipe, "scheduler", None), "config", {}) or {}
+    extra = sorted(n for n, p in params.items() if n != "self" and n not in REQUEST_ARGUMENTS
+                   and n not in RESERVED and _from_json(p))
+    return Limits(max_height=largest, max_width=largest, size_multiple=int(spatial) * cell,
+                  max_frames=None if video else 1,
+                  frames_multiple=int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
+                  if video else 1,
+                  max_inference_steps=scheduler.get("num_train_timesteps"),
+                  max_outputs_per_prompt=None if any(a in params for a in PER_PROMPT) else 1,
+                  fixed_fields=fixed, extra_args=extra)
+
+
+NOT_FROM_JSON = ("Tensor", "Image", "Callable", "Generator")
+"""Words in a call argument's annotation that JSON cannot give (embeddings, images,
+callbacks): not ``extra_args`` keys."""
+
+
+def _from_json(param: inspect.Parameter) -> bool:
+    return param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD) and not any(
+        word in str(param.annotation) for word in NOT_FROM_JSON)
+
+
+def _denoiser_config(pipe: Any) -> Mapping[str, Any]:
+    for name in ("transformer", "transformer_2", "unet"):
+        config = getattr(getattr(pipe, name, None), "config", None)
+        if isinstance(config, Mapping):
+            return config
+    return {}
 
 
 def call_arguments(request: Request, params: Mapping[str, inspect.Parameter],
@@ -98,8 +188,7 @@ def call_arguments(request: Request, params: Mapping[str, inspect.Parameter],
         kwargs["num_frames"] = request.num_frames
     elif request.num_frames != 1:
         raise refuse("num_frames", request.num_frames, "it makes images (num_frames must be 1)")
-    per_prompt = next((a for a in ("num_images_per_prompt", "num_videos_per_prompt")
-                       if takes(a)), None)
+    per_prompt = next((a for a in PER_PROMPT if takes(a)), None)
     if per_prompt is not None:
         kwargs[per_prompt] = request.num_outputs_per_prompt
     elif request.num_outputs_per_prompt != 1:
@@ -107,7 +196,7 @@ def call_arguments(request: Request, params: Mapping[str, inspect.Parameter],
                      "it makes one output per prompt")
     extra = dict(request.extra_args)
     for key, value in extra.items():
-        if key in kwargs or key in ("generator", "output_type", "return_dict", "latents"):
+        if key in kwargs or key in RESERVED:
             raise refuse(f"extra_args[{key!r}]", value, "set by the request's own fields")
         if not takes(key):
             raise refuse(f"extra_args[{key!r}]", value, "it takes no such argument")
@@ -216,7 +305,8 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     if text_encoders:
         streamed += [n for n, m in pipe.components.items()
                      if n.startswith("text_encoder") and isinstance(m, torch.nn.Module)]
-    pipe.set_progress_bar_config(disable=True)
+    pipe.set_progress_bar_config(disable=not shows_progress(), leave=False,
+                                 desc="denoising steps")
     compile_pipeline(pipe, options=options, components=streamed)
     return DiffusersPipeline(pipe, streamed)
 
@@ -239,10 +329,11 @@ def resident(path: Union[str, os.PathLike]) -> DiffusersPipeline:
 
 
 def load_state_dict(cls: type, folder: Path) -> torch.nn.Module:
-    """``cls`` from ``folder/config.json``, every weight from its safetensors files."""
+    """``cls`` from ``folder/config.json`` (diffusers' ``load_config``), every weight from
+    its safetensors files."""
     from safetensors.torch import load_file
 
-    model = cls.from_config(json.loads((folder / "config.json").read_text()))
+    model = cls.from_config(cls.load_config(folder))
     state: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file)))

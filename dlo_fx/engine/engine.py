@@ -68,6 +68,8 @@ class Engine:
             ``"cpu"``. Accelerator ranks use device index ``rank % device_count``.
         launcher: how a generation of workers starts; default: worker processes on this
             node. `serve` passes the ranks of a torchrun job.
+        progress: rank 0 shows each request's denoising steps as a progress bar on its
+            stderr (``dlo-fx generate`` on a terminal). Default False.
 
     Workers start on the first call (or `start`) as processes on this node; use
     `dlo_fx.engine.serve` for ranks started by ``torchrun``. Use the engine as a context
@@ -79,7 +81,8 @@ class Engine:
                  backend: Optional[str] = None, wave_timeout_s: float = 600.0,
                  pipeline_kwargs: Optional[Mapping[str, Any]] = None,
                  num_threads: Optional[int] = 1, device: Optional[str] = None,
-                 launcher: Optional[Callable[[WorkerSpec], WorkerSet]] = None) -> None:
+                 launcher: Optional[Callable[[WorkerSpec], WorkerSet]] = None,
+                 progress: bool = False) -> None:
         self.topology = Topology(dp_size, sp_size)
         _check_seconds("wave_timeout_s", wave_timeout_s)
         options = dict(options or {})
@@ -97,7 +100,8 @@ class Engine:
         self.spec = WorkerSpec(pipeline=_factory_name(pipeline), topology=self.topology,
                                options=options, pipeline_kwargs=dict(pipeline_kwargs or {}),
                                backend=backend, device=device_type, num_threads=num_threads,
-                               timeout_s=max(self.wave_timeout_s, 60.0))
+                               timeout_s=max(self.wave_timeout_s, 60.0),
+                               progress=bool(progress))
         self._launch: Callable[[WorkerSpec], WorkerSet] = launcher or LocalWorkers
         self._workers: Optional[WorkerSet] = None
         self._next_wave = 0
@@ -190,13 +194,14 @@ class Engine:
             workers.limits.check(request, f"request {index}")
         return self._run(workers, requests, timeout)
 
-    def generate(self, requests: Sequence[Request], *,
-                 timeout_s: Optional[float] = None) -> list[Result]:
+    def generate(self, requests: Sequence[Request], *, timeout_s: Optional[float] = None,
+                 on_wave: Optional[Callable[[list[Result]], None]] = None) -> list[Result]:
         """Run any number of requests, packed into the fewest waves of at most ``dp_size``
         (see `plan_waves`); one `Result` per request, in request order. Every request is
         checked against the pipeline's limits first (``ValueError`` naming the request and
         the field, before any wave). A request that fails gets an error `Result`; a wave
-        that fails closed keeps the replies that arrived, and later waves still run."""
+        that fails closed keeps the replies that arrived, and later waves still run.
+        ``on_wave(results)`` is called with each wave's results as it ends (progress)."""
         requests = self._check(requests, "request")
         timeout = self._timeout(timeout_s)
         try:
@@ -215,6 +220,8 @@ class Engine:
                 answers = self._failed(batch, self._take_wave(), str(exc), {}, 0.0)
             for index, result in zip(wave, answers):
                 results[index] = result
+            if on_wave is not None:
+                on_wave(answers)
         return results  # type: ignore[return-value]
 
     def _timeout(self, timeout_s: Optional[float]) -> float:

@@ -40,13 +40,23 @@ class Limits:
     """Largest UTF-8 size of ``prompt`` and of ``negative_prompt``. Default: ``None``."""
     lora_ids: Optional[Sequence[Any]] = ()
     """The ``lora_id`` values served; ``None`` for any. Default: ``()`` (no LoRA)."""
+    fixed_fields: Sequence[str] = ()
+    """`Request` fields the pipeline does not take: each must keep its default (a
+    pipeline without ``true_cfg_scale`` serves ``true_cfg_scale=1.0`` only). Default:
+    ``()``."""
+    extra_args: Optional[Sequence[str]] = None
+    """The ``extra_args`` keys the pipeline reads; ``None`` for any. Default: ``None``."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "lora_ids":
+            if f.name in _NAMES:
                 if value is not None:
-                    object.__setattr__(self, "lora_ids", tuple(value))
+                    names = (value,) if isinstance(value, str) else tuple(value)
+                    if f.name != "lora_ids" and not all(isinstance(n, str) for n in names):
+                        raise ValueError(f"Limits.{f.name}={value!r} is not allowed: expected "
+                                         "names (strings)")
+                    object.__setattr__(self, f.name, names)
                 continue
             minimum = 1
             if value is None and f.name.startswith("max_"):
@@ -58,7 +68,9 @@ class Limits:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out["lora_ids"] = None if self.lora_ids is None else list(self.lora_ids)
+        for name in _NAMES:
+            value = getattr(self, name)
+            out[name] = None if value is None else list(value)
         return out
 
     @classmethod
@@ -105,3 +117,18 @@ class Limits:
                 and request.lora_id not in self.lora_ids:
             served = list(self.lora_ids) if self.lora_ids else "none"
             refuse("lora_id", f"this pipeline serves the LoRA adapters {served}")
+        defaults = {f.name: f.default for f in fields(Request)}
+        for name in self.fixed_fields:
+            if name in defaults and getattr(request, name) != defaults[name]:
+                refuse(name, f"this pipeline takes no {name} (leave it at "
+                             f"{defaults[name]!r})")
+        if self.extra_args is not None:
+            for key in request.extra_args:
+                if key not in self.extra_args:
+                    raise ValueError(
+                        f"{where}: Request.extra_args[{key!r}] is not allowed: this pipeline "
+                        f"reads the extra_args {', '.join(map(repr, self.extra_args)) or 'none'}")
+
+
+_NAMES = ("lora_ids", "fixed_fields", "extra_args")
+"""The fields of `Limits` that hold names (or values), not bounds."""

@@ -33,6 +33,7 @@ import torch
 from ..models.reference_dit import DiTConfig, ReferenceDiT, reference_dit
 from .clock import ForwardClock
 from .limits import Limits
+from .progress import steps as denoising_steps
 from .request import Request
 
 VAE_SCALE = 8
@@ -149,7 +150,7 @@ def sample(model: Callable[..., torch.Tensor], config: DiTConfig, request: Reque
         negative = prompt_embedding(request.negative_prompt, config).expand(count, -1, -1)
     steps = request.num_inference_steps
     sigmas = torch.linspace(1.0, 0.0, steps + 1)
-    for step in range(steps):
+    for step in denoising_steps(steps):
         timestep = torch.full((count,), float(sigmas[step]) * 1000.0)
         velocity = model(x, timestep, text).float()
         if guided:

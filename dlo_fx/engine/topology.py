@@ -71,6 +71,8 @@ class WorkerContext:
     rank: int
     topology: Topology
     device: str
+    progress: bool = False
+    """This worker shows the denoising steps as a progress bar (see engine/progress.py)."""
 
     @property
     def dp_rank(self) -> int:

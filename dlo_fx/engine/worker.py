@@ -31,6 +31,7 @@ import torch
 from .channel import LocalWorker, encode_output
 from .clock import keeps_clock
 from .limits import Limits
+from .progress import compile_seconds
 from .request import Request
 from .topology import Topology, WorkerContext, set_worker_context
 
@@ -57,6 +58,8 @@ class WorkerSpec:
     """``torch.set_num_threads`` of each worker; ``None`` leaves torch's default."""
     timeout_s: float = 600.0
     """Timeout of the worker's default process group."""
+    progress: bool = False
+    """Rank 0 shows the denoising steps as a progress bar (engine/progress.py)."""
 
 
 def split_factory(spec: str) -> tuple[str, str]:
@@ -125,6 +128,16 @@ def describe(pipeline: Any) -> dict:
     return dict(fn()) if callable(fn) else {}
 
 
+# [Note: refused requests fail alone]
+# A pipeline without a forward clock cannot let a request fail alone once its forwards
+# began: its rank's collectives would fall out of step (see [Note: failing closed] in
+# engine.py). But a request its pipeline refuses before any forward can: a pipeline may
+# provide ``check(request)``, which raises for such a request (a diffusers pipeline's own
+# ``check_inputs``). Every rank checks every request of the wave, deterministically, so all
+# agree on the refused set without a message: the first rank assigned a refused request
+# replies with its error, and every rank whose request was refused runs one of the kept
+# requests in its place (same wave key, so the same forwards as its peers), its reply not
+# sent, as a spare replica does. A wave whose every request is refused runs no forward.
 class WaveServer:
     """One rank's pipeline and what it remembers between waves."""
 
@@ -133,7 +146,9 @@ class WaveServer:
         self.spec = spec
         self.rank = rank
         self.topology = spec.topology
-        set_worker_context(WorkerContext(rank=rank, topology=self.topology, device=device))
+        set_worker_context(WorkerContext(rank=rank, topology=self.topology, device=device,
+                                         progress=spec.progress and rank == 0))
+        self._compile_s = compile_seconds()  # counting from here: the first wave's compile
         factory = load_factory(spec.pipeline)
         self.pipeline = factory(worker_options(spec, rank, device), **dict(spec.pipeline_kwargs))
         self.mixed = keeps_clock(self.pipeline)
@@ -159,6 +174,13 @@ class WaveServer:
         assign = message["assign"]
         dp_rank = self.topology.dp_rank(self.rank)
         index = assign[dp_rank]
+        self._compile_s = compile_seconds()
+        refused = self._refused(requests)
+        if refused:  # see [Note: refused requests fail alone]
+            if index in refused and assign.index(index) == dp_rank:
+                self._reply(message, index, error=refused[index])
+            kept = [i for i in range(len(requests)) if i not in refused]
+            index = kept[dp_rank % len(kept)] if kept else None
         pipeline, clock = self.pipeline, getattr(self.pipeline, "clock", None)
         target = begin = 0
         if self.mixed:
@@ -179,10 +201,34 @@ class WaveServer:
             clock.pad(target - done)
         self.channel.send({"kind": "done", "seq": message["seq"], "rank": self.rank})
 
+    def _refused(self, requests: list) -> dict[int, str]:
+        """Index -> error of the requests of a wave the pipeline's ``check`` refuses (every
+        rank checks every request, so the ranks agree without talking)."""
+        check = getattr(self.pipeline, "check", None)
+        refused = {}
+        if callable(check):
+            for i, request in enumerate(requests):
+                try:
+                    check(request)
+                except Exception as exc:
+                    refused[i] = f"{type(exc).__name__}: {exc}"
+        return refused
+
+    def _reply(self, message: dict, index: int, error: str) -> None:
+        if self.topology.replies(self.rank):
+            log.warning("dlo engine: request %d of wave %d refused by the pipeline: %s", index,
+                        message["wave"], error)
+            self.channel.send(self._header(message, index, error=error,
+                                           info={"pid": os.getpid()}), b"")
+
+    def _header(self, message: dict, index: int, **fields: Any) -> dict:
+        return {"kind": "reply", "seq": message["seq"], "wave": message["wave"],
+                "index": index, "rank": self.rank, "dp_rank": self.topology.dp_rank(self.rank),
+                **fields}
+
     def _run_request(self, message: dict, requests: list, index: int, primary: bool) -> None:
         start = time.perf_counter()
-        header = {"kind": "reply", "seq": message["seq"], "wave": message["wave"],
-                  "index": index, "rank": self.rank, "dp_rank": self.topology.dp_rank(self.rank)}
+        header = self._header(message, index)
         try:
             payload = encode_output(self.pipeline(requests[index]))
         except Exception as exc:
@@ -195,7 +241,8 @@ class WaveServer:
             header["error"] = f"{report['error']} (at {report['where']})"
             payload = b""
         header["info"] = {**describe(self.pipeline), "pid": os.getpid(),
-                          "compute_s": time.perf_counter() - start}
+                          "compute_s": time.perf_counter() - start,
+                          "compile_s": compile_seconds() - self._compile_s}
         if primary and self.topology.replies(self.rank):
             self.channel.send(header, payload)
 

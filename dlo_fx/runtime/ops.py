@@ -22,6 +22,7 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .runtime import Runtime, claim, owner_of
+from .torch_private import profiler_enabled
 
 
 _GRAPH_IDS = itertools.count()
@@ -126,8 +127,26 @@ def conflict_message(differing: Sequence[str]) -> str:
             "dlo_fx.release(model) and load or compile again")
 
 
+# [Note: profiler spans]
+# Under `torch.profiler.profile`, prefetch, allgather and wait each open a
+# ``record_function`` span named ``dlo::<kind> block <b>`` on the thread that runs the
+# graph, so a trace shows when a copy or a gather was issued and how long compute stood
+# waiting for a block, beside the kernels (on a device the copies and gathers themselves
+# show as the stream's memcpy and collective kernels). Without a profiler a call pays one
+# flag read per op (`torch_private.profiler_enabled`): no span, no context manager.
+def _span(kind: str, block: int) -> Any:
+    return torch.profiler.record_function(f"dlo::{kind} block {block}")
+
+
 def prefetch(sched: GraphSchedule, block: int, *params: torch.nn.Parameter) -> None:
     """Start copying graph block ``block``'s host shard into its slot."""
+    if profiler_enabled():  # see [Note: profiler spans]
+        with _span("prefetch", block):
+            return _prefetch(sched, block, params)
+    _prefetch(sched, block, params)
+
+
+def _prefetch(sched: GraphSchedule, block: int, params: Sequence[torch.nn.Parameter]) -> None:
     runtime = sched.enter()
     host_block = runtime.resolve(params, sched.fqns[block])
     sched.bound[block] = host_block
@@ -137,13 +156,21 @@ def prefetch(sched: GraphSchedule, block: int, *params: torch.nn.Parameter) -> N
 
 def allgather(sched: GraphSchedule, block: int) -> None:
     """Complete graph block ``block`` in its slot from every rank's shard (in place)."""
-    sched.enter().allgather(sched.bound[block], sched.slot_of[block])
+    if profiler_enabled():
+        with _span("allgather", block):
+            sched.enter().allgather(sched.bound[block], sched.slot_of[block])
+    else:
+        sched.enter().allgather(sched.bound[block], sched.slot_of[block])
     sched.step += 1
 
 
 def wait(sched: GraphSchedule, block: int) -> None:
     """Block until graph block ``block`` is complete in its slot."""
-    sched.enter().wait(sched.bound[block], sched.slot_of[block])
+    if profiler_enabled():
+        with _span("wait", block):
+            sched.enter().wait(sched.bound[block], sched.slot_of[block])
+    else:
+        sched.enter().wait(sched.bound[block], sched.slot_of[block])
     sched.step += 1
 
 

@@ -364,14 +364,19 @@ def become_stored(p: torch.Tensor) -> None:
     with torch.inference_mode(p.is_inference()):  # an inference tensor stays one
         new = StoredWeight(p.shape, p.stride(), p.dtype, p.device, requires_grad=p.requires_grad,
                            storage_offset=p.storage_offset())
-    # A tensor subclass's own fields (torchao's qdata, scale, block_size) are its data, now
-    # in the store: only the attributes others set on the parameter stay
-    own = set(p.__tensor_flatten__()[0]) if is_traceable_wrapper_subclass(p) else set()
-    extra = {k: v for k, v in vars(p).items() if k not in _OURS and k not in own
-             and not isinstance(v, torch.Tensor)}
-    vars(new).update(extra)
+    vars(new).update(carried_attributes(p))
     vars(new)["_is_param"] = True
     torch_private.swap_in_place(p, new)
+
+
+def carried_attributes(p: torch.Tensor) -> dict[str, Any]:
+    """The instance attributes of parameter ``p`` that a stored parameter in its place
+    keeps (a ``GGUFParameter``'s ``quant_type``, a storage-dtype mark). A tensor subclass's
+    own fields (torchao's qdata, scale, block_size) are its data, kept in the store: only
+    the attributes others set on the parameter stay."""
+    own = set(p.__tensor_flatten__()[0]) if is_traceable_wrapper_subclass(p) else set()
+    return {k: v for k, v in vars(p).items() if k not in _OURS and k not in own
+            and not isinstance(v, torch.Tensor)}
 
 
 def become_real(p: StoredWeight, value: torch.Tensor) -> None:

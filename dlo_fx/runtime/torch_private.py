@@ -111,3 +111,37 @@ def compiled_module_of(value: Any) -> Optional[torch.nn.Module]:
     if isinstance(value, OptimizedModule) and isinstance(value._orig_mod, torch.nn.Module):
         return value._orig_mod
     return None
+
+
+# -- errors raised past Dynamo (compile_errors.py) ---------------------------------------
+def unwrapped_error_base() -> type:
+    """Dynamo's ``ShortenTraceback``: what a backend raises of that class reaches the
+    caller as raised, where any other exception becomes ``BackendCompilerFailed`` (first
+    line ``backend='dlo_backend' raised:``). ``Exception`` on a torch without it (the error
+    is then wrapped, but still raised)."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:
+        return Exception
+    return ShortenTraceback
+
+
+# -- compile time (engine/progress.py) -----------------------------------------------------
+def on_compile(start: Any, end: Any) -> bool:
+    """Call ``start()`` when Dynamo begins compiling (no compile under way) and ``end()``
+    when it is done (Dynamo's ``callback_handler``); False on a torch without it."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return False
+    callback_handler.register_start_callback(lambda _args: start())
+    callback_handler.register_end_callback(lambda _args: end())
+    return True
+
+
+# -- profiler spans (ops.py) ------------------------------------------------------------
+def profiler_enabled() -> bool:
+    """Whether a torch profiler records now (``torch.autograd.profiler``'s own flag, set
+    by ``torch.profiler.profile`` on entry): a schedule op opens a ``record_function`` span
+    only then, so a call pays one attribute read per op otherwise."""
+    return torch.autograd.profiler._is_profiler_enabled

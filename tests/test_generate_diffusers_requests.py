@@ -1,0 +1,68 @@
+"""``dlo-fx generate --diffusers`` as a new pipeline author meets it: a request outside
+what the pipeline serves is refused up front, naming the field; a request the pipeline's
+own ``check_inputs`` refuses fails alone among good ones, and no worker restarts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import diffusers_pipelines as dp
+from dlo_fx.cli import main
+
+
+@pytest.fixture(scope="module")
+def flux_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate") / "flux"
+    dp.flux().save_pretrained(root)
+    return root
+
+
+def _generate(root, folder, rows, dp_size, capsys) -> tuple[int, str]:
+    requests = folder / "r.jsonl"
+    requests.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    status = main(["generate", "--diffusers", str(root), "--dp", str(dp_size), "--requests",
+                   str(requests), "--out", str(folder / "out"), "--threads", "1",
+                   "--wave-timeout", "300", "--quiet"])
+    return status, capsys.readouterr().err
+
+
+COMMON = dict(height=16, width=16, num_inference_steps=2, negative_prompt="blurry",
+              true_cfg_scale=2.0)
+
+
+def test_request_outside_the_limits_refused_up_front(flux_root, tmp_path, capsys):
+    rows = [dict(prompt="a red cat", **COMMON), dict(prompt="a video", num_frames=5, **COMMON)]
+    status, err = _generate(flux_root, tmp_path, rows, 1, capsys)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, err
+    assert lines[0].startswith("dlo-fx generate: request 1: Request.num_frames=5 is not "
+                               "allowed"), err
+    assert not (tmp_path / "out").exists()  # refused before any wave
+
+
+def test_refused_request_fails_alone_among_good_ones(flux_root, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from dlo_fx.engine.diffusers_pipeline import resident
+    from dlo_fx.engine.request import Request
+
+    short = {"max_sequence_length": 32}
+    rows = [dict(prompt="a red cat over the tree", seed=1, extra_args=short, **COMMON),
+            dict(prompt="a blue car", seed=2, extra_args={"max_sequence_length": 1000},
+                 **COMMON),
+            dict(prompt="a blue car under the sun", seed=3, extra_args=short, **COMMON)]
+    status, err = _generate(flux_root, tmp_path, rows, 2, capsys)
+    assert status == 1, err
+    results = [json.loads(line)
+               for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["error"] is None for r in results] == [True, False, True]
+    assert "max_sequence_length` cannot be greater than 512" in results[1]["error"]
+    assert len({r["pid"] for r in results if r["dp_rank"] == 0}) == 1  # no restart
+    reference = resident(flux_root)
+    for index in (0, 2):
+        got = load_file(str(tmp_path / "out" / results[index]["file"]))
+        expected = reference(Request.from_dict(rows[index]))
+        assert torch.equal(got["images"], expected["images"])

@@ -1,0 +1,118 @@
+"""Options checked where they are given, and `dlo_fx.release` of a module or a pipeline,
+as a new user meets them: a second `compile_pipeline` with other options refused before
+anything changes; a load/compile mismatch and an unsupported ``mode=`` refused at the
+first call with dlo's message first (no ``BackendCompilerFailed`` around it);
+``release(pipe)`` then save and cast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diffusers_pipelines as dp
+import dlo_fx
+from dlo_fx.models import ReferenceDiT
+from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.stored import is_stored
+from loader_cases import resident_dit, save_dit
+from dlo_fx.models import example_inputs
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    reset_runtimes()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def dit(tmp_path_factory):
+    path, config = save_dit(str(tmp_path_factory.mktemp("options")))
+    inputs = example_inputs(config, batch=1, height=8, width=8, seed=1)
+    with torch.no_grad():
+        expected = resident_dit(path, config)(*inputs)
+    return {"path": path, "config": config, "inputs": inputs, "expected": expected}
+
+
+def first_call_error(compiled, inputs) -> BaseException:
+    with pytest.raises(ValueError) as caught, torch.no_grad():
+        compiled(*inputs)
+    return caught.value
+
+
+def test_load_then_compile_with_other_options_refused_with_dlo_message_first(dit):
+    model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"],
+                        options={"num_slots": 3})
+    exc = first_call_error(torch.compile(model, backend="dlo", options={"num_slots": 2}),
+                           dit["inputs"])
+    assert not isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)
+    first = str(exc).splitlines()[0]
+    assert first.startswith("dlo: torch.compile options differ") and "num_slots" in first
+    # nothing changed: the model compiles with the options it was loaded with
+    with torch.no_grad():
+        out = torch.compile(model, backend="dlo")(*dit["inputs"])
+    assert torch.equal(out, dit["expected"])
+
+
+def test_unsupported_mode_refused_with_dlo_message_first(dit):
+    model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"])
+    exc = first_call_error(torch.compile(model, backend="dlo", mode="max-autotune"),
+                           dit["inputs"])
+    assert not isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(exc).startswith("torch.compile mode='max-autotune' is not supported by "
+                               "backend 'dlo'")
+    exc = first_call_error(torch.compile(model, backend="dlo", options={"num_slot": 2}),
+                           dit["inputs"])
+    assert str(exc).startswith("unknown dlo option 'num_slot'")
+
+
+def test_second_compile_pipeline_with_other_options_refused_before_anything_changes():
+    reference, pipe = dp.flux(), dp.flux()
+    dlo_fx.compile_pipeline(pipe, options={"num_slots": 2})
+    compiled_call = pipe.transformer._compiled_call_impl
+    with pytest.raises(ValueError, match=r"FluxPipeline\.\w+ differ from those a "
+                                         r"previous compile_pipeline gave it: num_slots"):
+        dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
+    assert pipe.transformer._compiled_call_impl is compiled_call  # not compiled again
+    with pytest.raises(ValueError, match="mode='max-autotune' is not supported"):
+        dlo_fx.compile_pipeline(pipe, mode="max-autotune")
+    expected = dp.images(reference, "flux", cfg=False)
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+    # once called, the runtime holds the options; the same ones (or none) compile again
+    with pytest.raises(ValueError, match=r"differ from those its runtime was built with"):
+        dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
+    dlo_fx.compile_pipeline(pipe)
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+
+
+def test_release_of_a_pipeline_then_save_and_cast(tmp_path):
+    reference, pipe = dp.flux(), dp.flux()
+    dlo_fx.compile_pipeline(pipe, options={"num_slots": 2})
+    expected = dp.images(reference, "flux", cfg=False)
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+    assert any(is_stored(p) for p in pipe.transformer.parameters())
+    assert dlo_fx.release(pipe) is pipe
+    for name in ("transformer", "text_encoder", "text_encoder_2"):
+        module = getattr(pipe, name)
+        assert not any(is_stored(p) for p in module.parameters()), name
+        assert runtimes_holding(list(module.parameters())) == [], name
+        mine, theirs = module.state_dict(), getattr(reference, name).state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k])
+                                                    for k in mine), name
+    pipe.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "transformer" / "config.json").is_file()
+    pipe.to(torch.float64)
+    assert {p.dtype for p in pipe.transformer.parameters()} == {torch.float64}
+    with pytest.raises(ValueError, match=r"no component of FluxPipeline .* has weights"):
+        dlo_fx.release(pipe)
+    # released, it takes new options
+    pipe.to(torch.float32)
+    dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+
+
+def test_release_of_anything_else_says_what_it_takes():
+    with pytest.raises(TypeError, match=r"dlo_fx\.release takes a torch module \(nn\.Module\) "
+                                        r"or a diffusers pipeline .*not a dict"):
+        dlo_fx.release({"transformer": torch.nn.Linear(2, 2)})
