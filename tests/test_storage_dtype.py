@@ -126,6 +126,18 @@ def test_load_casts_through_the_model_dtype_into_fp8_both_host_stores():
         assert sizes["fp8"] < 0.7 * sizes["bf16"]
         with pytest.raises(ValueError, match="storage_dtype"):  # loaded without the option
             dlo_fx.load(FluxTransformer2DModel, os.path.join(folder, "fp8-dp1"), dtype=BF16)
+        # The command a user runs writes the same folder
+        import subprocess
+        import sys
+
+        out = os.path.join(folder, "cli-fp8")
+        subprocess.run([sys.executable, "-m", "dlo_fx.cli", "shard", root, "--dp", "1",
+                        "--dtype", "bfloat16", "--storage-dtype", "float8_e4m3fn", "--out", out],
+                       check=True, capture_output=True, timeout=300)
+        model = dlo_fx.load(FluxTransformer2DModel, out, dtype=BF16,
+                            options={"storage_dtype": "float8_e4m3fn"})
+        model.compile(backend="dlo")
+        assert all(torch.equal(run(model), want) for _ in range(2))
 
 
 def test_bad_storage_dtypes_are_refused_naming_the_option():
