@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 
 def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
@@ -71,23 +71,44 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+def _cgroup_left(used: "Callable[[str], Optional[int]]") -> Optional[int]:
+    """The cgroup's ``memory.max`` less ``used(cgroup dir)``; None without a limit."""
+    base = _cgroup_dir()
+    if base is None:
+        return None
+    try:
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        taken = used(base)
+        return None if taken is None else int(limit) - taken
+    except (OSError, ValueError):
+        return None
+
+
+def _least(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    return b if a is None else a if b is None else min(a, b)
+
+
 def free_memory() -> Optional[int]:
     """Memory free without evicting anything: the host's ``MemFree``, or the cgroup's
     ``memory.max - memory.current`` when that is less (page cache is charged to the cgroup)."""
-    free = meminfo().get("MemFree")
-    base = _cgroup_dir()
-    if base is not None:
-        try:
-            with open(os.path.join(base, "memory.max")) as f:
-                limit = f.read().strip()
-            if limit != "max":
-                current = cgroup_memory()["current"]
-                if current is not None:
-                    left = int(limit) - current
-                    free = left if free is None else min(free, left)
-        except (OSError, ValueError):
-            pass
-    return free
+    return _least(meminfo().get("MemFree"), _cgroup_left(lambda _: cgroup_memory()["current"]))
+
+
+def _cgroup_anon(base: str) -> Optional[int]:
+    with open(os.path.join(base, "memory.stat")) as f:
+        for line in f:
+            if line.startswith("anon "):
+                return int(line.split()[1])
+    return None
+
+
+def available_memory() -> Optional[int]:
+    """Memory the page cache may use without swapping: the host's ``MemAvailable``, or the
+    cgroup's ``memory.max`` less its anonymous memory when that is less."""
+    return _least(meminfo().get("MemAvailable"), _cgroup_left(_cgroup_anon))
 
 
 def anon_memory() -> dict[str, Optional[int]]:

@@ -18,10 +18,12 @@ import torch
 Mode = Optional[Literal["auto", "allgather", "rank_local"]]
 Compiler = Literal["eager", "inductor"]
 HostStoreKind = Literal["memory", "mmap"]
+FileReads = Literal["auto", "direct", "buffered"]
 
 _MODES = (None, "auto", "allgather", "rank_local")
 _COMPILERS = ("eager", "inductor")
 _HOST_STORES = ("memory", "mmap")
+_FILE_READS = ("auto", "direct", "buffered")
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,14 @@ class DLOConfig:
     resident. ``torch.float8_e4m3fn`` halves bf16's host, transfer and slot bytes. A dtype
     or its name (``"float8_e4m3fn"``). See `dlo_fx.storage_dtype`. Default: ``None``."""
 
+    file_reads: FileReads = "auto"
+    """How ``host_store="mmap"`` reads its files. ``"buffered"``: through the OS page
+    cache (it keeps what fits for the next call). ``"direct"``: with ``O_DIRECT``, around
+    the page cache (nothing evicted, no copy out of the cache; a file system that refuses it
+    is read buffered, with a warning). ``"auto"``: direct when the bytes served on this
+    host do not fit in the memory available to the page cache. See
+    `dlo_fx.runtime.file_reads`. Default: ``"auto"``."""
+
     fault_delay_s: float = 0.0
     """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``
     to prove that ``wait`` orders the slot. From 0 to 60. Default: ``0.0``."""
@@ -131,6 +141,7 @@ class DLOConfig:
         _check_choice("mode", self.mode, _MODES)
         _check_choice("compiler", self.compiler, _COMPILERS)
         _check_choice("host_store", self.host_store, _HOST_STORES)
+        _check_choice("file_reads", self.file_reads, _FILE_READS)
         _check_int("num_slots", self.num_slots, minimum=2)
         if self.storage_dtype is not None:
             object.__setattr__(self, "storage_dtype", _floating_dtype(self.storage_dtype))

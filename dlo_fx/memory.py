@@ -9,6 +9,7 @@ import torch
 
 from ._procfs import cgroup_memory, process_memory
 from .runtime.stored import is_stored
+from .runtime.host_slabs import pinned_figures
 from .runtime.layout import span_bytes
 from .runtime.platform import max_memory_allocated
 from .runtime.runtime import runtimes_holding
@@ -48,6 +49,11 @@ class MemoryReport:
     predicted_compute_s_per_call: Optional[float] = None
     """Of the prediction: seconds of compute of every block (their FLOPs over the measured
     matmul rate). Copies and compute overlap, so the call takes less than their sum."""
+    pinned_requested_bytes: int = 0
+    """Page-locked host bytes the host shards and staging buffers use (0 unpinned)."""
+    pinned_allocated_bytes: int = 0
+    """Page-locked host bytes held for them: the power-of-two slabs they are packed into
+    (see [Note: pinned slabs] in runtime/host_slabs.py)."""
 
     def __str__(self) -> str:
         rows = [(f.name, getattr(self, f.name)) for f in fields(self)
@@ -91,7 +97,10 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
     predicted: Optional[dict] = None
     plans = []
     streamed = 0
+    pinned: list = []
     for rt in runtimes:
+        files = rt.store.files
+        pinned += [rt.store.slabs, files.staging.slabs if files is not None and files.staging else None]
         ids = {rt.store.entry(p).block for p in params if p in rt.store}
         mine = [rt.store.blocks[i] for i in sorted(ids)]
         blocks += mine
@@ -111,6 +120,7 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
     else:
         streamed = sum(b.nbytes for b in blocks)
     measured = [p.measured_s for p in plans]
+    pinned_requested, pinned_allocated = pinned_figures(*pinned)
     host = process_memory()
     cgroup = cgroup_memory()
     return MemoryReport(
@@ -131,4 +141,6 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         measured_s_per_call=(sum(measured) if plans and None not in measured else None),
         predicted_copy_s_per_call=sum(p.streamed_copy_s for p in plans) if plans else None,
         predicted_compute_s_per_call=sum(p.compute_total_s for p in plans) if plans else None,
+        pinned_requested_bytes=pinned_requested,
+        pinned_allocated_bytes=pinned_allocated,
     )

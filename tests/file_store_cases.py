@@ -52,6 +52,8 @@ def dp2_cases(rank: int, world: int, dit_path: str, dit_config, wan_dir: str, sh
         ("mmap-allgather", dit_path, {"mode": "allgather", "host_store": "mmap"}),
         ("mmap-rank-local", dit_path, {"mode": "rank_local", "host_store": "mmap"}),
         ("mmap-allgather-shards", shards2, {"mode": "allgather", "host_store": "mmap"}),
+        ("mmap-allgather-shards-direct", shards2,
+         {"mode": "allgather", "host_store": "mmap", "file_reads": "direct"}),
         ("memory-allgather-shards", shards2, {"mode": "allgather"}),
         ("mmap-rank-local-shards", shards1, {"mode": "rank_local", "host_store": "mmap"}),
     ]:

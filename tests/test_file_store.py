@@ -145,7 +145,8 @@ def test_two_ranks_both_modes_from_files_and_shards(spawned):
     results = spawned
     for rank, out in results.items():
         for key in ("mmap-allgather", "mmap-rank-local", "mmap-allgather-shards",
-                    "memory-allgather-shards", "mmap-rank-local-shards", "wan-mmap-allgather"):
+                    "mmap-allgather-shards-direct", "memory-allgather-shards",
+                    "mmap-rank-local-shards", "wan-mmap-allgather"):
             assert out[key]["equal"], (rank, key)
         for key in ("mmap-allgather", "mmap-allgather-shards", "wan-mmap-allgather"):
             assert out[key]["mode"] == "allgather" and out[key]["anon_bytes"] == 0, (rank, key)
@@ -153,6 +154,8 @@ def test_two_ranks_both_modes_from_files_and_shards(spawned):
         assert out["mmap-rank-local"]["mode"] == "rank_local"
         shards = out["mmap-allgather-shards"]["stats"]
         assert shards["reads"] == shards["block_reads"] > 0  # its own file: one read per block
+        direct = out["mmap-allgather-shards-direct"]["stats"]  # two ranks, O_DIRECT
+        assert direct["direct_block_reads"] == direct["block_reads"] > 0, (rank, direct)
         assert out["memory-allgather-shards"]["anon_bytes"] == \
             out["memory-allgather-shards"]["sum_shard"]
         assert "rank-00001-of-00002.safetensors is missing" in out["missing-rank-file"]

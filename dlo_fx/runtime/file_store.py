@@ -9,9 +9,11 @@ by ``dlo-fx shard``) and where they go in the rank's slice of the block. The OS 
 is the host store: it is shared by every rank on the host, evictable, and costs no
 anonymous memory.
 
-* **Reads.** A prefetch reads the runs with ``os.preadv`` straight into the slot (CPU) or
-  into one of ``num_slots`` pinned staging buffers that the copy stream then copies to the
-  slot (devices). Runs that are adjacent both in the file and in the block are merged, so a
+* **Reads.** A prefetch reads the runs straight into the slot (CPU) or into one of
+  ``num_slots`` pinned staging buffers that the copy stream then copies to the slot
+  (devices), in pieces that several threads read at once, through the page cache or
+  around it (``O_DIRECT``, when the page cache cannot hold the served bytes): see [Note:
+  reading at the disk's rate] in file_reads.py. Runs that are adjacent both in the file and in the block are merged, so a
   block of a pre-sharded file is one read; a block whose tensors are not laid out in the
   file as in the block (alignment padding, another order, several files) is read tensor by
   tensor, and a tensor whose dtype or strides differ from the parameter's (a dtype cast, a
@@ -33,7 +35,7 @@ anonymous memory.
 * **Extents inside their files.** `FileStore.shard` refuses a run that ends past the end of
   its file as it was opened, naming the file and the block, so a header that promises more
   bytes than the file holds is a load error, not a short read at the first call.
-* **Read-ahead.** A daemon thread, woken by every block read, asks the OS for the next
+* **Read-ahead** (buffered reads only; a direct read has no cache to fill). A daemon thread, woken by every block read, asks the OS for the next
   ``depth`` blocks' ranges (``posix_fadvise(WILLNEED)``, asynchronous) and, when free
   memory (host or cgroup) is below twice the read-ahead window, lets go of the block just
   read (``POSIX_FADV_DONTNEED``): under pressure the pages given up are the ones used
@@ -55,6 +57,8 @@ import torch
 
 from .. import _procfs
 from . import platform
+from .file_reads import FileReader, Piece, plan_buffered, plan_direct
+from .host_slabs import HostSlabs
 from .layout import span_as_bytes
 
 log = logging.getLogger(__name__)
@@ -124,6 +128,31 @@ class _ServedFile:
                                    f"({exc})") from None
         st = os.fstat(self.fd)
         self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+        self.dfd: Optional[int] = None  # O_DIRECT, opened at the first direct read
+        self.direct_error: Optional[str] = None  # why O_DIRECT is not used, once it failed
+
+    def direct_fd(self) -> Optional[int]:
+        """The file opened with ``O_DIRECT``; None where the file system refuses it."""
+        if self.dfd is None and self.direct_error is None and self.fd >= 0:
+            try:
+                self.dfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+                                   | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                self.no_direct(exc)
+                return None
+            if os.fstat(self.dfd).st_ino != os.fstat(self.fd).st_ino:
+                self.no_direct(OSError(0, "the path names another file now"))
+                self.check("its next read")
+                raise FileChangedError(f"dlo: {self.path} was replaced by another file while "
+                                       "host_store='mmap' serves weights from it; restore it "
+                                       "and load the model again")
+        return self.dfd
+
+    def no_direct(self, exc: OSError) -> None:
+        self.direct_error = exc.strerror or str(exc)
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
 
     def check(self, what: str) -> None:
         st = os.fstat(self.fd)
@@ -139,6 +168,9 @@ class _ServedFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
 
 
 def _check_sampled(f: _ServedFile, r: _Run, got: torch.Tensor, what: str) -> None:
@@ -194,20 +226,6 @@ def _sample_runs(files: dict[str, _ServedFile], runs: list[_Run], what: str) -> 
     return out
 
 
-def _pread_into(f: _ServedFile, dest: torch.Tensor, offset: int, what: str) -> None:
-    """Fill the CPU uint8 tensor ``dest`` with ``dest.numel()`` bytes of ``f`` at ``offset``."""
-    view = memoryview(dest.numpy()).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(f.fd, [view[done:]], offset + done)
-        if n <= 0:
-            f.check(what)  # names a truncation when that is why
-            raise FileChangedError(f"dlo: {f.path} ended at byte {offset + done} while reading "
-                                   f"{what} ({len(view) - done} bytes missing); the file is "
-                                   "truncated: restore it and load the model again")
-        done += n
-
-
 def _clip(extents: Sequence[Extent], lo: int, hi: int) -> list[_Run]:
     """The parts of ``extents`` inside block bytes ``[lo, hi)``, relative to ``lo``, with
     runs adjacent both in the block and in one file merged into one read."""
@@ -239,6 +257,7 @@ class FileShard:
         self.index = index
         self.nbytes = nbytes
         self.runs = runs
+        self.pieces: dict[bool, list[Piece]] = {}  # direct? -> the plain runs' pieces
 
     @property
     def split(self) -> bool:
@@ -273,23 +292,31 @@ class _Scratch(threading.local):
         return buf[:nbytes]
 
 
+def _plan(runs: Sequence[_Run], direct: bool) -> list[Piece]:
+    """Pieces of the runs read as they are (no dtype or stride conversion)."""
+    plain = [(r.path, r.offset, r.nbytes, r.dest, r.what) for r in runs if r.convert is None]
+    return plan_direct(plain) if direct else plan_buffered(plain)
+
+
 def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.Tensor,
-               what: str, scratch: _Scratch) -> int:
+               what: str, scratch: _Scratch, reader: FileReader, direct: bool = False,
+               pieces: Optional[list[Piece]] = None) -> int:
     """Read ``runs`` into the CPU uint8 tensor ``dest``; returns the tensors converted."""
     used = {r.path: files[r.path] for r in runs}
     for f in used.values():
         f.check(what)
+    reader.read(files, _plan(runs, direct) if pieces is None else pieces, dest, direct, what)
     converted = 0
     for r in runs:
         f = files[r.path]
         if r.convert is None:
-            _pread_into(f, dest[r.dest : r.dest + r.nbytes], r.offset, f"{r.what} of {what}")
             _check_sampled(f, r, dest[r.dest : r.dest + r.nbytes], what)
             continue
         c = r.convert
         with torch.inference_mode(False):
             raw = scratch.take(0, r.src_nbytes)
-            _pread_into(f, raw, r.offset, f"{r.what} of {what}")
+            whole = _Run(0, r.src_nbytes, r.path, r.offset, r.src_nbytes, r.what)
+            reader.read(files, _plan([whole], direct), raw, direct, what)
             _check_sampled(f, r, raw, what)
             src = raw.view(c.src_dtype).view(c.shape)
             if c.via is not None:
@@ -299,8 +326,8 @@ def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.
                 typed = span.view(c.dtype)
                 typed.as_strided(c.shape, c.stride, typed.storage_offset()).copy_(src)
             else:  # part of it (a shard boundary cuts it): through the second scratch
-                whole = scratch.take(1, _span_nbytes(c)).view(c.dtype)
-                out = whole.as_strided(c.shape, c.stride, 0)
+                whole_out = scratch.take(1, _span_nbytes(c)).view(c.dtype)
+                out = whole_out.as_strided(c.shape, c.stride, 0)
                 out.copy_(src)
                 span.copy_(span_as_bytes(out)[r.skip : r.skip + r.nbytes])
         converted += 1
@@ -309,13 +336,16 @@ def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.
     return converted
 
 
+_LOAD_READER = FileReader()  # reads at load (host_store="memory", dlo-fx shard): buffered
+
+
 def read_extents(extents: Sequence[Extent], lo: int, dest: torch.Tensor, what: str) -> None:
     """Read the block bytes ``[lo, lo + dest.numel())`` that ``extents`` hold into ``dest``
     (a CPU uint8 tensor) once, without keeping the files open (``host_store="memory"``)."""
     runs = _clip(extents, lo, lo + dest.numel())
     files = {r.path: _ServedFile(r.path) for r in runs}
     try:
-        _read_runs(files, runs, dest, what, _Scratch())
+        _read_runs(files, runs, dest, what, _Scratch(), _LOAD_READER)
     finally:
         for f in files.values():
             f.close()
@@ -323,15 +353,17 @@ def read_extents(extents: Sequence[Extent], lo: int, dest: torch.Tensor, what: s
 
 class _Staging:
     """``count`` pinned host buffers that device copies go through, used in turn; a buffer
-    is refilled only once the copy that last read it has finished (its event)."""
+    is refilled only once the copy that last read it has finished (its event). Each is
+    sized once for the largest shard, out of pinned slabs ([Note: pinned slabs])."""
 
     def __init__(self, device: torch.device, count: int, pin: bool) -> None:
         self.device, self.count, self.pin = device, count, pin
+        self.slabs: Optional[HostSlabs] = HostSlabs() if pin else None
         self.buffers: list[Optional[torch.Tensor]] = [None] * count
         self.events: list = [None] * count
         self.turn = 0
 
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+    def take(self, nbytes: int, largest: int = 0) -> tuple[int, torch.Tensor]:
         i = self.turn
         self.turn = (i + 1) % self.count
         if self.events[i] is not None:
@@ -339,7 +371,17 @@ class _Staging:
             self.events[i] = None
         buf = self.buffers[i]
         if buf is None or buf.numel() < nbytes:
-            self.buffers[i] = buf = platform.host_buffer(nbytes, pin=self.pin)
+            size = max(nbytes, largest)
+            if self.slabs is not None:
+                try:
+                    buf = self.slabs.take(size)
+                except RuntimeError as exc:
+                    log.warning("dlo: pinning a %d-byte staging buffer failed (%s); using "
+                                "pageable memory", size, exc)
+                    self.slabs = None
+            if self.slabs is None:
+                buf = platform.host_buffer(size, pin=False)
+            self.buffers[i] = buf
         return i, buf[:nbytes]
 
     def copied(self, i: int) -> None:
@@ -352,9 +394,13 @@ class FileStore:
     """The open files and the file shards of one host store; read-ahead; read statistics."""
 
     def __init__(self, *, device: torch.device, num_slots: int, rank: int = 0,
-                 pin: bool = False, depth: Optional[int] = None) -> None:
+                 pin: bool = False, depth: Optional[int] = None,
+                 file_reads: str = "auto") -> None:
         self.device = device
         self.rank = rank
+        self.file_reads = file_reads
+        self.direct: Optional[bool] = None  # decided at the first read: `decide_direct`
+        self.reader = FileReader()
         self.files: dict[str, _ServedFile] = {}
         self.shards: list[FileShard] = []
         self.staging = _Staging(device, num_slots, pin) if device.type != "cpu" else None
@@ -362,7 +408,7 @@ class FileStore:
         self.drop_behind: Optional[bool] = None  # None: only under memory pressure
         self.stats = {"block_reads": 0, "reads": 0, "bytes": 0, "seconds": 0.0,
                       "split_block_reads": 0, "tensor_reads": 0, "split_seconds": 0.0,
-                      "converted": 0, "advised": 0, "dropped": 0}
+                      "converted": 0, "advised": 0, "dropped": 0, "direct_block_reads": 0}
         self._lock = threading.Lock()
         self._scratch = _Scratch()
         self._queue: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
@@ -385,15 +431,47 @@ class FileStore:
         self.shards = [s for s in self.shards if s.index < first]
 
     # -- serving ---------------------------------------------------------------------------
+    def served_bytes(self) -> int:
+        """File bytes this store reads per call (every shard once)."""
+        return sum(r.src_nbytes for s in self.shards for r in s.runs)
+
+    def decide_direct(self) -> bool:
+        """Whether reads bypass the page cache (``O_DIRECT``): ``file_reads="direct"``, or
+        ``"auto"`` when the bytes every rank of this host serves (this store's times
+        ``LOCAL_WORLD_SIZE``) exceed the memory available to the page cache
+        (``MemAvailable``, or what the cgroup's limit leaves). Decided once, at the first
+        read, when every block is stored."""
+        if self.direct is None:
+            if self.file_reads != "auto":
+                self.direct = self.file_reads == "direct"
+            else:
+                room = _procfs.available_memory()
+                try:
+                    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                except ValueError:
+                    local = 1
+                self.direct = room is not None and self.served_bytes() * local > room
+            log.info("dlo: rank %d reads %.2f GB per call %s", self.rank,
+                     self.served_bytes() / 1e9,
+                     "with O_DIRECT (around the page cache)" if self.direct
+                     else "through the page cache")
+        return self.direct
+
     def read(self, shard: FileShard, dest: torch.Tensor) -> None:
         """Copy ``shard``'s bytes into ``dest`` (``shard.nbytes`` bytes, on any device)."""
         what = f"host block {shard.index} (rank {self.rank})"
+        direct = self.decide_direct()
+        pieces = shard.pieces.get(direct)
+        if pieces is None:
+            pieces = shard.pieces[direct] = _plan(shard.runs, direct)
         start = time.perf_counter()
         if dest.device.type == "cpu":
-            converted = _read_runs(self.files, shard.runs, dest, what, self._scratch)
+            converted = _read_runs(self.files, shard.runs, dest, what, self._scratch,
+                                   self.reader, direct, pieces)
         else:
-            i, buf = self.staging.take(shard.nbytes)
-            converted = _read_runs(self.files, shard.runs, buf, what, self._scratch)
+            i, buf = self.staging.take(shard.nbytes, max(s.nbytes for s in self.shards))
+            converted = _read_runs(self.files, shard.runs, buf, what, self._scratch,
+                                   self.reader, direct, pieces)
             dest.copy_(buf, non_blocking=True)
             self.staging.copied(i)
         seconds = time.perf_counter() - start
@@ -404,11 +482,13 @@ class FileStore:
             s["bytes"] += shard.nbytes
             s["seconds"] += seconds
             s["converted"] += converted
+            s["direct_block_reads"] += direct
             if shard.split:
                 s["split_block_reads"] += 1
                 s["tensor_reads"] += len(shard.runs)
                 s["split_seconds"] += seconds
-        self._notify(shard.index)
+        if not direct:  # a direct read has no page cache to fill
+            self._notify(shard.index)
 
     # -- read-ahead ------------------------------------------------------------------------
     def _notify(self, index: int) -> None:
@@ -443,6 +523,7 @@ class FileStore:
 
     def close(self) -> None:
         self._queue.put(None)
+        self.reader.close()
         for f in self.files.values():
             f.close()
 

@@ -52,6 +52,7 @@ from typing import Optional, Sequence
 import torch
 
 from .file_store import Extent, FileShard, FileStore, read_extents
+from .host_slabs import HostSlabs
 from .layout import (Entry, ShardSpec, copy_into_shard, lay_out, leaf_entries, leaf_tensors,
                      storage_of, stored_bytes)
 from .stored import become_stored, is_stored
@@ -117,6 +118,8 @@ class HostStore:
         self.rank = rank
         self.dp = dp
         self.pin = pin
+        # Pinned shards packed into power-of-two slabs: see [Note: pinned slabs]
+        self.slabs: Optional[HostSlabs] = HostSlabs(max(alignment, 4096)) if pin else None
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
         # Stored parameters not converted yet: see [Note: when a parameter becomes a
@@ -279,9 +282,9 @@ class HostStore:
             return self._allocate_pinned_or_not(nbytes)
 
     def _allocate_pinned_or_not(self, nbytes: int) -> torch.Tensor:
-        if self.pin:
+        if self.pin and self.slabs is not None:
             try:
-                return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+                return self.slabs.take(nbytes)
             except RuntimeError as exc:
                 warnings.warn(f"dlo: pinning a {nbytes}-byte host shard failed ({exc}); "
                               "falling back to pageable memory (set pin_memory=False to "

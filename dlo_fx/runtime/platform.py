@@ -40,6 +40,20 @@ def can_pin(device: torch.device) -> bool:
     return device.type != "cpu" and accelerator() is not None
 
 
+def pinned_held_bytes(nbytes: int) -> int:
+    """Bytes PyTorch's caching host allocator holds for a pinned request of ``nbytes``: the
+    next power of two (what `pinned_slab` asks for, so that nothing is held unseen)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def pinned_slab(nbytes: int) -> torch.Tensor:
+    """Page-locked host bytes: ``pinned_held_bytes(nbytes)`` of them, all usable. Raises
+    RuntimeError where the platform cannot pin that much. See [Note: pinned slabs] in
+    host_slabs.py."""
+    with torch.inference_mode(False):
+        return torch.empty(pinned_held_bytes(nbytes), dtype=torch.uint8, pin_memory=True)
+
+
 def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
     """A host uint8 buffer that device copies read from (page-locked when ``pin``)."""
     with torch.inference_mode(False):

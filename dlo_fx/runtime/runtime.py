@@ -161,7 +161,8 @@ class Runtime:
         self.mode, self.mode_reason = mode, reason
         pin = self.config.pin_memory and platform.can_pin(self.device)
         rank = self.group.rank if sharded else 0
-        files = (FileStore(device=self.device, num_slots=self.config.num_slots, rank=rank, pin=pin)
+        files = (FileStore(device=self.device, num_slots=self.config.num_slots, rank=rank, pin=pin,
+                           file_reads=self.config.file_reads)
                  if self.config.host_store == "mmap" else None)
         self.store = HostStore(alignment=self.config.alignment, pin=pin, rank=rank,
                                dp=self.group.dp if sharded else 1, files=files)

@@ -1,0 +1,265 @@
+"""`FileReader`: a block's file bytes read by several threads, through the page cache or
+around it (``O_DIRECT``).
+
+[Note: reading at the disk's rate]
+One ``preadv`` at a time through the page cache reads far below the disk's rate: the
+kernel's read-ahead keeps a single window in flight, every page is copied once more out of
+the cache, and when the checkpoint is larger than host RAM the cache is refilled and
+evicted on every call (reclaim takes CPU from compute). So a block read is cut into
+*pieces* of at most ``chunk`` bytes, and ``threads`` reader threads keep that many
+requests in flight (docs/benchmarks.md, "Real-size models", measures the rates):
+
+* **buffered** (``file_reads="buffered"``, or ``"auto"`` when the served bytes fit in the
+  memory available to the page cache): each piece is read straight into its place in the
+  destination; the page cache keeps what it can for the next call, and the read-ahead thread
+  of `FileStore` asks for the next blocks (``POSIX_FADV_WILLNEED``).
+* **direct** (``file_reads="direct"``, or ``"auto"`` when the served bytes do not fit):
+  ``O_DIRECT`` reads need the file offset, the length and the buffer aligned to the
+  device's block size, which safetensors offsets are not. The block's runs (tensors, or the
+  one run of a pre-sharded file) are sorted by file offset, widened to ``ALIGN`` bytes and
+  merged into *windows* of at most ``chunk`` bytes (runs of one block that sit close in a
+  file, say its tensors in alphabetical order, become a few large reads); a thread reads a
+  window into its own aligned staging buffer and copies each run's bytes to their place in
+  the block. Nothing goes through the page cache, so nothing is evicted, and there is no
+  read-ahead to ask for.
+
+A file system that refuses ``O_DIRECT`` (its open or its first read fails with ``EINVAL``)
+is read through the page cache instead, with a warning naming the file, once per file.
+A read that returns short (a file that shrank during the read) raises `FileChangedError`
+naming the file, exactly as a buffered read does; the caller's size, mtime and sampled-byte
+checks still run on every read (see [Note: file-backed host store] in file_store.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .file_store import _ServedFile
+
+__all__ = ["ALIGN", "CHUNK", "THREADS", "FileReader", "Piece", "Segment", "plan_direct",
+           "plan_buffered"]
+
+ALIGN = 4096
+"""``O_DIRECT`` alignment of offsets, lengths and buffers (a page: every Linux block device
+accepts it)."""
+CHUNK = 8 << 20
+"""Largest piece one thread reads at a time (8 MiB)."""
+THREADS = 4
+"""Reader threads: requests kept in flight."""
+GAP = 64 << 10
+"""Runs of one file at most this far apart are read as one window (direct reads)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``nbytes`` bytes at ``at`` of a piece go to byte ``dest`` of the destination."""
+
+    dest: int
+    at: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """File bytes ``[offset, offset + span)`` of ``path``; ``need`` of them must be there
+    (the rest is alignment past a short file's end); ``segments`` say where they go."""
+
+    path: str
+    offset: int
+    span: int
+    need: int
+    segments: tuple[Segment, ...]
+    what: str
+
+
+def _cut(path: str, offset: int, nbytes: int, dest: int, chunk: int):
+    """A run's file bytes cut at absolute multiples of ``chunk``: (offset, nbytes, dest)."""
+    end = offset + nbytes
+    while offset < end:
+        stop = min(end, (offset // chunk + 1) * chunk)
+        yield offset, stop - offset, dest
+        dest += stop - offset
+        offset = stop
+
+
+def plan_buffered(runs: Sequence[tuple[str, int, int, int, str]], chunk: int = CHUNK) -> list[Piece]:
+    """Pieces of ``runs`` (path, file offset, nbytes, dest offset, what), each read straight
+    into its destination."""
+    out = []
+    for path, offset, nbytes, dest, what in runs:
+        for o, n, d in _cut(path, offset, nbytes, dest, chunk):
+            out.append(Piece(path, o, n, n, (Segment(d, 0, n),), what))
+    return out
+
+
+def plan_direct(runs: Sequence[tuple[str, int, int, int, str]], chunk: int = CHUNK,
+                gap: int = GAP) -> list[Piece]:
+    """Aligned windows of at most ``chunk`` bytes covering ``runs`` (path, file offset,
+    nbytes, dest offset, what), in file order, runs at most ``gap`` apart merged."""
+    cut = sorted((path, o, n, d, what) for path, offset, nbytes, dest, what in runs
+                 for o, n, d in _cut(path, offset, nbytes, dest, chunk))
+    out: list[Piece] = []
+    cur: Optional[list] = None  # [path, lo, hi, end, segments, what]
+
+    def close() -> None:
+        if cur is not None:
+            path, lo, hi, end, segs, what = cur
+            out.append(Piece(path, lo, hi - lo, end - lo,
+                             tuple(Segment(d, o - lo, n) for o, n, d in segs), what))
+
+    for path, o, n, d, what in cut:
+        lo, hi = o // ALIGN * ALIGN, -(-(o + n) // ALIGN) * ALIGN
+        if (cur is not None and cur[0] == path and lo <= cur[2] + gap
+                and max(hi, cur[2]) - cur[1] <= chunk):
+            cur[2], cur[3] = max(hi, cur[2]), max(o + n, cur[3])
+            cur[4].append((o, n, d))
+            continue
+        close()
+        cur = [path, lo, hi, o + n, [(o, n, d)], what]
+    close()
+    return out
+
+
+class _Buffer(threading.local):
+    """One page-aligned staging buffer of ``chunk`` bytes per reader thread."""
+
+    chunk = 0
+    buf: Optional[mmap.mmap] = None
+
+    def take(self, nbytes: int) -> memoryview:
+        if self.buf is None or len(self.buf) < nbytes:
+            self.buf = mmap.mmap(-1, max(nbytes, CHUNK))  # anonymous: page aligned
+        return memoryview(self.buf)[:nbytes]
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class FileReader:
+    """Reader threads shared by one `FileStore`; `read` returns when every piece landed."""
+
+    def __init__(self, threads: int = THREADS, chunk: int = CHUNK) -> None:
+        self.threads, self.chunk = threads, chunk
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+        self._local = _Buffer()
+        self.fallbacks: list[str] = []  # files read buffered because O_DIRECT failed
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.threads,
+                                                thread_name_prefix="dlo-read")
+            return self._pool
+
+    def read(self, files: dict[str, "_ServedFile"], pieces: Sequence[Piece], dest: torch.Tensor,
+             direct: bool, what: str) -> None:
+        """Read ``pieces`` of ``files`` into the CPU uint8 tensor ``dest``."""
+        if not pieces:
+            return
+        base = dest.data_ptr()
+        task: Callable[[Piece], None]
+        if direct:
+            def task(p: Piece) -> None:
+                self._read_direct(files[p.path], p, base, what)
+        else:
+            def task(p: Piece) -> None:
+                _read_buffered(files[p.path], p, base, what)
+        if len(pieces) == 1:
+            task(pieces[0])
+            return
+        futures = [self._executor().submit(task, p) for p in pieces]
+        first: Optional[BaseException] = None
+        for f in futures:  # every piece ends before the destination is handed on
+            exc = f.exception()
+            if exc is not None and first is None:
+                first = exc
+        if first is not None:
+            raise first
+
+    def _read_direct(self, f: "_ServedFile", p: Piece, base: int, what: str) -> None:
+        fd = f.direct_fd()
+        if fd is None:
+            self._warn(f)
+            return _read_buffered(f, p, base, what)
+        view = self._local.take(p.span)
+        got = 0
+        while got < p.need:
+            try:
+                n = os.preadv(fd, [view[got:]], p.offset + got)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or got:
+                    raise
+                self._fall_back(f, exc)
+                return _read_buffered(f, p, base, what)
+            if n <= 0 or (got + n) % ALIGN and got + n < p.need:
+                got += max(n, 0)
+                _ended(f, p.offset + got, p.need - got, f"{p.what} of {what}")
+            got += n
+        src = _address(view)
+        for s in p.segments:
+            ctypes.memmove(base + s.dest, src + s.at, s.nbytes)
+
+    def _fall_back(self, f: "_ServedFile", exc: OSError) -> None:
+        f.no_direct(exc)
+        self._warn(f)
+
+    def _warn(self, f: "_ServedFile") -> None:
+        with self._lock:
+            if f.path in self.fallbacks:
+                return
+            self.fallbacks.append(f.path)
+        warnings.warn(f"dlo: {f.path} cannot be read with O_DIRECT ({f.direct_error}); "
+                      "reading it through the page cache instead (file_reads='buffered' "
+                      "silences this)", RuntimeWarning, stacklevel=2)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _ended(f: "_ServedFile", at: int, missing: int, what: str) -> None:
+    from .file_store import FileChangedError
+
+    f.check(what)  # names a truncation when that is why
+    raise FileChangedError(f"dlo: {f.path} ended at byte {at} while reading {what} "
+                           f"({missing} bytes missing); the file is truncated: restore it "
+                           "and load the model again")
+
+
+def _read_buffered(f: "_ServedFile", p: Piece, base: int, what: str) -> None:
+    (s,) = p.segments if len(p.segments) == 1 and p.segments[0].at == 0 else (None,)
+    if s is not None:  # straight into the destination
+        view = (ctypes.c_char * s.nbytes).from_address(base + s.dest)
+        mv = memoryview(view).cast("B")
+        got = 0
+        while got < s.nbytes:
+            n = os.preadv(f.fd, [mv[got:]], p.offset + got)
+            if n <= 0:
+                _ended(f, p.offset + got, s.nbytes - got, f"{p.what} of {what}")
+            got += n
+        return
+    buf = bytearray(p.need)  # a direct window read buffered (after a fallback)
+    mv, got = memoryview(buf), 0
+    while got < p.need:
+        n = os.preadv(f.fd, [mv[got:]], p.offset + got)
+        if n <= 0:
+            _ended(f, p.offset + got, p.need - got, f"{p.what} of {what}")
+        got += n
+    src = _address(mv)
+    for seg in p.segments:
+        ctypes.memmove(base + seg.dest, src + seg.at, seg.nbytes)
