@@ -239,19 +239,48 @@ def part2(base: str) -> dict:
     return out
 
 
+def shard_rss(base: str, depths: list) -> dict:
+    """Peak RSS of ``dlo-fx shard --dp 2 --storage-dtype float8_e4m3fn`` over FLUX.1-dev's
+    width at several depths: flat in the depth when no process holds the whole model."""
+    out = {}
+    for double, single in depths:
+        config = {**FLUX_DEV, "num_layers": double, "num_single_layers": single}
+        root, folder = os.path.join(base, "ckpt"), os.path.join(base, "fp8")
+        try:
+            size = write_random_checkpoint(root, config)
+            seconds, peak = _peak_rss_of([sys.executable, "-m", "dlo_fx.cli", "shard", root,
+                                          "--dp", "2", "--dtype", "bfloat16", "--storage-dtype",
+                                          "float8_e4m3fn", "--out", folder])
+            ranks = sorted(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
+                           if f.startswith("rank"))
+            out[f"{double}+{single}"] = {"checkpoint_bytes": size, "seconds": seconds,
+                                         "peak_rss_bytes": peak, "rank_file_bytes": ranks}
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--realsize", action="store_true")
     parser.add_argument("--dir", default=None, help="scratch folder for --realsize")
+    parser.add_argument("--shard-rss", action="store_true",
+                        help="peak RSS of dlo-fx shard --storage-dtype at FLUX.1-dev's width, "
+                        "2+4, 4+8 and 8+16 blocks (--dir: about 12 GB free)")
     parser.add_argument("--forward-case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.forward_case:
         _forward_case(args.forward_case)
         return
     result = {"machine": machine_info()}
-    if args.realsize:
+    if args.shard_rss:
+        if not args.dir:
+            raise SystemExit("--shard-rss needs --dir")
+        result["shard_rss"] = shard_rss(args.dir, [(2, 4), (4, 8), (8, 16)])
+    elif args.realsize:
         if not args.dir:
             raise SystemExit("--realsize needs --dir (about 52 GB free)")
         result["realsize"] = part2(args.dir)
