@@ -38,6 +38,7 @@ import mmap
 import os
 import threading
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
@@ -156,6 +157,15 @@ class FileReader:
         self._lock = threading.Lock()
         self._local = _Buffer()
         self.fallbacks: list[str] = []  # files read buffered because O_DIRECT failed
+        _READERS.add(self)
+
+    def _after_fork(self) -> None:
+        """In a child forked from this process: the pool's threads, and a lock one of them
+        may have held, are not there (a read waited forever on pieces no thread ran, and a
+        dlo_fx.load in a multiprocessing 'fork' child hung); start afresh."""
+        self._pool = None
+        self._lock = threading.Lock()
+        self._local = _Buffer()
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -263,3 +273,14 @@ def _read_buffered(f: "_ServedFile", p: Piece, base: int, what: str) -> None:
     src = _address(mv)
     for seg in p.segments:
         ctypes.memmove(base + seg.dest, src + seg.at, seg.nbytes)
+
+
+_READERS: "weakref.WeakSet[FileReader]" = weakref.WeakSet()
+
+
+def _reset_readers_after_fork() -> None:
+    for reader in list(_READERS):
+        reader._after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_readers_after_fork)
