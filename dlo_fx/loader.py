@@ -68,7 +68,7 @@ from .runtime.layout import STORAGE_MARK, span_as_bytes
 from .runtime.runtime import Runtime, claim
 from .runtime.stored import carried_attributes, stored_parameter
 from .shard_dir import ShardDir, checkpoint_extents
-from .storage_dtype import check_castable
+from .storage_dtype import check_castable_pairs
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,8 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
             dtype = quantize_module(module, ckpt, dtype, map_keys(ckpt, key_map))
         plan = plan_load(module, ckpt, cfg, dtype=dtype, key_map=key_map if shards is None
                          else None, strict=strict, resident=resident)
-        for stored, compute in {(t.stored_as, t.dtype): t for b in plan.blocks for t in b
-                                if t.stored_as is not None}:
-            check_castable(stored, compute, device, f"{type(module).__name__}'s weights")
+        check_castable_pairs({(t.stored_as, t.dtype): f"parameter {t.fqn!r}"
+                              for b in plan.blocks for t in b if t.stored_as is not None}, device)
         if shards is not None:
             shards.check(plan, cfg, dp=runtime.group.dp, mode=runtime.mode,
                          rank=runtime.group.rank, dtype=dtype, resident=resident, key_map=key_map)

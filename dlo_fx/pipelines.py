@@ -22,7 +22,6 @@ as far as the runtime shares them per device.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -30,6 +29,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .backend import given_options
 from .config import DLOConfig
 from .module_guard import guard_pipeline
 from .module_guard import release as release_module
@@ -102,7 +102,7 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
             raise ValueError(f"compile_pipeline: components={name!r} {what} of "
                              f"{type(pipe).__name__}, not a torch module; its torch modules: "
                              f"{', '.join(modules) or 'none'}")
-    given = _given(options)
+    given = given_options(options)
     for name in names:
         _check_same_options(pipe, name, given)
     for name in names:
@@ -131,12 +131,6 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
 _COMPILED_WITH: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 """The options each component was last compiled with by `compile_pipeline` (until it is
 released): a second compile with other options is refused before anything changes."""
-
-
-def _given(options: Union[Mapping[str, Any], DLOConfig, None]) -> dict[str, Any]:
-    if isinstance(options, DLOConfig):
-        return {f.name: getattr(options, f.name) for f in dataclasses.fields(DLOConfig)}
-    return dict(options or {})
 
 
 def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:

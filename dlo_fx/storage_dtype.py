@@ -30,7 +30,7 @@ in the hook's storage dtype.
 from __future__ import annotations
 
 import re
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -94,17 +94,24 @@ def layerwise_layers(root: nn.Module, patterns: Optional[Sequence[str]] = None
     return walk(root, "")
 
 
+def _unmarked(root: nn.Module) -> Iterator[torch.Tensor]:
+    """The floating-point parameters of ``root``'s layerwise-cast layers not marked yet (a
+    quantized weight keeps its own bytes)."""
+    for _, layer in layerwise_layers(root):
+        for p in layer.parameters(recurse=False):
+            if (p.dtype.is_floating_point and getattr(p, _MARK, None) is None
+                    and not is_composite(p)):
+                yield p
+
+
 def mark_storage(root: nn.Module, dtype: torch.dtype) -> int:
     """Mark the floating-point parameters of ``root``'s layerwise-cast layers to be stored
     in ``dtype``; returns how many were marked. Parameters already marked keep their mark
     (a layer diffusers' hook was taken over from keeps the hook's dtype)."""
     count = 0
-    for _, layer in layerwise_layers(root):
-        for p in layer.parameters(recurse=False):
-            if (p.dtype.is_floating_point and getattr(p, _MARK, None) is None
-                    and not is_composite(p)):  # a quantized weight keeps its own bytes
-                setattr(p, _MARK, dtype)
-                count += 1
+    for p in list(_unmarked(root)):
+        setattr(p, _MARK, dtype)
+        count += 1
     return count
 
 
@@ -136,11 +143,11 @@ def take_over_layerwise_casting(root: nn.Module) -> int:
     return count
 
 
-def layerwise_casting_of(module: nn.Module) -> Optional[tuple[torch.dtype, torch.dtype]]:
-    """(storage, compute) dtypes of diffusers' layerwise-casting hook on ``module``."""
-    registry = getattr(module, "_diffusers_hook", None)
-    hook = registry.get_hook("layerwise_casting") if registry is not None else None
-    return (hook.storage_dtype, hook.compute_dtype) if hook is not None else None
+def check_castable_pairs(pairs: Mapping[tuple[torch.dtype, torch.dtype], str],
+                         device: torch.device) -> None:
+    """`check_castable` of each ``(stored, compute)`` pair, naming its first holder."""
+    for (stored, compute), what in pairs.items():
+        check_castable(stored, compute, device, what)
 
 
 def check_castable(stored: torch.dtype, compute: torch.dtype, device: torch.device,
@@ -165,21 +172,10 @@ def mark_model(roots: Sequence[nn.Module], dtype: Optional[torch.dtype],
     marked dtype pair, then give every marked parameter not stored yet its storage dtype's
     values (`round_to_storage`): a layer that never reaches a graph (a frame Dynamo skips
     after a graph break runs eagerly) computes with them too, as the layerwise-cast model
-    does, and storing them later is exact."""
-    pairs: dict[tuple[torch.dtype, torch.dtype], str] = {}
-    for root in roots:
-        if dtype is not None:
-            mark_storage(root, dtype)
-        for name, p in root.named_parameters():
-            stored = storage_of(p)
-            if stored is not None:
-                pairs.setdefault((stored, p.dtype), f"parameter {name!r}")
-    for (stored, compute), what in pairs.items():
-        check_castable(stored, compute, device, what)
-    unrounded = [p for root in roots if pairs for p in root.parameters()
-                 if storage_of(p) is not None and not is_stored(p) and not is_composite(p)
-                 and not getattr(p, _ROUNDED, False)]
-    if unrounded and not at_start:
+    does, and storing them later is exact. Refused, before anything is marked or changed,
+    when values would change after layers already ran (``at_start`` false)."""
+    if dtype is not None and not at_start and any(
+            dtype != p.dtype for root in roots for p in _unmarked(root)):
         raise ValueError(
             f"dlo: storage_dtype={dtype}: the first graph Dynamo compiled for "
             f"{type(roots[0]).__name__} is not the start of its forward (a graph break made "
@@ -190,10 +186,21 @@ def mark_model(roots: Sequence[nn.Module], dtype: Optional[torch.dtype],
             "dlo_fx.take_over_layerwise_casting(model), or dlo_fx.compile_pipeline(pipe, "
             "options={'storage_dtype': ...}), or load it with dlo_fx.load(..., "
             "options={'storage_dtype': ...})")
-    for root in roots if pairs else ():
-        for p in root.parameters():
-            if not is_stored(p):
-                round_to_storage(p)
+    marked: dict[tuple[torch.dtype, torch.dtype], str] = {}
+    unrounded = []
+    for root in roots:
+        if dtype is not None:
+            mark_storage(root, dtype)
+        for name, p in root.named_parameters():
+            stored = storage_of(p)
+            if stored is None or is_stored(p):
+                continue
+            marked.setdefault((stored, p.dtype), f"parameter {name!r}")
+            if not getattr(p, _ROUNDED, False) and not is_composite(p):
+                unrounded.append(p)
+    check_castable_pairs(marked, device)
+    for p in unrounded:
+        round_to_storage(p)
 
 
 def round_to_storage(param: torch.Tensor) -> None:
