@@ -130,29 +130,43 @@ class _ServedFile:
         self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
         self.dfd: Optional[int] = None  # O_DIRECT, opened at the first direct read
         self.direct_error: Optional[str] = None  # why O_DIRECT is not used, once it failed
+        self._lock = threading.Lock()
 
     def direct_fd(self) -> Optional[int]:
-        """The file opened with ``O_DIRECT``; None where the file system refuses it."""
-        if self.dfd is None and self.direct_error is None and self.fd >= 0:
-            try:
-                self.dfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-                                   | getattr(os, "O_CLOEXEC", 0))
-            except OSError as exc:
-                self.no_direct(exc)
+        """The file opened with ``O_DIRECT``; None where the file system refuses it. The
+        reader threads ask for it at once: one opens it, under the lock."""
+        with self._lock:
+            if self.direct_error is not None or self.fd < 0:
                 return None
-            if os.fstat(self.dfd).st_ino != os.fstat(self.fd).st_ino:
-                self.no_direct(OSError(0, "the path names another file now"))
-                self.check("its next read")
-                raise FileChangedError(f"dlo: {self.path} was replaced by another file while "
-                                       "host_store='mmap' serves weights from it; restore it "
-                                       "and load the model again")
+            if self.dfd is None:
+                try:
+                    self.dfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+                                       | getattr(os, "O_CLOEXEC", 0))
+                except OSError as exc:
+                    self.direct_error = exc.strerror or str(exc)
+                    return None
+                if os.fstat(self.dfd).st_ino != os.fstat(self.fd).st_ino:
+                    self.direct_error = "the path names another file now"
+                    replaced = True
+                else:
+                    replaced = False
+            else:
+                replaced = False
+        if replaced:
+            self.check("its next read")
+            raise FileChangedError(f"dlo: {self.path} was replaced by another file while "
+                                   "host_store='mmap' serves weights from it; restore it "
+                                   "and load the model again")
         return self.dfd
 
     def no_direct(self, exc: OSError) -> None:
-        self.direct_error = exc.strerror or str(exc)
-        if self.dfd is not None:
-            os.close(self.dfd)
-            self.dfd = None
+        """Read this file buffered from now on. The O_DIRECT descriptor stays open until
+        `close`: another reader thread may be inside a read on it, and a descriptor closed
+        under it, its number then reused by the next open, would read another file's
+        bytes."""
+        with self._lock:
+            if self.direct_error is None:
+                self.direct_error = exc.strerror or str(exc)
 
     def check(self, what: str) -> None:
         st = os.fstat(self.fd)
