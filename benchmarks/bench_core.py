@@ -42,9 +42,9 @@ import torch  # noqa: E402
 import _timing as T  # noqa: E402
 
 import dlo_fx  # noqa: E402
-import dlo_fx.backend  # noqa: E402
+import dlo_fx.dynamo.backend  # noqa: E402
 import dlo_fx.passes  # noqa: E402
-from dlo_fx.models import example_inputs, reference_dit  # noqa: E402
+from dlo_fx.apps.models import example_inputs, reference_dit  # noqa: E402
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding  # noqa: E402
 
 # -- what each mode measures ----------------------------------------------------------------
@@ -306,7 +306,7 @@ def fig_slots(p: dict) -> list[Figure]:
 @contextlib.contextmanager
 def timed_passes(log: list):
     """Time every ``run_passes`` call the dlo backend makes, and each pass inside it."""
-    orig_run, orig_pipeline = dlo_fx.backend.run_passes, dlo_fx.passes.PIPELINE
+    orig_run, orig_pipeline = dlo_fx.dynamo.backend.run_passes, dlo_fx.passes.PIPELINE
 
     def wrap_pass(fn):
         @functools.wraps(fn)
@@ -329,12 +329,12 @@ def timed_passes(log: list):
         log[-1]["blocks"] = len(ctx.blocks)
         return out
 
-    dlo_fx.backend.run_passes = run_passes
+    dlo_fx.dynamo.backend.run_passes = run_passes
     dlo_fx.passes.PIPELINE = tuple(wrap_pass(f) for f in orig_pipeline)
     try:
         yield
     finally:
-        dlo_fx.backend.run_passes = orig_run
+        dlo_fx.dynamo.backend.run_passes = orig_run
         dlo_fx.passes.PIPELINE = orig_pipeline
 
 

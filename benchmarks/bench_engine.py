@@ -39,10 +39,10 @@ import torch  # noqa: E402
 
 import _timing as T  # noqa: E402
 
-from dlo_fx.engine import Engine, Request  # noqa: E402
-from dlo_fx.engine.reference_pipeline import resident  # noqa: E402
+from dlo_fx.apps.engine import Engine, Request  # noqa: E402
+from dlo_fx.apps.engine.reference_pipeline import resident  # noqa: E402
 
-PIPELINE = "dlo_fx.engine.reference_pipeline:build"
+PIPELINE = "dlo_fx.apps.engine.reference_pipeline:build"
 FULL = dict(width=512, depth=8, heads=8, size=256, steps=4, reps=7, warmup=2)
 QUICK = dict(width=256, depth=4, heads=4, size=128, steps=2, reps=5, warmup=1)
 TARGET = 1.7
@@ -117,7 +117,7 @@ MIXED = dict(width=256, depth=4, heads=4, sizes=(128, 64), steps=(4, 2), counts=
 
 
 def run_mixed(p: dict) -> dict:
-    from dlo_fx.engine.request import plan_waves
+    from dlo_fx.apps.engine.request import plan_waves
 
     dit = dict(width=p["width"], depth=p["depth"], heads=p["heads"])
     shapes = [(size, steps) for size in p["sizes"] for steps in p["steps"]]

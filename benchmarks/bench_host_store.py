@@ -79,7 +79,7 @@ class AnonPeak:
     """Peak RssAnon seen by a 2 ms sampling thread."""
 
     def __init__(self) -> None:
-        from dlo_fx._procfs import anon_memory
+        from dlo_fx.runtime.procfs import anon_memory
 
         self._read = lambda: anon_memory()["rss_anon"] or 0
         self.peak = self._read()
@@ -107,7 +107,7 @@ def _warm_dynamo() -> None:
 
     import torch
 
-    from dlo_fx.models import example_inputs, reference_dit
+    from dlo_fx.apps.models import example_inputs, reference_dit
     from dlo_fx.runtime.runtime import reset_runtimes
 
     with torch.inference_mode():
@@ -121,7 +121,7 @@ def _warm_dynamo() -> None:
 
 def _load(args, name: str):
     import dlo_fx
-    from dlo_fx.models import DiTConfig, ReferenceDiT, example_inputs
+    from dlo_fx.apps.models import DiTConfig, ReferenceDiT, example_inputs
 
     where, store = VARIANTS[name]
     config = DiTConfig(width=args.width, depth=args.depth, heads=args.heads)
@@ -137,7 +137,7 @@ def memory_child(args) -> None:
     forwards, above the value before the load."""
     import torch
 
-    from dlo_fx._procfs import anon_memory
+    from dlo_fx.runtime.procfs import anon_memory
     from dlo_fx.runtime.runtime import runtimes_holding
 
     torch.set_num_threads(1)
@@ -232,8 +232,8 @@ def main() -> int:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dlo_fx.models import DiTConfig, ReferenceDiT, example_inputs
-    from dlo_fx.shard_dir import write_shard_dir
+    from dlo_fx.apps.models import DiTConfig, ReferenceDiT, example_inputs
+    from dlo_fx.loading.shards import write_shard_dir
 
     work = tempfile.mkdtemp(dir=args.dir)
     ckpt, shards = os.path.join(work, "dit.safetensors"), os.path.join(work, "shards")

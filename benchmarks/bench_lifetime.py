@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from dlo_fx.models import example_inputs, reference_dit
+from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.runtime.runtime import runtimes_holding
 
 

@@ -4,7 +4,7 @@
 A reference DiT checkpoint (about 3.1 GB of bfloat16, written once into a cache folder) is
 loaded by ``--ranks`` fresh processes joined by a gloo file rendezvous, each then compiling
 the model with ``backend="dlo"`` (``mode="allgather"``) and running one forward. The parent
-samples the PSS of every worker's process tree (`dlo_fx._procfs.tree_pss`) at ``--hz`` from
+samples the PSS of every worker's process tree (`dlo_fx.runtime.procfs.tree_pss`) at ``--hz`` from
 process start until every rank's first forward finished, and reports the peak of the sum.
 
 Variants, each in fresh processes:
@@ -55,7 +55,7 @@ _CODES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
 
 # -- the checkpoint -------------------------------------------------------------------------
 def dit_config(p: dict):
-    from dlo_fx.models import DiTConfig
+    from dlo_fx.apps.models import DiTConfig
 
     return DiTConfig(width=p["width"], depth=p["depth"], heads=p["heads"])
 
@@ -65,8 +65,8 @@ def model_class(p: dict) -> type:
     ``ModuleDict`` under word keys: no layer is numbered, the blocks come from footprint."""
     from torch import nn
 
-    from dlo_fx.models import ReferenceDiT
-    from dlo_fx.models.reference_dit import _modulate, _timestep_features
+    from dlo_fx.apps.models import ReferenceDiT
+    from dlo_fx.apps.models.reference_dit import _modulate, _timestep_features
 
     if p.get("layout", "numbered") == "numbered":
         return ReferenceDiT
@@ -106,7 +106,7 @@ def _word(i: int) -> str:
 def write_checkpoint(path: str, p: dict) -> int:
     """Stream a reference DiT state dict into ``path`` one tensor at a time (no model in
     memory); deterministic N(0, 0.02) values. Returns the file size."""
-    from dlo_fx.loader import meta_parameters
+    from dlo_fx.loading.build import meta_parameters
 
     with meta_parameters():
         model = model_class(p)(dit_config(p))
@@ -133,7 +133,8 @@ def write_checkpoint(path: str, p: dict) -> int:
 
 
 def ensure_checkpoint(cache_dir: str, p: dict) -> str:
-    from dlo_fx.checkpoint import CheckpointError, resolve_checkpoint
+    from dlo_fx.loading.checkpoint import CheckpointError
+    from dlo_fx.loading.discover import resolve_checkpoint
 
     os.makedirs(cache_dir, exist_ok=True)
     words = "-words" if p.get("layout", "numbered") == "words" else ""
@@ -168,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "idle":
         dist.barrier()
         time.sleep(0.5)
-        from dlo_fx._procfs import process_memory
+        from dlo_fx.runtime.procfs import process_memory
 
         result["pss"] = process_memory()["pss"]
         dist.barrier()  # every rank measured while all were alive
@@ -186,11 +187,11 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
     from safetensors.torch import load_file
 
     import dlo_fx
-    from dlo_fx.loader import load
-    from dlo_fx.models import example_inputs
+    from dlo_fx.loading.loader import load
+    from dlo_fx.apps.models import example_inputs
     from dlo_fx.runtime.runtime import runtimes_holding
 
-    from dlo_fx._procfs import process_memory
+    from dlo_fx.runtime.procfs import process_memory
 
     config = dit_config(p)
     cls = model_class(p)
@@ -243,7 +244,7 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
 def run_variant(variant: str, ckpt: str, p: dict, ranks: int, hz: float,
                 timeout: float, thp: bool = True) -> dict:
     """Start ``ranks`` fresh workers and sample the sum of their process trees' PSS."""
-    from dlo_fx._procfs import tree_pss
+    from dlo_fx.runtime.procfs import tree_pss
 
     env = dict(os.environ)
     if thp:

@@ -46,7 +46,7 @@ QUICK = dict(width=128, depth=2, heads=4, reps=2)
 
 # -- part 1: the reference DiT ----------------------------------------------------------------
 def _dit(p: dict):
-    from dlo_fx.models import reference_dit
+    from dlo_fx.apps.models import reference_dit
 
     return reference_dit(width=p["width"], depth=p["depth"], heads=p["heads"],
                          dtype=torch.bfloat16)
@@ -66,8 +66,8 @@ def _figures(model) -> dict:
 def part1(p: dict) -> dict:
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    from dlo_fx.models.reference_dit import example_inputs
-    from dlo_fx.storage_dtype import layerwise_layers
+    from dlo_fx.apps.models.reference_dit import example_inputs
+    from dlo_fx.model.storage_dtype import layerwise_layers
 
     warnings.simplefilter("ignore")
     torch.set_grad_enabled(False)
@@ -168,7 +168,7 @@ def _peak_rss_of(cmd: list[str]) -> tuple[float, int]:
 def _forward_case(folder: str) -> None:
     """Run in a child: load the fp8 folder, two calls, print the figures as JSON."""
     import dlo_fx
-    from dlo_fx import _procfs
+    from dlo_fx.runtime import procfs as _procfs
     from diffusers import FluxTransformer2DModel
 
     warnings.simplefilter("ignore")
@@ -216,7 +216,7 @@ def part2(base: str) -> dict:
         t = time.perf_counter()
         out["checkpoint_bytes"] = write_random_checkpoint(root, FLUX_DEV)
         out["write_s"] = time.perf_counter() - t
-        cli = [sys.executable, "-m", "dlo_fx.cli", "shard", root, "--dtype", "bfloat16",
+        cli = [sys.executable, "-m", "dlo_fx.apps.cli", "shard", root, "--dtype", "bfloat16",
                "--storage-dtype", "float8_e4m3fn"]
         for dp in (2, 1):
             folder = os.path.join(base, f"flux-fp8-dp{dp}")
@@ -248,7 +248,7 @@ def shard_rss(base: str, depths: list) -> dict:
         root, folder = os.path.join(base, "ckpt"), os.path.join(base, "fp8")
         try:
             size = write_random_checkpoint(root, config)
-            seconds, peak = _peak_rss_of([sys.executable, "-m", "dlo_fx.cli", "shard", root,
+            seconds, peak = _peak_rss_of([sys.executable, "-m", "dlo_fx.apps.cli", "shard", root,
                                           "--dp", "2", "--dtype", "bfloat16", "--storage-dtype",
                                           "float8_e4m3fn", "--out", folder])
             ranks = sorted(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)

@@ -362,7 +362,7 @@ def spawn_variant(model: str, ckpt: str, store: str, reads: str, world: int, cal
 
 def shard(ckpt: str, out: str, dp: int) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "dlo_fx.cli", "shard", ckpt, "--dp", str(dp),
+    subprocess.run([sys.executable, "-m", "dlo_fx.apps.cli", "shard", ckpt, "--dp", str(dp),
                     "--out", out, "--dtype", "bfloat16"], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL)
     return time.perf_counter() - start

@@ -33,8 +33,8 @@ from _timing import interleaved, machine_info, write_json
 from safetensors.torch import save_file
 
 import dlo_fx
-from dlo_fx.checkpoint import resolve_checkpoint
-from dlo_fx.models import ReferenceDiT, reference_dit
+from dlo_fx.loading.discover import resolve_checkpoint
+from dlo_fx.apps.models import ReferenceDiT, reference_dit
 from dlo_fx.runtime.fingerprint import file_fingerprint
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 

@@ -27,7 +27,7 @@ from _timing import write_json
 
 
 def build_variants(args, rank: int):
-    from dlo_fx.models import reference_dit
+    from dlo_fx.apps.models import reference_dit
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -62,7 +62,7 @@ def worker(rank: int, world: int, init: str, args, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import dlo_fx
-    from dlo_fx.models import DiTConfig, example_inputs
+    from dlo_fx.apps.models import DiTConfig, example_inputs
 
     config = DiTConfig(width=args.width, depth=args.depth, heads=args.heads)
     inputs = example_inputs(config, height=args.size, width=args.size, seed=rank)

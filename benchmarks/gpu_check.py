@@ -24,7 +24,7 @@ import torch
 from _timing import write_json
 
 import dlo_fx
-from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
+from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import platform
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
@@ -141,7 +141,7 @@ def check_memory(cfg: dict, device: torch.device) -> dict:
 
 def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
     """Pinned host-to-device bytes per second, with the probe ``mode="auto"`` uses."""
-    from dlo_fx.policy.measured import probe_bandwidths
+    from dlo_fx.planning.measured import probe_bandwidths
     from dlo_fx.runtime.collectives import ShardGroup
 
     return probe_bandwidths(device, ShardGroup(ranks=(0,), rank=0), nbytes)[0] * 1e9

@@ -5,15 +5,15 @@ through ``num_slots`` device slots, block by block, the next block's transfer ov
 the current block's compute.
 
 This module holds what users call; the rest lives in its subpackage: schedule dumps,
-stalls and traces in `dlo_fx.dump`, the planning model in `dlo_fx.policy`, the engine's
-parts in `dlo_fx.engine`, the reference DiT in `dlo_fx.models`.
+stalls and traces in `dlo_fx.apps.dump`, the planning model in `dlo_fx.policy`, the engine's
+parts in `dlo_fx.apps.engine`, the reference DiT in `dlo_fx.apps.models`.
 """
 
 from .config import DLOConfig
-from .loader import load
-from .memory import memory_report
-from .pipelines import compile_pipeline, release
-from .storage_dtype import take_over_layerwise_casting
+from .loading.loader import load
+from .model.memory import memory_report
+from .model.pipelines import compile_pipeline, release
+from .model.storage_dtype import take_over_layerwise_casting
 
 __all__ = ["DLOConfig", "Engine", "Request", "Result", "compile_pipeline", "load",
            "memory_report", "release", "take_over_layerwise_casting"]
@@ -26,7 +26,7 @@ def __getattr__(name: str):
     # The engine (worker processes, control plane) loads on first use, not with every
     # `import dlo_fx` of a process that only compiles.
     if name in _ENGINE:
-        from . import engine
+        from .apps import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

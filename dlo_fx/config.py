@@ -58,7 +58,7 @@ class DLOConfig:
     the blocks kept resident. What is left after the slots and the parameters resident
     anyway goes to whole blocks chosen to minimise the predicted time per call (copies at
     the measured bandwidths, compute from each block's FLOPs at the measured matmul rate;
-    `dlo_fx.budget`, see [Note: resident blocks spread through the stack]); a budget
+    `dlo_fx.planning.budget`, see [Note: resident blocks spread through the stack]); a budget
     below that minimum raises ``ValueError`` at compile. ``"auto"``: the device's free
     memory minus ``activation_reserve_bytes`` (on CPU only explicit bytes apply: "auto"
     keeps every block streamed). ``None``: every block streams. Default: ``None``."""
@@ -123,7 +123,7 @@ class DLOConfig:
     (its default skip patterns, the model's ``_skip_layerwise_casting_patterns`` and
     ``_keep_in_fp32_modules``), so the output is bit-identical to that model run
     resident. ``torch.float8_e4m3fn`` halves bf16's host, transfer and slot bytes. A dtype
-    or its name (``"float8_e4m3fn"``). See `dlo_fx.storage_dtype`. Default: ``None``."""
+    or its name (``"float8_e4m3fn"``). See `dlo_fx.model.storage_dtype`. Default: ``None``."""
 
     file_reads: FileReads = "auto"
     """How ``host_store="mmap"`` reads its files. ``"buffered"``: through the OS page

@@ -11,9 +11,9 @@ import struct
 
 import torch
 
-from dlo_fx.loader import load
-from dlo_fx.models import ReferenceDiT
-from dlo_fx.shard_dir import write_shard_dir
+from dlo_fx.loading.loader import load
+from dlo_fx.apps.models import ReferenceDiT
+from dlo_fx.loading.shards import write_shard_dir
 from loader_cases import SHARED, fresh, resident_dit, save_dit
 from models import call, tiny_dit
 
@@ -156,7 +156,7 @@ def failure_stays_with_its_model(rank: int, world: int, root: str, files: dict,
     exact, and A keeps raising its own error."""
     from safetensors.torch import save_file
 
-    from dlo_fx.models import example_inputs, reference_dit
+    from dlo_fx.apps.models import example_inputs, reference_dit
 
     big = reference_dit(width=256, depth=2, heads=4, seed=3)
     path = os.path.join(root, f"a-{fault_delay_s}.safetensors")

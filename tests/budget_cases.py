@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 import dlo_fx
-from dlo_fx.models import ReferenceDiT
+from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
@@ -74,7 +74,7 @@ def one_rank_resolutions(rank: int, checkpoint: str, budget: int) -> dict:
     rank 0 alone. Each new resolution recompiles on that rank only and keeps the first
     compile's resident blocks (planned anew from its FLOPs, it kept others: the ranks
     streamed different blocks and raised ClockMismatch at every call)."""
-    from dlo_fx.models import example_inputs
+    from dlo_fx.apps.models import example_inputs
 
     fresh()
     ref_model, _ = tiny_dit(depth=DEPTH)

@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dlo_fx.engine import Request
-from dlo_fx.engine.channel import pack
-from dlo_fx.engine.store_channel import StoreFront, StoreWorker
+from dlo_fx.apps.engine import Request
+from dlo_fx.apps.engine.channel import pack
+from dlo_fx.apps.engine.store_channel import StoreFront, StoreWorker
 
 
 class Store:
@@ -69,9 +69,9 @@ def other_job(secret: bytes, rank: int, world: int, messages: list) -> dict:
 def attacked(options: Any = None, **kwargs: Any) -> Any:
     """The reference pipeline, after rank 1 attacked the job's control plane (see the
     module docstring)."""
-    from dlo_fx.engine.channel import encode_output
-    from dlo_fx.engine.reference_pipeline import build
-    from dlo_fx.engine.store_channel import secret_from_environment
+    from dlo_fx.apps.engine.channel import encode_output
+    from dlo_fx.apps.engine.reference_pipeline import build
+    from dlo_fx.apps.engine.store_channel import secret_from_environment
 
     if os.environ.get("RANK") == "1":
         import torch.distributed as dist

@@ -31,7 +31,7 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
-from dlo_fx.engine import workers
+from dlo_fx.apps.engine import worker_set as workers
 
 
 def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any,

@@ -13,8 +13,8 @@ import torch
 from torch import fx
 from torch.fx.node import has_side_effect
 
-import dlo_fx.dump
-from dlo_fx.models import example_inputs, reference_dit
+import dlo_fx.apps.dump
+from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.runtime.runtime import reset_runtimes
 
 from models import call, tiny_wan
@@ -62,13 +62,13 @@ def dump_model(model, inputs, dump_dir: Path, options: dict, calls: int = 1,
     """Compile with dlo writing dumps into ``dump_dir``; run ``calls`` times.
 
     Returns (compiled model, the folders this compile wrote)."""
-    before = len(dlo_fx.dump.dumps())
+    before = len(dlo_fx.apps.dump.dumps())
     compiled = torch.compile(model, backend="dlo", fullgraph=fullgraph,
                              options={**options, "dump_dir": str(dump_dir)})
     with torch.no_grad():
         for _ in range(calls):
             call(compiled, inputs)
-    return compiled, [d.folder for d in dlo_fx.dump.dumps()[before:]]
+    return compiled, [d.folder for d in dlo_fx.apps.dump.dumps()[before:]]
 
 
 def dump_texts(dump_dir: Path, options: dict) -> dict[str, str]:
@@ -111,13 +111,13 @@ def traced_dump(dump_dir: Path, options: dict, calls: int = 2) -> dict:
     model, inputs = small_dit()
     _, (folder,) = dump_model(model, inputs, dump_dir, {**options, "trace": True}, calls)
     before = (folder / "trace.json").exists()
-    written = dlo_fx.dump.flush(model)
+    written = dlo_fx.apps.dump.flush(model)
     blocks_md = (folder / "blocks.md").read_text()
     return {"trace_before_flush": before, "flushed": written == [folder],
             "num_blocks": len(re.findall(r"# dlo: wait", (folder / "schedule.py").read_text())),
             "svg": svg_bars(folder / "timeline.svg"), "trace": trace_blocks(folder / "trace.json"),
             "blocks_md": blocks_md, "table_blocks": table_blocks(blocks_md),
-            "stalls": dlo_fx.dump.stall_summary(model)}
+            "stalls": dlo_fx.apps.dump.stall_summary(model)}
 
 
 # -- on every rank of a 2-rank gloo group ------------------------------------------------
@@ -182,7 +182,7 @@ def stall_total(passes: tuple, dump_dir: Path, calls: int = 2, **options) -> flo
     model = reference_dit(width=64, depth=4, heads=4, seed=0)
     inputs = example_inputs(model.config, batch=1, height=8, width=8)
     dump_model(model, inputs, dump_dir, {"trace": True, "user_passes": passes, **options}, calls)
-    return dlo_fx.dump.stall_summary(model).total_ns / 1e9
+    return dlo_fx.apps.dump.stall_summary(model).total_ns / 1e9
 
 
 # -- factories for `dlo-fx dump --model` ------------------------------------------------

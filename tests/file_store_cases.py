@@ -7,12 +7,12 @@ import os
 
 import torch
 
-from dlo_fx.loader import load
-from dlo_fx.models import ReferenceDiT
+from dlo_fx.loading.loader import load
+from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime.file_store import FileChangedError
 from dlo_fx.runtime.runtime import runtimes_holding
 
-from dlo_fx.shard_dir import write_shard_dir
+from dlo_fx.loading.shards import write_shard_dir
 from loader_cases import (SHARED, compare, fresh, resident_dit, resident_wan, save_dit,
                           save_wan)
 from models import call, tiny_dit, tiny_wan

@@ -99,7 +99,7 @@ def dlo_inductor(name: str, options: dict, inputs_list, *, fullgraph=True, dynam
 
 
 def dit_inputs(hw: int = 8):
-    from dlo_fx.models import example_inputs
+    from dlo_fx.apps.models import example_inputs
     from models import tiny_dit
 
     return example_inputs(tiny_dit()[0].config, batch=2, height=hw, width=hw, seed=1)

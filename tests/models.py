@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 import dlo_fx
-from dlo_fx.models import example_inputs, reference_dit
+from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.runtime.runtime import runtimes_holding
 
 

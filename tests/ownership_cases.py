@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dlo_fx
-from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
+from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
 

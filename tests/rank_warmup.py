@@ -17,7 +17,7 @@ import torch
 
 
 def _warm_up() -> None:
-    from dlo_fx.models import example_inputs, reference_dit
+    from dlo_fx.apps.models import example_inputs, reference_dit
     from dlo_fx.runtime.runtime import reset_runtimes
 
     torch.set_num_threads(1)

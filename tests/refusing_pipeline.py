@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dlo_fx.engine.reference_pipeline import build as reference_build
+from dlo_fx.apps.engine.reference_pipeline import build as reference_build
 
 
 class RefusingPipeline:

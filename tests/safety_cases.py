@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dlo_fx.engine.clock import ForwardClock
+from dlo_fx.apps.engine.clock import ForwardClock
 from dlo_fx.runtime.graph_call import ClockMismatch
 from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
 
@@ -193,7 +193,7 @@ def _one_rank_recompiles(rank: int) -> list:
     recompiled together, and the autocast one paired a matmul-rate probe with rank 0's
     clock: gloo aborted both processes. Then a model with graph breaks in its blocks, at a
     shape on one rank alone."""
-    from dlo_fx.models import example_inputs, reference_dit
+    from dlo_fx.apps.models import example_inputs, reference_dit
 
     _fresh()
     ref_model = reference_dit(width=64, depth=3, heads=4, seed=0)

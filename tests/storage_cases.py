@@ -47,7 +47,7 @@ def ref_model(model: torch.nn.Module) -> torch.nn.Module:
 def write_checkpoint(folder: str) -> None:
     """A float32 diffusers folder (loaded in bf16, stored in fp8: two casts) and its
     pre-sharded fp8 folders for dp 1 and 2."""
-    from dlo_fx.shard_dir import write_shard_dir
+    from dlo_fx.loading.shards import write_shard_dir
     from diffusers import FluxTransformer2DModel
 
     root = os.path.join(folder, "flux")

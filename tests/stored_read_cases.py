@@ -14,7 +14,7 @@ import warnings
 import torch
 
 import dlo_fx
-from dlo_fx.models import ReferenceDiT
+from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime.stored import is_stored
 
 from loader_cases import resident_dit

@@ -13,10 +13,10 @@ import pytest
 import agreement_cases
 from agreement_cases import STORES, shorten_block_in_header
 from distributed import in_child, spawn
-from dlo_fx.checkpoint import CheckpointError, read_header
-from dlo_fx.loader import load
-from dlo_fx.models import ReferenceDiT
-from dlo_fx.shard_dir import MANIFEST, write_shard_dir
+from dlo_fx.loading.checkpoint import CheckpointError, read_header
+from dlo_fx.loading.loader import load
+from dlo_fx.apps.models import ReferenceDiT
+from dlo_fx.loading.shards import MANIFEST, write_shard_dir
 from loader_cases import SHARED, fresh
 
 

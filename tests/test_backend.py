@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dlo_fx
-from dlo_fx.partition import layer_key
+from dlo_fx.planning.blocks import layer_key
 from dlo_fx.runtime.layout import span_bytes
 from dlo_fx.runtime.runtime import runtimes_holding
 from dlo_fx.runtime.stored import is_stored
@@ -161,7 +161,7 @@ def test_entry_point_registers_backend():
     from importlib.metadata import entry_points
 
     names = {ep.name: ep.value for ep in entry_points(group="torch_dynamo_backends")}
-    assert names.get("dlo") == "dlo_fx.backend:dlo_backend"
+    assert names.get("dlo") == "dlo_fx.dynamo.backend:dlo_backend"
     assert "dlo" in torch._dynamo.list_backends(exclude_tags=())
 
 
@@ -170,7 +170,7 @@ def test_first_call_under_inference_mode_with_stored_resident_table(tmp_path):
     copy worker thread, which is not in inference mode."""
     from safetensors.torch import save_file
 
-    from dlo_fx.models import ReferenceDiT
+    from dlo_fx.apps.models import ReferenceDiT
 
     ref_model, inputs = tiny_dit(depth=3)
     path = tmp_path / "dit.safetensors"
@@ -202,7 +202,7 @@ def test_blocks_skipped_by_a_list_argument_whose_values_change():
     """Once ``skip_layers`` changed from ``[1]`` to ``[0, 2]``, Dynamo made its first element
     a SymInt and evaluated ``0 in [s0, 2]`` as False with no guard: block 0 ran though it
     was skipped, a wrong output and no error (with ``backend="eager"`` too). See [Note: `x
-    in list` with a symbolic element] (dlo_fx/dynamo_contains.py)."""
+    in list` with a symbolic element] (dlo_fx/dynamo/contains.py)."""
     torch.manual_seed(0)
     ref = _SkipLayers().eval().requires_grad_(False)
     model = _SkipLayers().eval().requires_grad_(False)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dlo_fx.budget import BudgetPlan, minimum_bytes, plan_resident_blocks, predict_call_s
+from dlo_fx.planning.budget import BudgetPlan, minimum_bytes, plan_resident_blocks, predict_call_s
 from dlo_fx.config import DLOConfig
-from dlo_fx.dump.blocks_md import blocks_markdown
+from dlo_fx.apps.dump.blocks_md import blocks_markdown
 from dlo_fx.runtime.stored import is_stored
 
 import budget_cases
@@ -156,7 +156,7 @@ def test_memory_report_and_blocks_md_show_the_resident_blocks(swept):
     assert 0 < report.predicted_compute_s_per_call <= report.predicted_s_per_call * (1 + 1e-9)
     assert "num_resident_blocks" in str(report) and "s_per_call" in str(report)
     assert f"(copies {report.predicted_copy_s_per_call * 1e3:.3f} ms, compute" in str(report)
-    from dlo_fx.dump.record import GraphDump
+    from dlo_fx.apps.dump.record import GraphDump
 
     dump = GraphDump(index=0, folder=None, mode="rank_local", dp=1, rank=0, num_slots=2,
                      budget=0, blocks=(), resident=(), program=(), budget_plan=plan)
@@ -251,8 +251,8 @@ def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypat
     blocks than its peers')."""
     import importlib
 
-    from dlo_fx.models import example_inputs
-    from dlo_fx.policy import measured
+    from dlo_fx.apps.models import example_inputs
+    from dlo_fx.planning import measured
 
     resident_set = importlib.import_module("dlo_fx.passes.resident_set")
 

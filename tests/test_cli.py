@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import diffusers_pipelines as dp
-from dlo_fx.loader import load
+from dlo_fx.loading.loader import load
 from loader_cases import fresh, stored_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(HERE)
 
 def dlo_fx_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-    return subprocess.run([sys.executable, "-m", "dlo_fx.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "dlo_fx.apps.cli", *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -25,9 +25,9 @@ import torch
 import diffusers_pipelines as dp
 from distributed import background, in_child, selected, spawn
 from dlo_fx import compile_pipeline, load
-from dlo_fx.checkpoint import CheckpointError
-from dlo_fx.cli import build_parser, main
-from dlo_fx.load_plan import MAX_REPORT_LINES
+from dlo_fx.loading.checkpoint import CheckpointError
+from dlo_fx.apps.cli import build_parser, main
+from dlo_fx.loading.plan import MAX_REPORT_LINES
 from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.runtime import reset_runtimes
 from loader_cases import same_state
@@ -56,7 +56,7 @@ def test_load_forms_of_a_pipeline_folder(saved, tmp_path):
     from diffusers import FluxTransformer2DModel
     from transformers import T5EncoderModel
 
-    from dlo_fx.engine.diffusers_pipeline import load_state_dict
+    from dlo_fx.apps.engine.diffusers_pipeline import load_state_dict
 
     root = saved["flux"]
     reference = load_state_dict(FluxTransformer2DModel, root / "transformer")
@@ -104,7 +104,7 @@ def test_bf16_checkpoint_without_dtype_loads_like_diffusers(saved, tmp_path, cap
     FluxTransformer2DModel.from_pretrained(saved["flux"] / "transformer").to(
         torch.bfloat16).save_pretrained(folder)
     fresh()
-    with caplog.at_level(logging.INFO, logger="dlo_fx.load_plan"):
+    with caplog.at_level(logging.INFO, logger="dlo_fx.loading.plan"):
         model = load(FluxTransformer2DModel, folder)
     casts = [r.message for r in caplog.records if "cast" in r.message]
     assert len(casts) == 1 and "bfloat16 -> float32" in casts[0], casts
@@ -178,7 +178,7 @@ def test_engine_factory_builds_every_component_in_the_dtype_asked(saved):
     warning for ``torch_dtype``."""
     import warnings
 
-    from dlo_fx.engine.diffusers_pipeline import build
+    from dlo_fx.apps.engine.diffusers_pipeline import build
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -260,9 +260,9 @@ def generated(request, tmp_path_factory):
 def test_generate_diffusers_matches_resident(saved, generated, kind, dp_size):
     from safetensors.torch import load_file
 
-    from dlo_fx.engine.diffusers_pipeline import resident
-    from dlo_fx.engine.png import encode_png
-    from dlo_fx.engine.request import Request
+    from dlo_fx.apps.engine.diffusers_pipeline import resident
+    from dlo_fx.apps.engine.png import encode_png
+    from dlo_fx.apps.engine.request import Request
 
     rows = _generate_rows(kind, dp_size)
     status, out = generated[kind].result(timeout=900)

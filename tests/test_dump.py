@@ -22,8 +22,8 @@ import pytest
 import torch
 from expecttest import TestCase
 
-import dlo_fx.dump
-from dlo_fx.dump.cli import add_dump_arguments, run_dump
+import dlo_fx.apps.dump
+from dlo_fx.apps.dump.cli import add_dump_arguments, run_dump
 
 from distributed import spawn
 from dump_cases import (SVG, allgather_cases, delay_prefetches, dlo_lines, dump_model,
@@ -79,7 +79,7 @@ Every parameter of this graph is streamed.
 ## Measured stalls
 
 No traced run yet. Compile with `options={"trace": True}`, run the model,
-then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).
+then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 """)
         self.assertExpectedInline(texts["schedule.py"], """\
 # dlo schedule of graph 0: 4 blocks, 2 slots, mode rank_local.
@@ -339,7 +339,7 @@ memory and copies to the device.
 ## Measured stalls
 
 No traced run yet. Compile with `options={"trace": True}`, run the model,
-then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).
+then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 """)
         self.assertExpectedInline(dlo_lines(texts["schedule.py"]), """\
 # dlo schedule of graph 0: 4 blocks, 3 slots, mode rank_local.
@@ -405,7 +405,7 @@ Every parameter of this graph is streamed.
 ## Measured stalls
 
 No traced run yet. Compile with `options={"trace": True}`, run the model,
-then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).
+then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 """)
         self.assertExpectedInline(dlo_lines(texts["schedule.py"]), """\
 # dlo schedule of graph 0: 4 blocks, 2 slots, mode allgather, dp 2.
@@ -488,7 +488,7 @@ Every parameter of this graph is streamed.
 ## Measured stalls
 
 No traced run yet. Compile with `options={"trace": True}`, run the model,
-then call `dlo_fx.dump.flush(model)` (it also runs when the process exits).
+then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 """)
         self.assertExpectedInline(dlo_lines(texts["schedule.py"]), """\
 # dlo schedule of graph 0: 4 blocks, 3 slots, mode allgather, dp 2.
@@ -615,20 +615,20 @@ def test_delaying_prefetches_adds_stall(tmp_path):
 def test_write_trace_and_stall_summary(tmp_path):
     model, inputs = small_dit()
     dump_model(model, inputs, tmp_path / "dump", {"trace": True}, calls=2)
-    path = dlo_fx.dump.write_trace(model, tmp_path / "all.json")
+    path = dlo_fx.apps.dump.write_trace(model, tmp_path / "all.json")
     events = json.loads(path.read_text())["traceEvents"]
     kinds = {e["cat"] for e in events if e["ph"] == "X"}
     assert kinds == {"prefetch", "wait", "compute"}
     names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert "MainThread compute" in names
-    summary = dlo_fx.dump.stall_summary(model)
+    summary = dlo_fx.apps.dump.stall_summary(model)
     assert str(summary).startswith("dlo stalls: compute waited")
     assert sum(b.stall_ns for b in summary.blocks) == summary.total_ns
     untraced, inputs = small_dit()
     fresh()
     dump_model(untraced, inputs, tmp_path / "plain", {}, calls=1)
     with pytest.raises(ValueError, match="options=\\{'trace': True\\}"):
-        dlo_fx.dump.stall_summary(untraced)
+        dlo_fx.apps.dump.stall_summary(untraced)
 
 
 def test_graph_breaks_get_one_folder_each(tmp_path):
@@ -637,7 +637,7 @@ def test_graph_breaks_get_one_folder_each(tmp_path):
     dump_model(model, inputs, tmp_path, {"trace": True}, calls=2, fullgraph=False)
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert folders == [f"graph_{i}" for i in range(len(folders))] and len(folders) > 1
-    dlo_fx.dump.flush(model)
+    dlo_fx.apps.dump.flush(model)
     streaming = 0
     for name in folders:
         folder = tmp_path / name
@@ -674,13 +674,13 @@ def cli(*argv: str) -> int:
 
 
 def test_cli_reference_dit_as_a_module(tmp_path, monkeypatch, capsys):
-    """``python -m dlo_fx.dump.cli``, run in this process (a subprocess imports torch again)."""
+    """``python -m dlo_fx.apps.dump.cli``, run in this process (a subprocess imports torch again)."""
     monkeypatch.setattr(sys, "argv", ["dlo-fx dump", "--layers", "2", "--width", "32",
                                       "--heads", "2", "--size", "4", "--slots", "3",
                                       "--out", str(tmp_path)])
     with pytest.raises(SystemExit) as exit_, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the module is imported already
-        runpy.run_module("dlo_fx.dump.cli", run_name="__main__")
+        runpy.run_module("dlo_fx.apps.dump.cli", run_name="__main__")
     out = capsys.readouterr()
     assert exit_.value.code == 0, out.err
     assert "reference DiT (2 layers, width 32): 1 graph(s)" in out.out

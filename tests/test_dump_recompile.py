@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from dlo_fx.dump import writer
-from dlo_fx.models import example_inputs
+from dlo_fx.apps.dump import writer
+from dlo_fx.apps.models import example_inputs
 from dlo_fx.runtime.runtime import reset_runtimes
 from models import tiny_dit
 

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlo_fx.engine import Engine, Request, Topology
-from dlo_fx.engine.cli import main as generate_main
-from dlo_fx.engine.png import encode_png, latents_preview
-from dlo_fx.engine.reference_pipeline import resident, write_checkpoint
-from dlo_fx.engine.request import plan_waves
-from dlo_fx.engine.workers import LocalWorkers
+from dlo_fx.apps.engine import Engine, Request, Topology
+from dlo_fx.apps.engine.cli import main as generate_main
+from dlo_fx.apps.engine.png import encode_png, latents_preview
+from dlo_fx.apps.engine.reference_pipeline import resident, write_checkpoint
+from dlo_fx.apps.engine.request import plan_waves
+from dlo_fx.apps.engine.worker_set import LocalWorkers
 
-PIPELINE = "dlo_fx.engine.reference_pipeline:build"
+PIPELINE = "dlo_fx.apps.engine.reference_pipeline:build"
 DIT = dict(width=64, depth=3, heads=4)
 
 
@@ -52,7 +52,7 @@ def test_empty_prompt_is_rejected_up_front():
 
 
 def test_waves_of_a_pipeline_without_a_forward_clock_must_agree_on_the_wave_key():
-    from dlo_fx.engine.request import check_wave
+    from dlo_fx.apps.engine.request import check_wave
 
     with pytest.raises(ValueError, match="height, num_inference_steps") as info:
         check_wave([req(seed=1), Request(prompt="b", height=128, width=64,
@@ -97,7 +97,7 @@ def test_topology_with_sequence_parallel_replicas():
 
 def test_engine_arguments_are_checked():
     with pytest.raises(ValueError, match="package.module:function"):
-        Engine("dlo_fx.engine.reference_pipeline", 2)
+        Engine("dlo_fx.apps.engine.reference_pipeline", 2)
     with pytest.raises(ValueError, match="cannot be found"):
         Engine("no_such_module_xyz:build", 2)
     with pytest.raises(ValueError, match="num_slot"):
@@ -318,7 +318,7 @@ def _torchrun_serve() -> tuple[int, str, list, list]:
         if "lo" in {name for _, name in socket.if_nameindex()}:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "2", "-m", "dlo_fx.engine.cli",
+                   "--nproc-per-node", "2", "-m", "dlo_fx.apps.engine.cli",
                    "--pipeline", "control_attacks:attacked",  # the reference, attacked
                    "--requests", str(tmp_path / "requests.jsonl"), "--out", str(out),
                    "--threads", "1", "--wave-timeout", "60", "--no-preview",
@@ -341,7 +341,7 @@ def _torchrun_serve() -> tuple[int, str, list, list]:
 
 @pytest.mark.spawned.with_args(_torchrun_serve)
 def test_torchrun_serve_runs_mixed_waves_of_two_shapes_exactly(spawned):
-    """`serve` as ``torchrun --nproc-per-node 2 -m dlo_fx.engine.cli`` runs it: rank 0's
+    """`serve` as ``torchrun --nproc-per-node 2 -m dlo_fx.apps.engine.cli`` runs it: rank 0's
     worker is a thread beside the front end. Two heights in every wave (so each wave
     compiles or runs two graphs, and rank 0's thread runs one shape while rank 1 runs the
     other), then a partial wave (rank 1 only pads): a job serving two shapes was seen to

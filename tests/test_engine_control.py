@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dlo_fx.engine import Engine, ForwardClock, Limits, Request
-from dlo_fx.engine.channel import ChannelError, LocalFront, LocalWorker, new_secret
-from dlo_fx.engine.reference_pipeline import resident
-from dlo_fx.engine.request import plan_waves
-from dlo_fx.engine.serve import TorchrunWorkers
-from dlo_fx.engine.store_channel import (SECRET_ENV, SECRET_FILE_ENV, StoreFront, StoreWorker,
+from dlo_fx.apps.engine import Engine, ForwardClock, Limits, Request
+from dlo_fx.apps.engine.channel import ChannelError, LocalFront, LocalWorker, new_secret
+from dlo_fx.apps.engine.reference_pipeline import resident
+from dlo_fx.apps.engine.request import plan_waves
+from dlo_fx.apps.engine.serve import TorchrunWorkers
+from dlo_fx.apps.engine.store_channel import (SECRET_ENV, SECRET_FILE_ENV, StoreFront, StoreWorker,
                                          secret_from_environment)
 
 
@@ -401,8 +401,8 @@ def test_mixed_requests_are_packed_into_the_fewest_waves():
 
 FRONT_END = textwrap.dedent("""
     import json, sys, time
-    from dlo_fx.engine import Engine, Request
-    engine = Engine("dlo_fx.engine.reference_pipeline:build", 2, wave_timeout_s=300,
+    from dlo_fx.apps.engine import Engine, Request
+    engine = Engine("dlo_fx.apps.engine.reference_pipeline:build", 2, wave_timeout_s=300,
                     pipeline_kwargs=dict(width=64, depth=2, heads=4, fault_hooks=True))
     engine.start()
     print(json.dumps([p.pid for p in engine._workers.procs]), flush=True)

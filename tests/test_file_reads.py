@@ -12,12 +12,12 @@ import shutil
 import pytest
 import torch
 
-from dlo_fx.loader import load
-from dlo_fx.models import ReferenceDiT
+from dlo_fx.loading.loader import load
+from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime import file_reads, file_store
 from dlo_fx.runtime.file_reads import ALIGN, plan_buffered, plan_direct
 from dlo_fx.runtime.file_store import FileChangedError
-from dlo_fx.shard_dir import write_shard_dir
+from dlo_fx.loading.shards import write_shard_dir
 from file_store_cases import served, store_of
 from loader_cases import SHARED, fresh, resident_dit, save_dit
 from models import call, tiny_dit

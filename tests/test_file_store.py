@@ -19,12 +19,12 @@ import torch
 
 import file_store_cases
 from distributed import in_child, spawn
-from dlo_fx import cli
-from dlo_fx.checkpoint import CheckpointError
+from dlo_fx.apps import cli
+from dlo_fx.loading.checkpoint import CheckpointError
 from dlo_fx.config import DLOConfig
-from dlo_fx.loader import load
-from dlo_fx.models import ReferenceDiT
-from dlo_fx.shard_dir import MANIFEST, write_shard_dir
+from dlo_fx.loading.loader import load
+from dlo_fx.apps.models import ReferenceDiT
+from dlo_fx.loading.shards import MANIFEST, write_shard_dir
 from file_store_cases import served
 from loader_cases import SHARED, compare, fresh, resident_dit, resident_wan, stored_state
 from models import tiny_dit, tiny_wan
@@ -35,7 +35,7 @@ ROOT = os.path.dirname(HERE)
 
 def shard_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-    return subprocess.run([sys.executable, "-m", "dlo_fx.cli", "shard", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "dlo_fx.apps.cli", "shard", *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
 

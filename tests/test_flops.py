@@ -1,4 +1,4 @@
-"""FLOPs of a Dynamo graph's matrix products (dlo_fx/flops.py), and the per-block compute
+"""FLOPs of a Dynamo graph's matrix products (dlo_fx/planning/flops.py), and the per-block compute
 time the device budget builds from them (dlo_fx/passes/resident_set.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlo_fx.flops import graph_flops, node_flops
+from dlo_fx.planning.flops import graph_flops, node_flops
 from dlo_fx.passes.resident_set import block_compute_seconds, block_spans
 
 

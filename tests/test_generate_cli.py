@@ -7,16 +7,16 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from dlo_fx.cli import main
-from dlo_fx.engine import Request
-from dlo_fx.engine.reference_pipeline import resident
+from dlo_fx.apps.cli import main
+from dlo_fx.apps.engine import Request
+from dlo_fx.apps.engine.reference_pipeline import resident
 
 
 def test_pipeline_module_from_the_current_folder(tmp_path, monkeypatch):
     app = tmp_path / "app"
     app.mkdir()
     (app / "my_factory.py").write_text(
-        "from dlo_fx.engine.reference_pipeline import build\n\n"
+        "from dlo_fx.apps.engine.reference_pipeline import build\n\n"
         "def factory(options, **kw):\n"
         "    return build(options, width=64, depth=2, heads=4)\n")
     row = {"prompt": "a red fox", "seed": 3, "height": 64, "width": 64,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import diffusers_pipelines as dp
-from dlo_fx.cli import main
+from dlo_fx.apps.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def test_request_outside_the_limits_refused_up_front(flux_root, tmp_path, capsys
 def test_refused_request_fails_alone_among_good_ones(flux_root, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from dlo_fx.engine.diffusers_pipeline import resident
-    from dlo_fx.engine.request import Request
+    from dlo_fx.apps.engine.diffusers_pipeline import resident
+    from dlo_fx.apps.engine.request import Request
 
     short = {"max_sequence_length": 32}
     rows = [dict(prompt="a red cat over the tree", seed=1, extra_args=short, **COMMON),

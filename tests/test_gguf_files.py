@@ -2,7 +2,7 @@
 quantized bytes of the file are what the host store holds and streams, and every call,
 compiled or eager, is exact against diffusers' ``from_single_file`` with
 ``GGUFQuantizationConfig``. See [Note: a GGUF file is a checkpoint like any other] in
-dlo_fx/gguf_file.py."""
+dlo_fx/loading/gguf.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dlo_fx
-from dlo_fx.checkpoint import CheckpointError
+from dlo_fx.loading.checkpoint import CheckpointError
 from dlo_fx.runtime.runtime import runtimes_holding
 from dlo_fx.runtime.stored import is_stored
 
@@ -146,7 +146,7 @@ def test_bad_files_are_errors_naming_the_file_tensor_or_type(tmp_path, gguf_file
     with pytest.raises(NotImplementedError, match="'norm_out.linear.bias' \\(Linear.bias\\)"):
         dlo_fx.load(_flux_cls(), path, config=config)
 
-    from dlo_fx.shard_dir import write_shard_dir
+    from dlo_fx.loading.shards import write_shard_dir
 
     with pytest.raises(NotImplementedError, match="GGUF file, which is not sharded yet"):
         write_shard_dir(_flux_cls(), gguf_file, str(tmp_path / "shards"), dp=2)

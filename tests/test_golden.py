@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from expecttest import TestCase
 
-from dlo_fx.models import example_inputs, reference_dit
+from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.runtime.runtime import reset_runtimes
-from dlo_fx.schedule_text import format_schedule
+from dlo_fx.apps.dump.schedule_text import format_schedule
 
 from test_passes import compile_capture
 

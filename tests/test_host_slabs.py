@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dlo_fx import memory_report
-from dlo_fx.loader import load
-from dlo_fx.models import ReferenceDiT
+from dlo_fx.loading.loader import load
+from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime import platform
 from dlo_fx.runtime.host_slabs import SLAB_MAX, HostSlabs
 from loader_cases import SHARED, fresh, resident_dit, save_dit

@@ -189,7 +189,7 @@ def test_dynamic_true_compiles_once_for_every_resolution(spawned):
     the backend has Dynamo specialize them, as ``backend="inductor"`` does (see [Note:
     tensorified floats] in dlo_fx/inductor/floats.py). The second call traces once more,
     for the stored weights (see [Note: a graph compiled again for stored weights] in
-    dlo_fx/backend.py): symbolic too, and no graph after it."""
+    dlo_fx/dynamo/backend.py): symbolic too, and no graph after it."""
     case = spawned[0]["dynamic_true"]
     for out, ref in zip(case["outs"], case["refs"]):
         C.assert_inductor_close(out, ref)
@@ -235,7 +235,7 @@ def test_dynamic_true_float_argument_and_sizes_read_across_blocks(outer_graphs):
             x = torch.randn(batch, tokens, 16)
             C.assert_inductor_close(compiled(x, scale), reference(x, scale))
     # 0.5 and 1.5; the third call reuses the first graph (traced again for the stored
-    # weights: [Note: a graph compiled again for stored weights] in dlo_fx/backend.py)
+    # weights: [Note: a graph compiled again for stored weights] in dlo_fx/dynamo/backend.py)
     assert len(outer_graphs) == 2
     assert all(C.symbolic_inputs(g) for g in outer_graphs)  # sizes stay symbolic
     store = runtimes_holding(list(model.parameters()))[0].store

@@ -17,10 +17,11 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import loader_cases
 from distributed import in_child, spawn
-from dlo_fx.checkpoint import CheckpointError, resolve_checkpoint
-from dlo_fx.loader import load
-from dlo_fx.models import ReferenceDiT
-from dlo_fx.models.reference_dit import DiTBlock
+from dlo_fx.loading.checkpoint import CheckpointError
+from dlo_fx.loading.discover import resolve_checkpoint
+from dlo_fx.loading.loader import load
+from dlo_fx.apps.models import ReferenceDiT
+from dlo_fx.apps.models.reference_dit import DiTBlock
 from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.runtime import live_runtimes
 from loader_cases import compare, resident_dit, resident_wan
@@ -210,7 +211,7 @@ def test_key_map_dict_and_callable(ckpts, tmp_path):
 
 
 def test_progress_log_lines_without_terminal(ckpts, caplog):
-    with caplog.at_level(logging.INFO, logger="dlo_fx.loader"):
+    with caplog.at_level(logging.INFO, logger="dlo_fx.loading.loader"):
         load(ReferenceDiT, ckpts["dit"], config=ckpts["config"])
     lines = [r.getMessage() for r in caplog.records if "tensors)" in r.getMessage()]
     assert lines and "100%" in lines[-1] and "43 of 43 tensors" in lines[-1]
@@ -326,7 +327,7 @@ def test_other_float_dtype_is_cast_to_the_models_dtype(ckpts, tmp_path, caplog):
     state["proj_out.weight"] = state["proj_out.weight"].float()
     path = str(tmp_path / "dtype.safetensors")
     save_file(state, path)
-    with caplog.at_level(logging.INFO, logger="dlo_fx.load_plan"):
+    with caplog.at_level(logging.INFO, logger="dlo_fx.loading.plan"):
         model = load(ReferenceDiT, path, config=ckpts["config"])
     casts = [r.message for r in caplog.records if "cast" in r.message]
     assert len(casts) == 1 and "cast 1 checkpoint tensor(s)" in casts[0], casts

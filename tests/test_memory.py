@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import dlo_fx
-from dlo_fx.memory import MemoryReport
-from dlo_fx.models import example_inputs, reference_dit
+from dlo_fx.model.memory import MemoryReport
+from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.runtime.layout import span_bytes
 
 

@@ -22,7 +22,7 @@ import torch
 import dlo_fx
 from distributed import in_child, spawn
 from dlo_fx.config import DLOConfig
-from dlo_fx.models import ReferenceDiT, example_inputs, reference_dit
+from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import device_slots
 from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
 from dlo_fx.runtime.stored import is_stored

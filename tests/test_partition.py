@@ -1,5 +1,5 @@
-"""Blocks by footprint (`dlo_fx.partition`) and the one residency decision
-(`dlo_fx.residency`): on names alone, then on hand-written DiTs whose layers are not
+"""Blocks by footprint (`dlo_fx.planning.blocks`) and the one residency decision
+(`dlo_fx.planning.residency`): on names alone, then on hand-written DiTs whose layers are not
 numbered, through compile and through `dlo_fx.load`, at dp=1 and dp=2."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 import handwritten_dits as hw
 from distributed import in_child, spawn
-from dlo_fx.partition import Unit, default_budget, layering, partition
-from dlo_fx.residency import Candidate, decide_residency
+from dlo_fx.planning.blocks import Unit, default_budget, layering, partition
+from dlo_fx.planning.residency import Candidate, decide_residency
 
 
 def units(names: list[str], nbytes: int = 100) -> list[Unit]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-import dlo_fx.backend as backend
+import dlo_fx.dynamo.backend as backend
 from dlo_fx.passes import PassContext
-from dlo_fx.partition import layer_key
+from dlo_fx.planning.blocks import layer_key
 from dlo_fx.runtime.stored import is_stored
 
 from models import call, tiny_dit

@@ -1,4 +1,4 @@
-"""Tests of the planning model (`dlo_fx.policy.study`): fits, identities, recommendations, CLI."""
+"""Tests of the planning model (`dlo_fx.apps.study`): fits, identities, recommendations, CLI."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dlo_fx.policy.study import (
+from dlo_fx.apps.study import (
     CONSTANTS,
     PRESETS,
     PlanInputs,
@@ -21,10 +21,10 @@ from dlo_fx.policy.study import (
     recommend,
     wave_report,
 )
-from dlo_fx.policy.study import cli
-from dlo_fx.policy.study.calibration import EXTRAPOLATION_PAIRS, ascend_inputs
-from dlo_fx.policy.study.markdown import DOC_PATH, render_markdown
-from dlo_fx.policy.study.symbols import INPUT_SYMBOLS
+from dlo_fx.apps.study import cli
+from dlo_fx.apps.study.calibration import EXTRAPOLATION_PAIRS, ascend_inputs
+from dlo_fx.apps.study.markdown import DOC_PATH, render_markdown
+from dlo_fx.apps.study.symbols import INPUT_SYMBOLS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,7 +159,7 @@ def test_committed_doc_matches_the_model():
     doc = (REPO / DOC_PATH).read_text(encoding="utf-8")
     for text in formulas().values():
         assert text in doc
-    assert doc == render_markdown(), "docs/memory-model.md is stale: python -m dlo_fx.policy.study.markdown --write docs/memory-model.md"
+    assert doc == render_markdown(), "docs/memory-model.md is stale: python -m dlo_fx.apps.study.markdown --write docs/memory-model.md"
 
 
 # --- CLI --------------------------------------------------------------------------------

@@ -22,12 +22,12 @@ TIMEOUT_S = 300
 
 
 def on_terminal(args: list[str], cwd: str) -> tuple[int, str]:
-    """Run ``python -m dlo_fx.cli ARGS`` with stdout and stderr on a pseudo-terminal; its
+    """Run ``python -m dlo_fx.apps.cli ARGS`` with stdout and stderr on a pseudo-terminal; its
     exit status and everything it wrote there (bounded by `TIMEOUT_S`)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # rows, columns
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-    proc = subprocess.Popen([sys.executable, "-m", "dlo_fx.cli", *args], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "dlo_fx.apps.cli", *args], cwd=cwd, env=env,
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     chunks: list[bytes] = []
@@ -85,11 +85,11 @@ def test_generate_quiet_shows_none(requests_file):
 
 
 def test_shard_shows_a_bar_on_a_terminal(tmp_path):
-    from dlo_fx.engine.reference_pipeline import write_checkpoint
+    from dlo_fx.apps.engine.reference_pipeline import write_checkpoint
 
     write_checkpoint(tmp_path / "ckpt", width=64, depth=2, heads=4)
     args = ["shard", str(tmp_path / "ckpt" / "model.safetensors"), "--dp", "2", "--out",
-            str(tmp_path / "shards"), "--model", "dlo_fx.models:ReferenceDiT", "--config",
+            str(tmp_path / "shards"), "--model", "dlo_fx.apps.models:ReferenceDiT", "--config",
             json.dumps({"width": 64, "depth": 2, "heads": 4})]
     status, shown = on_terminal(args, str(tmp_path))
     assert status == 0, shown

@@ -10,7 +10,7 @@ import torch._dynamo
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
-from dlo_fx.models import DiTConfig, ReferenceDiT, example_inputs, reference_dit
+from dlo_fx.apps.models import DiTConfig, ReferenceDiT, example_inputs, reference_dit
 
 SMALL = {"width": 64, "depth": 2, "heads": 2, "text_dim": 16, "text_len": 4}
 

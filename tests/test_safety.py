@@ -21,7 +21,7 @@ import torch
 
 import dlo_fx
 
-from dlo_fx.models import example_inputs
+from dlo_fx.apps.models import example_inputs
 from dlo_fx.runtime.stored import is_stored
 
 from dlo_fx.runtime.executor import CpuExecutor
@@ -163,7 +163,7 @@ def test_a_load_on_another_thread_grows_the_slots_only_between_graphs(tmp_path):
     running graph holds it."""
     from safetensors.torch import save_file
 
-    from dlo_fx.models import ReferenceDiT, reference_dit
+    from dlo_fx.apps.models import ReferenceDiT, reference_dit
 
     ref_model, inputs = tiny_dit()
     model, _ = tiny_dit()

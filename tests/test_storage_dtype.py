@@ -1,7 +1,7 @@
 """Weights stored in a low-precision dtype and cast in the graph (``storage_dtype``, and
 diffusers' layerwise casting taken over): the host store, the shard files and the slots hold
 the fp8 bytes, and every call is bit-identical to the same model with layerwise casting run
-resident. See [Note: storing weights in another dtype] in dlo_fx/storage_dtype.py."""
+resident. See [Note: storing weights in another dtype] in dlo_fx/model/storage_dtype.py."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 import dlo_fx
 from dlo_fx.runtime.runtime import runtimes_holding
 from dlo_fx.runtime.stored import is_stored
-from dlo_fx.shard_dir import rank_file
-from dlo_fx.storage_dtype import layerwise_layers
+from dlo_fx.loading.shards import rank_file
+from dlo_fx.model.storage_dtype import layerwise_layers
 
 import storage_cases
 from distributed import spawn
@@ -118,7 +118,7 @@ def test_load_casts_through_the_model_dtype_into_fp8_both_host_stores():
         # the fp8 shard folder holds fp8 bytes: about half of the bf16 one
         sizes = {}
         for name, options in (("bf16", {}), ("fp8", {"storage_dtype": FP8})):
-            from dlo_fx.shard_dir import write_shard_dir
+            from dlo_fx.loading.shards import write_shard_dir
 
             out = os.path.join(folder, f"sized-{name}")
             write_shard_dir(FluxTransformer2DModel, root, out, dp=1, dtype=BF16, options=options)
@@ -131,7 +131,7 @@ def test_load_casts_through_the_model_dtype_into_fp8_both_host_stores():
         import sys
 
         out = os.path.join(folder, "cli-fp8")
-        subprocess.run([sys.executable, "-m", "dlo_fx.cli", "shard", root, "--dp", "1",
+        subprocess.run([sys.executable, "-m", "dlo_fx.apps.cli", "shard", root, "--dp", "1",
                         "--dtype", "bfloat16", "--storage-dtype", "float8_e4m3fn", "--out", out],
                        check=True, capture_output=True, timeout=300)
         model = dlo_fx.load(FluxTransformer2DModel, out, dtype=BF16,

@@ -8,8 +8,8 @@ before and after each pass on the ``dlo_fx.passes`` logger.
 | --- | --- |
 | identify_params.py | placeholder -> parameter and FQN |
 | use_intervals.py | first/last use of each parameter, through its aliases |
-| resident_set.py | which parameters stay on the device (`dlo_fx.residency`, `device_budget` through `dlo_fx.budget`); the budget |
-| partition_blocks.py | blocks in first-use order by footprint (`dlo_fx.partition`) |
+| resident_set.py | which parameters stay on the device (`dlo_fx.planning.residency`, `device_budget` through `dlo_fx.planning.budget`); the budget |
+| partition_blocks.py | blocks in first-use order by footprint (`dlo_fx.planning.blocks`) |
 | choose_mode.py | settles mode="auto" from measured bandwidths and the plan |
 | insert_schedule.py | prefetch / wait / slot_view / swap_slot nodes, wrap-around prefetch |
 """

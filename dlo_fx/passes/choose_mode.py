@@ -2,7 +2,7 @@
 
 With ``mode="auto"`` this pass measures H2D and AllGather bandwidth on the shard group
 and decides through the policy model, using this plan's block sizes (see
-`dlo_fx.policy.measured`), before anything is stored. Every other mode was fixed when
+`dlo_fx.planning.measured`), before anything is stored. Every other mode was fixed when
 the runtime was made (or by the loader, which decides ``"auto"`` the same way). The
 choice decides whether `insert_schedule` writes ``allgather`` nodes. The runtime never
 decides it: it stores blocks and never reaches into the policy.
@@ -20,7 +20,7 @@ from .context import PassContext
 def choose_mode(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     runtime = ctx.runtime
     if runtime is not None and runtime.mode is None:
-        from ..policy.measured import choose_mode as decide  # a collective probe on every rank
+        from ..planning.measured import choose_mode as decide  # a collective probe on every rank
 
         runtime.set_mode(*decide(runtime.device, runtime.group, [b.nbytes for b in ctx.blocks],
                                  runtime.slots.num_slots))

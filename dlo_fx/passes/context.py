@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from ..config import DLOConfig
-from ..partition import Layering, Unit, partition
+from ..planning.blocks import Layering, Unit, partition
 
 
 @dataclass(eq=False)
@@ -66,7 +66,7 @@ class PassContext:
     layers: Layering = field(default_factory=Layering)  # how FQNs map to layers
     blocks: list[GraphBlock] = field(default_factory=list)
     schedule: Any = None  # dlo_fx.runtime.ops.GraphSchedule
-    budget_plan: Any = None  # dlo_fx.budget.BudgetPlan, with device_budget
+    budget_plan: Any = None  # dlo_fx.planning.budget.BudgetPlan, with device_budget
     escaping: set = field(default_factory=set)  # param nodes whose views reach the output
     ran: list[str] = field(default_factory=list)
 
@@ -77,7 +77,7 @@ class PassContext:
                     layers: Layering) -> list[GraphBlock]:
         """Graph blocks of ``streamed`` (in first-use order) within ``budget`` bytes.
 
-        Parameters not in the host store are partitioned (`dlo_fx.partition`); stored
+        Parameters not in the host store are partitioned (`dlo_fx.planning.blocks`); stored
         ones keep their host block: a graph block is then this graph's parameters in it.
         Blocks are numbered in order of first use.
         """

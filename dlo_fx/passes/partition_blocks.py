@@ -1,7 +1,7 @@
 """Pass 4: partition the streamed parameters into blocks sized by their footprint.
 
 Parameters are taken in first-use order and grouped into layers, then packed whole into
-blocks within the budget (`dlo_fx.partition`, see [Note: blocks by footprint]): natural
+blocks within the budget (`dlo_fx.planning.blocks`, see [Note: blocks by footprint]): natural
 layers (``blocks.<i>``) where they exist; a module that holds most of the streamed bytes
 without being an indexed layer (a ``ModuleDict`` with word keys, attribute layers, one
 wrapping container) is split into its submodules. A layer larger than the budget is split

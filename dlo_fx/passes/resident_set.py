@@ -1,6 +1,6 @@
 """Pass 3: decide which parameters stay on the device (resident) and which stream.
 
-The decision itself lives in one function, `dlo_fx.residency.decide_residency`, shared
+The decision itself lives in one function, `dlo_fx.planning.residency.decide_residency`, shared
 with `dlo_fx.load`: empty, unused, smaller than ``resident_bytes``, returned by the graph,
 used far apart (a modulation table every layer reads, a tied embedding), or still read
 when ``num_slots`` later blocks are live. The last check needs the blocks, so this pass
@@ -9,8 +9,8 @@ forms them once more from the final streamed set. Also fixes the block budget
 (``block_bytes`` or the largest layer) and how FQNs map to layers.
 
 With ``device_budget``, the settled blocks are handed to the budget planner
-(`dlo_fx.budget`): each block's copy time from the measured H2D and AllGather bandwidths,
-its compute time from the FLOPs of the nodes it spans (`dlo_fx.flops`) over the measured
+(`dlo_fx.planning.budget`): each block's copy time from the measured H2D and AllGather bandwidths,
+its compute time from the FLOPs of the nodes it spans (`dlo_fx.planning.flops`) over the measured
 matmul rate (see `block_compute_seconds`). The blocks it keeps resident get the reason
 ``device_budget: ...``; a budget below the minimum (slots for the largest block plus the
 parameters resident anyway) raises ``ValueError`` here, before anything is stored.
@@ -28,10 +28,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resident_blocks
-from ..flops import graph_flops
-from ..partition import Layering
-from ..residency import Candidate, ChooseBlocks, decide_residency
+from ..planning.budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resident_blocks
+from ..planning.flops import graph_flops
+from ..planning.blocks import Layering
+from ..planning.residency import Candidate, ChooseBlocks, decide_residency
 from ..runtime.graph_call import compile_clock, gathers
 from .context import PassContext
 
@@ -99,7 +99,7 @@ def block_compute_seconds(costs: Sequence[tuple[int, Optional[torch.dtype]]],
                           spans: Sequence[range],
                           rate: Callable[[torch.dtype], float]) -> tuple[list[int], list[float]]:
     """(FLOPs, seconds) of each block: the FLOPs of the nodes it spans (``costs`` per node,
-    `dlo_fx.flops.graph_flops`) over ``rate(dtype)`` (FLOP/s) of each node's dtype."""
+    `dlo_fx.planning.flops.graph_flops`) over ``rate(dtype)`` (FLOP/s) of each node's dtype."""
     flops, seconds = [], []
     for span in spans:
         by_dtype: dict[torch.dtype, int] = {}
@@ -131,7 +131,7 @@ def probe_runtime(runtime) -> None:
     [Note: a compile on one rank only]. In allgather mode a clock exchange goes first, so
     a rank that compiles here while another runs a graph raises `ClockMismatch` on both
     instead of pairing a probe with the other's clock (gloo aborts the process on that)."""
-    from ..policy.measured import probe_bandwidths, probe_matmul_flops
+    from ..planning.measured import probe_bandwidths, probe_matmul_flops
 
     if runtime.probed_bandwidths is not None:
         return

@@ -55,7 +55,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _procfs
+from . import procfs as _procfs
 from . import platform
 from .file_reads import FileReader, Piece, plan_buffered, plan_direct
 from .host_slabs import HostSlabs

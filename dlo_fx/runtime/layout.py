@@ -56,7 +56,7 @@ def span_bytes(t: torch.Tensor) -> int:
 
 STORAGE_MARK = "_dlo_storage_dtype"
 """The attribute of a parameter naming the dtype it is to be stored in
-(`dlo_fx.storage_dtype.mark_storage`)."""
+(`dlo_fx.model.storage_dtype.mark_storage`)."""
 
 
 def storage_of(param: torch.Tensor) -> Optional[torch.dtype]:

@@ -22,7 +22,7 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .runtime import Runtime, claim, owner_of
-from .torch_private import profiler_enabled
+from ..torch_private import profiler_enabled
 
 
 _GRAPH_IDS = itertools.count()

@@ -106,7 +106,7 @@ class Runtime:
         self._pruned_at = 0  # store.forgotten when _resident was last pruned
         self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
         self._eager_flat: Optional[tuple[int, torch.Tensor]] = None  # last eager read's block
-        self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.budget
+        self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.planning.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
         # Parameters a committed graph reads straight from the module (resident, not in

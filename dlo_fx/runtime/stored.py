@@ -27,7 +27,7 @@ use by a view of a device slot. Outside a graph every operation goes through
   ``ValueError`` naming the parameter and `dlo_fx.release`. A conversion (``p.float()``,
   ``p.to(device)``) is a read: it returns a new tensor, as for any parameter. Converting
   the module (``module.to(...)``, ``.half()``) would replace its parameters: it is refused
-  for the whole module before anything changes (`dlo_fx.module_guard`), and the
+  for the whole module before anything changes (`dlo_fx.model.guard`), and the
   parameter's ``data`` setter refuses it where no guard is;
 - ``torch.save`` and pickling store the real weights; ``.numpy()`` returns a copy.
 
@@ -51,7 +51,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import torch_private
+from .. import torch_private
 
 aten = torch.ops.aten
 

@@ -40,13 +40,13 @@ def render(svg: Path, png: Path) -> None:
 
 
 def dump(args: list[str], out: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "dlo_fx.dump.cli", "--out", str(out), *args],
+    subprocess.run([sys.executable, "-m", "dlo_fx.apps.dump.cli", "--out", str(out), *args],
                    check=True, stdout=subprocess.DEVNULL)
     return out / "graph_0" / "timeline.svg"
 
 
 def _rank(rank: int, world: int, init: str, out: str) -> None:
-    from dlo_fx.dump.cli import add_dump_arguments, run_dump
+    from dlo_fx.apps.dump.cli import add_dump_arguments, run_dump
     import argparse
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,

@@ -1,0 +1,1 @@
+"""The Dynamo seam: the `dlo` backend, its compile errors, and a correction to Dynamo."""

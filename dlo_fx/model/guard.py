@@ -1,0 +1,346 @@
+"""What keeps a module with stored weights whole outside the graph, and `release`.
+
+[Note: a module with stored weights]
+Each stored parameter is a `StoredWeight` (`runtime/stored.py`): every read of it is
+exact and every write to it is refused, one tensor at a time. What a tensor cannot see is
+the module around it, so the modules that hold stored parameters get these guards:
+
+- ``module.to(...)``, ``.cpu()``, ``.half()`` and every other ``nn.Module._apply``: the
+  conversion function is first tried on an empty tensor of each stored parameter's dtype
+  and device, of its shape and strides for a 4-D or 5-D one (``.to(memory_format=...)``
+  restrides those). Where it changes none (``.to("cpu:0")`` on a CPU runtime, which
+  accelerate's offload hooks call) the stored parameters are skipped and the rest of the
+  module (buffers, resident parameters) is converted as usual. Where it would change any,
+  ``ValueError`` names the parameter and the way out (`release` first, or load with
+  ``dtype=``) before anything is converted: ``_apply`` converts parameter by parameter,
+  and the refusal of the first stored one alone (in the dispatch) left the module half
+  converted;
+- ``state_dict()`` returns the stored weights (new host tensors) in place of the
+  `StoredWeight`s, so ``safetensors.torch.save_file`` and ``save_pretrained`` work;
+- ``load_state_dict`` of a dict that holds a stored parameter's key raises ValueError naming
+  it before anything is loaded (a pre-hook on every guarded module checks its whole
+  subtree, so the outermost module called refuses first). Keys of resident parameters and
+  buffers load as usual;
+- methods that rewrite several weights in place raise ValueError naming the method before
+  anything changes (instance attributes shadowing the class's method): LoRA's fusing (a
+  model's ``fuse_lora``/``unfuse_lora``, peft's layer ``merge``/``unmerge``),
+  ``load_lora_adapter(..., hotswap=True)``, diffusers' ``enable_layerwise_casting`` and
+  ``enable_group_offload``; a compiled pipeline's ``fuse_lora``/``unfuse_lora``
+  (`guard_pipeline`) refuse while a component's weights are stored. Refused one weight at
+  a time, each would have changed the small resident weights (LoRA's adapters, norms)
+  before the first stored one refused. A plain ``load_lora_adapter`` runs: the next call
+  stores the new adapter like any new parameter; ``fuse_qkv_projections`` runs too (it
+  reads the q, k and v weights and builds new ones, which the next call stores).
+
+`release` puts the weights back into the parameters and closes the runtime: the module
+is an ordinary module again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..config import same_device
+from ..runtime.runtime import owned_by, owner_of, runtimes_holding
+from ..runtime.stored import become_real, is_stored
+
+__all__ = ["guard_module", "guard_pipeline", "release"]
+
+# module -> the hook handles guard_module installed on it
+_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_STATE_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # with _real_weights
+
+
+def _in_store(t: torch.Tensor) -> bool:
+    """A tensor whose weights a live dlo runtime stores (a `StoredWeight`, or a parameter
+    of a compiled graph not called yet)."""
+    runtime = owner_of((t,))
+    return runtime is not None and t in runtime.store
+
+
+def _stored(t: torch.Tensor) -> bool:
+    """A `StoredWeight` whose weights a live dlo runtime stores."""
+    return is_stored(t) and _in_store(t)
+
+
+# -- .to() and every other _apply -------------------------------------------------------
+def _check_conversion(module: nn.Module, fn: Callable) -> None:
+    seen: set[int] = set()
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen or not _in_store(p):
+            continue
+        seen.add(id(p))
+        probe = fn(_probe_like(p))
+        restrided = (isinstance(probe, torch.Tensor) and probe.dim() in (4, 5)
+                     and probe.stride() != p.stride())
+        if isinstance(probe, torch.Tensor) and (
+                not same_device(probe.device, p.device) or probe.dtype != p.dtype or restrided):
+            # strides named only for a memory-format change
+            to, had = ((f", strides {tuple(probe.stride())}", f", strides {tuple(p.stride())}")
+                       if restrided else ("", ""))
+            if _casts_layerwise(module):
+                raise ValueError(
+                    f"dlo: {type(module).__name__} has diffusers' layerwise casting enabled, "
+                    f"which casts each layer's weights around its call (here {fqn!r} to "
+                    f"{probe.dtype}); dlo cannot do that to weights in its host store. dlo "
+                    "stores and casts them itself: compile the pipeline with "
+                    "dlo_fx.compile_pipeline(pipe), which takes the casting over, or call "
+                    "dlo_fx.take_over_layerwise_casting(model) before "
+                    "torch.compile, or build the model without it and pass options="
+                    "{'storage_dtype': torch.float8_e4m3fn}; dlo_fx.release(model) gives "
+                    "this one its weights back")
+            raise ValueError(
+                f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
+                f"{probe.dtype}{to}: parameter {fqn!r} ({p.device}, {p.dtype}{had}) has its "
+                "weights "
+                "in a dlo host store, and the module is left unchanged. Call "
+                "dlo_fx.release(model) first to put the weights back into the parameters, or "
+                "load the model with dlo_fx.load(..., dtype=...) and options={'device': ...} "
+                "for the dtype and device it should run in")
+
+
+def _casts_layerwise(module: nn.Module) -> bool:
+    """diffusers' ``enable_layerwise_casting`` hook is on ``module`` (it calls ``.to()``)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return registry is not None and registry.get_hook("layerwise_casting") is not None
+
+
+def _probe_like(p: torch.Tensor) -> torch.Tensor:
+    """What a conversion is tried on in place of ``p``: an empty tensor of its dtype and
+    device, or, for a 4-D or 5-D one, a tensor of its shape and strides (``.to(memory_format=
+    ...)`` restrides only those; a conv weight is small). Its values are never read."""
+    if p.dim() in (4, 5):
+        return torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _guarded_apply(module_ref: "weakref.ReferenceType[nn.Module]", original: Callable,
+                   fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
+    module = module_ref()
+    if module is None:  # pragma: no cover - the bound method outlived its module
+        raise RuntimeError("dlo: internal error: _apply of a collected module")
+    _check_conversion(module, fn)
+    # The stored parameters are left out of the conversion (it changes none of them): a
+    # `StoredWeight` handed back by ``fn`` would be swapped into itself (torch swaps
+    # tensor subclasses), and a real copy (``.to("cpu:0")`` copies a "cpu" tensor) would
+    # be refused as ``param.data = ...``. Children are guarded modules of their own.
+    stored = {k: p for k, p in module._parameters.items() if p is not None and _in_store(p)}
+    for key in stored:
+        module._parameters[key] = None
+    try:
+        return original(module, fn, *args, **kwargs)
+    finally:
+        module._parameters.update(stored)
+
+
+# -- state_dict ---------------------------------------------------------------------------
+def _real_weights(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for name, p in module._parameters.items():
+        key = prefix + name
+        if p is not None and key in state_dict and _stored(p):
+            state_dict[key] = owner_of((p,)).host_tensor(p)
+
+
+# -- load_state_dict ------------------------------------------------------------------------
+def _refuse_load(module: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
+    for name, p in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        if key in state_dict and _in_store(p):
+            raise ValueError(
+                f"dlo: cannot load_state_dict into {type(module).__name__}: parameter {key!r} "
+                "has its weights in a dlo host store, where the compiled model reads them, and "
+                "nothing was loaded. Call dlo_fx.release(model) first, load the weights, then "
+                "compile the model again; or load the new checkpoint with dlo_fx.load")
+
+
+# -- diffusers and peft methods that rewrite the weights ---------------------------------------
+#: method -> what it would do to the stored weights
+_REWRITING = {
+    "enable_layerwise_casting": "it casts the weights layer by layer",
+    "enable_group_offload": "it moves the weights between devices",
+    # diffusers' LoRA fusing (a model's, and a pipeline's for its components) and peft's
+    # layer merging write through param.data, layer by layer
+    "fuse_lora": "it adds the LoRA weights into the base weights in place",
+    "unfuse_lora": "it subtracts the LoRA weights from the base weights in place",
+    "merge": "it adds the adapter's weights into the base weights in place",
+    "unmerge": "it subtracts the adapter's weights from the base weights in place",
+}
+_PEFT_ONLY = ("merge", "unmerge")  # generic names: shadowed on peft's layers only
+
+
+def _refusal(owner: str, name: str) -> ValueError:
+    if name == "enable_layerwise_casting":  # its hooks cast around every call: never works
+        advice = ("dlo stores and casts low-precision weights itself: load or compile the "
+                  "model with options={'storage_dtype': torch.float8_e4m3fn} (the same "
+                  "layers and casts as layerwise casting), or call "
+                  "dlo_fx.release(model) first and run it without dlo")
+    else:
+        advice = (f"Call {name}() before the weights are stored (before the model's first "
+                  "call compiled with backend='dlo'), or call dlo_fx.release(model) first and "
+                  "compile it again")
+    return ValueError(
+        f"dlo: cannot call {owner}.{name}(): {_REWRITING[name]}, and its weights are in a "
+        f"dlo host store; nothing was changed. {advice}")
+
+
+def _refuse_rewrite(module_ref: "weakref.ReferenceType[nn.Module]", name: str,
+                    *args: Any, **kwargs: Any) -> None:
+    raise _refusal(type(module_ref()).__name__, name)
+
+
+def _guarded_lora_load(module_ref: "weakref.ReferenceType[nn.Module]", original: Callable,
+                       *args: Any, **kwargs: Any) -> Any:
+    """diffusers' ``load_lora_adapter``: a new adapter is stored by the next call like any
+    new parameter, but ``hotswap=True`` copies it into the stored adapter's weights in
+    place (peft's ``.data.copy_``), the small resident ones before the stored ones."""
+    module = module_ref()
+    bound = inspect.signature(original).bind(module, *args, **kwargs)
+    if bound.arguments.get("hotswap"):
+        raise ValueError(
+            f"dlo: cannot hotswap a LoRA adapter into {type(module).__name__}: hotswapping "
+            "copies the new adapter's weights into the loaded adapter's in place, and those "
+            "are in a dlo host store; nothing was changed. Load it without hotswap=True (the "
+            "next call stores the new adapter and Dynamo recompiles), or call "
+            "dlo_fx.release(model) first")
+    return original(module, *args, **kwargs)
+
+
+def guard_pipeline(pipe: Any, modules: list[nn.Module]) -> None:
+    """Refuse a pipeline's ``fuse_lora``/``unfuse_lora`` while any of ``modules`` (its
+    compiled components) has stored weights: it fuses text encoders through peft's layers,
+    which a model's guards do not reach before their first call (an adapter loaded since)."""
+    for name in ("fuse_lora", "unfuse_lora"):
+        original = getattr(type(pipe), name, None)
+        installed = vars(pipe).get(name)
+        if (isinstance(installed, functools.partial)
+                and installed.func is _guarded_pipe_rewrite):  # compiled again: add these
+            installed.args[1].extend(weakref.ref(m) for m in modules)
+        elif callable(original) and installed is None:
+            vars(pipe)[name] = functools.partial(_guarded_pipe_rewrite, weakref.ref(pipe),
+                                                 [weakref.ref(m) for m in modules], name,
+                                                 original)
+
+
+def _guarded_pipe_rewrite(pipe_ref: Any, refs: list, name: str, original: Callable,
+                          *args: Any, **kwargs: Any) -> Any:
+    pipe = pipe_ref()
+    if any(_stored(p) for ref in refs if ref() is not None for p in ref().parameters()):
+        raise _refusal(type(pipe).__name__, name)
+    return original(pipe, *args, **kwargs)
+
+
+# -- installing and removing ----------------------------------------------------------------
+_SHADOWED = ("_apply", "load_lora_adapter", *_REWRITING)
+
+
+def _shadows(sub: nn.Module) -> dict[str, Callable]:
+    """The instance attributes that shadow ``sub``'s class methods while it is guarded
+    (an instance attribute wins over the class's method for this module only)."""
+    ref = weakref.ref(sub)
+    cls = type(sub)
+    shadows = {"_apply": functools.partial(_guarded_apply, ref, cls._apply)}
+    shadows.update({name: functools.partial(_refuse_rewrite, ref, name) for name in _REWRITING
+                    if callable(getattr(cls, name, None))
+                    and (name not in _PEFT_ONLY or cls.__module__.startswith("peft."))})
+    if callable(getattr(cls, "load_lora_adapter", None)):
+        shadows["load_lora_adapter"] = functools.partial(_guarded_lora_load, ref,
+                                                         cls.load_lora_adapter)
+    return shadows
+
+
+def guard_module(module: nn.Module) -> None:
+    """Guard ``module`` and its submodules that hold stored parameters: see [Note: a
+    module with stored weights]. Idempotent."""
+    for sub in module.modules():
+        direct = any(p is not None and _in_store(p) for p in sub._parameters.values())
+        handles = _GUARDS.get(sub)
+        if handles is None:
+            if sub is not module and not any(_in_store(p) for p in sub.parameters()):
+                continue
+            handles = _GUARDS[sub] = [sub.register_load_state_dict_pre_hook(_refuse_load)]
+            sub.__dict__.update(_shadows(sub))
+        # Its own parameters may be stored after it was guarded (a layer's second graph,
+        # after a graph break inside it): state_dict must read those from the store too.
+        if direct and sub not in _STATE_HOOKED:
+            handles.append(sub.register_state_dict_post_hook(_real_weights))
+            _STATE_HOOKED.add(sub)
+
+
+def unguard_module(module: nn.Module) -> None:
+    for sub in module.modules():
+        handles = _GUARDS.pop(sub, None)
+        _STATE_HOOKED.discard(sub)
+        if handles is None:
+            continue
+        for handle in handles:
+            handle.remove()
+        for name in _SHADOWED:
+            sub.__dict__.pop(name, None)
+
+
+def _give_back(p: torch.Tensor, value: torch.Tensor, holders: list[nn.Module]) -> None:
+    """Give stored parameter ``p`` its weights back, in place (the same object). Where
+    something outside Python holds its tensor (the swap refuses then), the modules in
+    ``holders`` get a new parameter in its place instead; ``p`` itself reads nothing
+    afterwards (its runtime is closed)."""
+    try:
+        become_real(p, value)
+        return
+    except RuntimeError:
+        pass
+    fresh = nn.Parameter(value.detach(), requires_grad=p.requires_grad)
+    for module in holders:
+        for name, q in module._parameters.items():
+            if q is p:
+                module._parameters[name] = fresh
+
+
+def release(model: nn.Module) -> nn.Module:
+    """Put the weights dlo stores for ``model`` back into its parameters and free its
+    runtime (host store, resident copies, and slots nothing else uses).
+
+    Afterwards the module runs eagerly, can be saved, moved or cast like any module;
+    compiling it with ``backend="dlo"`` again stores it again. Models that share
+    parameters (a layer assigned to both) share one runtime, so releasing one releases
+    them all: every parameter the runtime stores gets its weights back. Every rank of an
+    allgather shard group must call it (the blocks are gathered). Returns ``model``.
+    Raises ValueError when no parameter of ``model`` is stored by dlo.
+    """
+    params = list(dict.fromkeys(model.parameters()))
+    runtimes = runtimes_holding(params)
+    if not runtimes:
+        raise ValueError(f"dlo_fx.release: no parameter of {type(model).__name__} is in a dlo "
+                         "host store (was it loaded with dlo_fx.load or compiled with "
+                         "backend='dlo' and called?)")
+    with contextlib.ExitStack() as locks:
+        for runtime in runtimes:  # a graph another thread is running finishes first
+            locks.enter_context(runtime.lock)
+        for runtime in runtimes:
+            runtime.drain(raise_errors=False)
+        # Closing a runtime shared with another model left that model's parameters
+        # without weights: all of them come back, and the other model's guards come off too.
+        ids = {id(p) for p in params}
+        params += [p for p in owned_by(runtimes) if id(p) not in ids]
+        ids.update(id(p) for p in params)
+        modules = [model, *(m for m in list(_GUARDS) if any(id(p) in ids for p in m.parameters()))]
+        values = []
+        for p in params:  # read everything first: a failure leaves the model as it was
+            runtime = owner_of((p,))
+            # A parameter of a graph not called yet is still real (host_store.py)
+            if runtime is not None and p in runtime.store and is_stored(p):
+                values.append((p, runtime.host_tensor(p).to(p.device)))
+        holders = [m for root in modules for m in root.modules()]
+        for p, value in values:
+            _give_back(p, value, holders)
+        for runtime in runtimes:
+            runtime.close()
+    for module in modules:
+        unguard_module(module)
+    return model

@@ -1,0 +1,146 @@
+"""`memory_report(model)`: where a model's weights live, measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from ..runtime.procfs import cgroup_memory, process_memory
+from ..runtime.stored import is_stored
+from ..runtime.host_slabs import pinned_figures
+from ..runtime.layout import span_bytes
+from ..runtime.platform import max_memory_allocated
+from ..runtime.runtime import runtimes_holding
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Weight memory of one model under dlo. Host figures are of this process."""
+
+    num_blocks: int
+    max_block_bytes: int
+    num_slots: int
+    slot_bytes: int
+    resident_bytes: int
+    host_shard_bytes: int
+    buffer_bytes: int
+    rss_bytes: Optional[int]
+    pss_bytes: Optional[int]
+    private_bytes: Optional[int]
+    shared_bytes: Optional[int]
+    cgroup_current_bytes: Optional[int]
+    cgroup_peak_bytes: Optional[int]
+    device_peak_bytes: Optional[int]
+    predicted: Optional[dict] = None
+    """The policy model's figures for this run's plan (``host_shard_bytes``,
+    ``slot_bytes``), printed beside the measured ones; None before anything streams."""
+    num_resident_blocks: int = 0
+    """Blocks the ``device_budget`` keeps on the device (summed over the model's graphs)."""
+    streamed_bytes_per_call: int = 0
+    """Bytes of blocks copied to the device per call (the streamed blocks of every graph)."""
+    predicted_s_per_call: Optional[float] = None
+    """The budget planner's predicted seconds per call (summed over graphs), printed
+    beside ``measured_s_per_call`` (the last call of each graph, on the host clock)."""
+    measured_s_per_call: Optional[float] = None
+    predicted_copy_s_per_call: Optional[float] = None
+    """Of the prediction: seconds of copies (H2D and AllGather) of the streamed blocks."""
+    predicted_compute_s_per_call: Optional[float] = None
+    """Of the prediction: seconds of compute of every block (their FLOPs over the measured
+    matmul rate). Copies and compute overlap, so the call takes less than their sum."""
+    pinned_requested_bytes: int = 0
+    """Page-locked host bytes the host shards and staging buffers use (0 unpinned)."""
+    pinned_allocated_bytes: int = 0
+    """Page-locked host bytes held for them: the power-of-two slabs they are packed into
+    (see [Note: pinned slabs] in runtime/host_slabs.py)."""
+
+    def __str__(self) -> str:
+        rows = [(f.name, getattr(self, f.name)) for f in fields(self)
+                if f.name not in ("predicted", "predicted_s_per_call", "measured_s_per_call",
+                                  "predicted_copy_s_per_call", "predicted_compute_s_per_call")]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'figure':<{width}}  value", f"{'-' * width}  {'-' * 16}"]
+        for name, value in rows:
+            line = f"{name:<{width}}  {_fmt(name, value)}"
+            if self.predicted and name in self.predicted:
+                model = self.predicted[name]
+                line += f"   model {model / 2**20:.1f} MiB ({(value - model) / max(model, 1):+.1%})"
+            lines.append(line)
+        if self.predicted_s_per_call is not None:
+            measured = self.measured_s_per_call
+            lines.append(f"{'s_per_call':<{width}}  "
+                         + (f"{measured * 1e3:.3f} ms" if measured is not None else "n/a")
+                         + f"   model {self.predicted_s_per_call * 1e3:.3f} ms"
+                         + (f" (copies {self.predicted_copy_s_per_call * 1e3:.3f} ms, compute "
+                            f"{self.predicted_compute_s_per_call * 1e3:.3f} ms)"
+                            if self.predicted_copy_s_per_call is not None else ""))
+        return "\n".join(lines)
+
+
+def _fmt(name: str, value: Optional[int]) -> str:
+    if value is None:
+        return "n/a"
+    if name.endswith("_bytes"):
+        return f"{value:,} B ({value / 2**20:.1f} MiB)"
+    return str(value)
+
+
+def memory_report(model: torch.nn.Module) -> MemoryReport:
+    """Measure ``model``'s weight placement: blocks, slots, resident and host bytes."""
+    params = list(dict.fromkeys(model.parameters()))
+    runtimes = runtimes_holding(params)
+    blocks = []
+    slot_bytes = num_slots = 0
+    resident = sum(span_bytes(p) for p in params if not is_stored(p))
+    device = params[0].device if params else torch.device("cpu")
+    predicted: Optional[dict] = None
+    plans = []
+    streamed = 0
+    pinned: list = []
+    for rt in runtimes:
+        files = rt.store.files
+        pinned += [rt.store.slabs, files.staging.slabs if files is not None and files.staging else None]
+        ids = {rt.store.entry(p).block for p in params if p in rt.store}
+        mine = [rt.store.blocks[i] for i in sorted(ids)]
+        blocks += mine
+        if mine and rt.mode is not None:
+            from ..planning.measured import predicted_weight_bytes
+
+            figures = predicted_weight_bytes(rt.mode, [b.nbytes for b in mine],
+                                             rt.group.dp, rt.slots.num_slots)
+            predicted = {k: (predicted or {}).get(k, 0) + v for k, v in figures.items()}
+        slot_bytes += rt.slots.total_bytes
+        num_slots = max(num_slots, rt.slots.num_slots)
+        resident += rt.resident_copy_bytes
+        device = rt.device
+        plans += list(rt.budget_plans.values())
+    if plans:
+        streamed = sum(p.streamed_bytes for p in plans)
+    else:
+        streamed = sum(b.nbytes for b in blocks)
+    measured = [p.measured_s for p in plans]
+    pinned_requested, pinned_allocated = pinned_figures(*pinned)
+    host = process_memory()
+    cgroup = cgroup_memory()
+    return MemoryReport(
+        num_blocks=len(blocks),
+        max_block_bytes=max((b.slot_bytes for b in blocks), default=0),
+        num_slots=num_slots,
+        slot_bytes=slot_bytes,
+        resident_bytes=resident,
+        host_shard_bytes=sum(b.shard.numel() for b in blocks),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        rss_bytes=host["rss"], pss_bytes=host["pss"], private_bytes=host["private"],
+        shared_bytes=host["shared"], cgroup_current_bytes=cgroup["current"],
+        cgroup_peak_bytes=cgroup["peak"], device_peak_bytes=max_memory_allocated(device),
+        predicted=predicted,
+        num_resident_blocks=sum(len(p.resident) for p in plans),
+        streamed_bytes_per_call=streamed,
+        predicted_s_per_call=sum(p.predicted_s for p in plans) if plans else None,
+        measured_s_per_call=(sum(measured) if plans and None not in measured else None),
+        predicted_copy_s_per_call=sum(p.streamed_copy_s for p in plans) if plans else None,
+        predicted_compute_s_per_call=sum(p.compute_total_s for p in plans) if plans else None,
+        pinned_requested_bytes=pinned_requested,
+        pinned_allocated_bytes=pinned_allocated,
+    )

@@ -1,0 +1,208 @@
+"""`compile_pipeline`: stream every large torch module of a diffusers pipeline.
+
+A diffusers pipeline holds several torch modules: the denoiser (``transformer``,
+``transformer_2`` for a Wan2.2-style pair, or ``unet``), one to three text encoders (a
+T5-XXL is about 9 GB, as large as many transformers), an image encoder, and a VAE. Each
+one chosen is compiled in place (``module.compile(backend="dlo", options=...)``), so
+``pipe.transformer`` stays the same object: the pipeline reads its ``config`` and
+``dtype`` as before, and every call of it runs through the dlo backend. A pipeline calls
+its VAE through ``vae.decode(...)`` and ``vae.encode(...)``, never ``vae(...)``, which is all
+``module.compile`` wraps: those methods (`ENTRY_METHODS`) are compiled too, as instance
+attributes of the module, or a VAE named in ``components=`` ran eagerly and kept its
+weights, with no error.
+
+[Note: one set of slots for a pipeline]
+Every component is compiled with the same options, so its graphs go to the runtime those
+options select; they run one after the other within a pipeline call (text encoders, then
+the denoising loop, then the VAE), never at the same time, so one set of ``num_slots``
+device slots, sized for the largest block of any of them, serves them all. Where a runtime
+belongs to one model, each component gets its own host store; the slots are then shared
+as far as the runtime shares them per device.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..dynamo.backend import given_options
+from ..config import DLOConfig
+from .guard import guard_pipeline
+from .guard import release as release_module
+from ..runtime.runtime import owner_of, runtimes_holding
+from .storage_dtype import mark_model, take_over_layerwise_casting
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compile_pipeline", "default_components", "release"]
+
+SKIPPED_BY_DEFAULT = ("vae",)
+"""Component name prefixes not compiled unless named in ``components=``: the VAE runs once
+per call on full-resolution activations, and its weights are small."""
+
+
+ENTRY_METHODS = ("encode", "decode")
+"""Methods a pipeline calls on a component instead of calling it (a VAE's), compiled with
+it where its class defines them."""
+
+
+def default_components(pipe: Any) -> list[str]:
+    """Names of the torch modules of ``pipe`` that `compile_pipeline` compiles by default:
+    every ``nn.Module`` component except the VAE(s), in the pipeline's own order."""
+    return [name for name, value in _components(pipe).items()
+            if isinstance(value, nn.Module) and not name.startswith(SKIPPED_BY_DEFAULT)]
+
+
+def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, None] = None,
+                     components: Optional[Sequence[str]] = None, **compile_kwargs: Any) -> Any:
+    """Compile the large torch modules of a diffusers pipeline with ``backend="dlo"``.
+
+    Args:
+        pipe: a ``diffusers.DiffusionPipeline`` (anything with a ``components`` dict of
+            named modules works).
+        options: the dlo options, the same for every component (see `DLOConfig`).
+        components: names of the components to compile; default: every torch module but
+            the VAE (`default_components`: transformer(s) or unet, text encoder(s), image
+            encoder). Name ``"vae"`` here to stream it too.
+        compile_kwargs: further ``torch.compile`` arguments (``dynamic=``, ``fullgraph=``).
+
+    Returns ``pipe``, its modules compiled in place (see [Note: one set of slots for a
+    pipeline]). Outputs are bit-identical to the resident pipeline's. A component with
+    diffusers' layerwise casting enabled streams its weights in the storage dtype and casts
+    them in the graph (`dlo_fx.model.storage_dtype.take_over_layerwise_casting`). The weights move into
+    the dlo host store at each module's first call; the modules are set to eval mode and
+    ``requires_grad=False`` (dlo streams weights for inference only).
+
+    Raises ValueError naming an unknown or non-module component, a bad option, or options
+    that differ from those a component was loaded or compiled with (before anything
+    changes: the pipeline keeps working as it was; `release` it first to change them).
+    """
+    config = DLOConfig.from_options(options)  # a bad option fails here, before anything compiles
+    if "backend" in compile_kwargs or "options" in compile_kwargs:
+        raise ValueError("compile_pipeline: pass the dlo options as options=...; the "
+                         "backend is always 'dlo'")
+    if compile_kwargs.get("mode") not in (None, "default"):
+        raise ValueError(f"compile_pipeline: mode={compile_kwargs['mode']!r} is not supported "
+                         "by backend 'dlo' (it takes mode=None or 'default'); drop mode= and "
+                         "use options={'compiler': 'inductor'} to compile the compute with "
+                         "Inductor")
+    found = _components(pipe)
+    names = default_components(pipe) if components is None else list(components)
+    if isinstance(components, str):
+        names = [components]
+    for name in names:
+        value = found.get(name, getattr(pipe, name, None))
+        if not isinstance(value, nn.Module):
+            modules = [n for n, v in found.items() if isinstance(v, nn.Module)]
+            what = "is not a component" if value is None else f"is a {type(value).__name__}"
+            raise ValueError(f"compile_pipeline: components={name!r} {what} of "
+                             f"{type(pipe).__name__}, not a torch module; its torch modules: "
+                             f"{', '.join(modules) or 'none'}")
+    given = given_options(options)
+    for name in names:
+        _check_same_options(pipe, name, given)
+    for name in names:
+        module = getattr(pipe, name)
+        _COMPILED_WITH[module] = given
+        module.eval().requires_grad_(False)
+        taken = take_over_layerwise_casting(module)  # see [Note: storing weights in another dtype]
+        if config.storage_dtype is not None:  # before the first trace: every call exact
+            mark_model([module], config.storage_dtype, _device_of(module, config))
+        if taken:
+            log.info("dlo_fx.compile_pipeline: %s.%s: diffusers' layerwise casting of %d layers "
+                     "taken over (stored in their storage dtype, cast in the graph)",
+                     type(pipe).__name__, name, taken)
+        module.compile(backend="dlo", options=options, **compile_kwargs)
+        for method in ENTRY_METHODS:
+            if callable(getattr(type(module), method, None)) and method not in vars(module):
+                setattr(module, method, torch.compile(getattr(module, method), backend="dlo",
+                                                      options=options, **compile_kwargs))
+        log.info("dlo_fx.compile_pipeline: %s.%s (%s, %d parameters) compiled with "
+                 "backend='dlo'", type(pipe).__name__, name, type(module).__name__,
+                 sum(1 for _ in module.parameters()))
+    guard_pipeline(pipe, [getattr(pipe, name) for name in names])
+    return pipe
+
+
+_COMPILED_WITH: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+"""The options each component was last compiled with by `compile_pipeline` (until it is
+released): a second compile with other options is refused before anything changes."""
+
+
+def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
+    """``ValueError`` when ``given`` asks component ``name`` for other options than its
+    runtime was built with (`dlo_fx.load`, a first call) or it was compiled with."""
+    module = getattr(pipe, name)
+    runtime = owner_of(module.parameters())
+    if runtime is not None and not runtime.closed:
+        config, where = runtime.config, "its runtime was built with (dlo_fx.load or its first call)"
+    elif module in _COMPILED_WITH:
+        config = DLOConfig.from_options(_COMPILED_WITH[module])
+        where = "a previous compile_pipeline gave it"
+    else:
+        return
+    differing = config.differing(given)
+    if differing:
+        raise ValueError(f"compile_pipeline: options for {type(pipe).__name__}.{name} differ "
+                         f"from those {where}: {'; '.join(differing)}. Options are given once: "
+                         "pass the same options (or none, to keep them), or call "
+                         "dlo_fx.release(pipe) first; nothing was changed")
+
+
+def release(target: Any) -> Any:
+    """Put the weights dlo stores back into a module's parameters, or into every streamed
+    component of a diffusers pipeline; returns ``target``.
+
+    A module: see `dlo_fx.model.guard.release`. A pipeline (anything with a
+    ``components`` dict): every torch module component whose weights dlo stores is
+    released, so the pipeline can be saved, moved or cast as usual; compiling it again
+    (`compile_pipeline`) takes new options. Raises ValueError when nothing in ``target`` is
+    stored by dlo, and TypeError for anything but a module or a pipeline."""
+    if isinstance(target, nn.Module):
+        _forget(target)
+        return release_module(target)
+    found = getattr(target, "components", None)
+    if not isinstance(found, Mapping):
+        raise TypeError(f"dlo_fx.release takes a torch module (nn.Module) or a diffusers "
+                        f"pipeline (an object with a 'components' dict), not a "
+                        f"{type(target).__name__}")
+    modules = {n: m for n, m in found.items() if isinstance(m, nn.Module)}
+    stored = [n for n, m in modules.items() if runtimes_holding(list(m.parameters()))]
+    for module in modules.values():
+        _forget(module)
+    if not stored:
+        raise ValueError(f"dlo_fx.release: no component of {type(target).__name__} "
+                         f"({', '.join(modules) or 'it has no torch modules'}) has weights "
+                         "in a dlo host store (was it compiled with compile_pipeline and "
+                         "called, or its transformer loaded with dlo_fx.load?)")
+    for name in stored:
+        module = modules[name]
+        if runtimes_holding(list(module.parameters())):  # a shared runtime may be gone
+            release_module(module)
+        log.info("dlo_fx.release: %s.%s released", type(target).__name__, name)
+    return target
+
+
+def _forget(module: nn.Module) -> None:
+    for sub in module.modules():
+        _COMPILED_WITH.pop(sub, None)
+
+
+def _components(pipe: Any) -> dict[str, Any]:
+    found = getattr(pipe, "components", None)
+    if not isinstance(found, Mapping):
+        raise ValueError(f"compile_pipeline: {type(pipe).__name__} has no 'components' dict; "
+                         "pass a diffusers pipeline (or compile a module with "
+                         "torch.compile(module, backend='dlo'))")
+    return dict(found)
+
+
+
+def _device_of(module: nn.Module, config: DLOConfig) -> torch.device:
+    if config.device is not None:
+        return torch.device(config.device)
+    return next((p.device for p in module.parameters()), torch.device("cpu"))

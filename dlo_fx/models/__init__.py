@@ -1,5 +1,0 @@
-"""Reference models used by tests, benchmarks and demos."""
-
-from dlo_fx.models.reference_dit import DiTBlock, DiTConfig, ReferenceDiT, example_inputs, reference_dit
-
-__all__ = ["DiTBlock", "DiTConfig", "ReferenceDiT", "example_inputs", "reference_dit"]
