@@ -1,18 +1,36 @@
-"""The private torch APIs dlo uses outside its Inductor pieces, in one place.
+"""Every private torch API dlo uses, in one place: the seam to torch's internals.
 
 Each is checked against the torch versions the project supports (2.11 to 2.13); a torch
 that lacks one fails here with a message naming it, or answers "nothing found" where a
-fallback is safe, not somewhere inside a call. Two groups: what the stored-weight
-representation needs (`fake_mode_of`, `swap_in_place`), and what the backend reads of the
-frame Dynamo is compiling (`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`,
-`compiled_module_of`).
+fallback is safe, not somewhere inside a call. No other module of dlo_fx names a
+``torch._`` module or attribute. The groups: what the stored-weight representation needs
+(`fake_mode_of`, `swap_in_place`, `DISABLED_TORCH_FUNCTION`); what the backend reads of
+the frame Dynamo is compiling (`compiling_frame_locals`, `traced_modules`,
+`is_dynamo_code`, `compiled_module_of`); a correction to Dynamo (`install_contains_fix`);
+what ``compiler="inductor"`` uses (`graph_fake_mode`, `restart_with_floats_specialized`,
+`inductor_compile`, `inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); the op
+targets FLOPs are counted on (`NN_LINEAR`); errors, compile callbacks and profiler state.
+Torch itself imports none of its Dynamo or Inductor modules here until a function needs
+them, so the runtime, which uses the first group, never loads Dynamo.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+import inspect
+import operator
+from typing import Any, Callable, Optional, Sequence
 
+import sympy
 import torch
+from torch import fx
+
+#: ``__torch_function__`` of a tensor subclass that opts out of torch-function dispatch.
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+#: ``F.linear``'s C function, the call_function target Dynamo records for it.
+NN_LINEAR = torch._C._nn.linear
+#: ``torch.set_grad_enabled``'s C function, the target of Dynamo's grad-mode nodes.
+GRAD_MODE_TARGETS = (torch._C._set_grad_enabled,)
 
 
 def fake_mode_of(t: torch.Tensor) -> Optional[Any]:
@@ -145,3 +163,150 @@ def profiler_enabled() -> bool:
     by ``torch.profiler.profile`` on entry): a schedule op opens a ``record_function`` span
     only then, so a call pays one attribute read per op otherwise."""
     return torch.autograd.profiler._is_profiler_enabled
+
+
+# -- a correction to Dynamo's `x in sequence` (dynamo/backend.py) ------------------------
+# [Note: `x in list` with a symbolic element]
+# Dynamo (torch 2.13) evaluates ``const in [a, b, ...]`` at trace time by comparing the
+# constant with the elements that are Python constants only, and installs no guard. An
+# element Dynamo made dynamic (automatic dynamic: an int argument that changed between
+# calls becomes a SymInt) is skipped, so ``0 in [s0, 2]`` is False whatever ``s0`` is, and
+# the compiled code takes the wrong branch with no error. diffusers'
+# ``SD3Transformer2DModel(..., skip_layers=[...])`` (skip-layer guidance) is one such model:
+# after ``skip_layers=[1]`` and then ``[0, 2]``, block 0 ran when it should have been
+# skipped; with ``backend="eager"`` as with ``backend="dlo"``, the output differed from the
+# resident model's. (Upstream: "Fix Dynamo ordered contains semantics", pytorch#184765.)
+#
+# `install` wraps Dynamo's ``iter_contains`` where it is bound (``torch._dynamo.utils``,
+# and ``torch._dynamo.variables.lists``, which imported it by name): when the searched value
+# is a constant and an element is symbolic, every element is compared through Dynamo's own
+# ``==`` and ``or``, as for a symbolic searched value, so the branch taken is guarded on
+# (``Eq(s0, 0)``) and a later call with other values recompiles. Every other case goes to
+# Dynamo's function unchanged. It is installed when ``dlo_fx.dynamo.backend`` is imported (which
+# ``torch.compile(backend="dlo")`` does before it traces), so it applies to the process's
+# other compiles too: it only makes their answer the one Python gives. Where Dynamo's
+# function is not there in that form, nothing is installed.
+_CONTAINS_PARAMETERS = ["items", "search", "tx", "check_tensor_identity"]
+
+
+def _fixed_contains(original: Callable) -> Callable:
+    from torch._dynamo.variables.builder import SourcelessBuilder
+    from torch._dynamo.variables.tensor import SymNodeVariable
+
+    @functools.wraps(original)
+    def iter_contains(items: Any, search: Any, tx: Any, check_tensor_identity: bool = False) -> Any:
+        items = list(items)
+        if not (search.is_python_constant() and any(
+                not x.is_python_constant() and isinstance(x.realize(), SymNodeVariable)
+                for x in items)):
+            return original(items, search, tx, check_tensor_identity)
+        eq = SourcelessBuilder.create(tx, operator.eq)
+        or_ = SourcelessBuilder.create(tx, operator.or_)
+        found = None
+        for x in items:
+            check = eq.call_function(tx, [x, search], {})
+            found = check if found is None else or_.call_function(tx, [check, found], {})
+        return found
+
+    iter_contains.__dlo_fixed__ = True
+    return iter_contains
+
+
+def install_contains_fix() -> bool:
+    """Wrap Dynamo's ``iter_contains`` (once); False where it is not there as expected."""
+    import torch._dynamo.utils as utils
+    import torch._dynamo.variables.lists as lists
+
+    original = getattr(utils, "iter_contains", None)
+    if original is None or getattr(original, "__dlo_fixed__", False):
+        return original is not None
+    if list(inspect.signature(original).parameters) != _CONTAINS_PARAMETERS or \
+            getattr(lists, "iter_contains", None) is not original:
+        return False
+    try:
+        fixed = _fixed_contains(original)
+    except (ImportError, AttributeError):  # another torch: its classes moved
+        return False
+    utils.iter_contains = fixed
+    lists.iter_contains = fixed
+    return True
+
+
+# -- compiler="inductor" (inductor/) --------------------------------------------------------
+def graph_fake_mode(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
+    """The fake mode Dynamo traced ``gm`` in (from its inputs or its nodes' example
+    values), or a fresh one."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = detect_fake_mode(inputs)
+    if mode is not None:
+        return mode
+    for node in gm.graph.nodes:
+        found = fake_mode_of(node.meta.get("example_value"))
+        if found is not None:
+            return found
+    return FakeTensorMode()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage that aliases share (fake tensors included)."""
+    return t.untyped_storage()._cdata
+
+
+def inductor_config_key() -> tuple:
+    """What of Inductor's and AOTAutograd's configuration a compiled piece depends on."""
+    return (torch._inductor.config.get_hash(), torch._functorch.config.get_hash())
+
+
+def inductor_compile(gm: fx.GraphModule, inputs: list) -> Callable:
+    """``gm`` compiled by Inductor (AOTAutograd, then Inductor), weights kept as inputs:
+    no folding into constants, no recorded addresses."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch._inductor.config.patch({"freezing": False, "triton.cudagraphs": False}):
+        return compile_fx(gm, inputs)
+
+
+# [Note: tensorified floats]
+# With ``dynamic=True`` (and ``torch._dynamo.config.specialize_float=False``, the default),
+# Dynamo passes Python floats, a module's float attributes (``LayerNorm.eps``) and float
+# arguments of ``forward`` alike, as 0-d float64 tensors and reads each with ``.item()``,
+# a backed ``SymFloat``. ``backend="inductor"`` compiles the whole graph: it turns the
+# float arithmetic it can into tensor arithmetic, and the rest (LayerNorm's eps, on which
+# Dynamo already guarded) it specializes, restarting Dynamo's analysis of the frame with
+# the float a constant checked by a guard (``tensorify_python_scalars``). A piece cannot
+# do either: Inductor traces it from its own inputs, where the ``.item()`` of such a tensor
+# is a data-dependent number, and the compile fails (``GuardOnDataDependentSymNode`` for
+# the eps, ``DataDependentOutputException`` for a float argument). So
+# `restart_with_floats_specialized` specializes every such float before anything is
+# compiled or stored, and Dynamo traces the frame again. Values are unchanged (the graph
+# reads the same float, as a constant); what differs from ``backend="inductor"`` is that a
+# float argument Inductor would keep symbolic is guarded on, so each new value compiles
+# the frame again, up to Dynamo's recompile limit (past it the frame runs eagerly, still
+# exact).
+def restart_with_floats_specialized(gm: fx.GraphModule) -> None:
+    """Have Dynamo trace the frame again with ``gm``'s tensorified float inputs
+    specialized, if any is not yet. See [Note: tensorified floats]."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    names = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        memo = value.item_memo if fake_mode_of(value) is not None else None
+        if not isinstance(memo, torch.SymFloat):
+            continue
+        symbol = memo.node._expr  # the symbol itself, not what it was replaced by
+        if isinstance(symbol, sympy.Symbol) and not TensorifyState.should_specialize(
+                symbol.name):
+            names.append(symbol.name)
+    for name in names:
+        TensorifyState.specialize(name)
+    if names:
+        raise TensorifyScalarRestartAnalysis
+
+
+def graph_break() -> None:
+    """``torch._dynamo.graph_break()``: end the graph here (the reference DiT's option)."""
+    torch._dynamo.graph_break()

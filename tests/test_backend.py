@@ -202,7 +202,7 @@ def test_blocks_skipped_by_a_list_argument_whose_values_change():
     """Once ``skip_layers`` changed from ``[1]`` to ``[0, 2]``, Dynamo made its first element
     a SymInt and evaluated ``0 in [s0, 2]`` as False with no guard: block 0 ran though it
     was skipped, a wrong output and no error (with ``backend="eager"`` too). See [Note: `x
-    in list` with a symbolic element] (dlo_fx/dynamo/contains.py)."""
+    in list` with a symbolic element] (dlo_fx/torch_private.py)."""
     torch.manual_seed(0)
     ref = _SkipLayers().eval().requires_grad_(False)
     model = _SkipLayers().eval().requires_grad_(False)

@@ -187,7 +187,7 @@ def test_dynamic_true_compiles_once_for_every_resolution(spawned):
     """``dynamic=True``: one symbolic graph serves both resolutions. Dynamo passes the
     LayerNorms' eps as tensors read with ``.item()``, which a piece cannot compile;
     the backend has Dynamo specialize them, as ``backend="inductor"`` does (see [Note:
-    tensorified floats] in dlo_fx/inductor/floats.py). The second call traces once more,
+    tensorified floats] in dlo_fx/torch_private.py). The second call traces once more,
     for the stored weights (see [Note: a graph compiled again for stored weights] in
     dlo_fx/dynamo/backend.py): symbolic too, and no graph after it."""
     case = spawned[0]["dynamic_true"]
@@ -221,7 +221,7 @@ def test_dynamic_true_float_argument_and_sizes_read_across_blocks(outer_graphs):
 
     - a float argument of ``forward`` (and the LayerNorm's eps) is a tensor read with
       ``.item()``: each value is specialized instead, one graph per value, guarded on it
-      (see [Note: tensorified floats] in dlo_fx/inductor/floats.py);
+      (see [Note: tensorified floats] in dlo_fx/torch_private.py);
     - ``width`` comes from ``x.size()`` in the piece before the first block, and a
       ``torch.Size`` cannot be a piece's input: the piece that reads it recomputes it.
 

@@ -1,1 +1,1 @@
-"""The Dynamo seam: the `dlo` backend, its compile errors, and a correction to Dynamo."""
+"""The Dynamo side: the `dlo` backend and the errors it raises past Dynamo (the private torch APIs both use are in dlo_fx/torch_private.py)."""

@@ -24,7 +24,6 @@ from torch import fx
 
 from .errors import CompileOptionsError
 from ..config import DLOConfig
-from .contains import install as install_contains_fix
 from ..passes import PassContext, run_passes
 from ..runtime.agreement import agree_on_compile
 from ..model.guard import guard_module
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # Before Dynamo traces anything for this backend: see [Note: `x in list` with a symbolic
 # element] (a model skipping blocks by a list argument took the wrong branch).
-install_contains_fix()
+torch_private.install_contains_fix()
 
 
 def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -73,9 +72,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         config = DLOConfig.from_options(options)
         runtime = None
     if config.compiler == "inductor":  # may trace the frame again; nothing is made yet
-        from ..inductor.floats import restart_with_floats_specialized
-
-        restart_with_floats_specialized(gm)
+        torch_private.restart_with_floats_specialized(gm)
     key = _graph_key(gm, example_inputs, config)
     if runtime is not None and any(is_stored(p) for p in params) and all(
             p in runtime.store for p in params if is_stored(p)):
@@ -208,8 +205,9 @@ def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor],
                         and any(id(p) in ours for p in value.parameters())):
                     modules.append(value)
             frame = frame.f_back
-        roots = [m._orig_mod for m in modules if hasattr(m, "_orig_mod")]  # torch.compile wrappers
-        adopt(runtime, [m for m in modules if not hasattr(m, "_orig_mod")
+        wrapped = [torch_private.compiled_module_of(m) for m in modules]  # torch.compile wrappers
+        roots = [m for m in wrapped if m is not None]
+        adopt(runtime, [m for m, w in zip(modules, wrapped) if w is None
                         and all(m is not r for r in roots)], roots)
 
 

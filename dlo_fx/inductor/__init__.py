@@ -17,7 +17,7 @@ uncompiled.
 | --- | --- |
 | partition.py | which nodes form a piece, its inputs and outputs, the outer graph |
 | pieces.py | fake example inputs, the reuse key and cache, Inductor compilation, `CompiledPiece` |
-| floats.py | Python floats Dynamo passes as tensors (``dynamic=True``): specialized before compiling |
+| (torch_private.py) | Python floats Dynamo passes as tensors (``dynamic=True``), specialized before compiling: [Note: tensorified floats] |
 """
 
 from __future__ import annotations
@@ -27,24 +27,11 @@ from typing import Any, Callable, Sequence
 
 from torch import fx
 
+from .. import torch_private
 from .partition import Piece, find_pieces, outer_graph, piece_graph
 from .pieces import STATS, CompiledPiece, clear_cache, compile_piece, example_inputs
 
 log = logging.getLogger(__name__)
-
-
-def _fake_mode(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    mode = detect_fake_mode(inputs)
-    if mode is not None:
-        return mode
-    for node in gm.graph.nodes:
-        value = node.meta.get("example_value")
-        if isinstance(value, FakeTensor):
-            return value.fake_mode
-    return FakeTensorMode()
 
 
 def compile_pieces(gm: fx.GraphModule, example_inputs_: Sequence[Any], ctx: Any) -> Callable:
@@ -55,7 +42,7 @@ def compile_pieces(gm: fx.GraphModule, example_inputs_: Sequence[Any], ctx: Any)
     outer graph's ``forward`` (the module is its ``__self__``): call it with the graph's
     inputs, like the callable any torch.compile backend returns.
     """
-    fake_mode = _fake_mode(gm, example_inputs_)
+    fake_mode = torch_private.graph_fake_mode(gm, example_inputs_)
     pieces = find_pieces(gm.graph)
     modules: dict[str, CompiledPiece] = {}
     local: dict = {}  # pieces with symbolic sizes: reused within this graph only

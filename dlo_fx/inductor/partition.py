@@ -45,10 +45,11 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
+from .. import torch_private
 from ..runtime.ops import SCHEDULE_OPS
 
 #: Grad-mode switches stay in the outer graph (they set the mode the pieces run in).
-_GRAD_MODE = (torch._C._set_grad_enabled,)
+_GRAD_MODE = torch_private.GRAD_MODE_TARGETS
 
 
 @dataclass(eq=False)

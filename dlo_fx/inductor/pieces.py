@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
+from .. import torch_private
 from .partition import Piece, free_symbols_of, moves_data_only
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,6 @@ def _weight_source(node: fx.Node) -> Optional[fx.Node]:
 
 def example_inputs(piece: Piece, fake_mode: Any) -> list[Any]:
     """Fake values to compile ``piece`` with. See [Note: what a compiled piece may assume]."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     values: list[Any] = []
     seen: set[int] = set()
     for node in piece.inputs:
@@ -117,7 +116,7 @@ def example_inputs(piece: Piece, fake_mode: Any) -> list[Any]:
                                             device=ref.device)
         elif "example_value" in node.meta:
             value = node.meta["example_value"]
-            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            if isinstance(value, torch.Tensor) and torch_private.fake_mode_of(value) is None:
                 value = fake_mode.from_tensor(value)  # a real constant (get_attr)
             elif isinstance(value, torch.Tensor) and id(value) in seen:
                 with fake_mode:  # the same tensor read twice: pass an alias of it
@@ -161,7 +160,7 @@ def _const(value: Any, shared: list[bool]) -> Any:
 
 
 def _tensor_meta(value: torch.Tensor, storages: dict) -> tuple:
-    storage = storages.setdefault(value.untyped_storage()._cdata, len(storages))
+    storage = storages.setdefault(torch_private.storage_key(value), len(storages))
     return ("t", tuple(map(str, value.shape)), tuple(map(str, value.stride())),
             str(value.storage_offset()), value.dtype, str(value.device),
             value.requires_grad, storage)
@@ -199,8 +198,7 @@ def piece_key(piece: Piece, inputs: Sequence[Any]) -> tuple[tuple, bool]:
     parts.append(("out", tuple(index[n] for n in piece.outputs)))
     parts.append(("autocast", tuple(_const(e.args, shared) for e in piece.autocast)))
     parts.append(("ctx", torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                  torch.get_num_threads(), torch._inductor.config.get_hash(),
-                  torch._functorch.config.get_hash()))
+                  torch.get_num_threads(), torch_private.inductor_config_key()))
     return tuple(parts), shared[0]
 
 
@@ -208,8 +206,6 @@ def piece_key(piece: Piece, inputs: Sequence[Any]) -> tuple[tuple, bool]:
 def compile_piece(piece: Piece, gm: fx.GraphModule, inputs: list[Any],
                   local: dict) -> CompiledPiece:
     """Inductor-compile ``gm`` (the graph of ``piece``), or reuse an identical piece."""
-    from torch._inductor.compile_fx import compile_fx
-
     if all(moves_data_only(n) for n in (*piece.recomputed, *piece.nodes)):
         STATS["views"] += 1
         return CompiledPiece(gm, piece, 0, reused=False, compiled=False)
@@ -221,9 +217,7 @@ def compile_piece(piece: Piece, gm: fx.GraphModule, inputs: list[Any],
             _CACHE.move_to_end(key)
     reused = fn is not None
     if fn is None:
-        # weights must stay inputs: no folding into constants, no recorded addresses
-        with torch._inductor.config.patch({"freezing": False, "triton.cudagraphs": False}):
-            fn = compile_fx(gm, inputs)
+        fn = torch_private.inductor_compile(gm, inputs)
         with _LOCK:
             cache[key] = fn
             if shareable and len(_CACHE) > CACHE_SIZE:

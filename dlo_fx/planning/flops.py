@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ..torch_private import NN_LINEAR
+
 try:  # a SymInt's hint, read without adding a guard
     from torch.fx.experimental.symbolic_shapes import optimization_hint as _hint
 except ImportError:  # torch 2.11 and older: the same reading under its older name
@@ -111,7 +113,7 @@ def _targets() -> dict[Any, Callable[[fx.Node, tuple[int, ...]], int]]:
     aten = torch.ops.aten
     matmul, mm_add = _contract(0, "input"), _contract(1, "mat1")
     table: dict[Any, Callable] = {
-        torch._C._nn.linear: matmul, F.linear: matmul,
+        NN_LINEAR: matmul, F.linear: matmul,
         torch.matmul: matmul, operator.matmul: matmul, torch.mm: matmul, torch.bmm: matmul,
         torch.addmm: mm_add, torch.baddbmm: mm_add,
         F.scaled_dot_product_attention: _attention,

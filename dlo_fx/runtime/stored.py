@@ -68,7 +68,7 @@ class StoredWeight(torch.Tensor):
     (None: itself), ``_dlo_steps`` the views applied to it, ``_dlo_token`` the empty
     device tensor Dynamo fakes."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch_private.DISABLED_TORCH_FUNCTION
 
     @staticmethod
     def __new__(cls, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device,

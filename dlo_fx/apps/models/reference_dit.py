@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ... import torch_private
+
 __all__ = ["DiTBlock", "DiTConfig", "ReferenceDiT", "example_inputs", "reference_dit"]
 
 _TIME_FEATURES = 256
@@ -165,7 +167,7 @@ class DiTBlock(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)
         x = x + gate1[:, None, :] * self.attention(_modulate(self.norm1(x), shift1, scale1), rope_freqs)
         if self.graph_break:
-            torch._dynamo.graph_break()
+            torch_private.graph_break()
         h = F.gelu(self.fc1(_modulate(self.norm2(x), shift2, scale2)), approximate="tanh")
         return x + gate2[:, None, :] * F.linear(h, self.fc2_weight, self.fc2_bias)
 
