@@ -131,7 +131,7 @@ def compiled_module_of(value: Any) -> Optional[torch.nn.Module]:
     return None
 
 
-# -- errors raised past Dynamo (compile_errors.py) ---------------------------------------
+# -- errors raised past Dynamo (dynamo/errors.py) ----------------------------------------
 def unwrapped_error_base() -> type:
     """Dynamo's ``ShortenTraceback``: what a backend raises of that class reaches the
     caller as raised, where any other exception becomes ``BackendCompilerFailed`` (first

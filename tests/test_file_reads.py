@@ -97,7 +97,7 @@ def test_auto_reads_direct_only_when_the_page_cache_cannot_hold_the_files(dit, m
     options = {"host_store": "mmap"}
     _, model, _ = run(dit["path"], dit["config"], options, calls=1)
     assert store_of(model).files.direct is False  # a few hundred kB fit
-    monkeypatch.setattr(file_store._procfs, "available_memory", lambda: 1000)
+    monkeypatch.setattr(file_store.procfs, "available_memory", lambda: 1000)
     outs, model, _ = run(dit["path"], dit["config"], options)
     assert store_of(model).files.direct is True
     assert all(torch.equal(o, expected(dit)) for o in outs)

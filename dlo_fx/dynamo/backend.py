@@ -150,7 +150,7 @@ def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DLOCon
 
 # [Note: the modules a graph's parameters belong to]
 # Stored weights read correctly anywhere (`runtime/stored.py`), but a module holding them
-# needs its guards (module_guard.py: ``state_dict`` returns the real weights, ``.to()`` and
+# needs its guards (model/guard.py: ``state_dict`` returns the real weights, ``.to()`` and
 # ``load_state_dict`` are refused before anything changes), and the graph sees parameters,
 # not modules. The compile finds them on Dynamo's frame (`frame_modules`,
 # `compiled_roots`). A graph Dynamo reuses meets parameters no compile saw: the next

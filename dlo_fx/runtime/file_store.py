@@ -55,7 +55,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import procfs as _procfs
+from . import procfs
 from . import platform
 from .file_reads import FileReader, Piece, plan_buffered, plan_direct
 from .host_slabs import HostSlabs
@@ -459,7 +459,7 @@ class FileStore:
             if self.file_reads != "auto":
                 self.direct = self.file_reads == "direct"
             else:
-                room = _procfs.available_memory()
+                room = procfs.available_memory()
                 try:
                     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
                 except ValueError:
@@ -519,7 +519,7 @@ class FileStore:
     def under_pressure(self) -> bool:
         if self.drop_behind is not None:
             return self.drop_behind
-        free = _procfs.free_memory()
+        free = procfs.free_memory()
         return free is not None and free < 2 * self.window_bytes()
 
     def advise(self, index: int, advice: int) -> None:

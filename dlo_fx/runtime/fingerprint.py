@@ -65,7 +65,7 @@ def block_fingerprint(entries: Sequence[Entry], sources: Sequence[Optional[torch
 def extent_sources(entries: Sequence[Entry], extents: Sequence[Any]
                    ) -> list[Optional[tuple[str, int, int]]]:
     """Per entry, where `file_fingerprint` reads it: the ``(path, offset, nbytes)`` of the
-    extent that starts at the entry's offset (`shard_dir.checkpoint_extents` makes one per
+    extent that starts at the entry's offset (`loading.shards.checkpoint_extents` makes one per
     tensor), or None."""
     at = {x.dest: (x.path, x.offset, x.src_nbytes) for x in extents}
     return [at.get(e.offset) if e.nbytes else None for e in entries]
