@@ -12,7 +12,7 @@ parts in `dlo_fx.apps.engine`, the reference DiT in `dlo_fx.apps.models`.
 from .config import DLOConfig
 from .loading.loader import load
 from .model.memory import memory_report
-from .model.pipelines import compile_pipeline, release
+from .dynamo.pipelines import compile_pipeline, release
 from .model.storage_dtype import take_over_layerwise_casting
 
 __all__ = ["DLOConfig", "Engine", "Request", "Result", "compile_pipeline", "load",

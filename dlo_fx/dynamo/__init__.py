@@ -1,1 +1,2 @@
-"""The Dynamo side: the `dlo` backend and the errors it raises past Dynamo (the private torch APIs both use are in dlo_fx/torch_private.py)."""
+"""Compiling: the `dlo` backend Dynamo calls, the errors it raises past Dynamo, and
+`compile_pipeline` (the private torch APIs they use are in dlo_fx/torch_private.py)."""

@@ -1,1 +1,1 @@
-"""What dlo does to a user's module: its guard outside the graph, storage dtypes, pipelines, memory report."""
+"""What dlo does to a user's module: its guard outside the graph, storage dtypes, the memory report."""

@@ -275,7 +275,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     import diffusers
 
     from ...loading.loader import load
-    from ...model.pipelines import compile_pipeline
+    from ...dynamo.pipelines import compile_pipeline
 
     options = dict(options or {})
     torch_dtype = _dtype(dtype)

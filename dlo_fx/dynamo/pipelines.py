@@ -29,12 +29,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..dynamo.backend import given_options
+from .backend import given_options
 from ..config import DLOConfig
-from .guard import guard_pipeline
-from .guard import release as release_module
+from ..model.guard import guard_pipeline
+from ..model.guard import release as release_module
 from ..runtime.runtime import owner_of, runtimes_holding
-from .storage_dtype import mark_model, take_over_layerwise_casting
+from ..model.storage_dtype import mark_model, take_over_layerwise_casting
 
 log = logging.getLogger(__name__)
 
