@@ -1,11 +1,11 @@
 """Pass 5: settle the streaming mode before the schedule is written.
 
 With ``mode="auto"`` this pass measures H2D and AllGather bandwidth on the shard group
-and decides through the policy model, using this plan's block sizes (see
+and simulates both modes on this plan's blocks (see
 `dlo_fx.planning.measured`), before anything is stored. Every other mode was fixed when
 the runtime was made (or by the loader, which decides ``"auto"`` the same way). The
 choice decides whether `insert_schedule` writes ``allgather`` nodes. The runtime never
-decides it: it stores blocks and never reaches into the policy.
+decides it: it stores blocks and never reaches into the planning.
 
 Before/after: no graph change; the runtime's ``mode`` and ``mode_reason`` are set.
 """
