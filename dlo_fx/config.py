@@ -97,12 +97,13 @@ class DLOConfig:
     Default: ``False``."""
 
     debug_passes: bool = False
-    """Log the graph before and after every pass at DEBUG level on the ``dlo_fx.passes``
-    logger (``DLO_FX_DEBUG_PASSES=1`` sets it too). Default: ``False``."""
+    """Log the graph before and after every planning stage and pass at DEBUG level on the
+    ``dlo_fx.passes`` logger (``DLO_FX_DEBUG_PASSES=1`` sets it too). Default: ``False``."""
 
     user_passes: tuple[Callable, ...] = field(default=())
-    """Extra FX passes ``(gm, ctx) -> gm`` run after scheduling; they see
-    ``node.meta["dlo"]``. Default: ``()``."""
+    """Extra FX passes ``(gm, plan) -> gm`` run after scheduling; they see
+    ``node.meta["dlo"]`` and the graph's frozen ``GraphPlan`` (blocks, resident set, mode),
+    and may add nodes, not move or drop schedule nodes. Default: ``()``."""
 
     compiler: Compiler = "eager"
     """How the compute between schedule nodes runs. Default: ``"eager"``."""

@@ -24,14 +24,15 @@ from torch import fx
 
 from .errors import CompileOptionsError
 from ..config import DLOConfig
-from ..passes import PassContext, run_passes
+from ..passes import GraphPlan, PassContext, plan_graph, run_passes, schedule_of
+from ..passes.resident_set import device_budget_bytes
+from .probes import probe_for_budget, settle_mode
 from ..runtime.agreement import agree_on_compile
 from ..model.guard import guard_module
 from ..runtime.fingerprint import block_fingerprint
 from ..runtime.layout import is_composite, leaf_entries
-from ..runtime.graph_call import (compile_clock, note_compile, note_graph, record_schedule,
-                                  run_graph)
-from ..runtime.ops import SCHEDULE_OPS, conflict_message
+from ..runtime.graph_call import compile_clock, note_compile, note_graph, run_graph
+from ..runtime.ops import conflict_message
 from ..runtime.runtime import Runtime, claim, owner_of, read_unstored
 from .. import torch_private
 from ..runtime.stored import _caller_level, is_stored
@@ -93,27 +94,32 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     # Dynamo compiles apart) gets none: it streams nothing, and making one is a collective
     # (the ranks agree on its settings) that a recompile on one rank alone, at a shape only
     # that rank sees, could not pair.
+    # Plan (no collective), settle mode="auto", then write the schedule: the probes and
+    # the mode choice are collectives, run here and not in a pass (dynamo/probes.py).
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
-    gm = run_passes(gm, ctx, extra=config.user_passes)
-    check_inference_only(gm, ctx)
+    ctx.device_budget = device_budget_bytes(ctx)
+    probe_for_budget(runtime, ctx.device_budget, bool(params))
+    plan = settle_mode(plan_graph(gm, ctx))
+    gm = run_passes(gm, plan, extra=config.user_passes)
+    check_inference_only(gm, plan)
     compiled = gm.forward
     if config.compiler == "inductor":  # before commit: a failure leaves the model intact
         from ..inductor import compile_pieces
 
-        check_no_subclass_weights(ctx)
+        check_no_subclass_weights(plan)
 
-        compiled = compile_pieces(gm, example_inputs, ctx)
+        compiled = compile_pieces(gm, example_inputs, plan)
     if runtime is not None:
         with runtime.lock:  # no graph of another thread gathers while this one compares plans
             runtime.drain()
-            commit(ctx, runtime)
+            commit(plan, runtime)
             claim(params, runtime)
             adopt(runtime, modules, roots)
     if config.dump_dir:
         from ..apps.dump import write_dump
 
-        write_dump(gm, ctx, runtime, config.dump_dir)
-    run = scheduled_call(gm, ctx, given, example_inputs, compiled, [n for _, n in reached])
+        write_dump(gm, plan, runtime, config.dump_dir)
+    run = scheduled_call(gm, plan, given, example_inputs, compiled, [n for _, n in reached])
     if params:
         _SCHEDULED[key] = run
     return run
@@ -265,22 +271,21 @@ def given_options(options: Any) -> dict[str, Any]:
     return dict(options or {})
 
 
-def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any],
+def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, given: Mapping[str, Any],
                    example_inputs: Sequence[Any], compiled: Callable,
                    reached: Sequence[str] = ()) -> Callable:
     """``compiled``, each call bound to the runtime of the parameters it is called with
     (`GraphSchedule.bind`: Dynamo reuses a graph for other models of the same class) and
     run under that runtime's lock and collective clock (graph_call.py)."""
-    sched = ctx.schedule
+    sched = schedule_of(gm)
     positions = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)]
     if not positions:  # no parameter: nothing to bind
         return compiled
     if sched is None:  # nothing streamed
         return unscheduled_call(compiled, positions)
-    record_schedule(gm, sched, tuple(SCHEDULE_OPS))
     sched.direct = tuple(i for i in positions if i not in sched.arg_positions)
     sched.given = dict(given)
-    plan = ctx.budget_plan
+    budget_plan = plan.budget_plan
 
     def run(*args: Any) -> Any:
         bound = [args[i] for i in positions]
@@ -301,8 +306,8 @@ def scheduled_call(gm: fx.GraphModule, ctx: PassContext, given: Mapping[str, Any
                 if runtime not in sched.adopted or len(runtime.store.blocks) != blocks:
                     adopt_callers(runtime, bound, reached)  # a reused graph's: guard them
                     sched.adopted.add(runtime)
-        if plan is not None:
-            plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
+        if budget_plan is not None:
+            budget_plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
         return out
 
     return run
@@ -344,7 +349,7 @@ def resolve_device(config: DLOConfig, example_inputs: Sequence[Any]) -> torch.de
     return torch.device("cpu")
 
 
-def check_inference_only(gm: fx.GraphModule, ctx: PassContext) -> None:
+def check_inference_only(gm: fx.GraphModule, ctx: GraphPlan) -> None:
     """NotImplementedError naming the first graph input that requires grad, under grad
     mode, in a graph that streams weights: a parameter (stored or resident) or a tensor
     argument. Autograd would save views of the device slots for backward, and later blocks
@@ -365,7 +370,7 @@ def check_inference_only(gm: fx.GraphModule, ctx: PassContext) -> None:
                 "model.requires_grad_(False) and pass inputs that do not require grad")
 
 
-def check_no_subclass_weights(ctx: PassContext) -> None:
+def check_no_subclass_weights(ctx: GraphPlan) -> None:
     """ValueError for ``compiler="inductor"`` over quantized tensor-subclass weights: the
     pieces Inductor compiles take plain tensors, and a subclass rebuilt from slot views
     reached them unallocated (a raw RuntimeError)."""
@@ -379,7 +384,7 @@ def check_no_subclass_weights(ctx: PassContext) -> None:
                 "subclass's own kernels, not with compiler='inductor'")
 
 
-def commit(ctx: PassContext, runtime: Runtime) -> None:
+def commit(ctx: GraphPlan, runtime: Runtime) -> None:
     """Move the graph's new blocks into the host store (their parameters become
     `StoredWeight`s at the graph's first call: see [Note: when a parameter becomes a
     StoredWeight]).

@@ -38,7 +38,7 @@ def compile_pieces(gm: fx.GraphModule, example_inputs_: Sequence[Any], ctx: Any)
     """Compile the compute of the scheduled graph ``gm`` with Inductor, piece by piece.
 
     ``example_inputs_`` are the graph's inputs as Dynamo passed them to the backend (only
-    used to find Dynamo's fake mode); ``ctx`` is the graph's `PassContext`. Returns the
+    used to find Dynamo's fake mode); ``ctx`` is the graph's `GraphPlan`. Returns the
     outer graph's ``forward`` (the module is its ``__self__``): call it with the graph's
     inputs, like the callable any torch.compile backend returns.
     """

@@ -1,12 +1,15 @@
-"""`PassContext`: what the passes share. Each pass reads the fields earlier passes filled.
+"""`PassContext`: what the planning stages fill; `GraphPlan`: the frozen plan they give.
 
-Every pass has the signature ``(gm: GraphModule, ctx: PassContext) -> GraphModule``.
-`PassContext.form_blocks` turns a streamed set into graph blocks; the `resident_set` pass
-(its slot check) and the `partition_blocks` pass (the final blocks) both call it.
+Every stage has the signature ``(gm: GraphModule, ctx: PassContext) -> GraphModule`` and
+reads the fields earlier stages filled; `plan_graph` (passes/__init__.py) runs them and
+freezes the result into a `GraphPlan`, which `insert_schedule` and user passes take.
+`PassContext.form_blocks` turns a streamed set into graph blocks; the `resident_set`
+stage (its slot check) and the `partition_blocks` stage (the final blocks) both call it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -65,10 +68,10 @@ class PassContext:
     budget: int = 0
     layers: Layering = field(default_factory=Layering)  # how FQNs map to layers
     blocks: list[GraphBlock] = field(default_factory=list)
-    schedule: Any = None  # dlo_fx.runtime.ops.GraphSchedule
     budget_plan: Any = None  # dlo_fx.planning.budget.BudgetPlan, with device_budget
     escaping: set = field(default_factory=set)  # param nodes whose views reach the output
     ran: list[str] = field(default_factory=list)
+    device_budget: Optional[int] = None  # the device_budget option in bytes (the backend's)
 
     def in_store(self, param: torch.Tensor) -> bool:
         return self.runtime is not None and param in self.runtime.store
@@ -93,3 +96,42 @@ class PassContext:
         groups.sort(key=lambda item: min(p.first for p in item[1]))
         return [GraphBlock(index=i, params=ps, host_block=hb, reason=why)
                 for i, (hb, ps, why) in enumerate(groups)]
+
+
+@dataclass(frozen=True, eq=False)
+class GraphPlan:
+    """What planning decided for one graph: its parameters (with their use intervals and,
+    for resident ones, the reason), which stay resident, the blocks the rest stream in,
+    the device budget's plan and the mode. `insert_schedule` writes it into the graph;
+    user passes and the dump read it."""
+
+    config: DLOConfig
+    example_inputs: Sequence[Any]
+    runtime: Any  # dlo_fx.runtime.runtime.Runtime, when compiling for real
+    params: tuple[ParamInfo, ...]
+    resident: tuple[ParamInfo, ...]
+    streamed: tuple[ParamInfo, ...]
+    blocks: tuple[GraphBlock, ...]
+    budget: int  # block budget in bytes
+    layers: Layering
+    budget_plan: Any  # dlo_fx.planning.budget.BudgetPlan, with device_budget
+    escaping: frozenset
+    mode: Optional[str]  # the runtime's mode when the plan was frozen (None: not settled)
+    ran: tuple[str, ...]  # the planning stages, in order
+
+    @classmethod
+    def freeze(cls, ctx: PassContext) -> "GraphPlan":
+        rt = ctx.runtime
+        return cls(config=ctx.config, example_inputs=ctx.example_inputs, runtime=rt,
+                   params=tuple(ctx.params), resident=tuple(ctx.resident),
+                   streamed=tuple(ctx.streamed), blocks=tuple(ctx.blocks), budget=ctx.budget,
+                   layers=ctx.layers, budget_plan=ctx.budget_plan,
+                   escaping=frozenset(ctx.escaping),
+                   mode=rt.mode if rt is not None else None, ran=tuple(ctx.ran))
+
+    def with_mode(self, mode: Optional[str]) -> "GraphPlan":
+        """The plan once ``mode="auto"`` is settled."""
+        return dataclasses.replace(self, mode=mode)
+
+    def in_store(self, param: torch.Tensor) -> bool:
+        return self.runtime is not None and param in self.runtime.store

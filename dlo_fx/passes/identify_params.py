@@ -1,4 +1,4 @@
-"""Pass 1: find the placeholders that carry parameters, and their FQNs.
+"""Planning stage 1: find the placeholders that carry parameters, and their FQNs.
 
 Dynamo lifts parameters as graph inputs; ``node.meta["grapharg"].source`` names where the
 value came from (``L['self']._modules['blocks']._modules['0']._parameters['weight']``) and

@@ -1,4 +1,4 @@
-"""Pass 6: insert the schedule nodes and read streamed parameters from their slots.
+"""The graph transform: insert the schedule nodes and read streamed parameters from their slots.
 
 For graph block ``g`` in slot ``s = g % num_slots``::
 
@@ -15,6 +15,12 @@ plus the ring: ``prefetch_b{s}_wrap`` for each of the first ``num_slots`` blocks
 every slot warm. Stored parameters this graph keeps resident read
 ``resident(_dlo, param)``. Every inserted node carries ``node.meta["dlo"]``.
 
+The one graph transform of the backend: it takes the frozen `GraphPlan` (`plan_graph`)
+and, once the nodes are written, records on the `GraphSchedule` what the runtime needs
+(`_record`: each schedule node's target and where its arguments come from, in graph
+order, and the graph's clock key), so nothing reads the graph back later. User passes run
+after it: they may add nodes (a probe after each wait), not move or drop schedule nodes.
+
 Before/after: the graph reads every streamed parameter through its slot::
 
     linear = linear(x, l_blocks_0_qkv_weight)            # before
@@ -25,11 +31,14 @@ Before/after: the graph reads every streamed parameter through its slot::
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import fx
 
 from ..runtime import ops
-from ..runtime.ops import GraphSchedule
-from .context import GraphBlock, PassContext
+from ..runtime.graph_call import word
+from ..runtime.ops import SCHEDULE_OPS, GraphSchedule
+from .context import GraphBlock, GraphPlan
 
 SCHEDULE_ATTR = "_dlo"
 
@@ -43,21 +52,51 @@ def _name(fqn: str) -> str:
     return fqn.replace(".", "_")
 
 
-def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def schedule_of(gm: fx.GraphModule) -> Optional[GraphSchedule]:
+    """The `GraphSchedule` `insert_schedule` attached to ``gm``, or None (nothing to
+    schedule)."""
+    sched = getattr(gm, SCHEDULE_ATTR, None)
+    return sched if isinstance(sched, GraphSchedule) else None
+
+
+def _record(graph: fx.Graph, sched: GraphSchedule, written: set[fx.Node]) -> None:
+    """What the runtime needs of the nodes just written: every schedule node's target and
+    where each argument comes from (a placeholder's position, a constant, or a node the
+    runtime does without), in graph order, so that `graph_call.complete` can run the rest
+    of a failed call's schedule; the placeholders they read (what a recorded graph call
+    keeps); and the graph's clock key."""
+    placeholders = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    replay = []
+    for node in graph.nodes:
+        if node not in written or node.target not in SCHEDULE_OPS:
+            continue
+        spec = []
+        for a in node.args[1:]:  # args[0] is the schedule itself
+            if isinstance(a, fx.Node):
+                spec.append(("arg", placeholders[a]) if a in placeholders else ("none", None))
+            else:
+                spec.append(("const", a))
+        replay.append((node.target, tuple(spec)))
+    sched.replay = replay
+    sched.arg_positions = frozenset(v for _, spec in replay for kind, v in spec if kind == "arg")
+    sched.key = word(repr([[len(f), f[0] if f else ""] for f in sched.fqns]))
+
+
+def insert_schedule(gm: fx.GraphModule, plan: GraphPlan) -> fx.GraphModule:
     graph = gm.graph
     nodes = list(graph.nodes)
-    k = ctx.config.num_slots
-    blocks = ctx.blocks
-    if ctx.runtime is None and not blocks:  # no parameters, no model: nothing to schedule
+    k = plan.config.num_slots
+    blocks = plan.blocks
+    if plan.runtime is None and not blocks:  # no parameters, no model: nothing to schedule
         return gm
-    sched = GraphSchedule(runtime=ctx.runtime, slot_of=[b.index % k for b in blocks],
+    sched = GraphSchedule(runtime=plan.runtime, slot_of=[b.index % k for b in blocks],
                           fqns=[[p.fqn for p in b.params] for b in blocks])
-    ctx.schedule = sched
     gm.add_submodule(SCHEDULE_ATTR, sched)
-    stored_resident = [p for p in ctx.resident if ctx.in_store(p.param) and p.first >= 0]
-    if not blocks and not stored_resident:
-        return gm
     dlo_nodes: set[fx.Node] = set()
+    stored_resident = [p for p in plan.resident if plan.in_store(p.param) and p.first >= 0]
+    if not blocks and not stored_resident:
+        _record(graph, sched, dlo_nodes)
+        return gm
 
     def make(target, args, name, meta):
         node = graph.create_node("call_function", target, args, name=name)
@@ -73,7 +112,7 @@ def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         sched_node = graph.get_attr(SCHEDULE_ATTR)
     cursor = sched_node
 
-    gather = ctx.runtime is not None and ctx.runtime.mode == "allgather"
+    gather = plan.runtime is not None and plan.mode == "allgather"
 
     def prefetch(block: GraphBlock, after: fx.Node, name: str) -> fx.Node:
         """prefetch (and, when sharded, allgather) of ``block``; returns the last node."""
@@ -130,4 +169,5 @@ def insert_schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             wrap.meta["dlo"]["wrap"] = True
             if gather:
                 wrap.prev.meta["dlo"]["wrap"] = True
+    _record(graph, sched, dlo_nodes)
     return gm

@@ -1,4 +1,4 @@
-"""Pass 4: partition the streamed parameters into blocks sized by their footprint.
+"""Planning stage 4: partition the streamed parameters into blocks sized by their footprint.
 
 Parameters are taken in first-use order and grouped into layers, then packed whole into
 blocks within the budget (`dlo_fx.planning.blocks`, see [Note: blocks by footprint]): natural

@@ -1,4 +1,4 @@
-"""Pass 3: decide which parameters stay on the device (resident) and which stream.
+"""Planning stage 3: decide which parameters stay on the device (resident) and which stream.
 
 The decision itself lives in one function, `dlo_fx.planning.residency.decide_residency`, shared
 with `dlo_fx.load`: empty, unused, smaller than ``resident_bytes``, returned by the graph,
@@ -8,7 +8,9 @@ forms them (`PassContext.form_blocks`) as often as it takes; `partition_blocks` 
 forms them once more from the final streamed set. Also fixes the block budget
 (``block_bytes`` or the largest layer) and how FQNs map to layers.
 
-With ``device_budget``, the settled blocks are handed to the budget planner
+With ``device_budget`` (in bytes, ``ctx.device_budget``: the backend resolves the option
+and measures the bandwidths and matmul rates before planning, `dlo_fx.dynamo.probes`),
+the settled blocks are handed to the budget planner
 (`dlo_fx.planning.budget`): each block's copy time from the measured H2D and AllGather bandwidths,
 its compute time from the FLOPs of the nodes it spans (`dlo_fx.planning.flops`) over the measured
 matmul rate (see `block_compute_seconds`). The blocks it keeps resident get the reason
@@ -32,7 +34,6 @@ from ..planning.budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resi
 from ..planning.flops import graph_flops
 from ..planning.blocks import Layering
 from ..planning.residency import Candidate, ChooseBlocks, decide_residency
-from ..runtime.graph_call import compile_clock, gathers
 from .context import PassContext
 
 
@@ -112,40 +113,20 @@ def block_compute_seconds(costs: Sequence[tuple[int, Optional[torch.dtype]]],
     return flops, seconds
 
 
-_RATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+RATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def probed_flops(runtime, dtype: Optional[torch.dtype]) -> float:
-    """The runtime's measured matmul rate for ``dtype`` (FLOP/s; `probe_runtime` measured
-    it)."""
-    if dtype not in _RATE_DTYPES:
+    """The runtime's measured matmul rate for ``dtype`` (FLOP/s; the backend measured it
+    before planning, `dlo_fx.dynamo.probes.probe_runtime`)."""
+    if dtype not in RATE_DTYPES:
         dtype = torch.float32  # integer or float8 products: no torch.mm to time, take fp32's
     return runtime.probed_flops[dtype]
 
 
-def probe_runtime(runtime) -> None:
-    """Measure the runtime's bandwidths and the matmul rate of every float dtype, once: at
-    the first compile that plans a device budget, which every rank reaches together. The
-    caller holds ``runtime.lock`` and drained it (the probes agree over the group on this
-    thread). A later compile, which may run on one rank alone, needs no collective: see
-    [Note: a compile on one rank only]. In allgather mode a clock exchange goes first, so
-    a rank that compiles here while another runs a graph raises `ClockMismatch` on both
-    instead of pairing a probe with the other's clock (gloo aborts the process on that)."""
-    from ..planning.measured import probe_bandwidths, probe_matmul_flops
-
-    if runtime.probed_bandwidths is not None:
-        return
-    if gathers(runtime):
-        compile_clock(runtime, 0, "probing the device budget's bandwidths")
-    bandwidths = probe_bandwidths(runtime.device, runtime.group)
-    rates = {d: probe_matmul_flops(runtime.device, d, runtime.group) for d in _RATE_DTYPES}
-    runtime.probed_flops.update(rates)
-    runtime.probed_bandwidths = bandwidths
-
-
 def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
                     cands: list[Candidate]) -> Optional[ChooseBlocks]:
-    budget = device_budget_bytes(ctx)
+    budget = ctx.device_budget
     if budget is None:
         return None
     num_slots = ctx.config.num_slots
@@ -187,12 +168,8 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
         dtypes = sorted({d for n, d in costs if n}, key=str)  # the same order on every rank
         h2d = gather = 1.0
         rates = {d: float("inf") for d in dtypes}  # no runtime to measure on: transfer-bound
-        if runtime is not None and blocks:
-            # Once per runtime, with nothing of its own in flight: the probes' exchanges run
-            # on this thread, so none of the copy worker's gathers may be queued meanwhile.
-            with runtime.lock:
-                runtime.drain()
-                probe_runtime(runtime)
+        if runtime is not None and blocks and runtime.probed_bandwidths is not None:
+            # measured by the backend before planning (dlo_fx.dynamo.probes)
             rates = {d: probed_flops(runtime, d) for d in dtypes}
             h2d, gather = runtime.probed_bandwidths
         flops, compute_s = block_compute_seconds(costs, spans, rates.__getitem__)

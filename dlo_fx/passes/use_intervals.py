@@ -1,4 +1,4 @@
-"""Pass 2: first and last use of every parameter, counting uses of its aliases.
+"""Planning stage 2: first and last use of every parameter, counting uses of its aliases.
 
 A parameter's slot may be refilled only after the last read of the parameter *or of any
 view of it* (``w.t()``, ``w[0]``, a chunk). Aliases are found through the fake tensors

@@ -1,1 +1,2 @@
-"""Planning: blocks, residency, the device budget, FLOPs and the mode choice; arithmetic on sizes and rates."""
+"""Planning: blocks, residency, the schedule simulator, the device budget, FLOPs and the mode
+choice; arithmetic on sizes and rates. Imports no application and no sympy."""

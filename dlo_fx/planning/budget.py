@@ -11,15 +11,19 @@ of the nodes a block spans, `dlo_fx.planning.flops`, over the matmul rate) and h
 [Note: resident blocks spread through the stack]
 A streamed block costs its copy (H2D, plus the AllGather of the other ranks' shards in
 allgather mode); a resident block costs nothing per call but its bytes stay on the device.
-The predicted time per call is a small simulation of the schedule `insert_schedule`
-writes: streamed block ``j`` (numbered among the streamed blocks) is copied into slot
+The predicted time per call is the schedule simulator's (`dlo_fx.planning.simulate`,
+see [Note: the schedule simulator]) on the schedule `insert_schedule` writes, one
+compute per block (`block_program`): streamed block ``j`` (numbered among the streamed blocks) is copied into slot
 ``j % num_slots`` once the previous copy is done and once streamed block ``j - num_slots``
 has been read for the last time; a block computes once the previous block computed and,
 when streamed, once its copy is done. The call predicted is a steady one of a denoising
 loop, as the timeline draws it: the first ``num_slots`` streamed blocks were copied by the
 previous call's wrap-around prefetch (issued once their slot was free for the last time,
 so such a copy may still run when the call starts), and with at most ``num_slots``
-streamed blocks nothing is copied at all. Blocks are chosen greedily: the block whose
+streamed blocks nothing is copied at all. A block's copy is its H2D and AllGather on one
+lane (the CPU executor's one worker runs both; a device overlaps one block's gather with
+the next block's H2D, which the dump's timeline draws), so a plan errs toward slower
+copies. Blocks are chosen greedily: the block whose
 residency lowers the predicted time most, among those that still fit. Compute decides
 which: a block whose copy the previous blocks' compute hides saves nothing, one whose
 copy stalls compute saves its stall. When every choice saves the same (the copies
@@ -32,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+from .simulate import block_program, simulate_call
 
 __all__ = ["BudgetPlan", "minimum_bytes", "plan_resident_blocks", "predict_call_s",
            "copy_seconds"]
@@ -109,50 +115,17 @@ def predict_call_s(copy_s: Sequence[float], compute_s: Sequence[float],
                    steady: bool = True) -> float:
     """Predicted seconds of one call: a steady call of a loop, or with ``steady=False``
     the first call, whose copies all start with it (see [Note: resident blocks spread
-    through the stack])."""
+    through the stack]); simulated by `dlo_fx.planning.simulate`."""
     resident = set(resident)
     streamed = [i for i in range(len(copy_s)) if i not in resident]
     if steady and len(streamed) <= num_slots:
         return sum(compute_s)  # every streamed block stays in its slot: no copy
-    warm, copy_free, first = _call(copy_s, compute_s, streamed, num_slots, None, 0.0)
+    program = block_program(compute_s, streamed, num_slots)
+    no_gather = [0.0] * len(copy_s)  # one copy lane: see [Note: the schedule simulator]
+    first = simulate_call(program, copy_s, no_gather)
     if not steady:
-        return first
-    return _call(copy_s, compute_s, streamed, num_slots, warm, copy_free)[2]
-
-
-def _call(copy_s: Sequence[float], compute_s: Sequence[float], streamed: list[int],
-          num_slots: int, warm: Optional[list[float]],
-          copy_free: float) -> tuple[list[float], float, float]:
-    """One call from t=0. ``warm``: when each of the first ``num_slots`` streamed blocks
-    is in its slot (the previous call's wrap-around copies; None: copy them here), and
-    ``copy_free``: when the copy lane is free. Returns the same two for the next call,
-    relative to this call's end, and this call's duration."""
-    position = {g: j for j, g in enumerate(streamed)}
-    m = len(streamed)
-    ready: list[float] = []  # per streamed block: in its slot
-    compute_end: list[float] = []  # per streamed block: last read
-    clock = 0.0  # end of the last compute
-    for i, w in enumerate(compute_s):
-        j = position.get(i)
-        if j is None:  # resident
-            clock += w
-            continue
-        if warm is not None and j < num_slots:
-            ready.append(warm[j])
-        else:
-            free = compute_end[j - num_slots] if j >= num_slots else 0.0
-            copy_free = max(copy_free, free) + copy_s[i]
-            ready.append(copy_free)
-        clock = max(clock, ready[j]) + w
-        compute_end.append(clock)
-    # The wrap-around copies of the first num_slots streamed blocks, each once the last
-    # block in its slot was read, in the order those slots free up.
-    wrap = [0.0] * min(num_slots, m)
-    for last in range(max(m - num_slots, 0), m):
-        j = last % num_slots
-        copy_free = max(copy_free, compute_end[last]) + copy_s[streamed[j]]
-        wrap[j] = copy_free
-    return ([max(t - clock, 0.0) for t in wrap], max(copy_free - clock, 0.0), clock)
+        return first.compute_end
+    return simulate_call(program, copy_s, no_gather, first.next_state).compute_end
 
 
 def plan_resident_blocks(block_bytes: Sequence[int], copy_s: Sequence[float],

@@ -5,8 +5,8 @@ published figures, shown in the source), ``fitted`` (chosen so the model reprodu
 published figures; `study/calibration.py` holds the fit and its residuals), ``spec`` (public
 hardware specification) and ``assumed`` (an order-of-magnitude choice, named as such).
 
-This is the one place of such figures: the planning study (`study/`), ``mode="auto"``
-(`measured.py`) and the dump's predicted timeline (`dlo_fx.apps.dump.timeline`) all read them.
+This is the one place of such figures: the planning study (`dlo_fx.apps.study`) and the
+dump's predicted timeline (`dlo_fx.apps.dump.timeline`) read them.
 The module imports nothing heavy (no sympy), so the dump can use it at compile time.
 
 Sources cited:

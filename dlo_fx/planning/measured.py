@@ -3,11 +3,13 @@
 `choose_mode` is what ``mode="auto"`` runs when a graph is first scheduled: it measures
 the H2D (on CPU: copy) bandwidth and the AllGather bandwidth on the real shard group with
 a short probe, agrees on one set of figures across the group (so every rank decides the
-same), and evaluates the same symbolic model as ``dlo-fx plan`` (`study`, loaded here on
-first use) with the block sizes of the plan. `predicted_weight_bytes` gives the model's
-host-shard and slot bytes for a runtime, which `memory_report` prints beside the
-measured ones. The device budget uses the same bandwidth probe, and `probe_matmul_flops`
-(the device's matmul rate, agreed the same way) for the compute time of each block.
+same), and simulates both modes on the plan's blocks (`dlo_fx.planning.modes`, through
+the schedule simulator the device budget and the dump's timeline use).
+`predicted_weight_bytes` gives the plan's host-shard and slot bytes for a runtime, which
+`memory_report` prints beside the measured ones. The device budget uses the same
+bandwidth probe, and `probe_matmul_flops` (the device's matmul rate, agreed the same
+way) for the compute time of each block. Nothing here imports the planning study
+(`dlo_fx.apps.study`) or sympy.
 """
 
 from __future__ import annotations
@@ -16,15 +18,13 @@ import logging
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from ..runtime import platform
 from ..runtime.collectives import ShardGroup, exchange_json, gather_in_place
-
-if TYPE_CHECKING:
-    from ..apps.study.inputs import PlanInputs
+from .modes import decide, predict_modes, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -108,46 +108,24 @@ def host_ram_bytes() -> int:
     return min(total, limit) if limit else total
 
 
-def plan_inputs(block_bytes: Sequence[int], *, dp: int, num_slots: int, h2d_gbps: float,
-                gather_gbps: float, resident_bytes: int = 0, block_compute_ms: float = 0.0,
-                hbm_bytes: Optional[int] = None) -> "PlanInputs":
-    from ..apps.study.inputs import PlanInputs  # the study (sympy) loads on first use
-
-    total = max(sum(block_bytes), 1)
-    ram = host_ram_bytes()
-    return PlanInputs(
-        model_gb=total / GB, blocks=max(len(block_bytes), 1),
-        max_block_gb=max(max(block_bytes, default=1), total / max(len(block_bytes), 1)) / GB,
-        dp=dp, num_slots=num_slots, resident_gb=resident_bytes / GB, activation_gb=0.0,
-        h2d_gbps=h2d_gbps, gather_gbps=min(gather_gbps, 1e6), block_compute_ms=block_compute_ms,
-        host_ram_gb=ram / GB, hbm_gb=(hbm_bytes or ram) / GB,
-        copy_overhead_ms=0.0, collective_overhead_ms=0.0,
-    )
-
-
 def choose_mode(device: torch.device, group: ShardGroup, block_bytes: Sequence[int],
                 num_slots: int) -> tuple[str, str]:
-    """The mode ``mode="auto"`` runs, and why."""
+    """The mode ``mode="auto"`` runs, and why: both modes simulated with the measured
+    bandwidths (`dlo_fx.planning.modes`)."""
     if group.dp == 1:
         return "rank_local", "one rank in the shard group: nothing to gather"
     h2d, gather = probe_bandwidths(device, group)
-    from ..apps.study.prediction import predict
-
-    inputs = plan_inputs(block_bytes, dp=group.dp, num_slots=num_slots, h2d_gbps=h2d,
-                         gather_gbps=gather, hbm_bytes=platform.device_memory_bytes(device))
-    pred = predict(inputs)
-    mode = pred.mode if pred.mode in ("allgather", "rank_local") else "allgather"
-    reason = (f"{pred.reason} [measured H2D {h2d:.2f} GB/s, AllGather {gather:.2f} GB/s per "
+    figures = predict_modes(block_bytes, dp=group.dp, num_slots=num_slots, h2d_gbps=h2d,
+                            gather_gbps=min(gather, 1e6))
+    memory = platform.device_memory_bytes(device) or host_ram_bytes()
+    mode, why = decide(figures, host_ram=host_ram_bytes(), device_memory=memory)
+    reason = (f"{why} [measured H2D {h2d:.2f} GB/s, AllGather {gather:.2f} GB/s per "
               f"rank; {len(block_bytes)} blocks, {sum(block_bytes) / GB:.3f} GB, dp={group.dp}]")
     return mode, reason
 
 
 def predicted_weight_bytes(mode: str, block_bytes: Sequence[int], dp: int,
                            num_slots: int) -> dict[str, int]:
-    """The model's host bytes per rank and slot bytes for this run's plan."""
-    from ..apps.study.prediction import predict
-
-    inputs = plan_inputs(block_bytes, dp=dp, num_slots=num_slots, h2d_gbps=1.0, gather_gbps=1.0)
-    pred = predict(inputs).for_mode(mode)
-    return {"host_shard_bytes": round(pred.pinned_per_rank_gb * GB),
-            "slot_bytes": round(pred.device_peak_gb * GB)}  # no activations, no residents
+    """The plan's host bytes per rank and slot bytes (`dlo_fx.planning.modes`)."""
+    host, slots = weight_bytes(mode, block_bytes, dp, num_slots)
+    return {"host_shard_bytes": host, "slot_bytes": slots}  # no activations, no residents

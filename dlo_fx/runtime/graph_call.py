@@ -55,7 +55,7 @@ blocks. Had such a compile exchanged its plan, the ranks that did not recompile 
 their cached graph and exchange a clock word) would have raised `ClockMismatch` at every
 call until they all happened to recompile together. The device budget's probes run once
 per runtime at its first compile, every dtype's matmul rate with them, so a later compile
-never needs them (`resident_set.probe_runtime`), and a recompile keeps the resident blocks
+never needs them (`dlo_fx.dynamo.probes.probe_runtime`), and a recompile keeps the resident blocks
 its parameters' first plan chose, so every rank streams the same blocks.
 """
 
@@ -67,7 +67,6 @@ import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-from torch import fx
 
 from .collectives import _all_gather_single
 from .interrupts import deferred
@@ -81,27 +80,6 @@ class ClockMismatch(RuntimeError):
 
 def word(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
-def record_schedule(gm: fx.GraphModule, sched: Any, schedule_ops: Sequence[Callable]) -> None:
-    """Record the graph's schedule nodes (target and where each argument comes from) so
-    that `complete` can run the rest of them, and the graph's clock key."""
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    plan = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in schedule_ops:
-            continue
-        spec = []
-        for a in node.args[1:]:  # args[0] is the schedule itself
-            if isinstance(a, fx.Node):
-                spec.append(("arg", placeholders[a]) if a in placeholders else ("none", None))
-            else:
-                spec.append(("const", a))
-        plan.append((node.target, tuple(spec)))
-    sched.replay = plan
-    # The placeholders the schedule nodes read: what a recorded graph call keeps.
-    sched.arg_positions = frozenset(v for _, spec in plan for kind, v in spec if kind == "arg")
-    sched.key = word(repr([[len(f), f[0] if f else ""] for f in sched.fqns]))
 
 
 def _args_of(spec: tuple, args: Sequence[Any]) -> list:

@@ -58,7 +58,7 @@ class GraphSchedule(torch.nn.Module):
         self.replay: list = []  # (target, argument sources) of every schedule op, in order
         self.arg_positions: frozenset = frozenset()  # placeholders the schedule ops read
         self.direct: tuple = ()  # parameter placeholders the graph reads itself
-        self.key = 0  # clock word naming this graph (see graph_call.record_schedule)
+        self.key = 0  # clock word naming this graph (see passes/insert_schedule.py)
 
     def enter(self) -> Runtime:
         """The runtime, its tracer told that this graph's nodes run now."""

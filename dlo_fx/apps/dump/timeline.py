@@ -3,7 +3,9 @@
 `timing_for` gives every graph block a copy, gather and compute time: measured by a
 traced run where there is one (`measure.BlockMeasure`), from the block's bytes and a
 bandwidth otherwise (the measured one when other blocks were traced, else `Assumptions`).
-`simulate` then walks the schedule nodes in graph order, as a device would run them:
+`simulate` hands the schedule nodes, in graph order, to the schedule simulator
+(`dlo_fx.planning.simulate`, the one the device budget and ``mode="auto"`` use; see
+[Note: the schedule simulator]) on two lanes, as a device runs them:
 
 - ``prefetch(b)`` queues the H2D copy of this rank's shard on the copy lane (in issue
   order); ``allgather(b)`` queues the gather on the AllGather lane once the copy is done;
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from ...planning import constants
+from ...planning.simulate import CallState, Event, simulate_call
 from .measure import BlockMeasure
 from .record import GraphDump
 
@@ -159,84 +162,44 @@ def _attribution(dump: GraphDump) -> tuple[dict[int, int], dict[int, int]]:
     return ops, resident
 
 
-def _run(dump: GraphDump, timing: Timing, ops: dict[int, int], steady: bool,
-         carry: tuple[dict, float, float]) -> tuple[list[Bar], float, float, tuple]:
-    """One call. ``carry``: (when each wrapped block is ready, copy lane free, gather lane
-    free), relative to t=0."""
-    gathered = dump.mode == "allgather"
-    t = 0.0
-    warm, h2d_free, gather_free = carry if steady else ({}, 0.0, 0.0)
-    wrapped = {step.block for step in dump.program if step.wrap} if steady else set()
-    copy_done: dict[int, float] = {}
-    ready: dict[int, float] = dict(warm)
-    wrap_ready: dict[int, float] = {}
+def program_of(dump: GraphDump, timing: Timing, ops: dict[int, int]) -> list[Event]:
+    """The graph's schedule nodes and compute, as the simulator takes them: each op node
+    charged to the innermost open block (its compute time split evenly over its nodes),
+    or, outside every block, the resident bytes it reads at ``timing.compute_bps``."""
+    program: list[Event] = []
     open_blocks: list[int] = []
-    bars: list[Bar] = []
-    stall = 0.0
-
-    def compute(block: int, dt: float, resident_block: int = -1) -> None:
-        nonlocal t
-        last = bars[-1] if bars else None
-        if (last is not None and last.kind == "compute" and last.block == block
-                and last.resident_block == resident_block and last.end == t):
-            bars[-1] = Bar("compute", block, last.start, t + dt, resident_block=resident_block)
-        else:
-            bars.append(Bar("compute", block, t, t + dt, resident_block=resident_block))
-        t += dt
-
     for step in dump.program:
         g = step.block
-        if step.kind == "prefetch":
-            if g in wrapped and not step.wrap:
-                continue  # the previous call's wrap-around prefetch brought it
-            start = max(t, h2d_free)
-            end = h2d_free = start + timing.h2d_s[g]
-            copy_done[g] = end
-            bars.append(Bar("h2d", g, start, end, step.wrap))
-            if not gathered:
-                if step.wrap:
-                    wrap_ready[g] = end
-                else:
-                    ready[g] = end
-        elif step.kind == "allgather":
-            if g in wrapped and not step.wrap:
-                continue
-            start = max(t, copy_done.get(g, t), gather_free)
-            end = gather_free = start + timing.gather_s[g]
-            bars.append(Bar("allgather", g, start, end, step.wrap))
-            if step.wrap:
-                wrap_ready[g] = end
-            else:
-                ready[g] = end
+        if step.kind in ("prefetch", "allgather"):
+            program.append(Event(step.kind, g, wrap=step.wrap))
         elif step.kind == "wait":
-            r = ready.get(g, t)
-            if r > t:
-                bars.append(Bar("stall", g, t, r))
-                stall += r - t
-                t = r
+            program.append(Event("wait", g))
             open_blocks.append(g)
         elif step.kind == "swap_slot":
             if g in open_blocks:
                 open_blocks.remove(g)
-            if not ops.get(g):
-                compute(g, timing.compute_s[g])  # no node of its own: charge it here
+            if not ops.get(g):  # no node of its own: charge it here
+                program.append(Event("compute", g, timing.compute_s[g]))
         elif step.kind == "op" and open_blocks:
             g = open_blocks[-1]
-            compute(g, timing.compute_s[g] / ops[g])
+            program.append(Event("compute", g, timing.compute_s[g] / ops[g]))
         elif step.kind == "op" and step.resident_bytes:
-            compute(-1, step.resident_bytes / timing.compute_bps, step.resident_block)
-    carry_out = ({g: max(0.0, end - t) for g, end in wrap_ready.items()},
-                 max(0.0, h2d_free - t), max(0.0, gather_free - t))
-    return bars, t, stall, carry_out
+            program.append(Event("compute", -1, step.resident_bytes / timing.compute_bps,
+                                 tag=step.resident_block))
+    return program
 
 
 def simulate(dump: GraphDump, timing: Timing) -> Prediction:
-    """Predict one call of the graph (a steady call when it has a wrap-around prefetch)."""
+    """Predict one call of the graph with the schedule simulator
+    (`dlo_fx.planning.simulate`): a steady call when it has a wrap-around prefetch,
+    started from the lanes a call left that started with every wrapped block in its slot
+    and both lanes free."""
     steady = any(step.wrap for step in dump.program)
     ops, _ = _attribution(dump)
-    carry: tuple = ({}, 0.0, 0.0)
-    bars, t, stall, carry = _run(dump, timing, ops, steady, carry)
+    program = program_of(dump, timing, ops)
+    gather_s = timing.gather_s if dump.mode == "allgather" else (0.0,) * len(timing.h2d_s)
+    call = simulate_call(program, timing.h2d_s, gather_s, CallState() if steady else None)
     if steady:  # the second call starts where the first left the wrap-around copy
-        bars, t, stall, _ = _run(dump, timing, ops, steady, carry)
-    total = max([t] + [b.end for b in bars])
-    return Prediction(tuple(bars), total, stall, steady)
+        call = simulate_call(program, timing.h2d_s, gather_s, call.next_state)
+    bars = tuple(Bar(b.kind, b.block, b.start, b.end, b.wrap, b.tag) for b in call.spans)
+    return Prediction(bars, call.end, call.stall_s, steady)

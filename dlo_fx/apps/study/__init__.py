@@ -5,8 +5,8 @@
 `formulas` prints every modelled quantity. Named constant sets are in `presets`, the
 comparison with published figures in `calibration`, docs/memory-model.md is rendered by
 `markdown`, and the ``plan`` command is in `cli`. The constants and their sources are in
-`dlo_fx.planning.constants`, shared with the dump's timeline. Nothing here is imported by
-``import dlo_fx``.
+`dlo_fx.planning.constants`, shared with the dump's timeline. The library never imports
+it: ``mode="auto"`` simulates the schedule (`dlo_fx.planning.modes`) instead.
 """
 
 from .calibration import (

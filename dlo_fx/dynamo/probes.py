@@ -1,0 +1,70 @@
+"""The measurements and collectives a compile runs around planning, outside the passes.
+
+Planning (`dlo_fx.passes.plan_graph`) and the schedule (`insert_schedule`) only compute:
+every collective a compile issues is here or in `commit` (backend.py), called by the
+backend in this order: `probe_for_budget` (the device budget's bandwidth and matmul
+probes, once per runtime), planning, `settle_mode` (``mode="auto"``: probe the bandwidths
+on the shard group and simulate both modes), the schedule, `commit` (the plan digest
+and fingerprints agreed across ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..passes import GraphPlan
+from ..passes.resident_set import RATE_DTYPES
+from ..runtime.graph_call import compile_clock, gathers
+
+
+def probe_runtime(runtime: Any) -> None:
+    """Measure the runtime's bandwidths and the matmul rate of every float dtype, once: at
+    the first compile that plans a device budget, which every rank reaches together. The
+    caller holds ``runtime.lock`` and drained it (the probes agree over the group on this
+    thread). A later compile, which may run on one rank alone, needs no collective: see
+    [Note: a compile on one rank only]. In allgather mode a clock exchange goes first, so
+    a rank that compiles here while another runs a graph raises `ClockMismatch` on both
+    instead of pairing a probe with the other's clock (gloo aborts the process on that)."""
+    from ..planning import measured
+
+    if runtime.probed_bandwidths is not None:
+        return
+    if gathers(runtime):
+        compile_clock(runtime, 0, "probing the device budget's bandwidths")
+    bandwidths = measured.probe_bandwidths(runtime.device, runtime.group)
+    rates = {d: measured.probe_matmul_flops(runtime.device, d, runtime.group)
+             for d in RATE_DTYPES}
+    runtime.probed_flops.update(rates)
+    runtime.probed_bandwidths = bandwidths
+
+
+def probe_for_budget(runtime: Any, device_budget: Optional[int], has_params: bool) -> None:
+    """The device budget's probes, before planning, when there is a budget to plan and a
+    runtime to measure on: once per runtime, with nothing of its own in flight (the
+    probes' exchanges run on this thread, so none of the copy worker's gathers may be
+    queued meanwhile)."""
+    if runtime is None or device_budget is None or not has_params:
+        return
+    with runtime.lock:
+        runtime.drain()
+        probe_runtime(runtime)
+
+
+def settle_mode(plan: GraphPlan) -> GraphPlan:
+    """With ``mode="auto"`` (a runtime whose mode is not settled yet), measure H2D and
+    AllGather bandwidth on the shard group and simulate both modes on the plan's blocks
+    (`dlo_fx.planning.measured.choose_mode`), before anything is stored; set the choice on
+    the runtime. Every other mode was fixed when the runtime was made (or by the loader,
+    which decides ``"auto"`` the same way). The choice decides whether `insert_schedule`
+    writes ``allgather`` nodes; the runtime never decides it."""
+    runtime = plan.runtime
+    if runtime is None or runtime.mode is not None:
+        return plan
+    from ..planning.measured import choose_mode  # a collective probe on every rank
+
+    runtime.set_mode(*choose_mode(runtime.device, runtime.group,
+                                  [b.nbytes for b in plan.blocks], runtime.slots.num_slots))
+    return plan.with_mode(runtime.mode)
+
+
+__all__ = ["probe_runtime", "probe_for_budget", "settle_mode"]
