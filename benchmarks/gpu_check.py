@@ -141,7 +141,7 @@ def check_memory(cfg: dict, device: torch.device) -> dict:
 
 def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
     """Pinned host-to-device bytes per second, with the probe ``mode="auto"`` uses."""
-    from dlo_fx.planning.measured import probe_bandwidths
+    from dlo_fx.runtime.probes import probe_bandwidths
     from dlo_fx.runtime.collectives import ShardGroup
 
     return probe_bandwidths(device, ShardGroup(ranks=(0,), rank=0), nbytes)[0] * 1e9

@@ -252,12 +252,12 @@ def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypat
     import importlib
 
     from dlo_fx.apps.models import example_inputs
-    from dlo_fx.planning import measured
+    from dlo_fx.runtime import probes
 
     resident_set = importlib.import_module("dlo_fx.passes.resident_set")
 
     monkeypatch.setattr(resident_set, "probed_flops", lambda runtime, dtype: 1e10)
-    monkeypatch.setattr(measured, "probe_bandwidths", lambda device, group, nbytes=0: (1.0, 1e9))
+    monkeypatch.setattr(probes, "probe_bandwidths", lambda device, group, nbytes=0: (1.0, 1e9))
     torch._dynamo.reset()
     ref, _ = tiny_dit()
     model, _ = tiny_dit()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dlo_fx import DLOConfig
-from dlo_fx.planning.measured import predicted_weight_bytes
+from dlo_fx.planning.modes import predicted_weight_bytes
 from dlo_fx.runtime.host_store import HostStore
 from dlo_fx.runtime.slots import SlotPool
 

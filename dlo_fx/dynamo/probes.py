@@ -14,7 +14,10 @@ from typing import Any, Optional
 
 from ..passes import GraphPlan
 from ..passes.resident_set import RATE_DTYPES
+from ..planning.modes import choose_mode
+from ..runtime import probes
 from ..runtime.graph_call import compile_clock, gathers
+from ..runtime.probes import machine_figures
 
 
 def probe_runtime(runtime: Any) -> None:
@@ -25,14 +28,12 @@ def probe_runtime(runtime: Any) -> None:
     [Note: a compile on one rank only]. In allgather mode a clock exchange goes first, so
     a rank that compiles here while another runs a graph raises `ClockMismatch` on both
     instead of pairing a probe with the other's clock (gloo aborts the process on that)."""
-    from ..planning import measured
-
     if runtime.probed_bandwidths is not None:
         return
     if gathers(runtime):
         compile_clock(runtime, 0, "probing the device budget's bandwidths")
-    bandwidths = measured.probe_bandwidths(runtime.device, runtime.group)
-    rates = {d: measured.probe_matmul_flops(runtime.device, d, runtime.group)
+    bandwidths = probes.probe_bandwidths(runtime.device, runtime.group)
+    rates = {d: probes.probe_matmul_flops(runtime.device, d, runtime.group)
              for d in RATE_DTYPES}
     runtime.probed_flops.update(rates)
     runtime.probed_bandwidths = bandwidths
@@ -53,17 +54,17 @@ def probe_for_budget(runtime: Any, device_budget: Optional[int], has_params: boo
 def settle_mode(plan: GraphPlan) -> GraphPlan:
     """With ``mode="auto"`` (a runtime whose mode is not settled yet), measure H2D and
     AllGather bandwidth on the shard group and simulate both modes on the plan's blocks
-    (`dlo_fx.planning.measured.choose_mode`), before anything is stored; set the choice on
+    (`dlo_fx.planning.modes.choose_mode`), before anything is stored; set the choice on
     the runtime. Every other mode was fixed when the runtime was made (or by the loader,
     which decides ``"auto"`` the same way). The choice decides whether `insert_schedule`
     writes ``allgather`` nodes; the runtime never decides it."""
     runtime = plan.runtime
     if runtime is None or runtime.mode is not None:
         return plan
-    from ..planning.measured import choose_mode  # a collective probe on every rank
-
-    runtime.set_mode(*choose_mode(runtime.device, runtime.group,
-                                  [b.nbytes for b in plan.blocks], runtime.slots.num_slots))
+    group = runtime.group  # a collective probe on every rank
+    runtime.set_mode(*choose_mode([b.nbytes for b in plan.blocks], group.dp,
+                                  runtime.slots.num_slots,
+                                  lambda: machine_figures(runtime.device, group)))
     return plan.with_mode(runtime.mode)
 
 

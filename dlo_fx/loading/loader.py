@@ -60,6 +60,8 @@ from .checkpoint import load_error, read_tensor
 from .discover import resolve_checkpoint
 from ..config import DLOConfig
 from .gguf import is_gguf, quantize_module
+from ..planning.modes import choose_mode
+from ..runtime.probes import machine_figures
 from .plan import KeyMap, LoadPlan, Target, agree_on_load, map_keys, plan_load
 from ..model.guard import guard_module
 from ..runtime.fingerprint import extent_sources, file_fingerprint
@@ -158,11 +160,10 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     if plan is None:  # _agree re-raises every planning error
         raise RuntimeError("dlo_fx.load: internal error: no load plan and no error")
     if runtime.mode is None and plan.blocks:  # mode="auto": a collective probe, as at compile
-        from ..planning.measured import choose_mode
-
-        runtime.set_mode(*choose_mode(device, runtime.group,
-                                      [sum(t.nbytes for t in block) for block in plan.blocks],
-                                      runtime.slots.num_slots))
+        group = runtime.group
+        runtime.set_mode(*choose_mode([sum(t.nbytes for t in block) for block in plan.blocks],
+                                      group.dp, runtime.slots.num_slots,
+                                      lambda: machine_figures(device, group)))
     _commit(plan, runtime, device, shards)  # into runtime.store, which the mode decides
     claim(module.parameters(), runtime)  # the resident ones too: compiling finds the runtime
     module.eval()

@@ -105,7 +105,7 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         mine = [rt.store.blocks[i] for i in sorted(ids)]
         blocks += mine
         if mine and rt.mode is not None:
-            from ..planning.measured import predicted_weight_bytes
+            from ..planning.modes import predicted_weight_bytes
 
             figures = predicted_weight_bytes(rt.mode, [b.nbytes for b in mine],
                                              rt.group.dp, rt.slots.num_slots)

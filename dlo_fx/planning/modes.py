@@ -15,11 +15,12 @@ library never imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 from .simulate import block_program, simulate_call
 
-__all__ = ["ModeFigures", "TIE_FRACTION", "predict_modes", "decide", "weight_bytes"]
+__all__ = ["ModeFigures", "TIE_FRACTION", "choose_mode", "decide", "predict_modes",
+           "predicted_weight_bytes", "weight_bytes"]
 
 GB = 1e9
 TIE_FRACTION = 0.005
@@ -108,3 +109,29 @@ def decide(figures: dict[str, ModeFigures], *, host_ram: int,
         return winner.mode, f"step time within {TIE_FRACTION:.1%} ({times})"
     gap = (loser.call_s - winner.call_s) / loser.call_s
     return winner.mode, f"step time: {times} ({gap:.1%} less time)"
+
+
+def choose_mode(block_bytes: Sequence[int], dp: int, num_slots: int,
+                measure: Callable[[], Mapping[str, float]]) -> tuple[str, str]:
+    """The mode ``mode="auto"`` runs, and why: both modes simulated with the figures
+    ``measure()`` returns (`dlo_fx.runtime.probes.machine_figures`: a collective probe
+    on the shard group, called only when there is something to gather)."""
+    if dp == 1:
+        return "rank_local", "one rank in the shard group: nothing to gather"
+    m = measure()
+    h2d, gather = m["h2d_gbps"], m["gather_gbps"]
+    figures = predict_modes(block_bytes, dp=dp, num_slots=num_slots, h2d_gbps=h2d,
+                            gather_gbps=min(gather, 1e6))
+    mode, why = decide(figures, host_ram=int(m["host_ram"]),
+                       device_memory=int(m["device_memory"]))
+    reason = (f"{why} [measured H2D {h2d:.2f} GB/s, AllGather {gather:.2f} GB/s per "
+              f"rank; {len(block_bytes)} blocks, {sum(block_bytes) / GB:.3f} GB, dp={dp}]")
+    return mode, reason
+
+
+def predicted_weight_bytes(mode: str, block_bytes: Sequence[int], dp: int,
+                           num_slots: int) -> dict[str, int]:
+    """The plan's host bytes per rank and slot bytes, which `memory_report` prints beside
+    the measured ones."""
+    host, slots = weight_bytes(mode, block_bytes, dp, num_slots)
+    return {"host_shard_bytes": host, "slot_bytes": slots}  # no activations, no residents

@@ -1,15 +1,10 @@
-"""The policy applied to a real run: probe bandwidths, choose the mode, predict bytes.
+"""What a run measures of its machine for planning: bandwidths, the matmul rate, host RAM.
 
-`choose_mode` is what ``mode="auto"`` runs when a graph is first scheduled: it measures
-the H2D (on CPU: copy) bandwidth and the AllGather bandwidth on the real shard group with
-a short probe, agrees on one set of figures across the group (so every rank decides the
-same), and simulates both modes on the plan's blocks (`dlo_fx.planning.modes`, through
-the schedule simulator the device budget and the dump's timeline use).
-`predicted_weight_bytes` gives the plan's host-shard and slot bytes for a runtime, which
-`memory_report` prints beside the measured ones. The device budget uses the same
-bandwidth probe, and `probe_matmul_flops` (the device's matmul rate, agreed the same
-way) for the compute time of each block. Nothing here imports the planning study
-(`dlo_fx.apps.study`) or sympy.
+`probe_bandwidths` measures the H2D (on CPU: copy) bandwidth and the AllGather bandwidth
+on the real shard group with a short probe, and `probe_matmul_flops` the device's matmul
+rate; each agrees on one figure across the group, so every rank plans the same.
+``mode="auto"`` (`dlo_fx.planning.modes.choose_mode`) and the device budget
+(`dlo_fx.planning.budget`) take these figures; planning itself measures nothing.
 """
 
 from __future__ import annotations
@@ -18,13 +13,10 @@ import logging
 import os
 import statistics
 import time
-from typing import Sequence
-
 import torch
 
-from ..runtime import platform
-from ..runtime.collectives import ShardGroup, exchange_json, gather_in_place
-from .modes import decide, predict_modes, weight_bytes
+from . import platform
+from .collectives import ShardGroup, exchange_json, gather_in_place
 
 log = logging.getLogger(__name__)
 
@@ -108,24 +100,10 @@ def host_ram_bytes() -> int:
     return min(total, limit) if limit else total
 
 
-def choose_mode(device: torch.device, group: ShardGroup, block_bytes: Sequence[int],
-                num_slots: int) -> tuple[str, str]:
-    """The mode ``mode="auto"`` runs, and why: both modes simulated with the measured
-    bandwidths (`dlo_fx.planning.modes`)."""
-    if group.dp == 1:
-        return "rank_local", "one rank in the shard group: nothing to gather"
+def machine_figures(device: torch.device, group: ShardGroup) -> dict[str, float]:
+    """What ``mode="auto"`` weighs, measured and agreed over ``group``: the H2D and
+    AllGather bandwidths (GB/s per rank), the device memory and the host RAM (bytes)."""
     h2d, gather = probe_bandwidths(device, group)
-    figures = predict_modes(block_bytes, dp=group.dp, num_slots=num_slots, h2d_gbps=h2d,
-                            gather_gbps=min(gather, 1e6))
-    memory = platform.device_memory_bytes(device) or host_ram_bytes()
-    mode, why = decide(figures, host_ram=host_ram_bytes(), device_memory=memory)
-    reason = (f"{why} [measured H2D {h2d:.2f} GB/s, AllGather {gather:.2f} GB/s per "
-              f"rank; {len(block_bytes)} blocks, {sum(block_bytes) / GB:.3f} GB, dp={group.dp}]")
-    return mode, reason
-
-
-def predicted_weight_bytes(mode: str, block_bytes: Sequence[int], dp: int,
-                           num_slots: int) -> dict[str, int]:
-    """The plan's host bytes per rank and slot bytes (`dlo_fx.planning.modes`)."""
-    host, slots = weight_bytes(mode, block_bytes, dp, num_slots)
-    return {"host_shard_bytes": host, "slot_bytes": slots}  # no activations, no residents
+    host = host_ram_bytes()
+    return {"h2d_gbps": h2d, "gather_gbps": gather, "host_ram": host,
+            "device_memory": platform.device_memory_bytes(device) or host}
