@@ -10,6 +10,7 @@ parts in `dlo_fx.apps.engine`, the reference DiT in `dlo_fx.apps.models`.
 """
 
 from .config import DLOConfig
+from .dynamo.backend import SCHEDULED_OBSERVERS as _SCHEDULED_OBSERVERS
 from .loading.loader import load
 from .model.memory import memory_report
 from .dynamo.pipelines import compile_pipeline, release
@@ -20,6 +21,18 @@ __all__ = ["DLOConfig", "Engine", "Request", "Result", "compile_pipeline", "load
 __version__ = "0.1.0"
 
 _ENGINE = ("Engine", "Request", "Result")
+
+
+def _dump_when_asked(gm, plan, runtime, config) -> None:
+    # The library composes with its applications here, at the root: the backend only
+    # calls its observers, and the dump writer loads when a compile asks for a dump.
+    if config.dump_dir:
+        from .apps.dump import write_dump
+
+        write_dump(gm, plan, runtime, config.dump_dir)
+
+
+_SCHEDULED_OBSERVERS.append(_dump_when_asked)
 
 
 def __getattr__(name: str):

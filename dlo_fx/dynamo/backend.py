@@ -40,6 +40,11 @@ from ..model.storage_dtype import mark_model
 
 log = logging.getLogger(__name__)
 
+#: Called with ``(gm, plan, runtime, config)`` once a graph is scheduled and committed.
+#: The package root registers the schedule-dump writer (``dump_dir``), an application the
+#: backend does not import itself.
+SCHEDULED_OBSERVERS: list[Callable[[fx.GraphModule, Any, Any, DLOConfig], None]] = []
+
 # Before Dynamo traces anything for this backend: see [Note: `x in list` with a symbolic
 # element] (a model skipping blocks by a list argument took the wrong branch).
 torch_private.install_contains_fix()
@@ -115,10 +120,8 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
             commit(plan, runtime)
             claim(params, runtime)
             adopt(runtime, modules, roots)
-    if config.dump_dir:
-        from ..apps.dump import write_dump
-
-        write_dump(gm, plan, runtime, config.dump_dir)
+    for observe in SCHEDULED_OBSERVERS:  # the dump writer (dlo_fx/__init__.py registers it)
+        observe(gm, plan, runtime, config)
     run = scheduled_call(gm, plan, given, example_inputs, compiled, [n for _, n in reached])
     if params:
         _SCHEDULED[key] = run
