@@ -4,9 +4,11 @@
 through ``num_slots`` device slots, block by block, the next block's transfer overlapping
 the current block's compute.
 
-This module holds what users call; the rest lives in its subpackage: schedule dumps,
-stalls and traces in `dlo_fx.apps.dump`, the planning model in `dlo_fx.policy`, the engine's
-parts in `dlo_fx.apps.engine`, the reference DiT in `dlo_fx.apps.models`.
+This module holds what users call. The library is in one package per stage (planning,
+runtime, passes, loading, model, dynamo; see docs/architecture.md, "Layout"); what is
+built on it is in `dlo_fx.apps`: schedule dumps, stalls and traces in `dlo_fx.apps.dump`,
+the planning study in `dlo_fx.apps.study`, the engine in `dlo_fx.apps.engine`, the
+reference DiT in `dlo_fx.apps.models`.
 """
 
 from .config import DLOConfig
