@@ -24,7 +24,7 @@ from distributed import in_child, spawn
 from dlo_fx.config import DLOConfig
 from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import device_slots
-from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
+from dlo_fx.runtime.owners import live_runtimes, runtimes_holding
 from dlo_fx.runtime.stored import is_stored
 from loader_cases import resident_dit, save_dit
 from models import run_dlo, tiny_dit, tiny_flux

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..config import same_device
-from ..runtime.runtime import owned_by, owner_of, runtimes_holding
+from ..runtime.owners import owned_by, owner_of, runtimes_holding
 from ..runtime.stored import become_real, is_stored
 
 __all__ = ["guard_module", "guard_pipeline", "release"]

@@ -33,7 +33,7 @@ from ..dynamo.backend import given_options
 from ..config import DLOConfig
 from .guard import guard_pipeline
 from .guard import release as release_module
-from ..runtime.runtime import owner_of, runtimes_holding
+from ..runtime.owners import owner_of, runtimes_holding
 from .storage_dtype import mark_model, take_over_layerwise_casting
 
 log = logging.getLogger(__name__)

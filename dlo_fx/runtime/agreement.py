@@ -41,7 +41,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["Fact", "agree", "agree_on_compile", "agree_on_settings", "runtime_facts"]
+__all__ = ["Fact", "agree", "agree_on_compile", "agree_on_settings", "check_same_weights",
+           "runtime_facts", "weights_fact"]
 
 _SETTINGS_LOCK = threading.Lock()
 
@@ -140,7 +141,7 @@ def agree(runtime: Any, facts: Sequence[Fact], what: str,
             raise error
         return
     from .collectives import exchange_json
-    from .graph_call import CLOCK_WORDS, COMPILE, check_rows, exchange, word
+    from .clock import CLOCK_WORDS, COMPILE, check_rows, exchange, word
 
     mine = {"rank": group.ranks[group.rank], "position": group.rank,
             "error": None if error is None else f"{type(error).__name__}: {error}",
@@ -171,13 +172,26 @@ def agree(runtime: Any, facts: Sequence[Fact], what: str,
     _compare(group, rows, facts, what)
 
 
+def weights_fact(fingerprints: Sequence[int], names: Sequence[str]) -> Fact:
+    """The blocks' sampled fingerprints (`fingerprint.py`) as a fact of the ranks' agreement."""
+    return Fact("weights", list(fingerprints), "Every rank of the shard group must load the "
+                "same checkpoint (same files, same dtype); this compares sampled fingerprints, "
+                "64 windows of 8 bytes per block", blocks=list(names))
+
+
+def check_same_weights(runtime: Any, fingerprints: Sequence[int], names: Sequence[str],
+                       what: str) -> None:
+    """Raise `ValueError` on every rank when the ranks' fingerprints differ, naming the
+    first differing block; the runtime's own facts are compared in the same exchange
+    (see [Note: one agreement before the first gather])."""
+    agree(runtime, runtime_facts(runtime) + [weights_fact(fingerprints, names)], what)
+
+
 def agree_on_compile(runtime: Any, rows: Sequence[Sequence[Any]], resident: Sequence[str],
                      fingerprints: Sequence[int], new: Sequence[str], what: str) -> None:
     """The agreement of a compile that stores new blocks: the runtime's facts, the graph's
     block plan (``rows``: parameter count, bytes, first FQN per block), the parameters it
     keeps resident, and the new blocks' fingerprints (``new``: their first FQNs)."""
-    from .fingerprint import weights_fact
-
     plan = Fact("block plans", [list(r) for r in rows],
                 "Rows are parameter count, bytes, first FQN. Every rank of the shard group "
                 "must compile the same model with the same options and reach the same graphs "

@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .collectives import ShardGroup
 from .executor import make_executor
 from .slots import SlotPool
 
@@ -63,7 +64,8 @@ class DeviceSlots:
         self.lock = threading.RLock()
         weakref.finalize(self, _shutdown, self.executor)
 
-    def shard_group(self, spec: Any, timeout_s: float, make: Callable[[Any, float], Any]) -> Any:
+    def shard_group(self, spec: Any, timeout_s: float,
+                    make: Callable[[Any, float], ShardGroup]) -> ShardGroup:
         """The weight-gather group for ``spec``: one per device setting and default
         process group, made the first time it is asked for and kept while that process
         group is (like the group of a global config). Runtimes sharing this executor
@@ -96,7 +98,7 @@ class DeviceSlots:
         self.holder[slot] = None
 
 
-def control_group(ranks: tuple[int, ...], timeout_s: float) -> Any:
+def control_group(ranks: tuple[int, ...], timeout_s: float) -> ShardGroup:
     """The `ShardGroup` of ``ranks`` (sorted) on which the ranks agree on a new runtime's
     settings before it takes its weight group (`agreement.agree_on_settings`): one per
     ranks and default process group, whatever the settings, so every rank makes it at the
@@ -104,8 +106,6 @@ def control_group(ranks: tuple[int, ...], timeout_s: float) -> Any:
     import datetime
 
     import torch.distributed as dist
-
-    from .collectives import ShardGroup
 
     world = _default_process_group()
     key = ("control", ranks, id(world))
