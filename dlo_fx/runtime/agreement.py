@@ -17,8 +17,8 @@ in one exchange, before any gather of the blocks they describe:
   the resident parameters, a sampled fingerprint of every block's weights whatever the
   store (`fingerprint.py`), and the ``dlo-fx shard`` run the files come from.
 
-The settings that pick a runtime's weight group (``num_slots``, ``fault_delay_s``, the
-timeout, the shard group) are compared once more, earlier, when the runtime is made and
+The settings that pick a runtime's weight group (``num_slots``, the timeout, the shard
+group), and ``fault_delay_s``, are compared once more, earlier, when the runtime is made and
 before it takes that group (`agree_on_settings`, on a control group of the same ranks):
 the group is made per setting by ``dist.new_group``, which pairs the ranks' calls by count,
 so a group made on one rank only would leave every later exchange paired with something
@@ -205,8 +205,8 @@ def agree_on_compile(runtime: Any, rows: Sequence[Sequence[Any]], resident: Sequ
 
 def agree_on_settings(config: Any, device: Any) -> None:
     """Before a runtime takes its weight group: compare the settings that decide which
-    group, slots and executor it gets (``num_slots``, ``fault_delay_s``, the timeout, the
-    sorted shard group, the mode, ``alignment``, the device type) over the control group
+    group, slots and executor it gets (``num_slots``, the timeout, the sorted shard group),
+    with ``fault_delay_s``, the mode, ``alignment`` and the device type, over the control group
     of its ranks, and raise `ValueError` on every rank where they differ.
 
     The weight group is made per slot setting (`DeviceSlots.shard_group`), and

@@ -7,7 +7,7 @@ are never shared. Slot memory may be: a pipeline's text encoder and transformer 
 after the other, so they can stream through the same ``num_slots`` buffers, which is
 the largest device cost dlo adds; the weight-gather group is made once per device
 setting and default process group, and kept. Every runtime on one device with the same
-``num_slots`` and ``fault_delay_s`` gets the same `DeviceSlots`, held weakly here and
+``num_slots`` gets the same `DeviceSlots`, held weakly here and
 strongly by the runtimes: when the last of them is gone, the slots are freed and the
 executor's worker thread stops.
 
@@ -49,12 +49,12 @@ from .slots import SlotPool
 
 
 class DeviceSlots:
-    def __init__(self, device: torch.device, num_slots: int, fault_delay_s: float) -> None:
-        self.key = _key(device, num_slots, fault_delay_s)
+    def __init__(self, device: torch.device, num_slots: int) -> None:
+        self.key = _key(device, num_slots)
         self.pid = os.getpid()  # a forked child makes its own (runtime.py, a forked process)
         self.device = device
         self.pool = SlotPool(num_slots, device)
-        self.executor = make_executor(device, num_slots, fault_delay_s)
+        self.executor = make_executor(device, num_slots)
         self.holder: list[Optional[tuple[int, int]]] = [None] * num_slots
         # The last task issued into each slot, by whichever runtime: the next copy into
         # the slot is ordered after it (see [Note: slot reuse and stream ordering]).
@@ -175,15 +175,15 @@ _GROUPS: dict[tuple, tuple[Any, Any, Any]] = {}  # key -> (spec, world, group)
 _LOCK = threading.Lock()
 
 
-def _key(device: torch.device, num_slots: int, fault_delay_s: float) -> tuple:
-    return (device.type, device.index or 0, num_slots, float(fault_delay_s))
+def _key(device: torch.device, num_slots: int) -> tuple:
+    return (device.type, device.index or 0, num_slots)
 
 
-def device_slots(device: torch.device, num_slots: int, fault_delay_s: float) -> DeviceSlots:
-    """The `DeviceSlots` every runtime on ``device`` with these settings shares."""
-    key = _key(device, num_slots, fault_delay_s)
+def device_slots(device: torch.device, num_slots: int) -> DeviceSlots:
+    """The `DeviceSlots` every runtime on ``device`` with ``num_slots`` shares."""
+    key = _key(device, num_slots)
     with _LOCK:
         shared = _SHARED.get(key)
         if shared is None or shared.pid != os.getpid():  # the parent's thread is not here
-            shared = _SHARED[key] = DeviceSlots(device, num_slots, fault_delay_s)
+            shared = _SHARED[key] = DeviceSlots(device, num_slots)
         return shared

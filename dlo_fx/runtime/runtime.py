@@ -32,6 +32,7 @@ from . import platform
 from .agreement import agree_on_settings, check_same_weights
 from .collectives import ShardGroup, resolve_shard_group
 from .device_slots import device_slots
+from .executor import FaultDelay
 from .file_store import FileStore
 from .fingerprint import block_fingerprint
 from .host_store import HostStore
@@ -51,8 +52,9 @@ class Runtime(SlotMachine, WeightReads):
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
+        self.fault_delay = FaultDelay(device, config.fault_delay_s)  # a test option
         # See [Note: what a model owns and what a device shares].
-        self.shared = device_slots(device, config.num_slots, config.fault_delay_s)
+        self.shared = device_slots(device, config.num_slots)
         self.pid = os.getpid()  # see [Note: a forked process]
         agree_on_settings(config, device)  # before the group these settings pick is made
         self.group: ShardGroup = self.shared.shard_group(config.shard_group,

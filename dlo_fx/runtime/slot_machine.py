@@ -28,6 +28,7 @@ import torch
 
 from .collectives import ShardGroup, gather_in_place
 from .device_slots import DeviceSlots, SlotBlocks
+from .executor import FaultDelay
 from .host_store import HostStore
 from .interrupts import deferred
 from .slots import SlotPool
@@ -54,6 +55,7 @@ class SlotMachine:
     shared: DeviceSlots
     slots: SlotPool
     executor: Any
+    fault_delay: FaultDelay
     tracer: Optional[Tracer]
     broken: Optional[str]
     _token: int
@@ -108,7 +110,7 @@ class SlotMachine:
                 task = self.tracer.timed("prefetch", block, slot, task)
             # Behind the slot's last task, which nobody may have waited on (see the Note).
             handle = self.executor.copy(slot, task, self.store.blocks[block].shard_nbytes,
-                                        self._pending[slot])
+                                        self._pending[slot], self.fault_delay.next())
             self._pending[slot] = handle
             self._gathered[slot] = self.mode != "allgather"
             self.slot_block[slot] = block
