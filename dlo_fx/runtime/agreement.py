@@ -209,7 +209,7 @@ def agree_on_settings(config: Any, device: Any) -> None:
     with ``fault_delay_s``, the mode, ``alignment`` and the device type, over the control group
     of its ranks, and raise `ValueError` on every rank where they differ.
 
-    The weight group is made per slot setting (`DeviceSlots.shard_group`), and
+    The weight group is made per slot setting (`SharedSlots.shard_group`), and
     ``dist.new_group`` pairs the ranks' calls by count: a rank whose ``num_slots`` differs
     made a group the others did not, and every later exchange, of this model or any other,
     was paired with something else (a timeout at best; SIGABRT inside gloo when the
@@ -230,7 +230,7 @@ def agree_on_settings(config: Any, device: Any) -> None:
     if len(ranks) < 2 or dist.get_rank() not in ranks:
         return  # nothing to gather, or `resolve_shard_group` refuses it
     from .collectives import exchange_json
-    from .device_slots import control_group
+    from .shared_slots import control_group
 
     group = control_group(ranks, config.collective_timeout_s)
     same = ("Give every rank the same options (at dlo_fx.load, or at the first "

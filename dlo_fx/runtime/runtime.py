@@ -1,5 +1,5 @@
 """`Runtime`: one model's host store, mode and configuration, the slots and executor it
-shares with the other models on its device (`device_slots.py`), and its lock. Its two
+shares with the other models on its device (`shared_slots.py`), and its lock. Its two
 halves are mixed in: the slot state machine the schedule nodes drive (`SlotMachine`,
 slot_machine.py) and the reads of stored weights outside the schedule (`WeightReads`,
 weight_reads.py). A runtime is found from the parameters it stores (`owners.owner_of`),
@@ -12,7 +12,7 @@ flight, the device streams and the process group stay with the parent, and a thr
 the parent may have held the slots' lock. A call in the child waited forever on a copy
 no thread runs. So a runtime runs only in the process that made it: `Runtime.lock`, which
 every graph call, eager fetch, compile and release takes, compares the pid (a syscall
-per graph call) and raises in any other. `device_slots` gives a forked child its
+per graph call) and raises in any other. `shared_slots` gives a forked child its
 own slots, so a model loaded or compiled in the child runs there.
 """
 
@@ -31,7 +31,7 @@ from ..config import DLOConfig
 from . import platform
 from .agreement import agree_on_settings, check_same_weights
 from .collectives import ShardGroup, resolve_shard_group
-from .device_slots import device_slots
+from .shared_slots import shared_slots
 from .executor import FaultDelay
 from .file_store import FileStore
 from .fingerprint import block_fingerprint
@@ -54,7 +54,7 @@ class Runtime(SlotMachine, WeightReads):
         self.device = device
         self.fault_delay = FaultDelay(device, config.fault_delay_s)  # a test option
         # See [Note: what a model owns and what a device shares].
-        self.shared = device_slots(device, config.num_slots)
+        self.shared = shared_slots(device, config.num_slots)
         self.pid = os.getpid()  # see [Note: a forked process]
         agree_on_settings(config, device)  # before the group these settings pick is made
         self.group: ShardGroup = self.shared.shard_group(config.shard_group,

@@ -27,11 +27,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .collectives import ShardGroup, gather_in_place
-from .device_slots import DeviceSlots, SlotBlocks
+from .shared_slots import SharedSlots, SlotBlocks
 from .executor import FaultDelay
 from .host_store import HostStore
 from .interrupts import deferred
-from .slots import SlotPool
+from .slot_pool import SlotPool
 from .trace import Tracer
 
 
@@ -52,7 +52,7 @@ class SlotMachine:
     store: HostStore
     mode: Optional[str]
     group: ShardGroup
-    shared: DeviceSlots
+    shared: SharedSlots
     slots: SlotPool
     executor: Any
     fault_delay: FaultDelay

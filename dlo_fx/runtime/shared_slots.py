@@ -1,4 +1,4 @@
-"""`DeviceSlots`: what the models on one device share: the slot pool, the executor that
+"""`SharedSlots`: what the models on one device share: the slot pool, the executor that
 fills it, and which model's block each slot holds.
 
 [Note: what a model owns and what a device shares]
@@ -7,7 +7,7 @@ are never shared. Slot memory may be: a pipeline's text encoder and transformer 
 after the other, so they can stream through the same ``num_slots`` buffers, which is
 the largest device cost dlo adds; the weight-gather group is made once per device
 setting and default process group, and kept. Every runtime on one device with the same
-``num_slots`` gets the same `DeviceSlots`, held weakly here and
+``num_slots`` gets the same `SharedSlots`, held weakly here and
 strongly by the runtimes: when the last of them is gone, the slots are freed and the
 executor's worker thread stops.
 
@@ -45,10 +45,10 @@ import torch
 
 from .collectives import ShardGroup
 from .executor import make_executor
-from .slots import SlotPool
+from .slot_pool import SlotPool
 
 
-class DeviceSlots:
+class SharedSlots:
     def __init__(self, device: torch.device, num_slots: int) -> None:
         self.key = _key(device, num_slots)
         self.pid = os.getpid()  # a forked child makes its own (runtime.py, a forked process)
@@ -133,12 +133,12 @@ def _shutdown(executor) -> None:
 
 
 class SlotBlocks:
-    """One runtime's view of ``DeviceSlots.holder``: the host block each slot holds for
+    """One runtime's view of ``SharedSlots.holder``: the host block each slot holds for
     it, ``None`` where the slot holds nothing of this runtime's."""
 
     __slots__ = ("_shared", "_token")
 
-    def __init__(self, shared: DeviceSlots, token: int) -> None:
+    def __init__(self, shared: SharedSlots, token: int) -> None:
         self._shared, self._token = shared, token
 
     def __getitem__(self, slot: int) -> Optional[int]:
@@ -170,7 +170,7 @@ def _default_process_group() -> Any:
     return None
 
 
-_SHARED: "weakref.WeakValueDictionary[tuple, DeviceSlots]" = weakref.WeakValueDictionary()
+_SHARED: "weakref.WeakValueDictionary[tuple, SharedSlots]" = weakref.WeakValueDictionary()
 _GROUPS: dict[tuple, tuple[Any, Any, Any]] = {}  # key -> (spec, world, group)
 _LOCK = threading.Lock()
 
@@ -179,11 +179,11 @@ def _key(device: torch.device, num_slots: int) -> tuple:
     return (device.type, device.index or 0, num_slots)
 
 
-def device_slots(device: torch.device, num_slots: int) -> DeviceSlots:
-    """The `DeviceSlots` every runtime on ``device`` with ``num_slots`` shares."""
+def shared_slots(device: torch.device, num_slots: int) -> SharedSlots:
+    """The `SharedSlots` every runtime on ``device`` with ``num_slots`` shares."""
     key = _key(device, num_slots)
     with _LOCK:
         shared = _SHARED.get(key)
         if shared is None or shared.pid != os.getpid():  # the parent's thread is not here
-            shared = _SHARED[key] = DeviceSlots(device, num_slots)
+            shared = _SHARED[key] = SharedSlots(device, num_slots)
         return shared
