@@ -8,7 +8,7 @@ repetitions after warm-up waves:
 
 - ``wave of 2``: ``engine.run_wave([a, b])``, two different requests, one per rank;
 - ``wave of 1``: ``engine.run_wave([a])``, the spare rank runs padding forwards (every
-  rank must run the same forwards, see [Note: the collective clock]);
+  rank must run the same forwards, see [Note: the forward clock of a wave]);
 - ``resident``: request ``a`` alone in this process on a resident model, one thread.
 
 Figure: throughput(wave of 2) / throughput(wave of 1) = 2 x t(wave of 1) / t(wave of 2),

@@ -21,7 +21,7 @@ import time
 import torch
 
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.runtime import runtimes_holding
+from dlo_fx.runtime.owners import runtimes_holding
 
 
 def rss_bytes() -> int:

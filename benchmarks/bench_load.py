@@ -189,7 +189,7 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
     import dlo_fx
     from dlo_fx.loading.loader import load
     from dlo_fx.apps.models import example_inputs
-    from dlo_fx.runtime.runtime import runtimes_holding
+    from dlo_fx.runtime.owners import runtimes_holding
 
     from dlo_fx.runtime.procfs import process_memory
 

@@ -36,7 +36,7 @@ import dlo_fx
 from dlo_fx.loading.discover import resolve_checkpoint
 from dlo_fx.apps.models import ReferenceDiT, reference_dit
 from dlo_fx.runtime.fingerprint import file_fingerprint
-from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
 
 def main(argv=None) -> int:

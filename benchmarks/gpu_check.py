@@ -26,7 +26,7 @@ from _timing import write_json
 import dlo_fx
 from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import platform
-from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
 
 def sizes(device: torch.device, quick: bool) -> dict:

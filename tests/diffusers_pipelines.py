@@ -214,7 +214,7 @@ def readme_quick_start_case(readme: str) -> None:
     import numpy as np
     from diffusers import FluxPipeline
 
-    from dlo_fx.runtime.runtime import reset_runtimes
+    from dlo_fx.runtime.owners import reset_runtimes
 
     text = Path(readme).read_text()
     section = text[text.index("## Diffusers quick start"):text.index("## Any DiT")]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.node import has_side_effect
 
-from dlo_fx.runtime.runtime import reset_runtimes
+from dlo_fx.runtime.owners import reset_runtimes
 
 from models import MODELS, call, run_dlo, runtime_figures, tiny_dit
 

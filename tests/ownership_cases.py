@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import dlo_fx
 from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime.stored import is_stored
-from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
+from dlo_fx.runtime.owners import live_runtimes, runtimes_holding
 
 from loader_cases import SHARED, resident_dit, resident_wan, save_dit, save_wan
 from models import tiny_wan
@@ -401,7 +401,7 @@ def allgather_state_dict(rank: int, world: int, dit_path: str, config) -> dict:
     # Each rank asks for another layer's weights: the ranks would gather different blocks
     # of the same size into each other's, a state dict of mixed bytes with no error. The
     # clock before the gather makes both raise, and the runtime stays usable.
-    from dlo_fx.runtime.graph_call import ClockMismatch
+    from dlo_fx.runtime.clock import ClockMismatch
     try:
         model.blocks[rank].state_dict()
         out["other_layers"] = "no error"

@@ -12,8 +12,8 @@ import time
 import torch
 
 from dlo_fx.apps.engine.clock import ForwardClock
-from dlo_fx.runtime.graph_call import ClockMismatch
-from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.clock import ClockMismatch
+from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
 from models import call, run_dlo, tiny_dit
 from safety_models import FAIL, eager_head_dit, fail_after_half_the_waits, tiny_hidream

@@ -8,7 +8,7 @@ import torch
 import dlo_fx
 from dlo_fx.planning.blocks import layer_key
 from dlo_fx.runtime.layout import span_bytes
-from dlo_fx.runtime.runtime import runtimes_holding
+from dlo_fx.runtime.owners import runtimes_holding
 from dlo_fx.runtime.stored import is_stored
 
 from models import MODELS, call, run_dlo, tiny_dit

@@ -264,7 +264,7 @@ def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypat
     compiled = torch.compile(model, backend="dlo", options={"device_budget": 600_000})
     small, large = (example_inputs(model.config, batch=1, height=h, width=h, seed=1)
                     for h in (4, 32))
-    from dlo_fx.runtime.runtime import runtimes_holding
+    from dlo_fx.runtime.owners import runtimes_holding
 
     kept = []
     with torch.no_grad():

@@ -15,7 +15,7 @@ import benchmark_cases
 from distributed import spawn
 
 from dlo_fx.runtime import platform
-from dlo_fx.runtime.executor import CpuExecutor, make_executor
+from dlo_fx.runtime.executor import CpuExecutor, FaultDelay, make_executor
 from dlo_fx.runtime.host_store import HostStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,8 +38,9 @@ def test_cpu_executor_runs_tasks_in_issue_order_and_inlines_small_copies():
 
 
 def test_fault_delay_always_goes_through_the_worker():
-    ex = make_executor(torch.device("cpu"), 2, fault_delay_s=0.001)
-    handle = ex.copy(0, lambda: None, 1)
+    ex = make_executor(torch.device("cpu"), 2)
+    delay = FaultDelay(torch.device("cpu"), 0.001)  # what a runtime with fault_delay_s passes
+    handle = ex.copy(0, lambda: None, 1, None, delay.next())
     assert handle is not None
     ex.wait(handle)
     ex.shutdown()

@@ -16,7 +16,7 @@ from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime import file_reads, file_store
 from dlo_fx.runtime.file_reads import ALIGN, plan_buffered, plan_direct
-from dlo_fx.runtime.file_store import FileChangedError
+from dlo_fx.runtime.file_reads import FileChangedError
 from dlo_fx.loading.shards import write_shard_dir
 from file_store_cases import served, store_of
 from loader_cases import SHARED, fresh, resident_dit, save_dit

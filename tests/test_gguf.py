@@ -42,7 +42,7 @@ def _q8_model() -> torch.nn.Module:
 
 
 def test_gguf_q8_weights_stream_exactly_compiled_and_eager():
-    from dlo_fx.runtime.runtime import runtimes_holding
+    from dlo_fx.runtime.owners import runtimes_holding
     from dlo_fx.runtime.stored import is_stored
 
     ref, model = _q8_model(), _q8_model()

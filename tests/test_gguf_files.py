@@ -14,7 +14,7 @@ import torch
 
 import dlo_fx
 from dlo_fx.loading.checkpoint import CheckpointError
-from dlo_fx.runtime.runtime import runtimes_holding
+from dlo_fx.runtime.owners import runtimes_holding
 from dlo_fx.runtime.stored import is_stored
 
 import gguf_cases

@@ -23,8 +23,8 @@ import dlo_fx
 from distributed import in_child, spawn
 from dlo_fx.config import DLOConfig
 from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
-from dlo_fx.runtime import device_slots
-from dlo_fx.runtime.runtime import live_runtimes, runtimes_holding
+from dlo_fx.runtime import shared_slots
+from dlo_fx.runtime.owners import live_runtimes, runtimes_holding
 from dlo_fx.runtime.stored import is_stored
 from loader_cases import resident_dit, save_dit
 from models import run_dlo, tiny_dit, tiny_flux
@@ -341,7 +341,7 @@ def test_twenty_rounds_give_memory_back():
         rss.append(_rss_bytes())
     assert store_bytes == [0] * 20
     assert live_runtimes() == []
-    assert len(device_slots._SHARED) == 0  # slots freed with the last runtime
+    assert len(shared_slots._SHARED) == 0  # slots freed with the last runtime
     assert _copy_threads(wait_s=10.0) == 0
     growth = max(rss[5:]) - rss[4]
     assert growth < 3 * model_bytes, (growth, model_bytes, rss)  # leaking: 15 x model

@@ -22,7 +22,7 @@ def test_torchao_weights_stream_exactly_with_their_quantized_bytes(name):
     plain = flux()
     plain.compile(backend="dlo")
     run(plain)
-    from dlo_fx.runtime.runtime import runtimes_holding
+    from dlo_fx.runtime.owners import runtimes_holding
 
     bf16 = sum(b.nbytes for b in runtimes_holding(list(plain.parameters()))[0].store.blocks)
     assert got["block_bytes"] < 0.75 * bf16  # the quantized linears, beside bf16 norms

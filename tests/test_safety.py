@@ -1,6 +1,7 @@
 """Never silently wrong: failures, interrupts, threads, eager frames, different weights.
 
-See [Note: the collective clock] and [Note: one call at a time] in runtime/graph_call.py,
+See [Note: the collective clock of a shard group] in runtime/clock.py, [Note: one call at a
+time] in runtime/graph_call.py,
 [Note: interrupts and slot state] in runtime/interrupts.py and [Note: eager reads of
 streamed parameters] in runtime/eager.py.
 """
@@ -25,7 +26,7 @@ from dlo_fx.apps.models import example_inputs
 from dlo_fx.runtime.stored import is_stored
 
 from dlo_fx.runtime.executor import CpuExecutor
-from dlo_fx.runtime.runtime import runtimes_holding
+from dlo_fx.runtime.owners import runtimes_holding
 
 from distributed import spawn
 from models import call, tiny_dit

@@ -14,7 +14,7 @@ import io
 import pytest
 import torch
 
-from dlo_fx.runtime.runtime import runtimes_holding
+from dlo_fx.runtime.owners import runtimes_holding
 from dlo_fx.runtime.stored import StoredWeight, become_stored, is_stored
 
 from models import call, tiny_dit

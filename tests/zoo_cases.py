@@ -15,7 +15,7 @@ import traceback
 import torch
 
 from dlo_fx.runtime.stored import is_stored
-from dlo_fx.runtime.runtime import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
 from zoo_models import build, by_name, outputs
 

@@ -31,9 +31,12 @@ from ..runtime.agreement import agree_on_compile
 from ..model.guard import guard_module
 from ..runtime.fingerprint import block_fingerprint
 from ..runtime.layout import is_composite, leaf_entries
-from ..runtime.graph_call import compile_clock, note_compile, note_graph, run_graph
+from ..runtime.forward_log import note_compile
+from ..runtime.graph_call import compile_clock, note_graph, run_graph
 from ..runtime.ops import conflict_message
-from ..runtime.runtime import Runtime, claim, owner_of, read_unstored
+from ..runtime.owners import claim, owner_of
+from ..runtime.runtime import Runtime
+from ..runtime.weight_reads import read_unstored
 from .. import torch_private
 from ..runtime.stored import _caller_level, is_stored
 from ..model.storage_dtype import mark_model
@@ -85,7 +88,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         again = _SCHEDULED.get(key)
         if again is not None:  # see [Note: a graph compiled again for stored weights]
             return again
-    note_compile()  # a forward that compiles is not replayed gather-only (graph_call.py)
+    note_compile()  # a forward that compiles is not replayed gather-only (forward_log.py)
     if runtime is None and (params or any(True for m in owners for _ in m.parameters())):
         runtime = Runtime(config, resolve_device(config, example_inputs))
     if runtime is not None:  # before the passes size the blocks: see [Note: storing weights
@@ -299,7 +302,7 @@ def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, given: Mapping[str, Any]
                     runtime.store.convert_pending()
             if runtime in sched.adopted and not runtime.reach_checked:
                 warn_unreached(runtime)  # a second call: the first forward is complete
-            note_graph(sched, bound, args)  # for gather-only forwards (graph_call.py)
+            note_graph(sched, bound, args)  # for gather-only forwards (forward_log.py)
             start = time.perf_counter()
             blocks = len(runtime.store.blocks)
             try:
@@ -319,7 +322,7 @@ def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, given: Mapping[str, Any]
 def unscheduled_call(compiled: Callable, positions: Sequence[int]) -> Callable:
     """``compiled``, a graph with parameters and no schedule, reading the resident copy of
     each `StoredWeight` it is called with: see [Note: a graph compiled for another model
-    of the class] in runtime/runtime.py."""
+    of the class] in runtime/weight_reads.py."""
     def run(*args: Any) -> Any:
         stored = [args[i] for i in positions if is_stored(args[i])]
         if not stored:

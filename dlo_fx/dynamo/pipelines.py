@@ -23,7 +23,6 @@ as far as the runtime shares them per device.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -33,8 +32,9 @@ from .backend import given_options
 from ..config import DLOConfig
 from ..model.guard import guard_pipeline
 from ..model.guard import release as release_module
-from ..runtime.runtime import owner_of, runtimes_holding
+from ..model.state import peek, state_of
 from ..model.storage_dtype import mark_model, take_over_layerwise_casting
+from ..runtime.owners import owner_of, runtimes_holding
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         _check_same_options(pipe, name, given)
     for name in names:
         module = getattr(pipe, name)
-        _COMPILED_WITH[module] = given
+        state_of(module).compiled_with = given
         module.eval().requires_grad_(False)
         taken = take_over_layerwise_casting(module)  # see [Note: storing weights in another dtype]
         if config.storage_dtype is not None:  # before the first trace: every call exact
@@ -128,11 +128,6 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     return pipe
 
 
-_COMPILED_WITH: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-"""The options each component was last compiled with by `compile_pipeline` (until it is
-released): a second compile with other options is refused before anything changes."""
-
-
 def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
     """``ValueError`` when ``given`` asks component ``name`` for other options than its
     runtime was built with (`dlo_fx.load`, a first call) or it was compiled with."""
@@ -140,8 +135,8 @@ def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
     runtime = owner_of(module.parameters())
     if runtime is not None and not runtime.closed:
         config, where = runtime.config, "its runtime was built with (dlo_fx.load or its first call)"
-    elif module in _COMPILED_WITH:
-        config = DLOConfig.from_options(_COMPILED_WITH[module])
+    elif (state := peek(module)) is not None and state.compiled_with is not None:
+        config = DLOConfig.from_options(state.compiled_with)
         where = "a previous compile_pipeline gave it"
     else:
         return
@@ -189,7 +184,9 @@ def release(target: Any) -> Any:
 
 def _forget(module: nn.Module) -> None:
     for sub in module.modules():
-        _COMPILED_WITH.pop(sub, None)
+        state = peek(sub)
+        if state is not None:
+            state.compiled_with = None
 
 
 def _components(pipe: Any) -> dict[str, Any]:

@@ -247,7 +247,7 @@ def load_error(exc: BaseException) -> BaseException:
     """``exc`` as `dlo_fx.load` raises it: a file that could not be read as its header
     promised (`FileChangedError`: removed, truncated or rewritten since it was checked) is
     the checkpoint's problem, a `CheckpointError` naming the file."""
-    from ..runtime.file_store import FileChangedError
+    from ..runtime.file_reads import FileChangedError
 
     if isinstance(exc, FileChangedError):
         return CheckpointError(str(exc).removeprefix("dlo: "))

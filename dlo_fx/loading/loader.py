@@ -66,7 +66,8 @@ from .plan import KeyMap, LoadPlan, Target, agree_on_load, map_keys, plan_load
 from ..model.guard import guard_module
 from ..runtime.fingerprint import extent_sources, file_fingerprint
 from ..runtime.layout import STORAGE_MARK
-from ..runtime.runtime import Runtime, claim
+from ..runtime.owners import claim
+from ..runtime.runtime import Runtime
 from ..runtime.stored import carried_attributes, stored_parameter
 from .build import construct, materialised, meta_parameters
 from .shards import ShardDir, checkpoint_extents

@@ -290,8 +290,7 @@ def agree_on_load(runtime: Any, plan: LoadPlan, fingerprints: Sequence[int], sha
     before the first gather]): the runtime's facts, each block's layout, the resident
     parameters, the `dlo-fx shard` run and every block's fingerprint. ``error``: this
     rank's load failed; every rank raises."""
-    from ..runtime.agreement import Fact, agree, layout_digest, runtime_facts
-    from ..runtime.fingerprint import weights_fact
+    from ..runtime.agreement import Fact, agree, layout_digest, runtime_facts, weights_fact
 
     names = [b[0].fqn for b in plan.blocks]
     stored = runtime.store.blocks[len(runtime.store.blocks) - len(plan.blocks):] \

@@ -48,14 +48,11 @@ import torch
 from torch import nn
 
 from ..config import same_device
-from ..runtime.runtime import owned_by, owner_of, runtimes_holding
+from ..runtime.owners import owned_by, owner_of, runtimes_holding
 from ..runtime.stored import become_real, is_stored
+from .state import guarded_modules, peek, state_of
 
 __all__ = ["guard_module", "guard_pipeline", "release"]
-
-# module -> the hook handles guard_module installed on it
-_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-_STATE_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # with _real_weights
 
 
 def _in_store(t: torch.Tensor) -> bool:
@@ -260,25 +257,27 @@ def guard_module(module: nn.Module) -> None:
     module with stored weights]. Idempotent."""
     for sub in module.modules():
         direct = any(p is not None and _in_store(p) for p in sub._parameters.values())
-        handles = _GUARDS.get(sub)
-        if handles is None:
+        state = peek(sub)
+        if state is None or state.guards is None:
             if sub is not module and not any(_in_store(p) for p in sub.parameters()):
                 continue
-            handles = _GUARDS[sub] = [sub.register_load_state_dict_pre_hook(_refuse_load)]
+            state = state_of(sub)
+            state.guards = [sub.register_load_state_dict_pre_hook(_refuse_load)]
             sub.__dict__.update(_shadows(sub))
         # Its own parameters may be stored after it was guarded (a layer's second graph,
         # after a graph break inside it): state_dict must read those from the store too.
-        if direct and sub not in _STATE_HOOKED:
-            handles.append(sub.register_state_dict_post_hook(_real_weights))
-            _STATE_HOOKED.add(sub)
+        if direct and not state.state_hooked:
+            state.guards.append(sub.register_state_dict_post_hook(_real_weights))
+            state.state_hooked = True
 
 
 def unguard_module(module: nn.Module) -> None:
     for sub in module.modules():
-        handles = _GUARDS.pop(sub, None)
-        _STATE_HOOKED.discard(sub)
+        state = peek(sub)
+        handles = state.guards if state is not None else None
         if handles is None:
             continue
+        state.guards, state.state_hooked = None, False
         for handle in handles:
             handle.remove()
         for name in _SHADOWED:
@@ -329,7 +328,8 @@ def release(model: nn.Module) -> nn.Module:
         ids = {id(p) for p in params}
         params += [p for p in owned_by(runtimes) if id(p) not in ids]
         ids.update(id(p) for p in params)
-        modules = [model, *(m for m in list(_GUARDS) if any(id(p) in ids for p in m.parameters()))]
+        modules = [model, *(m for m in guarded_modules()
+                            if any(id(p) in ids for p in m.parameters()))]
         values = []
         for p in params:  # read everything first: a failure leaves the model as it was
             runtime = owner_of((p,))

@@ -12,7 +12,7 @@ from ..runtime.stored import is_stored
 from ..runtime.host_slabs import pinned_figures
 from ..runtime.layout import span_bytes
 from ..runtime.platform import max_memory_allocated
-from ..runtime.runtime import runtimes_holding
+from ..runtime.owners import runtimes_holding
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Optional
 from torch import fx
 
 from ..runtime import ops
-from ..runtime.graph_call import word
+from ..runtime.clock import word
 from ..runtime.ops import SCHEDULE_OPS, GraphSchedule
 from .context import GraphBlock, GraphPlan
 

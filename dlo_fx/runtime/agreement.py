@@ -17,8 +17,8 @@ in one exchange, before any gather of the blocks they describe:
   the resident parameters, a sampled fingerprint of every block's weights whatever the
   store (`fingerprint.py`), and the ``dlo-fx shard`` run the files come from.
 
-The settings that pick a runtime's weight group (``num_slots``, ``fault_delay_s``, the
-timeout, the shard group) are compared once more, earlier, when the runtime is made and
+The settings that pick a runtime's weight group (``num_slots``, the timeout, the shard
+group), and ``fault_delay_s``, are compared once more, earlier, when the runtime is made and
 before it takes that group (`agree_on_settings`, on a control group of the same ranks):
 the group is made per setting by ``dist.new_group``, which pairs the ranks' calls by count,
 so a group made on one rank only would leave every later exchange paired with something
@@ -41,7 +41,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["Fact", "agree", "agree_on_compile", "agree_on_settings", "runtime_facts"]
+__all__ = ["Fact", "agree", "agree_on_compile", "agree_on_settings", "check_same_weights",
+           "runtime_facts", "weights_fact"]
 
 _SETTINGS_LOCK = threading.Lock()
 
@@ -140,7 +141,7 @@ def agree(runtime: Any, facts: Sequence[Fact], what: str,
             raise error
         return
     from .collectives import exchange_json
-    from .graph_call import CLOCK_WORDS, COMPILE, check_rows, exchange, word
+    from .clock import CLOCK_WORDS, COMPILE, check_rows, exchange, word
 
     mine = {"rank": group.ranks[group.rank], "position": group.rank,
             "error": None if error is None else f"{type(error).__name__}: {error}",
@@ -171,13 +172,26 @@ def agree(runtime: Any, facts: Sequence[Fact], what: str,
     _compare(group, rows, facts, what)
 
 
+def weights_fact(fingerprints: Sequence[int], names: Sequence[str]) -> Fact:
+    """The blocks' sampled fingerprints (`fingerprint.py`) as a fact of the ranks' agreement."""
+    return Fact("weights", list(fingerprints), "Every rank of the shard group must load the "
+                "same checkpoint (same files, same dtype); this compares sampled fingerprints, "
+                "64 windows of 8 bytes per block", blocks=list(names))
+
+
+def check_same_weights(runtime: Any, fingerprints: Sequence[int], names: Sequence[str],
+                       what: str) -> None:
+    """Raise `ValueError` on every rank when the ranks' fingerprints differ, naming the
+    first differing block; the runtime's own facts are compared in the same exchange
+    (see [Note: one agreement before the first gather])."""
+    agree(runtime, runtime_facts(runtime) + [weights_fact(fingerprints, names)], what)
+
+
 def agree_on_compile(runtime: Any, rows: Sequence[Sequence[Any]], resident: Sequence[str],
                      fingerprints: Sequence[int], new: Sequence[str], what: str) -> None:
     """The agreement of a compile that stores new blocks: the runtime's facts, the graph's
     block plan (``rows``: parameter count, bytes, first FQN per block), the parameters it
     keeps resident, and the new blocks' fingerprints (``new``: their first FQNs)."""
-    from .fingerprint import weights_fact
-
     plan = Fact("block plans", [list(r) for r in rows],
                 "Rows are parameter count, bytes, first FQN. Every rank of the shard group "
                 "must compile the same model with the same options and reach the same graphs "
@@ -191,11 +205,11 @@ def agree_on_compile(runtime: Any, rows: Sequence[Sequence[Any]], resident: Sequ
 
 def agree_on_settings(config: Any, device: Any) -> None:
     """Before a runtime takes its weight group: compare the settings that decide which
-    group, slots and executor it gets (``num_slots``, ``fault_delay_s``, the timeout, the
-    sorted shard group, the mode, ``alignment``, the device type) over the control group
+    group, slots and executor it gets (``num_slots``, the timeout, the sorted shard group),
+    with ``fault_delay_s``, the mode, ``alignment`` and the device type, over the control group
     of its ranks, and raise `ValueError` on every rank where they differ.
 
-    The weight group is made per slot setting (`DeviceSlots.shard_group`), and
+    The weight group is made per slot setting (`SharedSlots.shard_group`), and
     ``dist.new_group`` pairs the ranks' calls by count: a rank whose ``num_slots`` differs
     made a group the others did not, and every later exchange, of this model or any other,
     was paired with something else (a timeout at best; SIGABRT inside gloo when the
@@ -216,7 +230,7 @@ def agree_on_settings(config: Any, device: Any) -> None:
     if len(ranks) < 2 or dist.get_rank() not in ranks:
         return  # nothing to gather, or `resolve_shard_group` refuses it
     from .collectives import exchange_json
-    from .device_slots import control_group
+    from .shared_slots import control_group
 
     group = control_group(ranks, config.collective_timeout_s)
     same = ("Give every rank the same options (at dlo_fx.load, or at the first "

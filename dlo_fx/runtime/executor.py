@@ -2,10 +2,10 @@
 
 Both keep one contract, driven by `Runtime` (see [Note: slot reuse and stream ordering]):
 
-- ``copy(slot, task, nbytes, after)``: run ``task`` (the H2D of a host shard into ``slot``)
-  once every earlier read of the slot is done and ``after`` (the slot's last copy or
-  gather, which nobody may have waited on: a wrap-around prefetch another graph replaced)
-  has finished; returns a handle;
+- ``copy(slot, task, nbytes, after, delay_s)``: run ``task`` (the H2D of a host shard into
+  ``slot``) once every earlier read of the slot is done and ``after`` (the slot's last copy
+  or gather, which nobody may have waited on: a wrap-around prefetch another graph
+  replaced) has finished; returns a handle (``delay_s``: see `FaultDelay`);
 - ``gather(slot, task, after)``: run ``task`` (the in-place AllGather) after ``after``;
 - ``wait(handle)``: compute may read what ``handle`` produced (interruptible: the handle
   stays valid and may be waited on again);
@@ -16,8 +16,9 @@ Both keep one contract, driven by `Runtime` (see [Note: slot reuse and stream or
 - ``sync()``: everything issued has finished (compile time only).
 
 `CpuExecutor`: one background worker thread runs every task in issue order, so every rank
-issues its collectives in one order; ``wait`` blocks on the task. ``fault_delay_s`` delays
-each copy randomly, which proves that ``wait`` is what orders a slot.
+issues its collectives in one order; ``wait`` blocks on the task. A copy given a
+``delay_s`` (`FaultDelay`, the ``fault_delay_s`` option) runs on the worker after that
+delay, which proves that ``wait`` is what orders a slot.
 
 `DeviceExecutor`: a copy stream for H2D and a comm stream for the AllGather; compute
 waits on an event per block, and ``release`` records the event the next copy into that
@@ -50,11 +51,9 @@ class CpuExecutor:
 
     inline_bytes = 256 * 1024
 
-    def __init__(self, *, fault_delay_s: float = 0.0, seed: int = 0) -> None:
+    def __init__(self) -> None:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
-        self.fault_delay_s = fault_delay_s
-        self._rng = random.Random(seed)
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -64,17 +63,16 @@ class CpuExecutor:
         return self._pool
 
     def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0,
-             after: Any = None) -> Optional[Future]:
-        if nbytes < self.inline_bytes and not self.fault_delay_s:
+             after: Any = None, delay_s: Optional[float] = None) -> Optional[Future]:
+        if nbytes < self.inline_bytes and delay_s is None:
             self.settle(after)  # FIFO: every earlier task touching the slot is done too
             task()
             return None
-        if self.fault_delay_s:
-            delay = self._rng.uniform(0.0, self.fault_delay_s)
+        if delay_s is not None:
             inner = task
 
             def task() -> None:
-                time.sleep(delay)
+                time.sleep(delay_s)
                 inner()
 
         return self._worker().submit(task)  # FIFO: after ``after``
@@ -131,7 +129,9 @@ class DeviceExecutor:
         self._released: list[Optional[torch.Event]] = [None] * num_slots
 
     def copy(self, slot: int, task: Callable[[], Any], nbytes: int = 0,
-             after: Optional[torch.Event] = None) -> torch.Event:
+             after: Optional[torch.Event] = None, delay_s: Optional[float] = None) -> torch.Event:
+        if delay_s is not None:
+            raise NotImplementedError("dlo: internal error: a delayed copy on a device")
         with platform.on_stream(self.copy_stream):
             released = self._released[slot]
             if released is not None:
@@ -174,10 +174,26 @@ class DeviceExecutor:
         self.sync()
 
 
-def make_executor(device: torch.device, num_slots: int, fault_delay_s: float):
+def make_executor(device: torch.device, num_slots: int):
     if device.type == "cpu":
-        return CpuExecutor(fault_delay_s=fault_delay_s)
-    if fault_delay_s:
-        raise NotImplementedError("fault_delay_s is a CPU-runtime option; on a device the "
-                                  "streams order the slots")
+        return CpuExecutor()
     return DeviceExecutor(device, num_slots)
+
+
+class FaultDelay:
+    """Fault injection (the ``fault_delay_s`` option), one per runtime: a random delay in
+    ``[0, max_s]`` for each copy the runtime issues, from a generator seeded alike in every
+    runtime (the same delays in every run). It belongs to the runtime, not to the slots and
+    executor it shares with the other models on its device: a test option does not decide
+    what is shared. CPU only: on a device the streams order the slots."""
+
+    def __init__(self, device: torch.device, max_s: float, seed: int = 0) -> None:
+        if max_s and device.type != "cpu":
+            raise NotImplementedError("fault_delay_s is a CPU-runtime option; on a device the "
+                                      "streams order the slots")
+        self.max_s = max_s
+        self._rng = random.Random(seed)
+
+    def next(self) -> Optional[float]:
+        """The next copy's delay (None: no fault injection, the copy may run inline)."""
+        return self._rng.uniform(0.0, self.max_s) if self.max_s else None

@@ -1,5 +1,6 @@
 """`FileReader`: a block's file bytes read by several threads, through the page cache or
-around it (``O_DIRECT``).
+around it (``O_DIRECT``), from `ServedFile`s (one open file each, its size and mtime
+checked); `FileChangedError` where a file changed under them.
 
 [Note: reading at the disk's rate]
 One ``preadv`` at a time through the page cache reads far below the disk's rate: the
@@ -41,15 +42,88 @@ import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from .file_store import _ServedFile
+__all__ = ["ALIGN", "CHUNK", "THREADS", "FileChangedError", "FileReader", "Piece", "Segment",
+           "ServedFile", "plan_direct", "plan_buffered"]
 
-__all__ = ["ALIGN", "CHUNK", "THREADS", "FileReader", "Piece", "Segment", "plan_direct",
-           "plan_buffered"]
+
+class FileChangedError(RuntimeError):
+    """A file a host shard is served from was truncated, rewritten or removed."""
+
+
+class ServedFile:
+    """One open file and the size and mtime it had when it was opened."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise FileChangedError(f"dlo: cannot open {path} to serve weights from it "
+                                   f"({exc})") from None
+        st = os.fstat(self.fd)
+        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+        self.dfd: Optional[int] = None  # O_DIRECT, opened at the first direct read
+        self.direct_error: Optional[str] = None  # why O_DIRECT is not used, once it failed
+        self._lock = threading.Lock()
+
+    def direct_fd(self) -> Optional[int]:
+        """The file opened with ``O_DIRECT``; None where the file system refuses it. The
+        reader threads ask for it at once: one opens it, under the lock."""
+        with self._lock:
+            if self.direct_error is not None or self.fd < 0:
+                return None
+            if self.dfd is None:
+                try:
+                    self.dfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+                                       | getattr(os, "O_CLOEXEC", 0))
+                except OSError as exc:
+                    self.direct_error = exc.strerror or str(exc)
+                    return None
+                if os.fstat(self.dfd).st_ino != os.fstat(self.fd).st_ino:
+                    self.direct_error = "the path names another file now"
+                    replaced = True
+                else:
+                    replaced = False
+            else:
+                replaced = False
+        if replaced:
+            self.check("its next read")
+            raise FileChangedError(f"dlo: {self.path} was replaced by another file while "
+                                   "host_store='mmap' serves weights from it; restore it "
+                                   "and load the model again")
+        return self.dfd
+
+    def no_direct(self, exc: OSError) -> None:
+        """Read this file buffered from now on. The O_DIRECT descriptor stays open until
+        `close`: another reader thread may be inside a read on it, and a descriptor closed
+        under it, its number then reused by the next open, would read another file's
+        bytes."""
+        with self._lock:
+            if self.direct_error is None:
+                self.direct_error = exc.strerror or str(exc)
+
+    def check(self, what: str) -> None:
+        st = os.fstat(self.fd)
+        if (st.st_size, st.st_mtime_ns) != (self.size, self.mtime_ns):
+            how = (f"truncated or extended from {self.size} to {st.st_size} bytes"
+                   if st.st_size != self.size else "rewritten (its mtime changed)")
+            raise FileChangedError(
+                f"dlo: {self.path} was {how} while host_store='mmap' serves {what} from it; "
+                "the weights would be wrong. Restore the file (or never write to a "
+                "checkpoint being served) and load the model again")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
+
 
 ALIGN = 4096
 """``O_DIRECT`` alignment of offsets, lengths and buffers (a page: every Linux block device
@@ -174,7 +248,7 @@ class FileReader:
                                                 thread_name_prefix="dlo-read")
             return self._pool
 
-    def read(self, files: dict[str, "_ServedFile"], pieces: Sequence[Piece], dest: torch.Tensor,
+    def read(self, files: dict[str, ServedFile], pieces: Sequence[Piece], dest: torch.Tensor,
              direct: bool, what: str) -> None:
         """Read ``pieces`` of ``files`` into the CPU uint8 tensor ``dest``."""
         if not pieces:
@@ -199,7 +273,7 @@ class FileReader:
         if first is not None:
             raise first
 
-    def _read_direct(self, f: "_ServedFile", p: Piece, base: int, what: str) -> None:
+    def _read_direct(self, f: ServedFile, p: Piece, base: int, what: str) -> None:
         fd = f.direct_fd()
         if fd is None:
             self._warn(f)
@@ -222,11 +296,11 @@ class FileReader:
         for s in p.segments:
             ctypes.memmove(base + s.dest, src + s.at, s.nbytes)
 
-    def _fall_back(self, f: "_ServedFile", exc: OSError) -> None:
+    def _fall_back(self, f: ServedFile, exc: OSError) -> None:
         f.no_direct(exc)
         self._warn(f)
 
-    def _warn(self, f: "_ServedFile") -> None:
+    def _warn(self, f: ServedFile) -> None:
         with self._lock:
             if f.path in self.fallbacks:
                 return
@@ -242,16 +316,14 @@ class FileReader:
             pool.shutdown(wait=True)
 
 
-def _ended(f: "_ServedFile", at: int, missing: int, what: str) -> None:
-    from .file_store import FileChangedError
-
+def _ended(f: ServedFile, at: int, missing: int, what: str) -> None:
     f.check(what)  # names a truncation when that is why
     raise FileChangedError(f"dlo: {f.path} ended at byte {at} while reading {what} "
                            f"({missing} bytes missing); the file is truncated: restore it "
                            "and load the model again")
 
 
-def _read_buffered(f: "_ServedFile", p: Piece, base: int, what: str) -> None:
+def _read_buffered(f: ServedFile, p: Piece, base: int, what: str) -> None:
     (s,) = p.segments if len(p.segments) == 1 and p.segments[0].at == 0 else (None,)
     if s is not None:  # straight into the destination
         view = (ctypes.c_char * s.nbytes).from_address(base + s.dest)

@@ -57,17 +57,14 @@ import torch
 
 from . import procfs
 from . import platform
-from .file_reads import FileReader, Piece, plan_buffered, plan_direct
+from .file_reads import (FileChangedError, FileReader, Piece, ServedFile, plan_buffered,
+                         plan_direct)
 from .host_slabs import HostSlabs
 from .layout import span_as_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Convert", "Extent", "FileChangedError", "FileShard", "FileStore", "read_extents"]
-
-
-class FileChangedError(RuntimeError):
-    """A file a host shard is served from was truncated, rewritten or removed."""
+__all__ = ["Convert", "Extent", "FileShard", "FileStore", "read_extents"]
 
 
 @dataclass(frozen=True)
@@ -116,78 +113,7 @@ CHECK_SAMPLES = 16
 CHECK_WINDOW = 8
 
 
-class _ServedFile:
-    """One open file and the size and mtime it had when it was opened."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise FileChangedError(f"dlo: cannot open {path} to serve weights from it "
-                                   f"({exc})") from None
-        st = os.fstat(self.fd)
-        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
-        self.dfd: Optional[int] = None  # O_DIRECT, opened at the first direct read
-        self.direct_error: Optional[str] = None  # why O_DIRECT is not used, once it failed
-        self._lock = threading.Lock()
-
-    def direct_fd(self) -> Optional[int]:
-        """The file opened with ``O_DIRECT``; None where the file system refuses it. The
-        reader threads ask for it at once: one opens it, under the lock."""
-        with self._lock:
-            if self.direct_error is not None or self.fd < 0:
-                return None
-            if self.dfd is None:
-                try:
-                    self.dfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-                                       | getattr(os, "O_CLOEXEC", 0))
-                except OSError as exc:
-                    self.direct_error = exc.strerror or str(exc)
-                    return None
-                if os.fstat(self.dfd).st_ino != os.fstat(self.fd).st_ino:
-                    self.direct_error = "the path names another file now"
-                    replaced = True
-                else:
-                    replaced = False
-            else:
-                replaced = False
-        if replaced:
-            self.check("its next read")
-            raise FileChangedError(f"dlo: {self.path} was replaced by another file while "
-                                   "host_store='mmap' serves weights from it; restore it "
-                                   "and load the model again")
-        return self.dfd
-
-    def no_direct(self, exc: OSError) -> None:
-        """Read this file buffered from now on. The O_DIRECT descriptor stays open until
-        `close`: another reader thread may be inside a read on it, and a descriptor closed
-        under it, its number then reused by the next open, would read another file's
-        bytes."""
-        with self._lock:
-            if self.direct_error is None:
-                self.direct_error = exc.strerror or str(exc)
-
-    def check(self, what: str) -> None:
-        st = os.fstat(self.fd)
-        if (st.st_size, st.st_mtime_ns) != (self.size, self.mtime_ns):
-            how = (f"truncated or extended from {self.size} to {st.st_size} bytes"
-                   if st.st_size != self.size else "rewritten (its mtime changed)")
-            raise FileChangedError(
-                f"dlo: {self.path} was {how} while host_store='mmap' serves {what} from it; "
-                "the weights would be wrong. Restore the file (or never write to a "
-                "checkpoint being served) and load the model again")
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if self.dfd is not None:
-            os.close(self.dfd)
-            self.dfd = None
-
-
-def _check_sampled(f: _ServedFile, r: _Run, got: torch.Tensor, what: str) -> None:
+def _check_sampled(f: ServedFile, r: _Run, got: torch.Tensor, what: str) -> None:
     """Raise when the sampled bytes of run ``r`` in ``got`` (its file bytes as just read)
     differ from those read at load: the file was rewritten keeping its size and mtime."""
     if r.check_at is None or torch.equal(got.index_select(0, r.check_at), r.check_bytes):
@@ -201,7 +127,7 @@ def _check_sampled(f: _ServedFile, r: _Run, got: torch.Tensor, what: str) -> Non
         "model again")
 
 
-def _sample_runs(files: dict[str, _ServedFile], runs: list[_Run], what: str) -> list[_Run]:
+def _sample_runs(files: dict[str, ServedFile], runs: list[_Run], what: str) -> list[_Run]:
     """``runs`` with their sampled bytes read now (``CHECK_SAMPLES`` windows spread evenly
     over the runs' file bytes), after checking that each run lies inside its file."""
     for r in runs:
@@ -312,7 +238,7 @@ def _plan(runs: Sequence[_Run], direct: bool) -> list[Piece]:
     return plan_direct(plain) if direct else plan_buffered(plain)
 
 
-def _read_runs(files: dict[str, _ServedFile], runs: Sequence[_Run], dest: torch.Tensor,
+def _read_runs(files: dict[str, ServedFile], runs: Sequence[_Run], dest: torch.Tensor,
                what: str, scratch: _Scratch, reader: FileReader, direct: bool = False,
                pieces: Optional[list[Piece]] = None) -> int:
     """Read ``runs`` into the CPU uint8 tensor ``dest``; returns the tensors converted."""
@@ -357,7 +283,7 @@ def read_extents(extents: Sequence[Extent], lo: int, dest: torch.Tensor, what: s
     """Read the block bytes ``[lo, lo + dest.numel())`` that ``extents`` hold into ``dest``
     (a CPU uint8 tensor) once, without keeping the files open (``host_store="memory"``)."""
     runs = _clip(extents, lo, lo + dest.numel())
-    files = {r.path: _ServedFile(r.path) for r in runs}
+    files = {r.path: ServedFile(r.path) for r in runs}
     try:
         _read_runs(files, runs, dest, what, _Scratch(), _LOAD_READER)
     finally:
@@ -415,7 +341,7 @@ class FileStore:
         self.file_reads = file_reads
         self.direct: Optional[bool] = None  # decided at the first read: `decide_direct`
         self.reader = FileReader()
-        self.files: dict[str, _ServedFile] = {}
+        self.files: dict[str, ServedFile] = {}
         self.shards: list[FileShard] = []
         self.staging = _Staging(device, num_slots, pin) if device.type != "cpu" else None
         self.depth = depth if depth is not None else num_slots + 1
@@ -434,7 +360,7 @@ class FileStore:
         runs = _clip(extents, lo, hi)
         for r in runs:
             if r.path not in self.files:
-                self.files[r.path] = _ServedFile(r.path)
+                self.files[r.path] = ServedFile(r.path)
         runs = _sample_runs(self.files, runs, f"host block {index} (rank {self.rank})")
         shard = FileShard(self, index, hi - lo, runs)
         self.shards.append(shard)

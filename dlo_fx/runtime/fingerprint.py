@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .file_store import FileChangedError
+from .file_reads import FileChangedError
 from .layout import Entry
 
 SAMPLES = 64
@@ -107,22 +107,3 @@ def file_fingerprint(entries: Sequence[Entry],
         for fd in fds.values():
             os.close(fd)
     return int.from_bytes(h.digest()[:8], "little") >> 2
-
-
-def weights_fact(fingerprints: Sequence[int], names: Sequence[str]) -> Any:
-    """The blocks' fingerprints as a fact of the ranks' agreement (`agreement.py`)."""
-    from .agreement import Fact
-
-    return Fact("weights", list(fingerprints), "Every rank of the shard group must load the "
-                "same checkpoint (same files, same dtype); this compares sampled fingerprints, "
-                "64 windows of 8 bytes per block", blocks=list(names))
-
-
-def check_same_weights(runtime: Any, fingerprints: Sequence[int], names: Sequence[str],
-                       what: str) -> None:
-    """Raise `ValueError` on every rank when the ranks' fingerprints differ, naming the
-    first differing block; the runtime's own facts are compared in the same exchange
-    (see [Note: one agreement before the first gather])."""
-    from .agreement import agree, runtime_facts
-
-    agree(runtime, runtime_facts(runtime) + [weights_fact(fingerprints, names)], what)

@@ -1,5 +1,6 @@
-"""Running one scheduled graph: one at a time per runtime, the ranks' collective clock, and
-completing the schedule of a graph whose call failed.
+"""Running one scheduled graph: one at a time per runtime, behind the ranks' collective clock
+(clock.py), completing the schedule of a graph whose call failed, and running a graph's
+schedule alone (a gather-only forward, forward_log.py).
 
 [Note: one call at a time]
 A runtime has one slot state machine (which block each slot holds, what is pending) and,
@@ -15,32 +16,6 @@ the host blocks bound, the step reached), and the runtimes it serves may hold di
 locks (another slot count), so each call also holds the graph's own ``call_lock`` from
 its bind to its end: two models of a class called on two threads read each other's
 stores without it.
-
-[Note: the collective clock]
-In allgather mode every rank must issue the same gathers in the same order. Three things
-could break that, and each has its guard:
-
-- a call that raises (or is interrupted) part-way through a graph: the rank completes the
-  rest of that graph's schedule without computing (`complete`: the remaining prefetch,
-  allgather, wait and swap nodes, run in order with their real arguments; they are
-  idempotent on the slot state, so an interrupted node simply runs again), then raises.
-  Its slot state and its collective count end exactly as the other ranks' do.
-- a call that raises between graphs, or a graph another rank never reaches: before the
-  first schedule node of a graph, the ranks exchange a small clock word (`CLOCK_WORDS`
-  int64: the graph's key, its block count, the host block its first block is bound to)
-  through the same worker as the gathers. Different words raise `RuntimeError` on every
-  rank before any gather of that graph, so a gather never pairs with a different block
-  (a silent mix of weights) or a different size (an abort inside gloo). Both ranks leave
-  their state as it was; the next call starts in step.
-- reads of a stored weight outside a graph (`runtime/stored.py`: `Runtime.eager_block`)
-  exchange clock words the same way, in the same worker task as their gather, and so do
-  reads of the stored weights to the host (``state_dict()``, `release`:
-  `Runtime.host_tensor`) and a compile before it
-  compares plans and weight fingerprints (`compile_clock`). The last word says which kind
-  of step each rank is at, and a mismatch names them.
-
-A collective that fails (a rank died, the timeout passed) closes the runtime: the group is
-unusable afterwards.
 
 [Note: a compile on one rank only]
 Dynamo recompiles a frame on one rank alone when only that rank's call fails a guard: a
@@ -61,32 +36,25 @@ its parameters' first plan chose, so every rank streams the same blocks.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import threading
-from typing import Any, Callable, Iterator, Optional, Sequence
+import functools
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .collectives import _all_gather_single
+from .clock import COMPILE, GRAPH, Clock, ClockMismatch, word
+from . import forward_log
 from .interrupts import deferred
-
-CLOCK_WORDS = 4
-
-
-class ClockMismatch(RuntimeError):
-    """The ranks of a shard group reached different graphs (raised on every rank)."""
+from .ops import GraphSchedule
+from .runtime import Runtime
 
 
-def word(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
 def _args_of(spec: tuple, args: Sequence[Any]) -> list:
     return [args[v] if kind == "arg" else None if kind == "none" else v for kind, v in spec]
 
 
-def _first_host_block(runtime: Any, sched: Any, args: Sequence[Any]) -> int:
+def _first_host_block(runtime: Runtime, sched: GraphSchedule, args: Sequence[Any]) -> int:
     for target, spec in sched.replay:
         for kind, v in spec:
             if kind == "arg" and isinstance(args[v], torch.nn.Parameter):
@@ -95,122 +63,54 @@ def _first_host_block(runtime: Any, sched: Any, args: Sequence[Any]) -> int:
     return -1
 
 
-def exchange(group: Any, device: torch.device, words: Sequence[int], what: str) -> list[list[int]]:
-    """Every rank's clock words (run on the executor's worker, in the gathers' order)."""
-    from .platform import exchange_device
+def _clock(runtime: Runtime, words: Sequence[int], what: str) -> Clock:
+    return Clock(runtime.executor, runtime.group, runtime.device, words, what)
 
-    device = exchange_device(group.pg)  # the CPU for gloo, the accelerator otherwise
-    mine = torch.tensor(list(words), dtype=torch.int64, device=device)
-    every = torch.empty(group.dp * len(words), dtype=torch.int64, device=device)
+
+def check_clock(runtime: Runtime, clock: Clock) -> None:
+    """`Clock.check`; an exchange that failed closes ``runtime`` (the group is unusable)."""
     try:
-        _all_gather_single(every, mine, group=group.pg)
-    except Exception as exc:
-        raise RuntimeError(f"dlo: exchanging the collective clock before {what} over the "
-                           f"{group.describe()} failed on global rank "
-                           f"{group.ranks[group.rank]}: {exc}") from exc
-    return every.cpu().view(group.dp, -1).tolist()
-
-
-# The last clock word: what a rank is about to do.
-GRAPH, EAGER, COMPILE, HOST_READ = range(4)
-_KINDS = {GRAPH: "calls a graph", EAGER: "fetches weights eagerly",
-          COMPILE: "compiles a graph", HOST_READ: "reads weights outside a graph (state_dict, release)"}
-
-
-def _kinds_hint(group: Any, rows: list[list[int]]) -> str:
-    """What the ranks do, when they do different kinds of things (the last clock word)."""
-    kinds = [row[-1] for row in rows]
-    if len(set(kinds)) == 1:
-        return ""
-    doing = "; ".join(f"global rank {group.ranks[i]} {_KINDS.get(k, 'runs')}"
-                      for i, k in enumerate(kinds))
-    hint = f" ({doing})"
-    if EAGER in kinds:
-        hint += (". A rank fetches eagerly where Dynamo runs no compiled code for a module "
-                 "that reads streamed weights; for instance, where a graph break made Dynamo "
-                 "compile a module's forward as a frame of its own, a new input shape on "
-                 "one rank alone makes that rank recompile it (call every rank with the "
-                 "same shapes, or use mode='rank_local')")
-    return hint
-
-
-def check_rows(group: Any, rows: list[list[int]], what: str) -> None:
-    """Raise `ClockMismatch` (on every rank: all see all rows) when the words differ."""
-    mine = rows[group.rank]
-    for i, row in enumerate(rows):
-        if row != mine:
-            raise ClockMismatch(
-                f"dlo: the ranks of the {group.describe()} are out of step: global rank "
-                f"{group.ranks[group.rank]} is about to run {what} (clock {mine}) but global "
-                f"rank {group.ranks[i]} runs clock {row} (words: graph key, blocks, first host "
-                f"block, kind){_kinds_hint(group, rows)}. A call failed or was interrupted on "
-                "one rank only between two graphs, or the ranks run different code, or call "
-                "the model from several threads in different orders, or the model branches "
-                "on its data (a step cache such as diffusers' FirstBlockCache skipping blocks "
-                "on one rank only: "
-                "mode='rank_local' lets each rank run its own graphs). Every rank raises "
-                "here before gathering anything; the next call starts in step")
-
-
-class Clock:
-    """One exchange of clock words over the shard group, issued through the executor."""
-
-    def __init__(self, runtime: Any, words: Sequence[int], what: str) -> None:
-        self.runtime, self.what, self.rows = runtime, what, None
-        group, device = runtime.group, runtime.device
-
-        def task() -> None:
-            self.rows = exchange(group, device, words, what)
-
-        with deferred():  # issued and recorded together
-            self.handle = runtime.executor.gather(-1, task, None)
-
-    def check(self) -> None:
-        """Wait for the exchange; raise `ClockMismatch` when the ranks' words differ."""
-        runtime = self.runtime
-        try:
-            runtime.executor.wait(self.handle)
-        except BaseException as exc:
-            if runtime.executor.failed(self.handle):
-                runtime.broken = f"{type(exc).__name__}: {exc}"
-            raise
-        if self.rows is None:  # a device executor: the exchange ran on the comm stream
-            raise RuntimeError("dlo: internal error: clock words missing after the exchange")
-        check_rows(runtime.group, self.rows, self.what)
+        clock.check()
+    except BaseException as exc:
+        if clock.failed():
+            runtime.broken = f"{type(exc).__name__}: {exc}"
+        raise
 
 
 _COMPILE_WORD = word("dlo-compile")
 
 
-def compile_clock(runtime: Any, blocks: int, what: str) -> None:
+def compile_clock(runtime: Runtime, blocks: int, what: str) -> None:
     """Exchange clock words before a compile's own collectives (plan digest, fingerprints):
     a rank still compiling while another already runs graphs raises instead of pairing a
     plan exchange with a clock or a gather."""
     if runtime.group.dp > 1:
-        Clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what).check()  # then: agreement.py
+        check_clock(runtime, _clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what))  # then: agreement.py
 
 
-def gathers(runtime: Any) -> bool:
+def gathers(runtime: Runtime) -> bool:
     """Whether ``runtime``'s graphs issue collectives (AllGather mode over several ranks)."""
     return runtime.mode == "allgather" and runtime.group.dp > 1
 
 
-def complete(runtime: Any, sched: Any, args: Sequence[Any], clock: Optional[Clock]) -> None:
+def complete(runtime: Runtime, sched: GraphSchedule, args: Sequence[Any],
+             clock: Optional[Clock]) -> None:
     """Run the rest of the graph's schedule without computing (after a failure)."""
     if runtime.broken is not None:
         return  # the group is unusable: the other ranks raise within the timeout
     if clock is not None:
-        clock.check()  # raises `ClockMismatch`: nobody gathers anything for this graph
+        check_clock(runtime, clock)  # raises `ClockMismatch`: nobody gathers anything for this graph
     while sched.step < len(sched.replay):
         target, spec = sched.replay[sched.step]
         target(sched, *_args_of(spec, args))
 
 
-def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequence[Any]) -> Any:
+def run_graph(runtime: Runtime, sched: GraphSchedule, compiled: Optional[Callable],
+              args: Sequence[Any]) -> Any:
     """Call ``compiled(*args)`` under the runtime's lock, keeping the collective clock.
     With ``compiled=None`` the graph's schedule runs without computing (a gather-only
-    forward, see [Note: gather-only forwards]). A failure after the clock completes the
-    graph's gathers, so its peers stay in step."""
+    forward, see [Note: gather-only forwards] in forward_log.py). A failure after the
+    clock completes the graph's gathers, so its peers stay in step."""
     with runtime.lock:
         runtime.check_open()  # also raises when another thread released the model
         sched.step = 0
@@ -219,9 +119,9 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
             if gathers(runtime) and sched.replay:
                 what = f"a graph of {len(sched.fqns)} blocks (first {sched.fqns[0][0]!r})" \
                     if sched.fqns and sched.fqns[0] else "a graph"
-                clock = Clock(runtime, [sched.key, len(sched.fqns),
-                                        _first_host_block(runtime, sched, args), GRAPH], what)
-                clock.check()
+                clock = _clock(runtime, [sched.key, len(sched.fqns),
+                                         _first_host_block(runtime, sched, args), GRAPH], what)
+                check_clock(runtime, clock)
                 clock = None
             if compiled is None:  # the gathers a call makes, in its order
                 runtime.direct_reads(args, sched.direct)
@@ -239,82 +139,22 @@ def run_graph(runtime: Any, sched: Any, compiled: Optional[Callable], args: Sequ
             raise
 
 
-# -- gather-only forwards ------------------------------------------------------------------
-# [Note: gather-only forwards]
-# The engine keeps the ranks of a wave in step by padding: a rank whose request is shorter
-# (or failed, or that has none) runs more forwards until the longest request ends, so its
-# peers' weight gathers always have a partner. A padding forward needs the collectives of
-# a forward, not its compute. So while a forward runs under `recording()`, every step that
-# issues collectives is noted in order: each scheduled graph (its schedule, the
-# parameters it was bound with, the arguments its schedule nodes read) and each clocked
-# eager read of a stored weight's block. `replay()` then runs the same steps without
-# computing: per graph the same clock words, then its schedule nodes (copies into the
-# slots, gathers, waits, swaps) in graph order; per eager fetch the same fetch, its bytes
-# dropped. The ranks therefore issue the same collectives in the same order as a real
-# forward of the recorded shapes would, at the cost of the copies alone. Weights do not
-# depend on activation shapes: a replay pairs with a peer's real forward at other shapes
-# exactly as a real padding forward did. Only a steady-state forward is replayed: one
-# during which the backend compiled (`note_compile`) is not, since a first call differs
-# from later ones (it compares plans; its parameters are not converted yet).
-# Replayed schedule nodes act on the slot state as a real call's would, so a resident
-# block gathered once stays gathered once. For the same reason a resident copy (made once
-# per runtime, then cached) is not noted as an eager fetch: a replay would gather it again
-# where a peer's real forward reads its cache.
-_RECORDING = threading.local()
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list]:
-    """Record, in this thread, the collective steps of the calls made inside the block."""
-    steps: list = []
-    outer = getattr(_RECORDING, "steps", None)
-    _RECORDING.steps = steps
-    try:
-        yield steps
-    finally:
-        _RECORDING.steps = outer
-
-
-def note_graph(sched: Any, bound: Sequence[Any], args: Sequence[Any]) -> None:
-    """A scheduled graph is about to run (bound with ``bound``): noted when recording."""
-    steps = getattr(_RECORDING, "steps", None)
-    if steps is not None and sched.replay:
+# -- gather-only forwards: see [Note: gather-only forwards] in forward_log.py ---------------
+def note_graph(sched: GraphSchedule, bound: Sequence[torch.Tensor], args: Sequence[Any]) -> None:
+    """A scheduled graph is about to run (bound with ``bound``): noted, with its
+    gather-only replay, when a forward is logged."""
+    log = forward_log.current()
+    if log is not None and sched.replay:
         kept = tuple(a if i in sched.arg_positions or i in sched.direct else None
                      for i, a in enumerate(args))
-        steps.append(("graph", sched, tuple(bound), kept))
+        log.step(functools.partial(gather_only, sched, tuple(bound), kept))
 
 
-def note_compile() -> None:
-    """The backend compiles a graph: the forward being recorded is not steady state (a
-    first call fetches nothing eagerly, a compile exchanges plans), so not replayable."""
-    steps = getattr(_RECORDING, "steps", None)
-    if steps is not None:
-        steps.append(("compile",))
-
-
-def replayable(steps: Sequence[tuple]) -> bool:
-    """Whether ``steps`` can stand for a forward: dlo scheduled it and nothing compiled."""
-    return bool(steps) and all(step[0] != "compile" for step in steps)
-
-
-def note_fetch(runtime: Any, block: int, what: str) -> None:
-    """A clocked eager fetch of host block ``block``: noted when recording."""
-    steps = getattr(_RECORDING, "steps", None)
-    if steps is not None:
-        steps.append(("fetch", runtime, block, what))
-
-
-def replay(steps: Sequence[tuple]) -> None:
-    """Issue the collectives of the recorded steps, computing nothing (steps that issue
-    none, as in rank-local mode, are skipped)."""
-    for step in steps:
-        if step[0] == "graph":
-            _, sched, bound, args = step
-            with sched.call_lock:
-                runtime = sched.bind(list(bound))
-                if gathers(runtime):
-                    run_graph(runtime, sched, None, args)
-        else:
-            _, runtime, block, what = step
-            if runtime.store.dp > 1:
-                runtime.fetch_block(block, what, clock=True)
+def gather_only(sched: GraphSchedule, bound: Sequence[torch.Tensor],
+                args: Sequence[Any]) -> None:
+    """Issue the collectives of a call of ``sched`` bound with ``bound``, computing nothing
+    (nothing where its runtime gathers nothing, as in rank-local mode)."""
+    with sched.call_lock:
+        runtime = sched.bind(list(bound))
+        if gathers(runtime):
+            run_graph(runtime, sched, None, args)

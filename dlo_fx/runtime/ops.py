@@ -4,10 +4,10 @@ Each takes the graph's `GraphSchedule` (a ``get_attr`` node named ``_dlo``) and 
 block index. Blocks are bound to host blocks at run time from the parameters the graph is
 called with, never from those seen while compiling: Dynamo may reuse one graph for every
 layer of the same shape. They are registered as side-effecting so dead-code elimination
-keeps them. See [Note: slot reuse and stream ordering] in runtime.py.
+keeps them. See [Note: slot reuse and stream ordering] in slot_machine.py.
 
 Each op counts itself in ``sched.step`` once done, so a graph whose call fails can run the
-rest of its schedule (see [Note: the collective clock] in graph_call.py); every op is
+rest of its schedule (see [Note: the collective clock of a shard group] in clock.py); every op is
 idempotent on the slot state, so one interrupted half-way simply runs again.
 """
 
@@ -21,7 +21,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch.fx.node import has_side_effect
 
-from .runtime import Runtime, claim, owner_of
+from .owners import claim, owner_of
+from .runtime import Runtime
 from ..torch_private import profiler_enabled
 
 
@@ -53,7 +54,7 @@ class GraphSchedule(torch.nn.Module):
         # Held around each call's bind and run: runtime, bound and step above belong to one
         # call, and Dynamo shares the graph between models whose runtimes may hold
         # different locks (another slot count), so another thread's call of this graph
-        # waits here (backend.scheduled_call, graph_call.replay).
+        # waits here (backend.scheduled_call, graph_call.gather_only).
         self.call_lock = threading.RLock()
         self.replay: list = []  # (target, argument sources) of every schedule op, in order
         self.arg_positions: frozenset = frozenset()  # placeholders the schedule ops read

@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import torch_private
+from .owners import owner_of
 
 aten = torch.ops.aten
 
@@ -190,8 +191,6 @@ def _alias(t: StoredWeight, steps: tuple, meta: Optional[torch.Tensor] = None) -
 
 
 def _owner(param: torch.Tensor) -> Any:
-    from .runtime import owner_of  # the runtime module imports this one
-
     return owner_of((param,))
 
 

@@ -13,9 +13,14 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from torch import fx
+
+from ...passes.context import GraphBlock, PassContext
+from ...planning.budget import BudgetPlan
+from ...runtime.runtime import Runtime
+from ...runtime.trace import Tracer
 
 #: Kinds of schedule node that move or order a block (``node.meta["dlo"]["kind"]``).
 BLOCK_KINDS = ("prefetch", "allgather", "wait", "swap_slot")
@@ -83,27 +88,28 @@ class GraphDump:
     blocks: tuple[BlockRow, ...]
     resident: tuple[ResidentRow, ...]
     program: tuple[Step, ...]
-    tracer: Any = None  # dlo_fx.runtime.trace.Tracer, when the trace option is on
+    tracer: Optional[Tracer] = None  # when the trace option is on
     mode_reason: str = ""  # why the runtime runs this mode (mode="auto": the policy's reason)
     layers: str = ""  # modules split into their submodules to form layers, and why
     runtime_ref: Optional[weakref.ReferenceType] = field(default=None, repr=False)
     flushed_spans: int = 0  # spans seen by the last flush
     graph_id: int = -1  # GraphSchedule.graph: the tag of this graph's spans
-    budget_plan: Any = None  # dlo_fx.planning.budget.BudgetPlan, with the device_budget option
+    budget_plan: Optional[BudgetPlan] = None  # with the device_budget option
 
     @property
-    def runtime(self) -> Any:
+    def runtime(self) -> Optional[Runtime]:
         return self.runtime_ref() if self.runtime_ref is not None else None
 
 
-def _host_block_of(runtime: Any, block: Any) -> int:
+def _host_block_of(runtime: Optional[Runtime], block: GraphBlock) -> int:
     if block.host_block is not None:
         return block.host_block
     entry = runtime.store.entry(block.params[0].param) if runtime is not None else None
     return entry.block if entry is not None else -1
 
 
-def snapshot(gm: fx.GraphModule, ctx: Any, runtime: Any, index: int, folder: Path) -> GraphDump:
+def snapshot(gm: fx.GraphModule, ctx: PassContext, runtime: Optional[Runtime], index: int,
+             folder: Path) -> GraphDump:
     """Record what the dump of ``gm`` needs, after the backend committed its blocks."""
     store = runtime.store if runtime is not None else None
     rows = []

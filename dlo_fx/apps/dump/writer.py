@@ -17,11 +17,14 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import fx
 
+from ...passes.context import PassContext
+from ...runtime.owners import runtimes_holding
+from ...runtime.runtime import Runtime
 from ...runtime.trace import Span
 from .blocks_md import blocks_markdown
 from .chrome_trace import trace_events, write_trace_file
@@ -55,7 +58,7 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_dump(gm: fx.GraphModule, ctx: Any, runtime: Any,
+def write_dump(gm: fx.GraphModule, ctx: PassContext, runtime: Optional[Runtime],
                dump_dir: Union[str, os.PathLike]) -> Path:
     """Write the dump folder of a scheduled graph and return it. Called by the backend.
 
@@ -88,7 +91,7 @@ def write_dump(gm: fx.GraphModule, ctx: Any, runtime: Any,
 
 
 # -- rendering -----------------------------------------------------------------------------
-def _shard_bytes(peers: Sequence[GraphDump], runtime: Any) -> dict[int, int]:
+def _shard_bytes(peers: Sequence[GraphDump], runtime: Optional[Runtime]) -> dict[int, int]:
     """host block -> bytes one H2D copy moves."""
     if runtime is not None:
         return {b.index: b.shard_nbytes for b in runtime.store.blocks}
@@ -141,9 +144,11 @@ def _peers_of(dump: GraphDump) -> list[GraphDump]:
                 if d is dump or (d.tracer is not None and d.tracer is dump.tracer)]
 
 
-def _runtimes_of(target: Any) -> list:
-    from ...runtime.runtime import Runtime, runtimes_holding
+Target = Union[torch.nn.Module, Runtime]
+"""What the whole-runtime views take: a model (or its compiled wrapper) or a runtime."""
 
+
+def _runtimes_of(target: Target) -> list[Runtime]:
     if isinstance(target, Runtime):
         return [target]
     if isinstance(target, torch.nn.Module):
@@ -152,7 +157,7 @@ def _runtimes_of(target: Any) -> list:
                      f"{type(target).__name__}")
 
 
-def flush(target: Any = None, *, assume: Optional[Assumptions] = None) -> list[Path]:
+def flush(target: Optional[Target] = None, *, assume: Optional[Assumptions] = None) -> list[Path]:
     """Re-write the dumps of ``target`` (a model, its compiled wrapper or a runtime; None:
     every dump of this process) with what traced calls measured so far: ``trace.json``,
     the stall section of ``blocks.md`` and a measured ``timeline.svg``. ``assume`` sets
@@ -192,7 +197,7 @@ def _flush_at_exit() -> None:
 
 
 # -- whole-runtime views ---------------------------------------------------------------------
-def _traced(target: Any) -> list:
+def _traced(target: Target) -> list[Runtime]:
     runtimes = [rt for rt in _runtimes_of(target) if rt.tracer is not None]
     if not runtimes:
         raise ValueError("no traced dlo runtime holds this model's weights: compile it with "
@@ -201,12 +206,12 @@ def _traced(target: Any) -> list:
     return runtimes
 
 
-def _label(runtime: Any, host: int) -> str:
+def _label(runtime: Runtime, host: int) -> str:
     fqns = runtime.store.blocks[host].fqns if 0 <= host < len(runtime.store.blocks) else []
     return f"{fqns[0]} .. {fqns[-1]}" if fqns else f"host block {host}"
 
 
-def stall_summary(target: Any) -> StallSummary:
+def stall_summary(target: Target) -> StallSummary:
     """Stalls of every traced call of ``target`` (a model, its compiled wrapper or a
     runtime), per host block, largest first; ``print()`` it for a table."""
     runtimes = _traced(target)
@@ -214,7 +219,7 @@ def stall_summary(target: Any) -> StallSummary:
     return summarize(spans, lambda h: (h, _label(runtimes[0], h)))
 
 
-def write_trace(target: Any, path: Union[str, os.PathLike]) -> Path:
+def write_trace(target: Target, path: Union[str, os.PathLike]) -> Path:
     """Write every measured span of ``target``'s runtime(s) as a Chrome trace-event file
     (open it in Perfetto) and return its path. Blocks are host blocks."""
     runtimes = _traced(target)

@@ -1,6 +1,6 @@
 """`ForwardClock`: the count of model forwards that keeps the ranks of a wave in lock-step.
 
-[Note: the collective clock]
+[Note: the forward clock of a wave]
 In AllGather mode every forward of the compiled model issues one weight AllGather per
 block on the DP group, and a compile issues a plan check on it. The ranks of a wave must
 therefore issue the same number of forwards, and compile at the same moments, whatever
@@ -24,11 +24,12 @@ Each wave then runs in three steps on every rank (worker.py):
    largest ``forwards`` of the wave's requests, so a rank with a shorter, failed or no
    request keeps serving its peers' gathers until the longest request ends.
 
-A padding forward is gather-only: every forward through the clock is recorded
-(`graph_call.recording`), and a padding forward replays the collectives of the latest
-steady-state forward (one during which nothing compiled) -- each graph's clock words,
-copies and weight gathers in the same order -- without computing anything (see
-[Note: gather-only forwards] in runtime/graph_call.py). Its cost is the copies alone;
+A padding forward is gather-only: every forward through the clock is logged (a
+`_Forward`, the `runtime.forward_log.ForwardLog` the runtime notes each collective step
+to), and a padding forward replays the collectives of the latest steady-state forward (one
+during which nothing compiled) -- each graph's clock words, copies and weight gathers in
+the same order -- without computing anything (see [Note: gather-only forwards] in
+runtime/forward_log.py). Its cost is the copies alone;
 with nothing to gather (rank-local mode, dp=1) it costs nothing. Until such a forward
 exists (a rank that only ran warm-ups), or for a model whose forwards dlo does not
 schedule, the padding forward is a real one on the smallest input already run (kept by
@@ -46,7 +47,31 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...runtime.graph_call import recording, replay, replayable
+from ...runtime.forward_log import logging_to
+
+
+class _Forward:
+    """The collective steps of one forward, as the runtime notes them (a `ForwardLog`)."""
+
+    def __init__(self) -> None:
+        self.replays: list[Callable[[], None]] = []
+        self.compiles = False
+
+    def step(self, replay: Callable[[], None]) -> None:
+        self.replays.append(replay)
+
+    def compiled(self) -> None:
+        self.compiles = True
+
+    @property
+    def replayable(self) -> bool:
+        """Whether it can stand for a forward: dlo scheduled it and nothing compiled."""
+        return bool(self.replays) and not self.compiles
+
+    def replay(self) -> None:
+        """Issue its collectives again, computing nothing."""
+        for replay in self.replays:
+            replay()
 
 
 def _numel(args: tuple, kwargs: dict) -> int:
@@ -65,14 +90,14 @@ class ForwardClock:
         """Forwards that returned."""
         self._idle: Optional[tuple[tuple, dict]] = None
         self._idle_numel = 0
-        self._steps: Optional[list] = None
+        self._steps: Optional[_Forward] = None
         self.gather_only = 0
         """Padding forwards run gather-only (replayed collectives, no compute)."""
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
-        with recording() as steps:
+        with logging_to(_Forward()) as steps:
             out = self.model(*args, **kwargs)
-        if replayable(steps):  # the latest steady-state forward, whatever its shapes
+        if steps.replayable:  # the latest steady-state forward, whatever its shapes
             self._steps = steps
         return out
 
@@ -103,7 +128,7 @@ class ForwardClock:
         for _ in range(count):
             self.started += 1
             if self._steps is not None:
-                replay(self._steps)
+                self._steps.replay()
                 self.gather_only += 1
             else:  # no steady-state forward seen yet (or dlo schedules none): a real one
                 self._run(args, kwargs)

@@ -4,7 +4,7 @@ The AllGather of a wave gathers weights, not activations, so the DP ranks can ea
 different request while staying in lock-step for the gathers. Before any wave the engine
 checks every request against the limits the pipeline declared (`Limits`). It packs the
 requests into waves (any requests together when the pipeline keeps a forward clock, see
-[Note: the collective clock] in clock.py; equal wave keys otherwise, see [Note: the wave
+[Note: the forward clock of a wave] in clock.py; equal wave keys otherwise, see [Note: the wave
 key] in request.py), broadcasts each wave to every worker and matches the replies to the
 requests (see [Note: the wave protocol] in channel.py). A request that raises in its
 worker gets its own error `Result`; the others of its wave complete on the same workers.
@@ -53,7 +53,7 @@ class Engine:
             sampling loop. An optional ``pipeline.describe() -> dict`` is attached to
             every reply as `Result.info`; an optional ``pipeline.limits`` (`Limits`)
             declares what it serves; ``clock``, ``forwards``, ``graph_key`` and ``warmup``
-            let requests of any shapes share a wave (see [Note: the collective clock]).
+            let requests of any shapes share a wave (see [Note: the forward clock of a wave]).
         dp_size: number of replicas, i.e. requests per wave.
         sp_size: ranks per replica (sequence parallelism inside the pipeline); each
             replica's ranks run the same request. Default 1.

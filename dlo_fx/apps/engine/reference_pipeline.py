@@ -6,7 +6,7 @@ the text tensor), the seed fixes the initial noise, and the output is the final 
 [num_outputs_per_prompt, C, height / 8, width / 8] in float32. ``build`` is the factory
 the engine calls in every worker (``"dlo_fx.apps.engine.reference_pipeline:build"``);
 ``resident`` builds the same pipeline without dlo, for single-process reference runs.
-The pipeline keeps a forward clock (see [Note: the collective clock] in clock.py), so
+The pipeline keeps a forward clock (see [Note: the forward clock of a wave] in clock.py), so
 requests of any size, step count and guidance share a wave, and declares its `Limits`.
 
 Fault hooks, for fault-injection tests only and off unless the factory is called with

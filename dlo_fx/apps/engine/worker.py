@@ -1,7 +1,7 @@
 """The worker side of the engine: build the pipeline once, then serve waves.
 
 Each worker is one global rank. It reads every wave the front end broadcasts, runs the
-request its replica was given (see [Note: the collective clock] in clock.py for the
+request its replica was given (see [Note: the forward clock of a wave] in clock.py for the
 warm-up and padding forwards around it) and, if it is the first rank of its replica,
 replies with the output or the error. An error that leaves the collectives out of step
 (a forward cut short, a warm-up or padding forward failing, or any error in a pipeline
@@ -234,7 +234,7 @@ class WaveServer:
         except Exception as exc:
             clock = getattr(self.pipeline, "clock", None)
             if not self.mixed or not clock.in_step:
-                raise  # the collectives are out of step: see [Note: the collective clock]
+                raise  # the collectives are out of step: see [Note: the forward clock of a wave]
             report = failure_report(self.rank, self.topology, exc)
             log.warning("dlo engine: request %d of wave %d failed on rank %d:\n%s", index,
                         message["wave"], self.rank, report["traceback"])

@@ -45,7 +45,7 @@ class WorkerSet:
         self.ready: dict[int, dict] = {}
         self.fatal: dict[int, dict] = {}
         self.mixed = False
-        """Every rank's pipeline keeps a forward clock (see [Note: the collective clock])."""
+        """Every rank's pipeline keeps a forward clock (see [Note: the forward clock of a wave])."""
         self.limits = Limits(lora_ids=None)
         """What the pipeline declared it serves (rank 0's, once ready)."""
         self._inbox: list[Message] = []

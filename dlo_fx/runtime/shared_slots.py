@@ -1,4 +1,4 @@
-"""`DeviceSlots`: what the models on one device share: the slot pool, the executor that
+"""`SharedSlots`: what the models on one device share: the slot pool, the executor that
 fills it, and which model's block each slot holds.
 
 [Note: what a model owns and what a device shares]
@@ -7,7 +7,7 @@ are never shared. Slot memory may be: a pipeline's text encoder and transformer 
 after the other, so they can stream through the same ``num_slots`` buffers, which is
 the largest device cost dlo adds; the weight-gather group is made once per device
 setting and default process group, and kept. Every runtime on one device with the same
-``num_slots`` and ``fault_delay_s`` gets the same `DeviceSlots`, held weakly here and
+``num_slots`` gets the same `SharedSlots`, held weakly here and
 strongly by the runtimes: when the last of them is gone, the slots are freed and the
 executor's worker thread stops.
 
@@ -43,17 +43,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .collectives import ShardGroup
 from .executor import make_executor
-from .slots import SlotPool
+from .slot_pool import SlotPool
 
 
-class DeviceSlots:
-    def __init__(self, device: torch.device, num_slots: int, fault_delay_s: float) -> None:
-        self.key = _key(device, num_slots, fault_delay_s)
+class SharedSlots:
+    def __init__(self, device: torch.device, num_slots: int) -> None:
+        self.key = _key(device, num_slots)
         self.pid = os.getpid()  # a forked child makes its own (runtime.py, a forked process)
         self.device = device
         self.pool = SlotPool(num_slots, device)
-        self.executor = make_executor(device, num_slots, fault_delay_s)
+        self.executor = make_executor(device, num_slots)
         self.holder: list[Optional[tuple[int, int]]] = [None] * num_slots
         # The last task issued into each slot, by whichever runtime: the next copy into
         # the slot is ordered after it (see [Note: slot reuse and stream ordering]).
@@ -63,7 +64,8 @@ class DeviceSlots:
         self.lock = threading.RLock()
         weakref.finalize(self, _shutdown, self.executor)
 
-    def shard_group(self, spec: Any, timeout_s: float, make: Callable[[Any, float], Any]) -> Any:
+    def shard_group(self, spec: Any, timeout_s: float,
+                    make: Callable[[Any, float], ShardGroup]) -> ShardGroup:
         """The weight-gather group for ``spec``: one per device setting and default
         process group, made the first time it is asked for and kept while that process
         group is (like the group of a global config). Runtimes sharing this executor
@@ -96,7 +98,7 @@ class DeviceSlots:
         self.holder[slot] = None
 
 
-def control_group(ranks: tuple[int, ...], timeout_s: float) -> Any:
+def control_group(ranks: tuple[int, ...], timeout_s: float) -> ShardGroup:
     """The `ShardGroup` of ``ranks`` (sorted) on which the ranks agree on a new runtime's
     settings before it takes its weight group (`agreement.agree_on_settings`): one per
     ranks and default process group, whatever the settings, so every rank makes it at the
@@ -104,8 +106,6 @@ def control_group(ranks: tuple[int, ...], timeout_s: float) -> Any:
     import datetime
 
     import torch.distributed as dist
-
-    from .collectives import ShardGroup
 
     world = _default_process_group()
     key = ("control", ranks, id(world))
@@ -133,12 +133,12 @@ def _shutdown(executor) -> None:
 
 
 class SlotBlocks:
-    """One runtime's view of ``DeviceSlots.holder``: the host block each slot holds for
+    """One runtime's view of ``SharedSlots.holder``: the host block each slot holds for
     it, ``None`` where the slot holds nothing of this runtime's."""
 
     __slots__ = ("_shared", "_token")
 
-    def __init__(self, shared: DeviceSlots, token: int) -> None:
+    def __init__(self, shared: SharedSlots, token: int) -> None:
         self._shared, self._token = shared, token
 
     def __getitem__(self, slot: int) -> Optional[int]:
@@ -170,20 +170,20 @@ def _default_process_group() -> Any:
     return None
 
 
-_SHARED: "weakref.WeakValueDictionary[tuple, DeviceSlots]" = weakref.WeakValueDictionary()
+_SHARED: "weakref.WeakValueDictionary[tuple, SharedSlots]" = weakref.WeakValueDictionary()
 _GROUPS: dict[tuple, tuple[Any, Any, Any]] = {}  # key -> (spec, world, group)
 _LOCK = threading.Lock()
 
 
-def _key(device: torch.device, num_slots: int, fault_delay_s: float) -> tuple:
-    return (device.type, device.index or 0, num_slots, float(fault_delay_s))
+def _key(device: torch.device, num_slots: int) -> tuple:
+    return (device.type, device.index or 0, num_slots)
 
 
-def device_slots(device: torch.device, num_slots: int, fault_delay_s: float) -> DeviceSlots:
-    """The `DeviceSlots` every runtime on ``device`` with these settings shares."""
-    key = _key(device, num_slots, fault_delay_s)
+def shared_slots(device: torch.device, num_slots: int) -> SharedSlots:
+    """The `SharedSlots` every runtime on ``device`` with ``num_slots`` shares."""
+    key = _key(device, num_slots)
     with _LOCK:
         shared = _SHARED.get(key)
         if shared is None or shared.pid != os.getpid():  # the parent's thread is not here
-            shared = _SHARED[key] = DeviceSlots(device, num_slots, fault_delay_s)
+            shared = _SHARED[key] = SharedSlots(device, num_slots)
         return shared

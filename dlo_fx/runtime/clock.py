@@ -1,0 +1,134 @@
+"""The collective clock: small words the ranks of a shard group exchange before a graph,
+an eager fetch, a read to the host or a compile, so every rank issues the same
+collectives in the same order, or every rank raises `ClockMismatch` before any of them.
+
+[Note: the collective clock of a shard group]
+In allgather mode every rank must issue the same gathers in the same order. Three things
+could break that, and each has its guard:
+
+- a call that raises (or is interrupted) part-way through a graph: the rank completes the
+  rest of that graph's schedule without computing (`graph_call.complete`: the remaining
+  prefetch, allgather, wait and swap nodes, run in order with their real arguments; they
+  are idempotent on the slot state, so an interrupted node simply runs again), then
+  raises. Its slot state and its collective count end exactly as the other ranks' do.
+- a call that raises between graphs, or a graph another rank never reaches: before the
+  first schedule node of a graph, the ranks exchange a small clock word (`CLOCK_WORDS`
+  int64: the graph's key, its block count, the host block its first block is bound to)
+  through the same worker as the gathers (`Clock`). Different words raise `RuntimeError`
+  on every rank before any gather of that graph, so a gather never pairs with a different
+  block (a silent mix of weights) or a different size (an abort inside gloo). Both ranks
+  leave their state as it was; the next call starts in step.
+- reads of a stored weight outside a graph (`runtime/stored.py`: `Runtime.eager_block`)
+  exchange clock words the same way, in the same worker task as their gather, and so do
+  reads of the stored weights to the host (``state_dict()``, `release`:
+  `Runtime.host_tensor`) and a compile before it
+  compares plans and weight fingerprints (`graph_call.compile_clock`). The last word says
+  which kind of step each rank is at, and a mismatch names them.
+
+A collective that fails (a rank died, the timeout passed) closes the runtime: the group is
+unusable afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .collectives import ShardGroup, _all_gather_single
+from .interrupts import deferred
+from .platform import exchange_device
+
+CLOCK_WORDS = 4
+
+
+class ClockMismatch(RuntimeError):
+    """The ranks of a shard group reached different graphs (raised on every rank)."""
+
+
+def word(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def exchange(group: ShardGroup, device: torch.device, words: Sequence[int],
+             what: str) -> list[list[int]]:
+    """Every rank's clock words (run on the executor's worker, in the gathers' order)."""
+    device = exchange_device(group.pg)  # the CPU for gloo, the accelerator otherwise
+    mine = torch.tensor(list(words), dtype=torch.int64, device=device)
+    every = torch.empty(group.dp * len(words), dtype=torch.int64, device=device)
+    try:
+        _all_gather_single(every, mine, group=group.pg)
+    except Exception as exc:
+        raise RuntimeError(f"dlo: exchanging the collective clock before {what} over the "
+                           f"{group.describe()} failed on global rank "
+                           f"{group.ranks[group.rank]}: {exc}") from exc
+    return every.cpu().view(group.dp, -1).tolist()
+
+
+# The last clock word: what a rank is about to do.
+GRAPH, EAGER, COMPILE, HOST_READ = range(4)
+_KINDS = {GRAPH: "calls a graph", EAGER: "fetches weights eagerly",
+          COMPILE: "compiles a graph", HOST_READ: "reads weights outside a graph (state_dict, release)"}
+
+
+def _kinds_hint(group: ShardGroup, rows: list[list[int]]) -> str:
+    """What the ranks do, when they do different kinds of things (the last clock word)."""
+    kinds = [row[-1] for row in rows]
+    if len(set(kinds)) == 1:
+        return ""
+    doing = "; ".join(f"global rank {group.ranks[i]} {_KINDS.get(k, 'runs')}"
+                      for i, k in enumerate(kinds))
+    hint = f" ({doing})"
+    if EAGER in kinds:
+        hint += (". A rank fetches eagerly where Dynamo runs no compiled code for a module "
+                 "that reads streamed weights; for instance, where a graph break made Dynamo "
+                 "compile a module's forward as a frame of its own, a new input shape on "
+                 "one rank alone makes that rank recompile it (call every rank with the "
+                 "same shapes, or use mode='rank_local')")
+    return hint
+
+
+def check_rows(group: ShardGroup, rows: list[list[int]], what: str) -> None:
+    """Raise `ClockMismatch` (on every rank: all see all rows) when the words differ."""
+    mine = rows[group.rank]
+    for i, row in enumerate(rows):
+        if row != mine:
+            raise ClockMismatch(
+                f"dlo: the ranks of the {group.describe()} are out of step: global rank "
+                f"{group.ranks[group.rank]} is about to run {what} (clock {mine}) but global "
+                f"rank {group.ranks[i]} runs clock {row} (words: graph key, blocks, first host "
+                f"block, kind){_kinds_hint(group, rows)}. A call failed or was interrupted on "
+                "one rank only between two graphs, or the ranks run different code, or call "
+                "the model from several threads in different orders, or the model branches "
+                "on its data (a step cache such as diffusers' FirstBlockCache skipping blocks "
+                "on one rank only: "
+                "mode='rank_local' lets each rank run its own graphs). Every rank raises "
+                "here before gathering anything; the next call starts in step")
+
+
+class Clock:
+    """One exchange of clock words over ``group``, issued through ``executor`` (behind
+    every gather already queued)."""
+
+    def __init__(self, executor: Any, group: ShardGroup, device: torch.device,
+                 words: Sequence[int], what: str) -> None:
+        self.executor, self.group, self.what = executor, group, what
+        self.rows: Optional[list[list[int]]] = None
+
+        def task() -> None:
+            self.rows = exchange(group, device, words, what)
+
+        with deferred():  # issued and recorded together
+            self.handle = executor.gather(-1, task, None)
+
+    def failed(self) -> bool:
+        """Whether the exchange itself failed (the group is unusable)."""
+        return self.executor.failed(self.handle)
+
+    def check(self) -> None:
+        """Wait for the exchange; raise `ClockMismatch` when the ranks' words differ."""
+        self.executor.wait(self.handle)
+        if self.rows is None:  # a device executor: the exchange ran on the comm stream
+            raise RuntimeError("dlo: internal error: clock words missing after the exchange")
+        check_rows(self.group, self.rows, self.what)

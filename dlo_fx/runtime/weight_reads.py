@@ -1,0 +1,224 @@
+"""`WeightReads`: reads of stored weights outside the slot schedule, one half of a
+`Runtime` (runtime.py): the resident copies a graph reads itself, a whole block fetched
+for an eager read, and the weights gathered to the host (``state_dict()``, `release`).
+
+[Note: a graph compiled for another model of the class]
+Dynamo reuses one graph for every model of a class whose calls pass its guards, and the
+guards see a parameter's shape, not its storage. A model built in memory and one from
+``dlo_fx.load`` differ in what is stored: the built one's small parameters stay resident
+and its graph reads them itself; the loaded one's are `StoredWeight`s and its graph reads
+them through ``resident`` ops; a released model stores nothing until its next call. So
+each read adapts to the runtime the call is bound to: `direct_reads` gives a graph the
+resident device copy of each `StoredWeight` it reads itself (a graph without a schedule
+too: `backend.unscheduled_call`), and `resident_tensor` reads a parameter this runtime
+does not store as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..config import same_device
+from .collectives import ShardGroup, gather_in_place
+from .clock import EAGER, HOST_READ, ClockMismatch, check_rows, exchange
+from .forward_log import note_step
+from .host_store import HostStore
+from .interrupts import deferred
+from .layout import Entry
+from .slot_machine import fill_task
+from .stored import is_stored
+
+_EAGER_WORD = int.from_bytes(b"dlo-eager", "little") & (2**62 - 1)
+
+
+class WeightReads:
+    """The stored weights read outside the schedule, and the copies kept for them. Mixed
+    into `Runtime`, whose attributes below it reads."""
+
+    store: HostStore
+    device: torch.device
+    group: ShardGroup
+    executor: Any
+    broken: Optional[str]
+    lock: threading.RLock
+    check_open: Callable[[], None]
+
+    def _init_reads(self) -> None:
+        self._host_cache: Optional[tuple[int, torch.Tensor]] = None  # last gathered block
+        # id(parameter) -> (its entry, its resident copy); the entry tells a dead
+        # parameter's copy from a new one's of the same id (host_store.py)
+        self._resident: dict[int, tuple[Entry, torch.Tensor]] = {}
+        self._pruned_at = 0  # store.forgotten when _resident was last pruned
+        self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
+        self._eager_flat: Optional[tuple[int, torch.Tensor]] = None  # last eager read's block
+
+    def resident_tensor(self, param: torch.Tensor, clock: bool = False) -> torch.Tensor:
+        """A device copy of a stored parameter that a graph keeps resident; a
+        parameter this runtime does not store is read as it is (see [Note: a graph
+        compiled for another model of the class]). ``clock``: as `fetch_block`'s."""
+        entry = self.store.entry(param)
+        kept = self._resident.get(id(param))
+        if kept is not None and kept[0] is entry:
+            tensor = kept[1]
+        else:  # never copied, or copied for a dead parameter of the same id
+            if entry is None:
+                return read_unstored(param, self.device)
+            cached = self._resident_flat
+            if cached is None or cached[0] != entry.block:
+                # The parameters of a block kept resident (device_budget) are asked for one
+                # after another: the block is copied (and gathered) once for all of them.
+                self._resident_flat = None
+                what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
+                cached = self._resident_flat = (
+                    entry.block, self.fetch_block(entry.block, what, clock, record=False))
+            flat = cached[1]
+            # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
+            tensor = entry.value_of(flat).clone().requires_grad_(param.requires_grad)
+            self._resident[id(param)] = (entry, tensor)
+        return tensor
+
+    def direct_reads(self, args: Sequence, positions: Sequence[int],
+                     clock: bool = False) -> Sequence:
+        """``args`` with each parameter at ``positions`` (the placeholders a graph reads
+        itself, not through a schedule op) that is a `StoredWeight` replaced by its
+        resident device copy. See [Note: a graph compiled for another model of the class]."""
+        out = None
+        for i in positions:
+            p = args[i]
+            if is_stored(p):
+                if out is None:
+                    out = list(args)
+                out[i] = self.resident_tensor(p, clock)  # raises where not stored here
+        return args if out is None else out
+
+    def fetch_block(self, block: int, what: str, clock: bool = False,
+                    record: bool = True, kind: int = EAGER) -> torch.Tensor:
+        """The whole of host block ``block`` in a fresh device buffer (gathered in
+        allgather mode). Through the executor, behind every gather already queued:
+        collectives keep one issue order on every rank. With ``clock``, the ranks first
+        exchange clock words in the same task (``kind`` is their last word; see
+        [Note: the collective clock of a shard group] in clock.py), and a forward being recorded notes the fetch unless
+        ``record`` is false (a resident copy, made once: a replay must not gather it
+        again; a read outside any forward)."""
+        host = self.store.blocks[block]
+        with torch.inference_mode(False):  # written by the worker thread
+            flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
+        group, device, store = self.group, self.device, self.store
+        if clock and record:
+            # for gather-only forwards (see [Note: gather-only forwards] in forward_log.py)
+            note_step(functools.partial(self._fetch_gather_only, block, what))
+
+        def fill_and_gather() -> None:
+            if store.dp > 1:
+                if clock:
+                    words = [_EAGER_WORD, block, len(host.entries), kind]
+                    check_rows(group, exchange(group, device, words, what), what)
+            fill_task(store, flat, block)()
+            if store.dp > 1:
+                gather_in_place(flat, host.spec.shard_bytes, group, what)
+
+        with deferred():
+            handle = self.executor.gather(-1, fill_and_gather, None)
+        try:
+            self.executor.wait(handle)
+        except ClockMismatch:
+            raise
+        except BaseException as exc:
+            if self.executor.failed(handle):
+                self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+        return flat
+
+    def _fetch_gather_only(self, block: int, what: str) -> None:
+        """A noted eager fetch issued again, its bytes dropped (nothing with one rank)."""
+        if self.store.dp > 1:
+            self.fetch_block(block, what, clock=True)
+
+    def eager_block(self, block: int, fqn: str) -> torch.Tensor:
+        """The whole of host block ``block`` on the device, for a read of a stored weight
+        outside a graph (`runtime/stored.py`; ``fqn`` names the weight read). Clocked and
+        gathered in allgather mode like any eager fetch; in rank-local mode the last block
+        read is kept until the next graph call (no collective makes the ranks agree on
+        what a cache holds, so with several ranks gathering none is kept)."""
+        with self.lock:
+            self.check_open()
+            cached = self._eager_flat
+            if cached is not None and cached[0] == block:
+                return cached[1]
+            flat = self.fetch_block(block, f"host block {block} (an eager read of {fqn!r})",
+                                    clock=True)
+            if self.store.dp == 1:
+                self._eager_flat = (block, flat)
+            return flat
+
+    def drop_block_copy(self) -> None:
+        """Free the block copies resident parameters and eager reads were cut from (after
+        each call), and the resident copies of parameters that died since the last call."""
+        self._resident_flat = None
+        self._eager_flat = None
+        if self._pruned_at != self.store.forgotten:
+            self._pruned_at = self.store.forgotten
+            self._resident = {k: v for k, v in self._resident.items()
+                              if self.store.entry_by_id(k) is v[0]}
+
+    @property
+    def resident_copy_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for _, t in self._resident.values())
+
+    def host_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """A new host (CPU) tensor with the stored weights of ``param``. In allgather mode
+        this gathers the block from every rank: every rank of the shard group must ask
+        for the same parameters in the same order (``state_dict``, `release` do). The
+        ranks exchange clock words first: a rank that asks alone (``state_dict()`` on rank
+        0 only) or for another block raises `ClockMismatch` on every rank instead of
+        pairing its gather with another collective (gloo aborted the processes) or with
+        another block (the state dict would have held another block's bytes)."""
+        entry = self.store.entry(param)
+        if entry is None:
+            raise ValueError(f"dlo: a parameter of shape {tuple(param.shape)} is not in this "
+                             "model's host store")
+        block = self.store.blocks[entry.block]
+        if self.store.dp == 1:
+            if block.source is None:
+                return entry.value_of(block.shard).clone()
+            with torch.inference_mode(False):
+                flat = torch.empty(block.shard_nbytes, dtype=torch.uint8)
+            block.copy_to(flat)  # host_store="mmap": read from the file
+            return entry.value_of(flat).clone()
+        cached = self._host_cache
+        if cached is None or cached[0] != entry.block:
+            what = (f"host block {entry.block} (weights of {entry.fqn!r} read outside the graph; "
+                    "state_dict() and release() gather them from every rank, so every rank "
+                    "calls them together)")
+            flat = self.fetch_block(entry.block, what, clock=True, record=False, kind=HOST_READ)
+            cached = self._host_cache = (entry.block, flat.cpu())
+        return entry.value_of(cached[1]).clone()
+
+    def _drop_reads(self) -> None:
+        """Forget every copy (the runtime is closed)."""
+        self._resident.clear()
+        self._resident_flat = None
+        self._eager_flat = None
+        self._host_cache = None
+
+
+def read_unstored(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``param``, which no runtime the graph runs with stores, as the graph may read it:
+    ValueError where it has no storage or lives on another device than ``device``."""
+    what = f"a parameter of shape {tuple(param.shape)} ({param.dtype})"
+    if is_stored(param):
+        raise ValueError(
+            f"dlo: {what} that this graph reads is stored by dlo but not in the host store "
+            "of the model the graph is called with (a graph that mixes the parameters of "
+            "models stored by dlo separately, or a model whose weights were dropped); "
+            "compile each model on its own")
+    if not same_device(param.device, device):
+        raise ValueError(
+            f"dlo: {what} that this graph keeps resident is on {param.device} but dlo "
+            f"computes on {device}; load the model with dlo_fx.load(...) so resident "
+            "parameters are placed on the device")
+    return param
