@@ -19,6 +19,7 @@ import torch
 
 import file_store_cases
 from distributed import in_child, spawn
+from errors import BackendCompilerFailed, original
 from dlo_fx import cli
 from dlo_fx.checkpoint import CheckpointError
 from dlo_fx.config import DLOConfig
@@ -123,9 +124,11 @@ def test_mmap_needs_a_loaded_model():
     fresh()
     model, inputs = tiny_dit(depth=1)  # refused before any schedule: one layer traces faster
     compiled = torch.compile(model, backend="dlo", options={"host_store": "mmap"})
-    with pytest.raises(Exception, match="host_store='mmap' serves weights from checkpoint files"):
+    with pytest.raises(BackendCompilerFailed,
+                       match="host_store='mmap' serves weights from checkpoint files") as info:
         with torch.no_grad():
             compiled(*inputs)
+    assert isinstance(original(info.value), ValueError)
     torch._dynamo.reset()
 
 

@@ -14,6 +14,7 @@ from dlo_fx.runtime.slots import SlotPool
 
 import dist_cases
 from distributed import spawn
+from errors import BackendCompilerFailed, original
 from models import MODELS, tiny_dit
 
 
@@ -138,10 +139,10 @@ def test_failed_or_dead_rank_makes_the_other_raise_within_timeout(spawned):
 def test_dp_above_one_without_process_group_is_a_value_error():
     model, inputs = tiny_dit(depth=1)  # refused before any schedule: one layer traces faster
     compiled = torch.compile(model, backend="dlo", options={"shard_group": [0, 1]})
-    with pytest.raises(Exception) as info:
+    with pytest.raises(BackendCompilerFailed) as info:
         with torch.no_grad():
             compiled(*inputs)
-    inner = getattr(info.value, "inner_exception", info.value)
+    inner = original(info.value)
     assert isinstance(inner, ValueError) and "init_process_group" in str(inner)
 
 
@@ -153,8 +154,8 @@ def test_shard_group_naming_another_rank_without_process_group_is_refused():
         resolve_shard_group((5,), 30.0)
     model, inputs = tiny_dit(depth=1)
     compiled = torch.compile(model, backend="dlo", options={"shard_group": [5]})
-    with pytest.raises(Exception) as info:
+    with pytest.raises(BackendCompilerFailed) as info:
         with torch.no_grad():
             compiled(*inputs)
-    inner = getattr(info.value, "inner_exception", info.value)
+    inner = original(info.value)
     assert isinstance(inner, ValueError) and "init_process_group" in str(inner)
