@@ -14,6 +14,7 @@ import torch
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.loading.shards import write_shard_dir
+from errors import error_text
 from loader_cases import SHARED, fresh, resident_dit, save_dit
 from models import call, tiny_dit
 
@@ -38,8 +39,7 @@ def outcome(fn) -> object:
     try:
         return fn()
     except Exception as exc:
-        inner = getattr(exc, "inner_exception", exc)
-        return f"{type(inner).__name__}: {inner}"
+        return error_text(exc)
 
 
 def _loaded_equal(path: str, config, options: dict, reference_path: str) -> bool:

@@ -12,6 +12,7 @@ from torch.fx.node import has_side_effect
 
 from dlo_fx.runtime.owners import reset_runtimes
 
+from errors import described, error_text
 from models import MODELS, call, run_dlo, runtime_figures, tiny_dit
 
 
@@ -45,8 +46,7 @@ def sharding_cases(rank: int, world: int, models: tuple[str, ...], folder: str) 
             call(compiled, inputs)
         out["mismatch"] = None
     except Exception as exc:  # BackendCompilerFailed wrapping the ValueError
-        inner = getattr(exc, "inner_exception", exc)
-        out["mismatch"] = (type(inner).__name__, str(inner))
+        out["mismatch"] = described(exc)
     out.update(process_group_changes(rank, world, folder))  # last: it replaces the group
     return out
 
@@ -110,5 +110,5 @@ def failure_cases(rank: int, world: int, timeout_s: float) -> dict:
                 call(compiled, inputs)
             out[how] = None
         except Exception as exc:
-            out[how] = (time.monotonic() - start, str(exc))
+            out[how] = (time.monotonic() - start, error_text(exc))
     return out  # rank 1 never gets here: it died in the second case

@@ -46,8 +46,8 @@ def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         result = ("ok", fn(rank, world, *args))
-    except BaseException:  # report, never hang the parent
-        result = ("error", traceback.format_exc())
+    except BaseException as exc:  # report, never hang the parent
+        result = ("error", failure_text(exc))
     # By value (plain pickle copies tensor bytes): a tensor put on a multiprocessing queue
     # as is travels as a file descriptor that dies with this process.
     out.put((rank, pickle.dumps(result)))
@@ -55,6 +55,18 @@ def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def failure_text(exc: BaseException) -> str:
+    """``exc``'s traceback and, where Dynamo wrapped a backend's error, that error's own
+    traceback and notes (which the wrapper's text leaves out)."""
+    from errors import original
+
+    text = "".join(traceback.format_exception(exc))
+    inner = original(exc)
+    if inner is not exc:
+        text += "\nThe backend's own error:\n" + "".join(traceback.format_exception(inner))
+    return text
 
 
 # What the engine's workers preload with the diffusers factory, and this harness.

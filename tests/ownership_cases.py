@@ -19,6 +19,7 @@ from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.owners import live_runtimes, runtimes_holding
 
+from errors import error_text
 from loader_cases import SHARED, resident_dit, resident_wan, save_dit, save_wan
 from models import tiny_wan
 
@@ -37,7 +38,7 @@ def _error(fn) -> str:
     try:
         fn()
     except Exception as exc:  # the text is what the test checks
-        return f"{type(exc).__name__}: {exc}"
+        return error_text(exc)
     return ""
 
 
@@ -46,7 +47,7 @@ def _outcome(fn):
     try:
         return fn()
     except Exception as exc:  # the text is what the test checks
-        return f"{type(exc).__name__}: {exc}"
+        return error_text(exc)
 
 
 def module_operations(rank: int, world: int, out_dir: str) -> dict:
@@ -246,7 +247,7 @@ def _eager_and_state(model: torch.nn.Module, ref: torch.nn.Module) -> list:
                 try:
                     got.append(torch.equal(m(x), ref.get_submodule(name)(x)))
                 except Exception as exc:  # the text is what the test shows
-                    got.append(f"{name}: {type(exc).__name__}: {exc}")
+                    got.append(f"{name}: {error_text(exc)}")
     state, want = model.state_dict(), ref.state_dict()
     got.append(state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want))
     return got
@@ -373,7 +374,7 @@ def _forked(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
             fresh = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=options)
             answer["fresh"] = [exact(torch.compile(fresh, backend="dlo")) for _ in range(2)]
         except BaseException as exc:  # shown by the test, instead of "no answer"
-            answer = {"child_error": f"{type(exc).__name__}: {exc}"}
+            answer = {"child_error": error_text(exc)}
         try:
             os.write(write, json.dumps(answer).encode())
         finally:

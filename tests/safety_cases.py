@@ -15,6 +15,7 @@ from dlo_fx.apps.engine.clock import ForwardClock
 from dlo_fx.runtime.clock import ClockMismatch
 from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
+from errors import described
 from models import call, run_dlo, tiny_dit
 from safety_models import FAIL, eager_head_dit, fail_after_half_the_waits, tiny_hidream
 
@@ -263,7 +264,6 @@ def safety_cases(rank: int, world: int) -> dict:
             call(compiled, inputs)
         out["weights"] = None
     except Exception as exc:
-        inner = getattr(exc, "inner_exception", exc)
-        out["weights"] = (type(inner).__name__, str(inner))
+        out["weights"] = described(exc)
     _fresh()
     return out

@@ -17,6 +17,7 @@ import dlo_fx
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime.stored import is_stored
 
+from errors import error_text
 from loader_cases import resident_dit
 from models import tiny_dit
 
@@ -109,7 +110,7 @@ def read_case(path: str, config, how: str, name: str):
             warnings.simplefilter("ignore", RuntimeWarning)  # "read outside a graph": slow
             return bool(READS[name](model, ref, inputs))
     except Exception as exc:  # the text is what the test checks
-        return f"{type(exc).__name__}: {exc}"
+        return error_text(exc)
 
 
 def all_reads(path: str, config) -> dict:

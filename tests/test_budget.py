@@ -17,6 +17,7 @@ from dlo_fx.runtime.stored import is_stored
 import budget_cases
 from budget_cases import sweep
 from distributed import in_child, spawn
+from errors import BackendCompilerFailed, original
 from loader_cases import save_dit
 from models import call, tiny_dit
 
@@ -131,9 +132,9 @@ def test_budget_below_minimum_raises_before_hollowing():
     model, _ = tiny_dit(depth=1)
     compiled = torch.compile(model, backend="dlo", fullgraph=True,
                              options={"device_budget": 1000})
-    with pytest.raises(Exception) as info, torch.no_grad():
+    with pytest.raises(BackendCompilerFailed) as info, torch.no_grad():
         call(compiled, inputs)
-    inner = getattr(info.value, "inner_exception", info.value)
+    inner = original(info.value)
     assert isinstance(inner, ValueError)
     assert "device_budget=1000" in str(inner) and "below the minimum of" in str(inner)
     assert "num_slots=2 slots of its largest block" in str(inner)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from distributed import in_child, spawn
+from errors import error_text
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -57,7 +58,7 @@ def run_snippets() -> dict:
                     exec(compile(code, f"README.md:{line}", "exec"), namespace)
                 except Exception as exc:
                     return {"failed": f"the README snippet at line {line} fails: "
-                                      f"{type(exc).__name__}: {exc}"}
+                                      f"{error_text(exc)}"}
         finally:
             os.chdir(here)
     out = namespace.get("out")

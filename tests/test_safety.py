@@ -29,6 +29,7 @@ from dlo_fx.runtime.executor import CpuExecutor
 from dlo_fx.runtime.owners import runtimes_holding
 
 from distributed import spawn
+from errors import error_text
 from models import call, tiny_dit
 from safety_cases import ctrl_c_raises, safety_cases
 from safety_models import eager_head_dit, tiny_hunyuan_video_15
@@ -101,7 +102,7 @@ def test_two_models_of_one_class_on_two_threads():
                 try:
                     results.append(torch.equal(call(compiled, inputs), ref))
                 except Exception as exc:  # the text is what the test shows
-                    results.append(f"{type(exc).__name__}: {exc}")
+                    results.append(error_text(exc))
 
     threads = [threading.Thread(target=worker, args=m) for m in models]
     for t in threads:

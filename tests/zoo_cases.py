@@ -10,13 +10,13 @@ so one failing model does not hide the rest of the table.
 from __future__ import annotations
 
 import time
-import traceback
 
 import torch
 
 from dlo_fx.runtime.stored import is_stored
 from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
+from errors import error_text
 from zoo_models import build, by_name, outputs
 
 MODES = ("rank_local", "allgather")
@@ -46,9 +46,7 @@ def run_case(name: str, options: dict, calls: int = 2) -> dict:
                                        for o, r in zip(outs, ref) if o.shape == r.shape])
         result.update(exact=bool(exact), max_abs_diff=worst, **_figures(model))
     except Exception as exc:  # reported per case; the test fails on it
-        inner = getattr(exc, "inner_exception", exc)
-        lines = traceback.format_exception_only(type(inner), inner)
-        result["error"] = "".join(lines).strip()[-600:]
+        result["error"] = error_text(exc)[-600:]
     result["seconds"] = time.monotonic() - start
     result["cpu_seconds"] = time.process_time() - cpu
     return result
