@@ -7,19 +7,27 @@ import pytest
 import torch
 
 from distributed import OUTPUT, background, start_fork_server
+from lifetime import Survivors
 from dlo_fx.runtime.owners import reset_runtimes
 
 
 @pytest.fixture(autouse=True)
 def fresh_compile_state():
-    """Each test compiles from scratch and leaves no runtime (host store, slots) behind."""
+    """Each test compiles from scratch and leaves no runtime (host store, slots) behind:
+    one it made that is still alive after its garbage is collected fails it, naming what
+    holds it (see [Note: the frozen heap] in tests/lifetime.py)."""
     torch._dynamo.reset()
     reset_runtimes()
+    survivors = Survivors()
     yield
     torch._dynamo.reset()
+    # Before reset_runtimes: a runtime lives as long as a parameter it stores, so one alive
+    # here is a model the test left alive. A failed test's frames hold its models.
+    leaked = "" if survivors.failed() else survivors.after()
     reset_runtimes()
     gc.collect()  # this test's garbage: only what is not frozen yet
     gc.freeze()   # what outlives it (lazy imports, caches) is not scanned again
+    assert not leaked, leaked
 
 
 def pytest_configure(config):

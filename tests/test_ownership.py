@@ -26,6 +26,7 @@ from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
 from dlo_fx.runtime import shared_slots
 from dlo_fx.runtime.owners import live_runtimes, runtimes_holding
 from dlo_fx.runtime.stored import is_stored
+from lifetime import collect_all
 from loader_cases import resident_dit, save_dit
 from models import run_dlo, tiny_dit, tiny_flux
 
@@ -334,6 +335,7 @@ def test_twenty_rounds_give_memory_back():
         gc.collect()
         store_bytes.append(sum(rt.store.host_bytes for rt in live_runtimes()))
         rss.append(_rss_bytes())
+    collect_all()  # no cycle frozen by an earlier test keeps slots alive (tests/lifetime.py)
     assert store_bytes == [0] * 20
     assert live_runtimes() == []
     assert len(shared_slots._SHARED) == 0  # slots freed with the last runtime
@@ -372,7 +374,7 @@ def test_release_frees_the_runtime_and_gives_back_an_ordinary_module(dit):
     model = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"])
     assert torch.equal(run(torch.compile(model, backend="dlo"), dit["inputs"]), dit["expected"])
     assert dlo_fx.release(model) is model
-    gc.collect()
+    collect_all()
     assert live_runtimes() == [] and runtimes_holding(list(model.parameters())) == []
     assert torch.equal(run(model, dit["inputs"]), dit["expected"])  # eager again
     with pytest.raises(ValueError, match="no parameter of ReferenceDiT"):
