@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from distributed import OUTPUT, background, start_fork_server
-from lifetime import Survivors
 from dlo_fx.runtime.owners import reset_runtimes
+from lifetime import Survivors
 
 
 @pytest.fixture(autouse=True)

@@ -26,8 +26,7 @@ import types
 import weakref
 from typing import Any
 
-from dlo_fx.runtime import shared_slots
-from dlo_fx.runtime import owners
+from dlo_fx.runtime import owners, shared_slots
 from dlo_fx.runtime.runtime import Runtime
 
 
@@ -76,7 +75,7 @@ class Survivors:
 
 def _why(obj: Any, ignore: set[int]) -> str:
     """``obj`` and a chain of what holds it. A runtime lives as long as a parameter it
-    stores (`_OWNERS` maps them to it): the chain is then that parameter's."""
+    stores (`owners._OWNERS` maps them to it): the chain is then that parameter's."""
     what = f"{type(obj).__name__} at {id(obj):#x}"
     params = owners.owned_by([obj]) if isinstance(obj, Runtime) else []
     if params:
@@ -118,12 +117,13 @@ def _owner(holder: Any, target: Any, skip: set[int]) -> tuple[Any, str]:
     if isinstance(holder, dict):
         keys = [k for k, v in holder.items() if v is target]
         key = keys[0] if keys else None
-        owners = [r for r in gc.get_referrers(holder) if getattr(r, "__dict__", None) is holder]
-        if owners and isinstance(key, str):
-            skip.add(id(owners[0]))
-            if isinstance(owners[0], types.ModuleType):
-                return owners[0], f"module {owners[0].__name__}.{key}"
-            return owners[0], f"{type(owners[0]).__qualname__}.{key}"
+        objects = [r for r in gc.get_referrers(holder) if getattr(r, "__dict__", None) is holder]
+        if objects and isinstance(key, str):
+            obj = objects[0]
+            skip.add(id(obj))
+            if isinstance(obj, types.ModuleType):
+                return obj, f"module {obj.__name__}.{key}"
+            return obj, f"{type(obj).__qualname__}.{key}"
         return holder, f"dict[{key!r}]" if keys else "dict (a key)"
     if isinstance(holder, types.FrameType):
         code = holder.f_code
