@@ -15,7 +15,7 @@ import statistics
 import time
 import torch
 
-from . import platform
+from . import platform, procfs
 from .collectives import ShardGroup, exchange_json, gather_in_place
 
 log = logging.getLogger(__name__)
@@ -89,14 +89,9 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype, group: ShardGro
 
 
 def host_ram_bytes() -> int:
-    limit = None
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            text = f.read().strip()
-            limit = None if text == "max" else int(text)
-    except (OSError, ValueError):
-        pass
+    """The host's RAM, or its cgroup's ``memory.max`` when that is less."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = procfs.memory_limit()
     return min(total, limit) if limit else total
 
 

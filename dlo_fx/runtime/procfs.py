@@ -71,20 +71,29 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-def _cgroup_left(used: "Callable[[str], Optional[int]]") -> Optional[int]:
-    """The cgroup's ``memory.max`` less ``used(cgroup dir)``; None without a limit."""
+def memory_limit() -> Optional[int]:
+    """``memory.max`` of this process's cgroup (v2); None without a limit or a cgroup."""
     base = _cgroup_dir()
     if base is None:
         return None
     try:
         with open(os.path.join(base, "memory.max")) as f:
             limit = f.read().strip()
-        if limit == "max":
-            return None
-        taken = used(base)
-        return None if taken is None else int(limit) - taken
+        return None if limit == "max" else int(limit)
     except (OSError, ValueError):
         return None
+
+
+def _cgroup_left(used: "Callable[[str], Optional[int]]") -> Optional[int]:
+    """The cgroup's ``memory.max`` less ``used(cgroup dir)``; None without a limit."""
+    limit = memory_limit()
+    if limit is None:
+        return None
+    try:
+        taken = used(_cgroup_dir())
+    except (OSError, ValueError):
+        return None
+    return None if taken is None else limit - taken
 
 
 def _least(a: Optional[int], b: Optional[int]) -> Optional[int]:
