@@ -14,6 +14,8 @@ import torch
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.loading.shards import write_shard_dir
+from dlo_fx.runtime.host_store import HostStore
+from dlo_fx.runtime.stored import is_stored
 from errors import error_text
 from loader_cases import SHARED, fresh, resident_dit, save_dit
 from models import call, tiny_dit
@@ -94,8 +96,36 @@ def agreement_cases(rank: int, world: int, files: dict) -> dict:
     out[("order", "built")] = outcome(lambda: _built_equal({**base, "shard_group": [1, 0]}))
     out[("slots", "built")] = outcome(lambda: _built_equal({**base, "num_slots": 2 + rank}))
     out[("slots-after", "built")] = outcome(lambda: _built_equal({**base, "num_slots": 3}))
+    out["store fails"] = _store_fails_on_one_rank(rank, base)
     fresh()
     return out
+
+
+def _store_fails_on_one_rank(rank: int, options: dict) -> dict:
+    """A compile whose host store fails on rank 1 only (an injected failure to pin a shard):
+    both ranks raise together, the model keeps its real parameters, and calling it again
+    compiles and is exact on both (see [Note: storing blocks] in runtime/runtime.py)."""
+    fresh()
+    reference, inputs = tiny_dit()
+    model, _ = tiny_dit()
+    compiled = torch.compile(model, backend="dlo", options=options)
+    real_add = HostStore.add_block
+
+    def failing_add(self, *args, **kw):
+        raise MemoryError("pinning a host shard failed (injected)")
+
+    if rank == 1:
+        HostStore.add_block = failing_add
+    try:
+        with torch.no_grad():
+            first = outcome(lambda: call(compiled, inputs))
+    finally:
+        HostStore.add_block = real_add
+    intact = not any(is_stored(p) for p in model.parameters())
+    with torch.no_grad():
+        expected = call(reference, inputs)
+        again = outcome(lambda: [torch.equal(call(compiled, inputs), expected) for _ in range(2)])
+    return {"first": first, "intact": intact, "again": again}
 
 
 # -- in a forked child ---------------------------------------------------------------------------

@@ -58,6 +58,16 @@ def test_ranks_agree_on_everything_that_shapes_a_gather(spawned):
             assert message.startswith("ValueError") and "dlo-fx shard" in message, message
             assert "global rank 0" in message and "global rank 1" in message, message
             assert out[("shards-after", store)] is True, (rank, store)
+        # a compile whose store fails on rank 1 only: both raise, the model stays as it was
+        failed = out["store fails"]
+        if rank == 1:
+            assert failed["first"].startswith("MemoryError") and "injected" in failed["first"], \
+                failed
+        else:
+            assert failed["first"].startswith("ValueError"), failed
+            assert "failed on global rank 1" in failed["first"], failed
+            assert "injected" in failed["first"], failed
+        assert failed["intact"] is True and failed["again"] == [True, True], (rank, failed)
 
 
 # -- item 4: a rank file whose header disagrees with its manifest --------------------------------

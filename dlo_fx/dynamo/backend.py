@@ -27,15 +27,14 @@ from ..config import DLOConfig
 from ..passes import GraphPlan, PassContext, plan_graph, run_passes, schedule_of
 from ..passes.resident_set import device_budget_bytes
 from .probes import probe_for_budget, settle_mode
-from ..runtime.agreement import agree_on_compile
+from ..runtime.agreement import compile_facts
 from ..model.guard import guard_module
-from ..runtime.fingerprint import block_fingerprint
-from ..runtime.layout import is_composite, leaf_entries
+from ..runtime.layout import is_composite
 from ..runtime.forward_log import note_compile
-from ..runtime.graph_call import compile_clock, note_graph, run_graph
+from ..runtime.graph_call import compile_clock, gathers, note_graph, run_graph
 from ..runtime.ops import conflict_message
 from ..runtime.owners import claim, owner_of
-from ..runtime.runtime import Runtime
+from ..runtime.runtime import NewBlock, Runtime
 from ..runtime.weight_reads import read_unstored
 from .. import torch_private
 from ..runtime.stored import _caller_level, is_stored
@@ -416,21 +415,15 @@ def commit(ctx: GraphPlan, runtime: Runtime) -> None:
                 f"computes on {runtime.device}; load the model with dlo_fx.load(...) so resident "
                 "parameters are placed on the device")
     new = [b for b in ctx.blocks if b.host_block is None]
-    if runtime.mode == "allgather" and new:  # see [Note: a compile on one rank only]
-        compile_clock(runtime, len(ctx.blocks), f"compiling a graph of {len(ctx.params)} parameters")
+    if new:  # see [Note: a compile on one rank only] and [Note: storing blocks]
+        what = f"a graph of {len(ctx.params)} parameters"
+        if gathers(runtime):
+            compile_clock(runtime, len(ctx.blocks), f"compiling {what}")
         rows = [(len(b.params), b.nbytes, b.params[0].fqn) for b in ctx.blocks]
-        fingerprints = []
-        for b in new:
-            params = [p.param for p in b.params]
-            entries, _ = runtime.store.layout(params, [p.fqn for p in b.params])
-            fingerprints.append(block_fingerprint(leaf_entries(entries),
-                                                  runtime.store.sources(params, entries)))
-        agree_on_compile(runtime, rows, [p.fqn for p in ctx.resident if p.first >= 0],
-                         fingerprints, [b.params[0].fqn for b in new],
-                         f"a graph of {len(ctx.params)} parameters")
-    for block in new:
-        runtime.register_block([p.param for p in block.params], [p.fqn for p in block.params],
-                               defer=True)
+        runtime.store_blocks([NewBlock([p.param for p in b.params], [p.fqn for p in b.params])
+                              for b in new],
+                             compile_facts(rows, [p.fqn for p in ctx.resident if p.first >= 0]),
+                             what, convert=False)
     for p in ctx.resident:  # this graph reads them from the module: never stored later
         if p.first >= 0 and not ctx.in_store(p.param):
             runtime.read_directly[id(p.param)] = p.param

@@ -51,7 +51,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -62,12 +62,12 @@ from ..config import DLOConfig
 from .gguf import is_gguf, quantize_module
 from ..planning.modes import choose_mode
 from ..runtime.probes import machine_figures
-from .plan import KeyMap, LoadPlan, Target, agree_on_load, map_keys, plan_load
+from .plan import KeyMap, LoadPlan, Target, load_facts, map_keys, plan_load
 from ..model.guard import guard_module
 from ..runtime.fingerprint import extent_sources, file_fingerprint
 from ..runtime.layout import STORAGE_MARK
 from ..runtime.owners import claim
-from ..runtime.runtime import Runtime
+from ..runtime.runtime import NewBlock, Runtime
 from ..runtime.stored import carried_attributes, stored_parameter
 from .build import construct, materialised, meta_parameters
 from .shards import ShardDir, checkpoint_extents
@@ -236,15 +236,12 @@ def _install(target: Target, value: torch.Tensor) -> None:
 def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
             shards: Optional[ShardDir] = None) -> None:
     store = runtime.store
-    first = len(store.blocks)
     total = sum(t.info.nbytes for t in plan.params + plan.buffers if t.info is not None)
     count = sum(t.info is not None for t in plan.params + plan.buffers)
     progress = _Progress(total, count, label=f"loading {plan.ckpt.source}",
                          bar=store.rank == 0 and _stderr_is_terminal(),
                          level=logging.INFO if store.rank == 0 else logging.DEBUG)
     values: list[tuple[Target, torch.Tensor]] = []
-    fingerprints: list[int] = []
-    joined = False  # the ranks' agreement: every rank joins it, failed or not
     try:
         # Every read goes through pread, whatever the store: a file truncated while it is
         # read is an error naming it (a mapped page of it raised SIGBUS).
@@ -255,29 +252,25 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
                 value = _resident_like(t, value)
             values.append((t, value))
             progress.update(t.info.nbytes if t.info is not None else 0, t.info is not None)
+    except BaseException as exc:
+        read_failure: Optional[BaseException] = exc
+    else:
+        read_failure = None
+
+    def blocks() -> Iterator[NewBlock]:
+        if read_failure is not None:  # joins the ranks' agreement with it
+            raise read_failure
         for b, block in enumerate(plan.blocks):
             params = [_stored_like(t, device) for t in block]
-            fqns = [t.fqn for t in block]
-            entries, spec = store.layout(params, fqns)
-            extents = (shards.block_extents(b, store.rank, spec)
-                       if shards is not None else checkpoint_extents(block, entries))
-            if runtime.mode == "allgather" and store.dp > 1:  # of the checkpoint's own bytes
-                fingerprints.append(shards.fingerprint(b) if shards is not None else
-                                    file_fingerprint(entries, extent_sources(entries, extents)))
-            host = store.blocks[runtime.register_block(params, fqns, extents=extents)]
-            plan.host_bytes += host.shard.numel()
-            values += list(zip(block, params))
+            yield NewBlock(params, [t.fqn for t in block], *_block_source(block, b, shards,
+                                                                          store.rank))
+            values.extend(zip(block, params))  # the block is stored when asked for the next
             progress.update(sum(t.info.nbytes for t in block), len(block))
-        joined = True
-        agree_on_load(runtime, plan, fingerprints, shards)
-    except BaseException as exc:
-        store.drop_blocks(first)
-        failure = load_error(exc)  # a file that changed while it was read: the checkpoint's
-        if not joined:  # raises on every rank: ``failure`` here, naming this rank elsewhere
-            agree_on_load(runtime, plan, fingerprints, shards, failure)
-        if failure is exc:
-            raise
-        raise failure from None
+
+    try:
+        indices = runtime.store_blocks(blocks(), load_facts(plan, shards),
+                                       f"loading {plan.ckpt.source}", error_of=load_error)
+        plan.host_bytes += sum(store.blocks[i].shard.numel() for i in indices)
     finally:
         progress.close()
     named = {id(t) for t in plan.named}
@@ -285,6 +278,18 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
         _install(target, value)
         if id(target) in named:  # no graph streams (and so stores) them either
             runtime.named_resident[id(value)] = value
+
+
+def _block_source(block: Sequence[Target], b: int, shards: Optional[ShardDir], rank: int
+                  ) -> tuple[Callable, Callable]:
+    """Where block ``b``'s bytes are (`NewBlock.extents`) and their fingerprint
+    (`NewBlock.fingerprint`): in a `dlo-fx shard` run's rank file, with the fingerprint it
+    recorded, or in the checkpoint, sampled there."""
+    if shards is not None:
+        return (lambda _, spec: shards.block_extents(b, rank, spec),
+                lambda *_: shards.fingerprint(b))
+    return (lambda entries, _: checkpoint_extents(block, entries),
+            lambda entries, extents: file_fingerprint(entries, extent_sources(entries, extents)))
 
 
 # -- progress -----------------------------------------------------------------------------

@@ -21,12 +21,13 @@ from ..config import DLOConfig
 from .gguf import shape_text
 from ..planning.blocks import Unit, partition
 from ..planning.residency import Candidate, decide_residency
+from ..runtime.agreement import Fact
 from ..runtime.layout import STORAGE_MARK, storage_span
 from ..model.storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KeyMap", "LoadPlan", "Target", "agree_on_load", "map_keys", "plan_load"]
+__all__ = ["KeyMap", "LoadPlan", "Target", "load_facts", "map_keys", "plan_load"]
 
 log = logging.getLogger(__name__)
 
@@ -284,28 +285,16 @@ def _resident_set(params: list[Target], names: Sequence[str]) -> set[int]:
     return keep
 
 
-def agree_on_load(runtime: Any, plan: LoadPlan, fingerprints: Sequence[int], shards: Any,
-                  error: Optional[BaseException] = None) -> None:
-    """The ranks' agreement once `dlo_fx.load` stored its blocks (see [Note: one agreement
-    before the first gather]): the runtime's facts, each block's layout, the resident
-    parameters, the `dlo-fx shard` run and every block's fingerprint. ``error``: this
-    rank's load failed; every rank raises."""
-    from ..runtime.agreement import Fact, agree, layout_digest, runtime_facts, weights_fact
-
-    names = [b[0].fqn for b in plan.blocks]
-    stored = runtime.store.blocks[len(runtime.store.blocks) - len(plan.blocks):] \
-        if error is None else []
-    facts = runtime_facts(runtime) + [
+def load_facts(plan: LoadPlan, shards: Any) -> list[Fact]:
+    """What the ranks compare when `dlo_fx.load` stores its blocks, beside the runtime's
+    facts and the blocks' layouts and fingerprints (see [Note: storing blocks] in
+    runtime/runtime.py): the `dlo-fx shard` run and the resident parameters."""
+    return [
         Fact("`dlo-fx shard` run (the shard id in its manifest)",
              shards.manifest["shard_id"] if shards is not None else None,
              "Every rank must load the files of one `dlo-fx shard` run: copy that run's folder "
              "to every rank (a folder of another run, or a stale copy, holds other weights), "
              "or rerun `dlo-fx shard` once and copy its output"),
-        Fact("layouts", [layout_digest(b.entries, b.spec.padded_bytes) for b in stored],
-             "Every rank must load the same model with the same options and dtype",
-             blocks=names),
         Fact("resident parameters", sorted(t.fqn for t in plan.resident),
              "Every rank must load with the same resident= and resident_bytes"),
-        weights_fact(fingerprints, names),
     ]
-    agree(runtime, facts, f"loading {plan.ckpt.source}", error)

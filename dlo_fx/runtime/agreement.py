@@ -24,11 +24,11 @@ the group is made per setting by ``dist.new_group``, which pairs the ranks' call
 so a group made on one rank only would leave every later exchange paired with something
 else. The same comparison and messages serve both exchanges.
 
-`dlo_fx.load` agrees once its blocks are stored (a rank whose load failed joins the
-exchange with its error, so every rank raises together instead of waiting out the
-timeout); a compile that stores new blocks agrees on its plan and their weights
-(`backend.commit`), as does a reused graph bound to a new layer (`Runtime.resolve`). A
-model whose blocks are all stored already issues no agreement (see [Note: a compile on one
+Every store of new blocks -- `dlo_fx.load`'s, a compile's, a reused graph's bound to a new
+layer -- agrees once its blocks are added (`Runtime.store_blocks`, [Note: storing blocks] in runtime.py):
+a rank whose store failed joins the exchange with its error, so every rank raises together
+instead of waiting out the timeout. A model whose blocks are all stored already issues no
+agreement (see [Note: a compile on one
 rank only] in graph_call.py): its blocks were agreed when they were stored. The exchange
 runs on the copy worker behind a clock word, in the order of every other collective.
 """
@@ -41,7 +41,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["Fact", "agree", "agree_on_compile", "agree_on_settings", "check_same_weights",
+__all__ = ["Fact", "agree", "agree_on_settings", "compile_facts", "layout_digest",
            "runtime_facts", "weights_fact"]
 
 _SETTINGS_LOCK = threading.Lock()
@@ -179,19 +179,10 @@ def weights_fact(fingerprints: Sequence[int], names: Sequence[str]) -> Fact:
                 "64 windows of 8 bytes per block", blocks=list(names))
 
 
-def check_same_weights(runtime: Any, fingerprints: Sequence[int], names: Sequence[str],
-                       what: str) -> None:
-    """Raise `ValueError` on every rank when the ranks' fingerprints differ, naming the
-    first differing block; the runtime's own facts are compared in the same exchange
-    (see [Note: one agreement before the first gather])."""
-    agree(runtime, runtime_facts(runtime) + [weights_fact(fingerprints, names)], what)
-
-
-def agree_on_compile(runtime: Any, rows: Sequence[Sequence[Any]], resident: Sequence[str],
-                     fingerprints: Sequence[int], new: Sequence[str], what: str) -> None:
-    """The agreement of a compile that stores new blocks: the runtime's facts, the graph's
-    block plan (``rows``: parameter count, bytes, first FQN per block), the parameters it
-    keeps resident, and the new blocks' fingerprints (``new``: their first FQNs)."""
+def compile_facts(rows: Sequence[Sequence[Any]], resident: Sequence[str]) -> list[Fact]:
+    """What the ranks compare when a compile stores new blocks, beside the blocks' layouts
+    and fingerprints: the graph's block plan (``rows``: parameter count, bytes, first FQN
+    per block) and the parameters it keeps resident."""
     plan = Fact("block plans", [list(r) for r in rows],
                 "Rows are parameter count, bytes, first FQN. Every rank of the shard group "
                 "must compile the same model with the same options and reach the same graphs "
@@ -200,7 +191,7 @@ def agree_on_compile(runtime: Any, rows: Sequence[Sequence[Any]], resident: Sequ
                 blocks=[r[2] for r in rows])
     kept = Fact("resident parameters", sorted(resident), "Every rank must compile the same "
                 "model with the same options (resident_bytes, device_budget)")
-    agree(runtime, runtime_facts(runtime) + [plan, kept, weights_fact(fingerprints, new)], what)
+    return [plan, kept]
 
 
 def agree_on_settings(config: Any, device: Any) -> None:

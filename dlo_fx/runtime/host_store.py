@@ -247,11 +247,17 @@ class HostStore:
         the next call), so a steady call takes no extra lock."""
         return bool(self._pending)
 
-    def convert_pending(self) -> None:
-        """Turn the parameters a compile stored into `StoredWeight`s: see [Note: when a
-        parameter becomes a StoredWeight]. The caller holds the runtime's lock."""
+    def convert_pending(self, params: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Turn the parameters a compile stored (or just ``params`` of them) into
+        `StoredWeight`s: see [Note: when a parameter becomes a StoredWeight]. The caller
+        holds the runtime's lock."""
         with self._forget_lock:
-            pending, self._pending = self._pending, []
+            if params is None:
+                pending, self._pending = self._pending, []
+            else:
+                ids = {id(p) for p in params}
+                pending = [r for r in self._pending if id(r()) in ids]
+                self._pending = [r for r in self._pending if id(r()) not in ids]
         kept = []
         for ref in pending:
             p = ref()
@@ -268,8 +274,9 @@ class HostStore:
                 "graphs stream them all the same", RuntimeWarning, stacklevel=2)
 
     def drop_blocks(self, first: int) -> None:
-        """Forget blocks ``first`` onwards (undoing a failed load); their parameters have
-        no weights and must not be used again."""
+        """Forget blocks ``first`` onwards (undoing a failed store, `Runtime.store_blocks`);
+        those of their parameters that became `StoredWeight`s have no weights and must not be
+        used again."""
         with self._forget_lock:
             self._entries = {k: e for k, e in self._entries.items() if e.block < first}
             self._live = {k: n for k, n in self._live.items() if k < first}

@@ -3,7 +3,26 @@ shares with the other models on its device (`shared_slots.py`), and its lock. It
 halves are mixed in: the slot state machine the schedule nodes drive (`SlotMachine`,
 slot_machine.py) and the reads of stored weights outside the schedule (`WeightReads`,
 weight_reads.py). A runtime is found from the parameters it stores (`owners.owner_of`),
-never from options; see [Note: the model owns its runtime] in owners.py.
+never from options; see [Note: the model owns its runtime] in owners.py. Every block a
+model stores comes in through `Runtime.store_blocks`.
+
+[Note: storing blocks]
+Storing a block is always the same five steps, whoever asks: lay the parameters out,
+take the block's sampled fingerprint (of the parameters' bytes, or of the checkpoint's
+where the loader reads files), add it to the host store (which copies or reads this
+rank's shard), have the ranks agree on everything that shapes their gathers and on the
+fingerprints (`agreement.agree`), and only then claim the parameters for the runtime
+(`owners.claim`) and turn them into `StoredWeight`s. A failure anywhere -- a truncated
+file, a failed pinning, the ranks disagreeing -- drops the blocks this call added,
+claims nothing, and raises on every rank (a rank that failed joins the agreement with
+its error, so its peers raise with it instead of waiting out the timeout); a parameter
+that was real stays real, so a compile that fails leaves the model as it was. With one
+rank, or in rank-local mode, nothing is exchanged and no fingerprint is taken.
+
+Before this path existed the fingerprint was checked in three places (the compile, the
+reused graph, the loader), each with its own order of storing and agreeing; a compile
+stored after agreeing, so a rank whose store failed left its peers to time out in their
+next call.
 
 [Note: a forked process]
 ``os.fork`` (multiprocessing's default start method on Linux) copies a runtime into the
@@ -23,21 +42,22 @@ import logging
 import os
 import threading
 import weakref
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from ..config import DLOConfig
 from . import platform
-from .agreement import agree_on_settings, check_same_weights
+from .agreement import Fact, agree, agree_on_settings, layout_digest, runtime_facts, weights_fact
 from .collectives import ShardGroup, resolve_shard_group
 from .shared_slots import shared_slots
 from .executor import FaultDelay
-from .file_store import FileStore
 from .fingerprint import block_fingerprint
+from .file_store import FileStore
 from .host_store import HostStore
 from .interrupts import install as install_interrupt_handler
-from .layout import leaf_entries
+from .layout import Entry, ShardSpec, leaf_entries
 from .owners import claim, register, unclaim
 from .slot_machine import SlotMachine
 from .trace import Tracer
@@ -46,6 +66,18 @@ from .weight_reads import WeightReads
 log = logging.getLogger(__name__)
 
 _TOKENS = itertools.count()  # tells the runtimes sharing slots apart (`SlotBlocks`)
+
+
+@dataclass(frozen=True)
+class NewBlock:
+    """A block to store. By default its bytes are the parameters' own. The loader gives
+    ``extents`` (where the block's bytes are in files, from its layout) and ``fingerprint``
+    (of those bytes, or the one a `dlo-fx shard` run recorded)."""
+
+    params: Sequence[torch.nn.Parameter]
+    fqns: Sequence[str]
+    extents: Optional[Callable[[list[Entry], ShardSpec], Sequence]] = None
+    fingerprint: Optional[Callable[[list[Entry], Optional[Sequence]], int]] = None
 
 
 class Runtime(SlotMachine, WeightReads):
@@ -144,22 +176,80 @@ class Runtime(SlotMachine, WeightReads):
                                dp=self.group.dp if sharded else 1, files=files)
         log.info("dlo: %s mode over the %s (%s)", mode, self.group.describe(), reason)
 
-    # -- registration (compile time, or first call of a reused graph) --------------------
+    # -- storing blocks (compile, load, first call of a reused graph) -----------------------
+    def store_blocks(self, blocks: Iterable[NewBlock], facts: Sequence[Fact], what: str,
+                     *, convert: bool = True,
+                     error_of: Callable[[BaseException], BaseException] = lambda e: e) -> list[int]:
+        """Store ``blocks`` (see [Note: storing blocks]) and return their host block indices.
+
+        ``facts``: what else the ranks must share (the compile's block plan, the loader's
+        shard run), compared in the same exchange as the runtime's facts, the new blocks'
+        layouts and fingerprints. ``convert=False`` leaves real parameters real until the
+        runtime's next graph call ([Note: when a parameter becomes a StoredWeight]).
+        ``blocks`` may be a generator: each is stored before the next is asked for (the
+        loader reads block by block). ``error_of`` turns a failure into the error raised
+        (the loader's, naming a file that changed)."""
+        store = self.store
+        first = len(store.blocks)
+        check = self.mode == "allgather" and self.group.dp > 1
+        indices: list[int] = []
+        names: list[str] = []
+        fingerprints: list[int] = []
+        added: list[NewBlock] = []
+
+        def all_facts() -> list[Fact]:
+            layouts = [layout_digest(store.blocks[i].entries, store.blocks[i].spec.padded_bytes)
+                       for i in indices]
+            return [*runtime_facts(self), *facts,
+                    Fact("layouts", layouts, "Every rank must store the same model with the same "
+                         "options and dtype", blocks=list(names)),
+                    weights_fact(fingerprints, names)]
+
+        try:
+            for block in blocks:
+                entries, spec = store.layout(block.params, block.fqns)
+                extents = block.extents(entries, spec) if block.extents is not None else None
+                if check:
+                    fingerprints.append(
+                        block.fingerprint(entries, extents) if block.fingerprint is not None
+                        else block_fingerprint(leaf_entries(entries),
+                                               store.sources(block.params, entries)))
+                indices.append(self.register_block(block.params, block.fqns, extents=extents))
+                names.append(block.fqns[0])
+                added.append(block)
+        except BaseException as exc:
+            store.drop_blocks(first)
+            indices.clear()  # a rank that failed tells its error, not its blocks
+            names.clear()
+            fingerprints.clear()
+            failure = error_of(exc)
+            if failure is not exc:
+                failure.__suppress_context__ = True
+            agree(self, all_facts(), what, failure)  # raises ``failure`` here, naming this rank elsewhere
+            raise  # not reached
+        try:
+            agree(self, all_facts(), what)
+        except BaseException:
+            store.drop_blocks(first)
+            raise
+        params = [p for b in added for p in b.params]
+        claim(params, self)  # only now: a failed store leaves no owner on any rank
+        if convert:
+            store.convert_pending(params)
+        return indices
+
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
-                       sources: Optional[Sequence[torch.Tensor]] = None,
-                       extents: Optional[Sequence] = None, defer: bool = False) -> int:
-        """Store ``params`` as a new host block (this rank's shard of it); they become
-        `StoredWeight`s (with ``defer``, at the next graph call: `HostStore.convert_pending`).
-        ``sources`` are flat uint8 images of each parameter's storage span; by default the
-        parameters' own bytes are read. ``extents``: where they are in files (the loader's
-        blocks, `HostStore.add_block`)."""
+                       extents: Optional[Sequence] = None) -> int:
+        """Add ``params`` to the host store as a new block (this rank's shard of it); they
+        stay real until `HostStore.convert_pending`. Only `store_blocks`
+        calls this: see [Note: storing blocks]. ``extents``: where the block's bytes are
+        in files (the loader's blocks, `HostStore.add_block`)."""
         if self.mode is None:
             raise RuntimeError("dlo: internal error: a block is stored before the mode is "
                                "decided (passes.choose_mode or the loader decides it)")
         if self.closed:
             raise RuntimeError("dlo: this runtime was released; compile the model again")
-        block = self.store.add_block(params, fqns, sources, extents, defer)
-        claim(params, self)
+        block = self.store.add_block(params, fqns, extents=extents, defer=True)
         self.fit_slots(block.slot_bytes)
         return block.index
 
@@ -174,14 +264,8 @@ class Runtime(SlotMachine, WeightReads):
         entries = [self.store.entry(p) for p in params]
         if None in entries:
             fresh = [(p, f) for p, f, e in zip(params, fqns, entries) if e is None]
-            new_params, new_fqns = [p for p, _ in fresh], [f for _, f in fresh]
-            if self.mode == "allgather":
-                layout, _ = self.store.layout(new_params, new_fqns)
-                fingerprint = block_fingerprint(leaf_entries(layout),
-                                                self.store.sources(new_params, layout))
-                check_same_weights(self, [fingerprint], new_fqns[:1],
-                                   f"the layer of {new_fqns[0]!r}")
-            return self.register_block(new_params, new_fqns)
+            new = NewBlock([p for p, _ in fresh], [f for _, f in fresh])
+            return self.store_blocks([new], [], f"the layer of {new.fqns[0]!r}")[0]
         first = entries[0].block
         if all(e.block == first for e in entries):
             return first
