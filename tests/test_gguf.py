@@ -2,8 +2,8 @@
 blocks, quantized here with the ``gguf`` package) stream through dlo: the quantized bytes
 are stored, and every call, compiled or eager, is exact against the resident model. Once
 stored, a weight is a `StoredWeight` that keeps ``quant_type``; the frame's second trace
-(for the stored weights) records diffusers' ``as_tensor()`` call on it, which the passes
-replace by the weight itself."""
+(for the stored weights) records diffusers' ``as_tensor()`` call on it, which `insert_schedule`
+replaces by the slot view read in its place."""
 
 from __future__ import annotations
 
@@ -58,3 +58,38 @@ def test_gguf_q8_weights_stream_exactly_compiled_and_eager():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # read outside a graph: warned
             assert torch.equal(model(x), want)
+
+
+def test_planning_leaves_the_graph_and_the_schedule_drops_as_tensor():
+    """The planning stages change no node; `insert_schedule` turns a streamed GGUF weight's
+    ``as_tensor()`` call (recorded once the weights are stored) into its slot view."""
+    import dlo_fx.dynamo.backend as backend
+
+    real_plan, real_run = backend.plan_graph, backend.run_passes
+    planned, scheduled = [], []
+
+    def plan_spy(gm, ctx):
+        before = gm.code
+        plan = real_plan(gm, ctx)
+        planned.append((before, gm.code))
+        return plan
+
+    def run_spy(gm, plan, extra=()):
+        out = real_run(gm, plan, extra)
+        scheduled.append(out.code)
+        return out
+
+    backend.plan_graph, backend.run_passes = plan_spy, run_spy
+    try:
+        ref, model = _q8_model(), _q8_model()
+        compiled = torch.compile(model, backend="dlo")
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = ref(x)
+            assert all(torch.equal(compiled(x), want) for _ in range(3))
+    finally:
+        backend.plan_graph, backend.run_passes = real_plan, real_run
+    assert planned and all(before == after for before, after in planned)
+    traced_as_tensor = [before for before, _ in planned if "as_tensor" in before]
+    assert traced_as_tensor, "no trace recorded as_tensor(): the test no longer covers it"
+    assert all("as_tensor" not in code for code in scheduled), scheduled[-1]

@@ -3,8 +3,7 @@
 `plan_graph` runs the planning stages in order, each ``(gm, ctx: PassContext) -> gm``
 followed by ``gm.graph.lint()``, and freezes what they filled into a `GraphPlan`. They
 compute only: no collective, no probe (the backend runs those, `dlo_fx.dynamo.probes`),
-and no graph change but one (`identify_params` replaces a stored GGUF weight's
-``as_tensor()`` call by the weight). `run_passes` then runs `insert_schedule`, the graph
+no graph change. `run_passes` then runs `insert_schedule`, the graph
 transform, and the user's passes after it, each ``(gm, plan: GraphPlan) -> gm``. Set
 ``debug_passes`` (or ``DLO_FX_DEBUG_PASSES=1``) to log the graph before and after every
 stage and pass on the ``dlo_fx.passes`` logger.

@@ -5,9 +5,8 @@ value came from (``L['self']._modules['blocks']._modules['0']._parameters['weigh
 the example input *is* the ``nn.Parameter``. A parameter already in the host store keeps
 the FQN it was stored under.
 
-Before/after: fills ``ctx.params`` (one `ParamInfo` per parameter placeholder: node,
-parameter, FQN, bytes of its storage span); the one graph change is that a stored GGUF
-weight's ``as_tensor()`` call is replaced by the weight itself (`_inline_as_tensor`)::
+Before/after: no graph change; fills ``ctx.params`` (one `ParamInfo` per parameter
+placeholder: node, parameter, FQN, bytes of its storage span)::
 
     l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_   # placeholder
     -> ParamInfo(fqn="blocks.0.qkv.weight", nbytes=24576)
@@ -66,22 +65,10 @@ def identify_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         else:
             fqn = node.name
         check_streamable(value, fqn)
-        _inline_as_tensor(gm, node)
         ctx.params.append(ParamInfo(node=node, param=value, fqn=fqn,
                                     nbytes=param_bytes(value, stored_as),
                                     stored_as=stored_as))
     return gm
-
-
-def _inline_as_tensor(gm: fx.GraphModule, node: fx.Node) -> None:
-    """``p.as_tensor()`` of a stored parameter (diffusers' GGUF dequantisation calls it on
-    its ``GGUFParameter``s) is the parameter itself: Dynamo records it as a method call on
-    the `StoredWeight` input, and the slot view that replaces the input has no such
-    method."""
-    for user in list(node.users):
-        if user.op == "call_method" and user.target == "as_tensor" and user.args == (node,):
-            user.replace_all_uses_with(node)
-            gm.graph.erase_node(user)
 
 
 def check_streamable(param: torch.Tensor, fqn: str) -> None:

@@ -18,7 +18,8 @@ every slot warm. Stored parameters this graph keeps resident read
 The one graph transform of the backend: it takes the frozen `GraphPlan` (`plan_graph`)
 and, once the nodes are written, records on the `GraphSchedule` what the runtime needs
 (`_record`: each schedule node's target and where its arguments come from, in graph
-order, and the graph's clock key), so nothing reads the graph back later. User passes run
+order, and the graph's clock key), so nothing reads the graph back later. A streamed
+GGUF weight's ``as_tensor()`` call becomes the tensor read in its place. User passes run
 after it: they may add nodes (a probe after each wait), not move or drop schedule nodes.
 
 Before/after: the graph reads every streamed parameter through its slot::
@@ -169,5 +170,18 @@ def insert_schedule(gm: fx.GraphModule, plan: GraphPlan) -> fx.GraphModule:
             wrap.meta["dlo"]["wrap"] = True
             if gather:
                 wrap.prev.meta["dlo"]["wrap"] = True
+    _inline_as_tensor(graph, dlo_nodes)
     _record(graph, sched, dlo_nodes)
     return gm
+
+
+def _inline_as_tensor(graph: fx.Graph, written: set[fx.Node]) -> None:
+    """``p.as_tensor()`` of a streamed parameter (diffusers' GGUF dequantisation calls it on
+    its ``GGUFParameter``s) is the tensor read in its place: Dynamo recorded it as a method
+    call on the parameter, and the slot view (or resident copy) that now stands for it is a
+    plain tensor, without that method."""
+    for node in list(graph.nodes):
+        if (node.op == "call_method" and node.target == "as_tensor" and len(node.args) == 1
+                and not node.kwargs and node.args[0] in written):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
