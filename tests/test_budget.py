@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from dlo_fx.planning.budget import BudgetPlan, minimum_bytes, plan_resident_blocks, predict_call_s
 from dlo_fx.config import DLOConfig
 from dlo_fx.apps.dump.blocks_md import blocks_markdown
+from dlo_fx.runtime.runtime import READ_DIRECTLY
 from dlo_fx.runtime.stored import is_stored
 
 import budget_cases
@@ -274,7 +275,7 @@ def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypat
             runtime = runtimes_holding(list(model.parameters()))[0]
             kept.append([plan.resident for plan in runtime.budget_plans.values()])
             # what any graph reads from the module is never hollow
-            assert runtime.read_directly and not any(
-                is_stored(p) for p in runtime.read_directly.values())
+            direct = [p for p, why in runtime.kept_resident.items() if why == READ_DIRECTLY]
+            assert direct and not any(is_stored(p) for p in direct)
     assert kept[0] != [[]]  # the small graph keeps blocks resident (then pinned): the
     assert kept[1:] == [[[]]] * 3  # large one's plan adds none

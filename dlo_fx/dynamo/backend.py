@@ -34,7 +34,7 @@ from ..runtime.forward_log import note_compile
 from ..runtime.graph_call import compile_clock, gathers, note_graph, run_graph
 from ..runtime.ops import conflict_message
 from ..runtime.owners import claim, owner_of
-from ..runtime.runtime import NewBlock, Runtime
+from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
 from ..runtime.weight_reads import read_unstored
 from .. import torch_private
 from ..runtime.stored import _caller_level, is_stored
@@ -246,8 +246,7 @@ def warn_unreached(runtime: Runtime) -> None:
                     continue
                 seen.add(id(p))
                 nbytes = p.numel() * p.element_size()
-                if (p in runtime.store or id(p) in runtime.read_directly
-                        or id(p) in runtime.named_resident
+                if (p in runtime.store or p in runtime.kept_resident
                         or nbytes <= max(runtime.config.resident_bytes, 0)):
                     continue
                 unreached.append((name, nbytes))
@@ -426,7 +425,7 @@ def commit(ctx: GraphPlan, runtime: Runtime) -> None:
                              what, convert=False)
     for p in ctx.resident:  # this graph reads them from the module: never stored later
         if p.first >= 0 and not ctx.in_store(p.param):
-            runtime.read_directly[id(p.param)] = p.param
+            runtime.kept_resident.setdefault(p.param, READ_DIRECTLY)
     plan = ctx.budget_plan
     if plan is not None:
         runtime.budget_plans[tuple(p.fqn for p in ctx.params)] = plan

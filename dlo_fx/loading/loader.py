@@ -67,7 +67,7 @@ from ..model.guard import guard_module
 from ..runtime.fingerprint import extent_sources, file_fingerprint
 from ..runtime.layout import STORAGE_MARK
 from ..runtime.owners import claim
-from ..runtime.runtime import NewBlock, Runtime
+from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
 from ..runtime.stored import carried_attributes, stored_parameter
 from .build import construct, materialised, meta_parameters
 from .shards import ShardDir, checkpoint_extents
@@ -277,7 +277,7 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
     for target, value in values:
         _install(target, value)
         if id(target) in named:  # no graph streams (and so stores) them either
-            runtime.named_resident[id(value)] = value
+            runtime.kept_resident[value] = NAMED_RESIDENT
 
 
 def _block_source(block: Sequence[Target], b: int, shards: Optional[ShardDir], rank: int

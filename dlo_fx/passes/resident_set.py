@@ -34,19 +34,18 @@ from ..planning.budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resi
 from ..planning.flops import graph_flops
 from ..planning.blocks import Layering
 from ..planning.residency import Candidate, ChooseBlocks, decide_residency
+from ..runtime.runtime import NAMED_RESIDENT, READ_DIRECTLY
 from .context import PassContext
 
 
 def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     params = ctx.params
-    direct = ctx.runtime.read_directly if ctx.runtime is not None else {}
-    named = ctx.runtime.named_resident if ctx.runtime is not None else {}
+    kept = ctx.runtime.kept_resident if ctx.runtime is not None else {}
+    why = [kept.get(p.param) for p in params]
     cands = [Candidate(p.fqn, p.nbytes, first=p.first, last=p.last,
-                       escapes=p.node in ctx.escaping,
-                       named=named.get(id(p.param)) is p.param,
-                       pinned=("read directly by an earlier graph"
-                               if direct.get(id(p.param)) is p.param else None))
-             for p in params]
+                       escapes=p.node in ctx.escaping, named=w == NAMED_RESIDENT,
+                       pinned=w if w == READ_DIRECTLY else None)
+             for p, w in zip(params, why)]
 
     def blocks_of(streamed: list[int], budget: int, layers: Layering) -> list[list[int]]:
         index = {id(params[i]): i for i in streamed}

@@ -39,12 +39,30 @@ import hashlib
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
-__all__ = ["Fact", "agree", "agree_on_settings", "compile_facts", "layout_digest",
+import torch
+
+from ..config import DLOConfig
+from .collectives import ShardGroup, exchange_json
+from .executor import Executor
+from .slot_pool import SlotPool
+
+__all__ = ["Agreeing", "Fact", "agree", "agree_on_settings", "compile_facts", "layout_digest",
            "runtime_facts", "weights_fact"]
 
 _SETTINGS_LOCK = threading.Lock()
+
+
+class Agreeing(Protocol):
+    """What an agreement reads of a runtime (`runtime.Runtime`, which imports this module)."""
+
+    group: ShardGroup
+    mode: Optional[str]
+    device: torch.device
+    config: DLOConfig
+    slots: SlotPool
+    executor: Executor
 
 
 @dataclass
@@ -58,7 +76,7 @@ class Fact:
     blocks: Optional[Sequence[str]] = None
 
 
-def runtime_facts(runtime: Any) -> list[Fact]:
+def runtime_facts(runtime: Agreeing) -> list[Fact]:
     """What every runtime of the shard group must share, whatever its blocks."""
     same = ("Give every rank the same options (at dlo_fx.load, or at the first "
             "torch.compile)")
@@ -78,13 +96,13 @@ def layout_digest(entries: Sequence[Any], padded_bytes: int) -> str:
     return hashlib.sha256(json.dumps([rows, padded_bytes]).encode()).hexdigest()[:16]
 
 
-def _ranks(group: Any, indices: Sequence[int]) -> str:
+def _ranks(group: ShardGroup, indices: Sequence[int]) -> str:
     ranks = [group.ranks[i] for i in indices]
     return (f"global rank {ranks[0]}" if len(ranks) == 1 else
             "global ranks " + ", ".join(str(r) for r in ranks))
 
 
-def _detail(group: Any, values: Sequence[Any], show: Any) -> str:
+def _detail(group: ShardGroup, values: Sequence[Any], show: Callable[[Any], str]) -> str:
     """``"X on global rank 0 but Y on global rank 1"``, ranks grouped by value."""
     seen: dict[str, list[int]] = {}
     for i, v in enumerate(values):
@@ -98,7 +116,7 @@ def _fmt(value: Any) -> str:
     return str(value) if not isinstance(value, str) or value else "''"
 
 
-def _compare(group: Any, rows: list[dict], facts: Sequence[Fact], what: str) -> None:
+def _compare(group: ShardGroup, rows: list[dict], facts: Sequence[Fact], what: str) -> None:
     for i, row in enumerate(rows):
         if row["rank"] != group.ranks[i] or row["position"] != i:
             raise ValueError(
@@ -129,7 +147,7 @@ def _compare(group: Any, rows: list[dict], facts: Sequence[Fact], what: str) -> 
             f"{fact.hint}")
 
 
-def agree(runtime: Any, facts: Sequence[Fact], what: str,
+def agree(runtime: Agreeing, facts: Sequence[Fact], what: str,
           error: Optional[BaseException] = None) -> None:
     """Compare ``facts`` (and this rank's ``error``, if it failed) across the shard group:
     every rank raises together, ``error`` itself where it was raised, `ValueError` naming
@@ -140,7 +158,6 @@ def agree(runtime: Any, facts: Sequence[Fact], what: str,
         if error is not None:
             raise error
         return
-    from .collectives import exchange_json
     from .clock import CLOCK_WORDS, COMPILE, check_rows, exchange, word
 
     mine = {"rank": group.ranks[group.rank], "position": group.rank,
@@ -194,7 +211,7 @@ def compile_facts(rows: Sequence[Sequence[Any]], resident: Sequence[str]) -> lis
     return [plan, kept]
 
 
-def agree_on_settings(config: Any, device: Any) -> None:
+def agree_on_settings(config: DLOConfig, device: torch.device) -> None:
     """Before a runtime takes its weight group: compare the settings that decide which
     group, slots and executor it gets (``num_slots``, the timeout, the sorted shard group),
     with ``fault_delay_s``, the mode, ``alignment`` and the device type, over the control group
@@ -220,7 +237,6 @@ def agree_on_settings(config: Any, device: Any) -> None:
         ranks = tuple(sorted(dist.get_process_group_ranks(spec)))
     if len(ranks) < 2 or dist.get_rank() not in ranks:
         return  # nothing to gather, or `resolve_shard_group` refuses it
-    from .collectives import exchange_json
     from .shared_slots import control_group
 
     group = control_group(ranks, config.collective_timeout_s)

@@ -32,7 +32,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -174,7 +174,11 @@ class DeviceExecutor:
         self.sync()
 
 
-def make_executor(device: torch.device, num_slots: int):
+#: The copy executor of a device's slots: one worker thread on CPU, streams on a device.
+Executor = Union[CpuExecutor, DeviceExecutor]
+
+
+def make_executor(device: torch.device, num_slots: int) -> Executor:
     if device.type == "cpu":
         return CpuExecutor()
     return DeviceExecutor(device, num_slots)

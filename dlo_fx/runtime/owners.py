@@ -40,7 +40,7 @@ class Owner(Protocol):
 
 
 _OWNERS = WeakIdKeyDictionary()  # parameter -> its runtime
-_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[Owner]" = weakref.WeakSet()
 _LOCK = threading.Lock()
 
 
@@ -49,7 +49,7 @@ def register(runtime: Owner) -> None:
     _LIVE.add(runtime)
 
 
-def owner_of(params: Iterable[torch.Tensor]) -> Optional[Any]:
+def owner_of(params: Iterable[torch.Tensor]) -> Optional[Owner]:
     """The runtime that stores (or has claimed) the first of ``params`` any runtime holds."""
     for p in params:
         runtime = _OWNERS.get(p)
@@ -80,9 +80,9 @@ def owned_by(runtimes: Sequence[Owner]) -> list[torch.Tensor]:
         return [p for p, rt in _OWNERS.items() if any(rt is r for r in runtimes)]
 
 
-def runtimes_holding(params: Sequence[torch.Tensor]) -> list[Any]:
+def runtimes_holding(params: Sequence[torch.Tensor]) -> list[Owner]:
     """The runtimes that own any of ``params`` (one per model, usually)."""
-    found: list[Any] = []
+    found: list[Owner] = []
     for p in params:
         runtime = _OWNERS.get(p)
         if runtime is not None and all(runtime is not r for r in found):
@@ -90,7 +90,7 @@ def runtimes_holding(params: Sequence[torch.Tensor]) -> list[Any]:
     return found
 
 
-def live_runtimes() -> list[Any]:
+def live_runtimes() -> list[Owner]:
     """Every runtime neither closed nor collected (tests and memory checks)."""
     with _LOCK:
         return [rt for rt in _LIVE if not rt.closed]

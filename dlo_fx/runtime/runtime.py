@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import DLOConfig
 from . import platform
@@ -64,6 +65,11 @@ from .trace import Tracer
 from .weight_reads import WeightReads
 
 log = logging.getLogger(__name__)
+
+#: Why a parameter is in `Runtime.kept_resident` (the first is the reason residency.py reports).
+READ_DIRECTLY = "read directly by an earlier graph"
+NAMED_RESIDENT = "named in resident="
+KEPT_RESIDENT = (READ_DIRECTLY, NAMED_RESIDENT)
 
 _TOKENS = itertools.count()  # tells the runtimes sharing slots apart (`SlotBlocks`)
 
@@ -111,16 +117,12 @@ class Runtime(SlotMachine, WeightReads):
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.planning.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
-        # Parameters a committed graph reads straight from the module (resident, not in
-        # the host store): no later graph may stream (and so store) them.
-        # By id: a WeakSet would compare tensors with ``==``.
-        self.read_directly: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
-            weakref.WeakValueDictionary()
-        # Parameters named in ``dlo_fx.load(..., resident=)``: resident in every graph too
-        # (code Dynamo runs eagerly reads them, as does a model whose blocks alone are
-        # compiled).
-        self.named_resident: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
-            weakref.WeakValueDictionary()
+        # Parameters resident in every later graph, and why (`KEPT_RESIDENT`): one a
+        # committed graph reads straight from the module, not from the host store (no later
+        # graph may stream, and so store, it), or one named in ``dlo_fx.load(...,
+        # resident=)`` (code Dynamo runs eagerly reads it, as does a model whose blocks alone
+        # are compiled). Keyed by identity, weakly: the model owns its parameters.
+        self.kept_resident: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
         # The modules the model's graphs compiled, and whether their parameters no graph
         # reached were counted (backend.warn_unreached)
         self.watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from .collectives import ShardGroup, gather_in_place
 from .shared_slots import SharedSlots, SlotBlocks
-from .executor import FaultDelay
+from .executor import Executor, FaultDelay
 from .host_store import HostStore
 from .interrupts import deferred
 from .slot_pool import SlotPool
@@ -54,7 +54,7 @@ class SlotMachine:
     group: ShardGroup
     shared: SharedSlots
     slots: SlotPool
-    executor: Any
+    executor: Executor
     fault_delay: FaultDelay
     tracer: Optional[Tracer]
     broken: Optional[str]

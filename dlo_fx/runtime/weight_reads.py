@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..config import same_device
 from .collectives import ShardGroup, gather_in_place
+from .executor import Executor
 from .clock import EAGER, HOST_READ, ClockMismatch, check_rows, exchange
 from .forward_log import note_step
 from .host_store import HostStore
@@ -42,7 +43,7 @@ class WeightReads:
     store: HostStore
     device: torch.device
     group: ShardGroup
-    executor: Any
+    executor: Executor
     broken: Optional[str]
     lock: threading.RLock
     check_open: Callable[[], None]
