@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -80,24 +81,33 @@ class WorkerSet:
                 self._inbox.append(message)
 
     def _check(self, deadline: float, waiting_for: str, timeout_s: float) -> None:
-        if self.fatal:
-            raise WaveFailed(self._fatal_message())
-        dead, lost = self.dead(), dict(self.channel.lost)
-        if dead or lost:
-            self._pump(0.05)  # it may have reported why just before exiting
-            if self.fatal:
-                raise WaveFailed(self._fatal_message())
-            if not dead:
-                self.settle(1.0)
-                dead = self.dead()
-            dead = dead or [f"worker rank {r}: {why}" for r, why in sorted(lost.items())]
-            raise WaveFailed(f"{'; '.join(dead)} while {waiting_for}")
+        if self.fatal or self.channel.lost or self.dead():
+            raise WaveFailed(self._failure(waiting_for))
         if time.monotonic() > deadline:
             refused = self.channel.refused
             raise WaveFailed(f"timed out after {timeout_s:g} s (wave_timeout_s) while "
                              f"{waiting_for}" + (f"; meanwhile the control plane "
                                                  f"{refused}" if refused != self._refused
                                                  else ""))
+
+    def _failure(self, waiting_for: str) -> str:
+        """Why a wave failed: the workers that died, then what the others reported. A death
+        makes its peers' collectives fail too (gloo: "Connection closed by peer"), and their
+        reports can arrive before the death shows, so a worker whose connection closed, or
+        whose peers reported, gets up to a second to finish exiting (`settle`) and be named
+        with its exit code."""
+        self._pump(0.05)  # a worker may have reported why just before exiting
+        if not self.dead():
+            self.settle(1.0)
+            self._pump(0)
+        lost = sorted(self.channel.lost.items())
+        dead = self.dead() or [f"worker rank {r}: {why}" for r, why in lost]
+        dead = [d for d in dead  # a worker that reported is named by its report
+                if not any(re.match(rf"worker rank {r}\b", d) for r in self.fatal)]
+        reports = [self._fatal_message()] if self.fatal else []
+        if not dead:
+            return "; ".join(reports)
+        return f"{'; '.join(dead + reports)} while {waiting_for}"
 
     def _fatal_message(self) -> str:
         for rank, report in sorted(self.fatal.items()):
