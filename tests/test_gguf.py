@@ -41,16 +41,24 @@ def _q8_model() -> torch.nn.Module:
     return model.eval()
 
 
-def test_gguf_q8_weights_stream_exactly_compiled_and_eager():
-    from dlo_fx.runtime.owners import runtimes_holding
-    from dlo_fx.runtime.stored import is_stored
-
+def _compiled_exactly():
+    """A Q8_0 model compiled with dlo, called three times, each `torch.equal` to the
+    resident one; returns the model, the input and the expected output."""
     ref, model = _q8_model(), _q8_model()
     compiled = torch.compile(model, backend="dlo")
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(x)
         assert all(torch.equal(compiled(x), want) for _ in range(3))
+    return model, x, want
+
+
+def test_gguf_q8_weights_stream_exactly_compiled_and_eager():
+    from dlo_fx.runtime.owners import runtimes_holding
+    from dlo_fx.runtime.stored import is_stored
+
+    model, x, want = _compiled_exactly()
+    with torch.no_grad():
         weights = [layer.weight for layer in model.layers]
         assert all(is_stored(w) and w.dtype == torch.uint8 for w in weights)
         store = runtimes_holding(weights)[0].store
@@ -81,12 +89,7 @@ def test_planning_leaves_the_graph_and_the_schedule_drops_as_tensor():
 
     backend.plan_graph, backend.run_passes = plan_spy, run_spy
     try:
-        ref, model = _q8_model(), _q8_model()
-        compiled = torch.compile(model, backend="dlo")
-        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            want = ref(x)
-            assert all(torch.equal(compiled(x), want) for _ in range(3))
+        _compiled_exactly()
     finally:
         backend.plan_graph, backend.run_passes = real_plan, real_run
     assert planned and all(before == after for before, after in planned)
