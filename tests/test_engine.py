@@ -68,6 +68,17 @@ def test_waves_of_a_pipeline_without_a_forward_clock_must_agree_on_the_wave_key(
     # request-local fields may differ; extra_args compare as canonical JSON
     assert req("a", 1, extra_args={"x": 1, "y": [1, 2]}).wave_key() == \
         req("b", 2, negative_prompt="n", extra_args={"y": [1, 2], "x": 1}).wave_key()
+    # with true CFG a negative prompt adds a pass of its own: whether it is empty is in the
+    # key, its text is not
+    cfg = {"true_cfg_scale": 4.0}
+    assert req(negative_prompt="x", **cfg).wave_key() == \
+        req(negative_prompt="y", **cfg).wave_key()
+    with pytest.raises(ValueError, match="agree on negative_prompt: request 0 has "
+                       "negative_prompt='given', request 1 has negative_prompt='empty'"):
+        check_wave([req(negative_prompt="x", **cfg), req(**cfg)], 2, mixed=False)
+    check_wave([req(negative_prompt="x", **cfg), req(**cfg)], 2, mixed=True)
+    given, empty = req(negative_prompt="x", **cfg), req(**cfg)
+    assert plan_waves([given, empty, given], 2, mixed=False) == [[0, 2], [1]]
 
 
 def test_requests_are_planned_into_waves_of_at_most_dp():

@@ -66,3 +66,29 @@ def test_refused_request_fails_alone_among_good_ones(flux_root, tmp_path, capsys
         got = load_file(str(tmp_path / "out" / results[index]["file"]))
         expected = reference(Request.from_dict(rows[index]))
         assert torch.equal(got["images"], expected["images"])
+
+
+def test_true_cfg_requests_with_and_without_a_negative_prompt_share_no_wave(flux_root, tmp_path,
+                                                                              capsys):
+    """With ``true_cfg_scale > 1`` Flux runs a negative pass only when given a negative
+    prompt: such requests and requests without one go in separate waves (a shared wave ran
+    twice the forwards on one rank and failed closed at its timeout), and all are exact."""
+    from safetensors.torch import load_file
+
+    from dlo_fx.apps.engine.diffusers_pipeline import resident
+    from dlo_fx.apps.engine.request import Request
+
+    cfg = dict(height=16, width=16, num_inference_steps=2, true_cfg_scale=2.0)
+    rows = [dict(prompt="a red cat", seed=1, negative_prompt="blurry", **cfg),
+            dict(prompt="a blue car", seed=2, **cfg),
+            dict(prompt="a green tree", seed=3, negative_prompt="dark", **cfg)]
+    status, err = _generate(flux_root, tmp_path, rows, 2, capsys)
+    assert status == 0, err
+    results = [json.loads(line)
+               for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["error"] for r in results] == [None] * 3
+    assert results[0]["dp_rank"] != results[2]["dp_rank"]  # one wave: the two given
+    reference = resident(flux_root)
+    for index, row in enumerate(rows):
+        got = load_file(str(tmp_path / "out" / results[index]["file"]))
+        assert torch.equal(got["images"], reference(Request.from_dict(row))["images"])

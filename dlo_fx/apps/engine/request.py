@@ -10,7 +10,12 @@ rank at once, so any requests may share a wave. For any other pipeline those fie
 the *wave key*: every request of a wave must agree on all of them. ``extra_args`` is
 pipeline-specific and may change the forward schedule, so it is part of the key, compared
 as canonical JSON. The request-local fields (prompt, negative prompt, seed) only change
-values, never the schedule, and may differ.
+values, never the schedule, and may differ, with one exception: with ``true_cfg_scale >
+1`` a pipeline runs its negative pass only when given a negative prompt (diffusers' Flux,
+QwenImage and HunyuanVideo do), so whether the negative prompt is empty is in the key
+there, and its text is not. Without it, a wave of a Flux request with a negative prompt
+and one without ran twice the forwards on one rank as on the other, and failed closed at
+the collective timeout.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ LOCAL_FIELDS = ("prompt", "negative_prompt", "seed")
 
 WAVE_KEY_FIELDS = (
     "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
-    "true_cfg_scale", "cfg_normalize", "lora_id", "num_outputs_per_prompt", "extra_args",
+    "true_cfg_scale", "negative_prompt", "cfg_normalize", "lora_id", "num_outputs_per_prompt",
+    "extra_args",
 )
 """Fields every request of one wave must agree on when the pipeline keeps no forward
-clock (see [Note: the wave key])."""
+clock (see [Note: the wave key]); of ``negative_prompt``, only whether it is empty, and only
+with ``true_cfg_scale > 1``."""
 
 MAX_SEED = 2**64 - 1
 """Largest seed a torch generator takes."""
@@ -124,7 +131,14 @@ class Request:
 
     def _key_value(self, name: str) -> Any:
         value = getattr(self, name)
+        if name == "negative_prompt":  # see [Note: the wave key]
+            return ("given" if value else "empty") if self.true_cfg_pass_possible else None
         return canonical_json(dict(value)) if name == "extra_args" else value
+
+    @property
+    def true_cfg_pass_possible(self) -> bool:
+        """Whether the negative prompt decides a pass of its own (``true_cfg_scale > 1``)."""
+        return self.true_cfg_scale > 1.0
 
     def to_dict(self) -> dict:
         """Every field as plain JSON-serialisable values."""
@@ -183,8 +197,11 @@ def check_wave(requests: Sequence[Request], dp_size: int, *, mixed: bool) -> lis
 
 
 def cost(request: Request) -> int:
-    """Relative work of ``request``: forwards (steps, twice with guidance) x latent size."""
-    forwards = request.num_inference_steps * (2 if request.guidance_scale > 1.0 else 1)
+    """Relative work of ``request``: forwards (steps, twice with guidance or a true-CFG
+    negative pass) x latent size."""
+    guided = request.guidance_scale > 1.0 or (request.true_cfg_pass_possible
+                                              and bool(request.negative_prompt))
+    forwards = request.num_inference_steps * (2 if guided else 1)
     return (forwards * request.height * request.width * request.num_frames
             * request.num_outputs_per_prompt)
 
