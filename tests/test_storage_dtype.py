@@ -99,6 +99,10 @@ def test_layerwise_casting_taken_over_before_compile_is_exact():
     model.compile(backend="dlo")
     assert all(torch.equal(run(model), want) for _ in range(2))
     assert {e.dtype for e in _store(model)._entries.values()} == {FP8, BF16}
+    # a model without the hooks: nothing to take over, and the user is told
+    with pytest.warns(UserWarning, match="found no layerwise-casting hooks under this "
+                      "FluxTransformer2DModel, so nothing changes"):
+        assert dlo_fx.take_over_layerwise_casting(flux()) == 0
 
 
 def test_load_casts_through_the_model_dtype_into_fp8_both_host_stores():

@@ -33,7 +33,7 @@ from ..config import DLOConfig
 from ..model.guard import guard_pipeline
 from ..model.guard import release as release_module
 from ..model.state import peek, state_of
-from ..model.storage_dtype import mark_model, take_over_layerwise_casting
+from ..model.storage_dtype import mark_model, take_over_hooks
 from ..runtime.owners import owner_of, runtimes_holding
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         module = getattr(pipe, name)
         state_of(module).compiled_with = given
         module.eval().requires_grad_(False)
-        taken = take_over_layerwise_casting(module)  # see [Note: storing weights in another dtype]
+        taken = take_over_hooks(module)  # see [Note: storing weights in another dtype]
         if config.storage_dtype is not None:  # before the first trace: every call exact
             mark_model([module], config.storage_dtype, _device_of(module, config))
         if taken:

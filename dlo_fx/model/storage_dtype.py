@@ -30,6 +30,7 @@ in the hook's storage dtype.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -119,7 +120,21 @@ def take_over_layerwise_casting(root: nn.Module) -> int:
     """Replace diffusers' layerwise-casting hooks under ``root`` by dlo's storage dtype (see
     [Note: storing weights in another dtype]); returns the number of layers taken over.
     Call it before the model is compiled: the hooks' ``module.to()`` calls break Dynamo's
-    graph."""
+    graph. A model without the hooks is left as it is, with a warning: it streams its
+    weights in their own dtype."""
+    count = take_over_hooks(root)
+    if count == 0:
+        warnings.warn(
+            f"dlo: take_over_layerwise_casting found no layerwise-casting hooks under this "
+            f"{type(root).__name__}, so nothing changes: its weights stream in their own "
+            "dtype. Call model.enable_layerwise_casting(storage_dtype=...) first, or compile "
+            "with options={'storage_dtype': ...}", UserWarning, stacklevel=2)
+    return count
+
+
+def take_over_hooks(root: nn.Module) -> int:
+    """`take_over_layerwise_casting` without the warning (`compile_pipeline` runs it on
+    every component, most of which have no hooks)."""
     count = 0
     for module in root.modules():
         registry = getattr(module, "_diffusers_hook", None)
