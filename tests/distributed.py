@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import multiprocessing as mp
 import os
 import pickle
@@ -85,8 +86,10 @@ def _context() -> Any:
 
 
 #: What the fork server, its ranks and workers, and multiprocessing's resource tracker
-#: print (a rank's failure also comes back to its test through `spawn`).
-OUTPUT = os.path.join(tempfile.gettempdir(), "dlo-fx-test-ranks.log")
+#: print (a rank's failure also comes back to its test through `spawn`); one file per
+#: checkout, so that suites of two checkouts running at once keep their own.
+OUTPUT = os.path.join(tempfile.gettempdir(), "dlo-fx-test-ranks-" + hashlib.sha256(
+    os.path.dirname(os.path.abspath(__file__)).encode()).hexdigest()[:8] + ".log")
 
 
 def start_fork_server() -> None:
