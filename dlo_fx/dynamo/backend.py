@@ -28,7 +28,7 @@ from ..passes import GraphPlan, PassContext, plan_graph, run_passes, schedule_of
 from ..passes.resident_set import device_budget_bytes
 from .probes import probe_for_budget, settle_mode
 from ..runtime.agreement import compile_facts
-from ..model.guard import guard_module
+from ..model.guard import attach
 from ..runtime.layout import is_composite
 from ..runtime.forward_log import note_compile
 from ..runtime.graph_call import compile_clock, gathers, note_graph, run_graph
@@ -174,20 +174,13 @@ def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DLOCon
 # those on its frame. Both adopt under the runtime's lock.
 
 
-def _holds_stored(module: torch.nn.Module, runtime: Runtime) -> bool:
-    return any(p in runtime.store for p in module.parameters())
-
-
 def adopt(runtime: Runtime, modules: Sequence[torch.nn.Module],
           roots: Sequence[torch.nn.Module]) -> None:
-    """Claim the parameters of ``modules`` (a graph's frame) and ``roots`` (the models
-    compiled around it) for ``runtime``, so the model's later graphs find it, then guard
-    those holding stored parameters. Idempotent; the caller holds ``runtime.lock``."""
-    claim((p for m in [*modules, *roots] for p in m.parameters()), runtime)
+    """`attach` ``modules`` (a graph's frame) and ``roots`` (the models compiled around
+    it) to ``runtime``, so the model's later graphs find it, and watch them for parameters
+    no graph reaches. Idempotent; the caller holds ``runtime.lock``."""
+    attach(runtime, [*modules, *roots])
     runtime.watched.update([*modules, *roots])
-    for module in [*modules, *roots]:
-        if _holds_stored(module, runtime):
-            guard_module(module)
 
 
 def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor],

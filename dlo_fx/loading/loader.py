@@ -63,10 +63,9 @@ from .gguf import is_gguf, quantize_module
 from ..planning.modes import choose_mode
 from ..runtime.probes import machine_figures
 from .plan import KeyMap, LoadPlan, Target, load_facts, map_keys, plan_load
-from ..model.guard import guard_module
+from ..model.guard import attach
 from ..runtime.fingerprint import extent_sources, file_fingerprint
 from ..runtime.layout import STORAGE_MARK
-from ..runtime.owners import claim
 from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
 from ..runtime.stored import carried_attributes, stored_parameter
 from .build import construct, materialised, meta_parameters
@@ -166,9 +165,8 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
                                       group.dp, runtime.slots.num_slots,
                                       lambda: machine_figures(device, group)))
     _commit(plan, runtime, device, shards)  # into runtime.store, which the mode decides
-    claim(module.parameters(), runtime)  # the resident ones too: compiling finds the runtime
     module.eval()
-    guard_module(module)
+    attach(runtime, [module])  # the resident parameters too: compiling finds the runtime
     log.info("dlo_fx.load: %s from %s: %d blocks (%d bytes of host shards on this rank), "
              "%d resident parameters, in %.2f s", type(module).__name__, ckpt.source,
              len(plan.blocks), plan.host_bytes, len(plan.resident), time.perf_counter() - start)

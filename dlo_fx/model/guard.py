@@ -42,17 +42,17 @@ import contextlib
 import functools
 import inspect
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..config import same_device
-from ..runtime.owners import owned_by, owner_of, runtimes_holding
+from ..runtime.owners import Owner, claim, owned_by, owner_of, runtimes_holding
 from ..runtime.stored import become_real, is_stored
 from .state import guarded_modules, peek, state_of
 
-__all__ = ["guard_module", "guard_pipeline", "release"]
+__all__ = ["attach", "guard_module", "guard_pipeline", "release"]
 
 
 def _in_store(t: torch.Tensor) -> bool:
@@ -250,6 +250,18 @@ def _shadows(sub: nn.Module) -> dict[str, Callable]:
         shadows["load_lora_adapter"] = functools.partial(_guarded_lora_load, ref,
                                                          cls.load_lora_adapter)
     return shadows
+
+
+def attach(runtime: Owner, modules: Sequence[nn.Module]) -> None:
+    """Attach ``modules`` to the runtime that stored their blocks (`Runtime.store_blocks`):
+    claim every parameter of theirs, the resident ones too (the model's later graphs find
+    the runtime through any of them), and guard those holding stored parameters. The one
+    way a model is attached, by `dlo_fx.load` and by every compile (its frame's modules and
+    the models compiled around them). Idempotent."""
+    claim((p for m in modules for p in m.parameters()), runtime)
+    for module in modules:
+        if any(p in runtime.store for p in module.parameters()):
+            guard_module(module)
 
 
 def guard_module(module: nn.Module) -> None:
