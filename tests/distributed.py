@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import hashlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
 import threading
@@ -39,6 +41,10 @@ def _entry(rank: int, world: int, init: str, fn: Callable, args: tuple, out: Any
            env: dict) -> None:
     os.environ.clear()  # the parent's environment now, not the fork server's at its start
     os.environ.update(env)
+    # A rank that does not answer in time has its threads' stacks written here before it
+    # is killed (`spawn`), so a hang fails its test showing where it hung.
+    stacks = open(_stacks_path(init, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -152,17 +158,46 @@ def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240.0,
                 pass
             if all(r in results or not procs[r].is_alive() for r in range(world)):
                 break  # the rest died without answering
-        for p in procs:
+        hung: dict[int, str] = {}
+        for r, p in enumerate(procs):
             p.join(timeout=max(0.0, deadline - time.monotonic()) if len(results) == world else 1)
             if p.is_alive():
+                hung[r] = _stacks_of(p, _stacks_path(init, r))
                 p.kill()
                 p.join()
+        exits = {r: p.exitcode for r, p in enumerate(procs)}
     missing = [r for r in range(world) if r not in results and r not in allow_dead]
     errors = {r: v for r, (k, v) in results.items() if k == "error"}
     if missing or errors:
         text = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items())
-        raise AssertionError(f"ranks without an answer: {missing}; failures:{text}")
+        text += "".join(f"\n--- rank {r}: no answer in {timeout:g} s; its threads ---\n{stacks}"
+                        for r, stacks in hung.items() if r in missing)
+        dead = {r: exits[r] for r in missing if r not in hung}
+        raise AssertionError(f"ranks without an answer: {missing} (exit codes of those that "
+                             f"died: {dead}); failures:{text}")
     return {r: v for r, (_, v) in results.items()}
+
+
+def _stacks_path(init: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(init[len("file://"):]), f"stacks-{rank}.txt")
+
+
+def _stacks_of(proc: Any, path: str) -> str:
+    """The stacks of every thread of ``proc``, a rank still running (``faulthandler``
+    writes them when it gets SIGUSR1)."""
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+    except OSError:
+        return "(gone before its stacks were asked for)"
+    for _ in range(40):
+        time.sleep(0.05)
+        with open(path) as f:
+            text = f.read()
+        if text.count("\n") > 1 and "File " in text:
+            time.sleep(0.1)  # the rest of the threads
+            with open(path) as f:
+                return f.read()
+    return "(no stacks written)"
 
 
 def in_child(rank: int, world: int, fn: Callable, *args: Any) -> Any:
