@@ -303,17 +303,23 @@ model's runtime (host store layout, slots, mode, blocks) and is given once: at
 ``dlo_fx.load`` or at the first compile; later compiles inherit it."""
 
 
+def canonical_device(device: Any) -> torch.device:
+    """The one spelling of a device every check, key and message uses: the CPU and the
+    meta device without an index (``"cpu:0"`` is ``cpu``), an accelerator with one
+    (``"cuda"`` is the current CUDA device, ``cuda:0`` where that is device 0), as a
+    tensor made there reports its device."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return torch.device(device.type)
+    if device.index is None:
+        return torch.device(device.type, _current_index(device.type))
+    return device
+
+
 def same_device(a: Any, b: Any) -> bool:
     """Whether two device spellings name one device (``"cpu"``, ``"cpu:0"``,
     ``torch.device("cpu", 0)`` do; ``"cuda"`` is the current CUDA device)."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    if a.type == "cpu" or a.index == b.index:
-        return True
-    current = _current_index(a.type)
-    return (a.index if a.index is not None else current) == (
-        b.index if b.index is not None else current)
+    return canonical_device(a) == canonical_device(b)
 
 
 def _current_index(kind: str) -> int:

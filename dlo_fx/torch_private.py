@@ -122,6 +122,32 @@ def is_dynamo_code(code: Any) -> bool:
     return code in orig_code_map
 
 
+def compiled_backend(module: Any) -> Optional[str]:
+    """The name of the backend ``module`` was compiled with (``module.compile(...)``, or
+    the ``OptimizedModule`` of ``torch.compile(module)``), None when it was not compiled
+    or the name cannot be read: the name is on the wrapper Dynamo keeps inside its frame
+    callback (``_torchdynamo_orig_backend``, a chain of wrappers)."""
+    import inspect
+
+    ctx = getattr(module, "dynamo_ctx", None)
+    call = getattr(module, "_compiled_call_impl", None) if ctx is None else None
+    if ctx is None and call is None:
+        return None
+    try:
+        if ctx is None:
+            ctx = inspect.getclosurevars(call).nonlocals.get("self")
+        backend = getattr(ctx, "callback", None)
+        for _ in range(8):
+            inner = getattr(backend, "_torchdynamo_orig_backend", None)
+            if inner is None:
+                break
+            backend = inner
+    except (TypeError, ValueError):
+        return None
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
+    return name if isinstance(name, str) else None
+
+
 def compiled_module_of(value: Any) -> Optional[torch.nn.Module]:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) wraps, else None."""
     from torch._dynamo.eval_frame import OptimizedModule

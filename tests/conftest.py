@@ -40,6 +40,8 @@ def pytest_configure(config):
     torch.set_num_threads(1)
     _keep_pytest_off_torch_trace_log()
     config.addinivalue_line(
+        "markers", "gpu: on the accelerator (tests/test_gpu.py; skipped where none exists)")
+    config.addinivalue_line(
         "markers", "spawned(job): the test checks what job() returns; see tests/conftest.py")
 
 

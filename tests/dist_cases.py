@@ -35,6 +35,8 @@ def sharding_cases(rank: int, world: int, models: tuple[str, ...], folder: str) 
             out[(name, mode)] = run_model(name, {"mode": mode})
     out[("dit-break", "allgather")] = run_model("dit", {"mode": "allgather", "num_slots": 3},
                                                 fullgraph=False, calls=3, graph_break=True)
+    out["offload"] = {(name, mode): run_model(name, {"mode": mode}, offload=True)
+                      for name in ("dit", "flux") for mode in ("allgather", "rank_local")}
     # Ranks that schedule different plans must all raise, naming the block, not hang.
     _fresh()
     model, inputs = tiny_dit()

@@ -42,14 +42,21 @@ def test_readme_has_snippets():
     assert len(python_snippets()) >= 2
 
 
-def run_snippets() -> dict:
+def run_snippets(device: str = "") -> dict:
     """Run the snippets in order, in one namespace, in a fresh folder; what they left.
-    The job of `test_readme_snippets_run` runs it in a forked child (`spawn(1, ...)`): the
-    snippets build and compile a model, which a spawned job never does in the pytest
-    process (tests/conftest.py)."""
+    With ``device``, the snippets run as on a machine whose accelerator that device is
+    (``"meta"``: a compute device that is not the host, as a GPU is; the outputs have no
+    values). The job of `test_readme_snippets_run` runs it in a forked child (`spawn(1,
+    ...)`): the snippets build and compile a model, which a spawned job never does in the
+    pytest process (tests/conftest.py)."""
+    from dlo_fx.runtime import platform
+
     here = os.getcwd()
     namespace: dict = {"__name__": "__readme__"}
     printed = io.StringIO()
+    default = platform.default_device
+    if device:
+        platform.default_device = lambda: torch.device(device)
     with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(printed):
         os.chdir(folder)
         try:
@@ -57,19 +64,35 @@ def run_snippets() -> dict:
                 try:
                     exec(compile(code, f"README.md:{line}", "exec"), namespace)
                 except Exception as exc:
-                    return {"failed": f"the README snippet at line {line} fails: "
-                                      f"{error_text(exc)}"}
+                    return {"failed": f"the README snippet at line {line} fails on "
+                                      f"{device or 'the default device'}: {error_text(exc)}"}
         finally:
             os.chdir(here)
+            platform.default_device = default
     out = namespace.get("out")
-    return {"failed": None, "printed": printed.getvalue(),
-            "out_finite": isinstance(out, torch.Tensor) and bool(torch.isfinite(out).all())}
+    return {"failed": None, "printed": printed.getvalue(), "device": str(out.device),
+            "shape": tuple(out.shape),
+            "out_finite": out.is_meta or bool(torch.isfinite(out).all())}
 
 
-@pytest.mark.spawned.with_args(functools.partial(spawn, 1, in_child, run_snippets))
+def run_snippets_here_and_on_meta() -> list[dict]:
+    import torch._dynamo
+
+    here = run_snippets()
+    torch._dynamo.reset()
+    return [here, run_snippets("meta")]
+
+
+@pytest.mark.spawned.with_args(functools.partial(spawn, 1, in_child,
+                                                 run_snippets_here_and_on_meta))
 def test_readme_snippets_run(spawned):
-    result = spawned[0]
-    if result["failed"]:
-        pytest.fail(result["failed"])
-    assert result["out_finite"]
-    assert "blocks" in result["printed"]  # memory_report was printed
+    here, meta = spawned[0]
+    for result in (here, meta):
+        if result["failed"]:
+            pytest.fail(result["failed"])
+        assert result["out_finite"]
+        assert "blocks" in result["printed"]  # memory_report was printed
+    from dlo_fx.runtime.platform import default_device
+
+    assert here["device"].startswith(default_device().type) and meta["device"] == "meta"
+    assert here["shape"] == meta["shape"]

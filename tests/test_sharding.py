@@ -57,6 +57,11 @@ def test_two_ranks_allgather_and_rank_local_and_plan_mismatch(spawned):
         assert "global rank" in message
         # A gather group is never reused from before init_process_group or across a
         # destroy and a new init: once it made every later allgather load rank-local.
+        # Offloaded before the compile: the ranks agree at the offload, exact in both modes
+        for (name, mode), r in results[rank].pop("offload").items():
+            assert r["equal"], (rank, name, mode)
+            assert (r["mode"], r["dp"]) == ((mode, 2) if mode == "allgather" else (mode, 1))
+            assert r["slot_bytes"] == 2 * r["max_block_bytes"], (rank, name, mode)
         changes = {k: results[rank].pop(k) for k in ("before-init", "init-1", "init-2")}
         assert changes["before-init"]["equal"] and changes["before-init"]["dp"] == 1
         for key in ("init-1", "init-2"):

@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 from .backend import given_options
-from ..config import DLOConfig
+from ..config import DLOConfig, same_device
+from ..loading.offload import compute_device, offload
 from ..model.guard import guard_pipeline
 from ..model.guard import release as release_module
 from ..model.state import peek, state_of
-from ..model.storage_dtype import mark_model, take_over_hooks
+from ..model.storage_dtype import take_over_hooks
 from ..runtime.owners import owner_of, runtimes_holding
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,12 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     Returns ``pipe``, its modules compiled in place (see [Note: one set of slots for a
     pipeline]). Outputs are bit-identical to the resident pipeline's. A component with
     diffusers' layerwise casting enabled streams its weights in the storage dtype and casts
-    them in the graph (`dlo_fx.model.storage_dtype.take_over_layerwise_casting`). The weights move into
-    the dlo host store at each module's first call; the modules are set to eval mode and
-    ``requires_grad=False`` (dlo streams weights for inference only).
+    them in the graph (`dlo_fx.model.storage_dtype.take_over_layerwise_casting`). Each streamed
+    component is offloaded (`dlo_fx.offload`: its weights move into the dlo host store)
+    before anything traces, and the other torch modules move to the compute device
+    (``options["device"]``, else the accelerator, else the CPU), so the pipeline executes
+    there; the modules are set to eval mode and ``requires_grad=False`` (dlo streams
+    weights for inference only).
 
     Raises ValueError naming an unknown or non-module component, a bad option, or options
     that differ from those a component was loaded or compiled with (before anything
@@ -105,17 +109,18 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     given = given_options(options)
     for name in names:
         _check_same_options(pipe, name, given)
+    device = compute_device(config)
     for name in names:
         module = getattr(pipe, name)
         state_of(module).compiled_with = given
         module.eval().requires_grad_(False)
         taken = take_over_hooks(module)  # see [Note: storing weights in another dtype]
-        if config.storage_dtype is not None:  # before the first trace: every call exact
-            mark_model([module], config.storage_dtype, _device_of(module, config))
         if taken:
             log.info("dlo_fx.compile_pipeline: %s.%s: diffusers' layerwise casting of %d layers "
                      "taken over (stored in their storage dtype, cast in the graph)",
                      type(pipe).__name__, name, taken)
+        if owner_of(module.parameters()) is None:  # not loaded nor offloaded yet
+            offload(module, options)  # before anything traces: see offload.py
         module.compile(backend="dlo", options=options, **compile_kwargs)
         for method in ENTRY_METHODS:
             if callable(getattr(type(module), method, None)) and method not in vars(module):
@@ -124,8 +129,28 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         log.info("dlo_fx.compile_pipeline: %s.%s (%s, %d parameters) compiled with "
                  "backend='dlo'", type(pipe).__name__, name, type(module).__name__,
                  sum(1 for _ in module.parameters()))
+    _execute_on(pipe, names, device)
     guard_pipeline(pipe, [getattr(pipe, name) for name in names])
     return pipe
+
+
+def _execute_on(pipe: Any, streamed: Sequence[str], device: torch.device) -> None:
+    """Move the torch modules of ``pipe`` that dlo does not stream (the VAE) to the
+    compute device, as ``pipe.to(device)`` would: the pipeline then executes there
+    (diffusers' ``_execution_device`` is the device of its modules' parameters, the
+    streamed ones' `StoredWeight`s included), its latents are made there, and every
+    component computes on one device. The meta device is left out: moving a module there
+    would drop its values, and a planning run has no use for the VAE's."""
+    if device.type == "meta":
+        return
+    for name, module in _components(pipe).items():
+        if name in streamed or not isinstance(module, nn.Module):
+            continue
+        if any(not same_device(t.device, device) for t in module.parameters()) or any(
+                not same_device(t.device, device) for t in module.buffers()):
+            module.to(device)
+            log.info("dlo_fx.compile_pipeline: %s.%s (not streamed) moved to %s",
+                     type(pipe).__name__, name, device)
 
 
 def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
@@ -134,7 +159,8 @@ def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
     module = getattr(pipe, name)
     runtime = owner_of(module.parameters())
     if runtime is not None and not runtime.closed:
-        config, where = runtime.config, "its runtime was built with (dlo_fx.load or its first call)"
+        config, where = runtime.config, ("its runtime was built with (dlo_fx.load, "
+                                          "dlo_fx.offload or compile_pipeline)")
     elif (state := peek(module)) is not None and state.compiled_with is not None:
         config = DLOConfig.from_options(state.compiled_with)
         where = "a previous compile_pipeline gave it"
@@ -198,8 +224,3 @@ def _components(pipe: Any) -> dict[str, Any]:
     return dict(found)
 
 
-
-def _device_of(module: nn.Module, config: DLOConfig) -> torch.device:
-    if config.device is not None:
-        return torch.device(config.device)
-    return next((p.device for p in module.parameters()), torch.device("cpu"))

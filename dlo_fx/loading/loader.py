@@ -59,10 +59,11 @@ from torch import nn
 from .checkpoint import load_error, read_tensor
 from .discover import resolve_checkpoint
 from ..config import DLOConfig
+from .offload import compute_device
 from .gguf import is_gguf, quantize_module
 from ..planning.modes import choose_mode
 from ..runtime.probes import machine_figures
-from .plan import KeyMap, LoadPlan, Target, load_facts, map_keys, plan_load
+from .plan import KeyMap, LoadPlan, Target, agree_on_plan, load_facts, map_keys, plan_load
 from ..model.guard import attach
 from ..runtime.fingerprint import extent_sources, file_fingerprint
 from ..runtime.layout import STORAGE_MARK
@@ -115,7 +116,8 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
             with ``strict=False`` they get one warning, and a missing buffer keeps the
             value its constructor gave it. Missing parameters are always an error.
         options: the dlo options (dict or `DLOConfig`) of the module's runtime, on
-            ``options["device"]`` (default CPU). ``torch.compile(model, backend="dlo")``
+            ``options["device"]`` (default: the accelerator ``torch.accelerator``
+            reports, else the CPU). ``torch.compile(model, backend="dlo")``
             inherits them; a compile that passes different ones raises ValueError.
         resident: FQNs or module prefixes (``"patch_embed"``) of parameters to materialise
             on the device instead of streaming, on top of those smaller than
@@ -132,7 +134,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     """
     start = time.perf_counter()
     cfg = DLOConfig.from_options(options)
-    device = torch.device(cfg.device) if cfg.device is not None else torch.device("cpu")
+    device = compute_device(cfg)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dlo_fx.load: dtype={dtype!r} is not a floating-point torch.dtype")
     runtime = Runtime(cfg, device)
@@ -156,8 +158,8 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
                          rank=runtime.group.rank, dtype=dtype, resident=resident, key_map=key_map)
     except BaseException as exc:
         error = exc
-    _agree(runtime, plan, error)
-    if plan is None:  # _agree re-raises every planning error
+    agree_on_plan(runtime, plan.rows() if plan is not None else None, error, "dlo_fx.load")
+    if plan is None:  # agree_on_plan re-raises every planning error
         raise RuntimeError("dlo_fx.load: internal error: no load plan and no error")
     if runtime.mode is None and plan.blocks:  # mode="auto": a collective probe, as at compile
         group = runtime.group
@@ -171,33 +173,6 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
              "%d resident parameters, in %.2f s", type(module).__name__, ckpt.source,
              len(plan.blocks), plan.host_bytes, len(plan.resident), time.perf_counter() - start)
     return module
-
-
-# -- building the module ------------------------------------------------------------------
-def _agree(runtime: Runtime, plan: Optional[LoadPlan], error: Optional[BaseException]) -> None:
-    """In allgather mode (or ``"auto"``, still undecided), every rank of the shard group
-    learns whether any rank failed to plan its load, and that all planned the same blocks:
-    all raise together, none hangs in a later collective."""
-    group = runtime.group
-    if runtime.mode == "rank_local" or group.dp == 1:
-        if error is not None:
-            raise error
-        return
-    from ..runtime.collectives import exchange_json, plan_digest
-
-    mine = (f"{type(error).__name__}: {error}" if error is not None else None,
-            plan_digest(plan.rows()) if plan is not None else None)
-    every = exchange_json(mine, group, "the load plans")
-    if error is not None:
-        raise error
-    failed = [(group.ranks[i], e) for i, (e, _) in enumerate(every) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise ValueError(f"dlo_fx.load failed on global rank {rank} of the "
-                         f"{group.describe()} ({message}); no rank loaded anything")
-    if len({d for _, d in every}) > 1:
-        raise ValueError(f"dlo_fx.load: the ranks of the {group.describe()} planned different "
-                         "blocks; load the same checkpoint with the same options on every rank")
 
 
 # -- reading and registering ------------------------------------------------------------

@@ -27,9 +27,9 @@ from ..model.storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KeyMap", "LoadPlan", "Target", "load_facts", "map_keys", "plan_load"]
-
-log = logging.getLogger(__name__)
+__all__ = ["KeyMap", "LoadPlan", "Target", "agree_on_plan", "load_facts", "map_keys",
+           "model_targets",
+           "plan_load", "split_params"]
 
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
 
@@ -96,7 +96,8 @@ def _keep_fp32(fqn: str, keep: Sequence[str]) -> bool:
     return any(m in parts for m in keep)
 
 
-def _targets(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[list[Target], list[Target]]:
+def model_targets(module: nn.Module, dtype: Optional[torch.dtype]
+                  ) -> tuple[list[Target], list[Target]]:
     """Parameters (registration order, tied ones once) and buffers of ``module``."""
     keep = tuple(getattr(type(module), "_keep_in_fp32_modules", None) or ())
     params: dict[int, Target] = {}
@@ -191,7 +192,7 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
     """
     if cfg.storage_dtype is not None:
         mark_storage(module, cfg.storage_dtype)
-    params, buffers = _targets(module, dtype)
+    params, buffers = model_targets(module, dtype)
     by_name = map_keys(ckpt, key_map)
     what = f"{type(module).__name__} from checkpoint {ckpt.source!r}"
     missing, kept = [], []
@@ -250,7 +251,16 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
         warnings.warn(f"dlo_fx.load: {what}: ignoring {len(unexpected)} unexpected key(s) "
                       f"[{_listing(unexpected, 20)}]; {len(kept)} buffer(s) keep their "
                       f"constructed values [{_listing(kept, 20)}]", UserWarning, stacklevel=3)
-    keep = _resident_set(params, resident)
+    split = split_params(params, cfg, resident, "dlo_fx.load")
+    return LoadPlan(module=module, ckpt=ckpt, params=params, buffers=buffers, **split)
+
+
+def split_params(params: list[Target], cfg: DLOConfig, resident: Sequence[str],
+                 caller: str) -> dict[str, Any]:
+    """Split ``params`` into resident ones and blocks, as the passes do at compile time
+    (`dlo_fx.planning.residency`, `dlo_fx.planning.blocks`): the `LoadPlan` fields
+    ``resident``, ``blocks``, ``named``, ``ends`` and ``budget``."""
+    keep = _resident_set(params, resident, caller)
     cands = [Candidate(t.fqn, 0 if t.tensor.numel() == 0 else t.nbytes, named=id(t) in keep)
              for t in params]
     decision = decide_residency(cands, resident_bytes=cfg.resident_bytes,
@@ -259,18 +269,17 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
     cuts = partition([Unit(t.fqn, t.nbytes) for t in streamed], decision.budget,
                      decision.layers)
     if decision.layers.refined:
-        log.info("dlo_fx.load: %s", decision.layers.describe())
+        log.info("%s: %s", caller, decision.layers.describe())
     for i, c in enumerate(cuts):
-        log.debug("dlo_fx.load: block %d: %s .. %s, %d bytes, ends: %s", i,
+        log.debug("%s: block %d: %s .. %s, %d bytes, ends: %s", caller, i,
                   streamed[c.start].fqn, streamed[c.stop - 1].fqn, c.nbytes, c.reason)
-    return LoadPlan(module=module, ckpt=ckpt, params=params, buffers=buffers,
-                    resident=[t for t, r in zip(params, decision.reasons) if r is not None],
-                    blocks=[streamed[c.start:c.stop] for c in cuts],
-                    named=[t for t in params if id(t) in keep],
-                    ends=[c.reason for c in cuts], budget=decision.budget)
+    return dict(resident=[t for t, r in zip(params, decision.reasons) if r is not None],
+                blocks=[streamed[c.start:c.stop] for c in cuts],
+                named=[t for t in params if id(t) in keep],
+                ends=[c.reason for c in cuts], budget=decision.budget)
 
 
-def _resident_set(params: list[Target], names: Sequence[str]) -> set[int]:
+def _resident_set(params: list[Target], names: Sequence[str], caller: str) -> set[int]:
     """Targets named (by FQN or module prefix) in ``names``; an unmatched name is an error."""
     if isinstance(names, str):
         names = (names,)
@@ -279,7 +288,7 @@ def _resident_set(params: list[Target], names: Sequence[str]) -> set[int]:
         hits = [t for t in params if any(fqn == name or fqn.startswith(name + ".")
                                          for _, _, fqn in t.names)]
         if not hits:
-            raise ValueError(f"dlo_fx.load: resident={name!r} names no parameter of the model "
+            raise ValueError(f"{caller}: resident={name!r} names no parameter of the model "
                              "(give parameter FQNs or module prefixes such as 'patch_embed')")
         keep.update(id(t) for t in hits)
     return keep
@@ -298,3 +307,31 @@ def load_facts(plan: LoadPlan, shards: Any) -> list[Fact]:
         Fact("resident parameters", sorted(t.fqn for t in plan.resident),
              "Every rank must load with the same resident= and resident_bytes"),
     ]
+
+
+def agree_on_plan(runtime: Any, rows: Optional[list], error: Optional[BaseException],
+                  caller: str) -> None:
+    """In allgather mode (or ``"auto"``, still undecided), every rank of the shard group
+    learns whether any rank failed to plan its load or offload, and that all planned the
+    same blocks (``rows``, one per block): all raise together, none hangs in a later
+    collective."""
+    group = runtime.group
+    if runtime.mode == "rank_local" or group.dp == 1:
+        if error is not None:
+            raise error
+        return
+    from ..runtime.collectives import exchange_json, plan_digest
+
+    mine = (f"{type(error).__name__}: {error}" if error is not None else None,
+            plan_digest(rows) if rows is not None else None)
+    every = exchange_json(mine, group, "the load plans")
+    if error is not None:
+        raise error
+    failed = [(group.ranks[i], e) for i, (e, _) in enumerate(every) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(f"{caller} failed on global rank {rank} of the "
+                         f"{group.describe()} ({message}); no rank stored anything")
+    if len({d for _, d in every}) > 1:
+        raise ValueError(f"{caller}: the ranks of the {group.describe()} planned different "
+                         "blocks; give every rank the same model and the same options")

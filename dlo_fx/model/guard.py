@@ -347,11 +347,13 @@ def release(model: nn.Module) -> nn.Module:
             runtime = owner_of((p,))
             # A parameter of a graph not called yet is still real (host_store.py)
             if runtime is not None and p in runtime.store and is_stored(p):
-                values.append((p, runtime.host_tensor(p).to(p.device)))
+                values.append((p, runtime.host_tensor(p).to(runtime.home or p.device)))
         holders = [m for root in modules for m in root.modules()]
         for p, value in values:
             _give_back(p, value, holders)
         for runtime in runtimes:
+            for undo in runtime.undo_moves:  # what dlo_fx.offload moved to the device
+                undo()
             runtime.close()
     for module in modules:
         unguard_module(module)

@@ -73,7 +73,7 @@ def device_budget_bytes(ctx: PassContext) -> Optional[int]:
     if cfg.device_budget != "auto":
         return cfg.device_budget
     device = ctx.runtime.device if ctx.runtime is not None else torch.device("cpu")
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):
         log.info("dlo: device_budget='auto' on CPU: only explicit bytes apply, every block "
                  "streams")
         return None

@@ -179,7 +179,7 @@ Executor = Union[CpuExecutor, DeviceExecutor]
 
 
 def make_executor(device: torch.device, num_slots: int) -> Executor:
-    if device.type == "cpu":
+    if not platform.has_streams(device):  # the host, or the meta device
         return CpuExecutor()
     return DeviceExecutor(device, num_slots)
 
@@ -192,7 +192,7 @@ class FaultDelay:
     what is shared. CPU only: on a device the streams order the slots."""
 
     def __init__(self, device: torch.device, max_s: float, seed: int = 0) -> None:
-        if max_s and device.type != "cpu":
+        if max_s and platform.has_streams(device):
             raise NotImplementedError("fault_delay_s is a CPU-runtime option; on a device the "
                                       "streams order the slots")
         self.max_s = max_s

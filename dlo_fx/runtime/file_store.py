@@ -343,7 +343,7 @@ class FileStore:
         self.reader = FileReader()
         self.files: dict[str, ServedFile] = {}
         self.shards: list[FileShard] = []
-        self.staging = _Staging(device, num_slots, pin) if device.type != "cpu" else None
+        self.staging = _Staging(device, num_slots, pin) if platform.has_streams(device) else None
         self.depth = depth if depth is not None else num_slots + 1
         self.drop_behind: Optional[bool] = None  # None: only under memory pressure
         self.stats = {"block_reads": 0, "reads": 0, "bytes": 0, "seconds": 0.0,
@@ -400,12 +400,14 @@ class FileStore:
     def read(self, shard: FileShard, dest: torch.Tensor) -> None:
         """Copy ``shard``'s bytes into ``dest`` (``shard.nbytes`` bytes, on any device)."""
         what = f"host block {shard.index} (rank {self.rank})"
+        if dest.is_meta:  # a slot of the meta device holds no values: nothing to read
+            return
         direct = self.decide_direct()
         pieces = shard.pieces.get(direct)
         if pieces is None:
             pieces = shard.pieces[direct] = _plan(shard.runs, direct)
         start = time.perf_counter()
-        if dest.device.type == "cpu":
+        if not platform.has_streams(dest.device):
             converted = _read_runs(self.files, shard.runs, dest, what, self._scratch,
                                    self.reader, direct, pieces)
         else:

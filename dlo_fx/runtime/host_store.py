@@ -247,7 +247,8 @@ class HostStore:
         the next call), so a steady call takes no extra lock."""
         return bool(self._pending)
 
-    def convert_pending(self, params: Optional[Sequence[torch.Tensor]] = None) -> None:
+    def convert_pending(self, params: Optional[Sequence[torch.Tensor]] = None,
+                        device: Optional[torch.device] = None) -> None:
         """Turn the parameters a compile stored (or just ``params`` of them) into
         `StoredWeight`s: see [Note: when a parameter becomes a StoredWeight]. The caller
         holds the runtime's lock."""
@@ -263,7 +264,7 @@ class HostStore:
             p = ref()
             if p is not None and id(p) in self._entries:
                 try:
-                    become_stored(p)
+                    become_stored(p, device)
                 except RuntimeError:  # something outside Python holds its tensor
                     kept.append(self._entries[id(p)].fqn)
         if kept:

@@ -35,9 +35,20 @@ def exchange_device(pg) -> torch.device:
     return torch.device("cpu") if "gloo" in backend else default_device()
 
 
+HOST_LIKE = ("cpu", "meta")
+"""Devices without streams or memory of their own to measure: the host, and the meta
+device (a compute device that plans and traces but holds no values)."""
+
+
+def has_streams(device: torch.device) -> bool:
+    """Whether ``device`` is an accelerator (streams, events, its own memory): not one of
+    `HOST_LIKE`."""
+    return device.type not in HOST_LIKE
+
+
 def can_pin(device: torch.device) -> bool:
     """Whether host shards for ``device`` should be page-locked."""
-    return device.type != "cpu" and accelerator() is not None
+    return has_streams(device) and accelerator() is not None
 
 
 def pinned_held_bytes(nbytes: int) -> int:
@@ -74,7 +85,7 @@ def new_event(device: torch.device, timing: bool = False) -> torch.Event:
 
 def device_free_bytes(device: torch.device) -> Optional[tuple[int, int]]:
     """(free, total) memory of one device as its driver reports it (None on CPU)."""
-    if device.type == "cpu":
+    if not has_streams(device):
         return None
     try:
         free, total = torch.get_device_module(device).mem_get_info(device)
@@ -96,7 +107,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def max_memory_allocated(device: torch.device) -> Optional[int]:
-    if device.type == "cpu":
+    if not has_streams(device):
         return None
     try:
         return int(torch.get_device_module(device).max_memory_allocated(device))
@@ -106,7 +117,7 @@ def max_memory_allocated(device: torch.device) -> Optional[int]:
 
 def device_memory_bytes(device: torch.device) -> Optional[int]:
     """Total memory of one device (None on CPU)."""
-    if device.type == "cpu":
+    if not has_streams(device):
         return None
     try:
         return int(torch.get_device_module(device).get_device_properties(device).total_memory)

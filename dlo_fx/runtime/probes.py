@@ -27,11 +27,11 @@ PROBE_BYTES = 16 * 2**20
 def _median_seconds(fn, device: torch.device, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats + 1):  # the first run warms up
-        if device.type != "cpu":
+        if platform.has_streams(device):
             platform.synchronize(device)
         start = time.perf_counter()
         fn()
-        if device.type != "cpu":
+        if platform.has_streams(device):
             platform.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
@@ -66,7 +66,7 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype, group: ShardGro
     processes): a few ms in all. Each rank times its own device (no collective in the
     timing); the ranks then take the slowest rank's rate, so a plan built from it is the
     same on every rank."""
-    limit = 1024 if device.type == "cpu" else 4096
+    limit = 4096 if platform.has_streams(device) else 1024
     n = 128
     while True:
         a = torch.randn(n, n, device=device).to(dtype)
@@ -79,7 +79,7 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype, group: ShardGro
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
-        if device.type != "cpu":
+        if platform.has_streams(device):
             platform.synchronize(device)
         times.append(time.perf_counter() - start)
     rate = 2 * n**3 / max(min(times), 1e-9)

@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..config import DLOConfig
+from ..config import DLOConfig, canonical_device
 from . import platform
 from .agreement import Fact, agree, agree_on_settings, layout_digest, runtime_facts, weights_fact
 from .collectives import ShardGroup, resolve_shard_group
@@ -89,7 +89,7 @@ class NewBlock:
 class Runtime(SlotMachine, WeightReads):
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
-        self.device = device
+        self.device = device = canonical_device(device)  # see `config.canonical_device`
         self.fault_delay = FaultDelay(device, config.fault_delay_s)  # a test option
         # See [Note: what a model owns and what a device shares].
         self.shared = shared_slots(device, config.num_slots)
@@ -127,6 +127,10 @@ class Runtime(SlotMachine, WeightReads):
         # reached were counted (backend.warn_unreached)
         self.watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self.reach_checked = False
+        # Where `dlo_fx.offload` found the model's parameters, and how to put back what it
+        # moved to the compute device: `dlo_fx.release` returns the weights there.
+        self.home: Optional[torch.device] = None
+        self.undo_moves: list[Callable[[], None]] = []
         install_interrupt_handler()
 
     @property
@@ -237,7 +241,7 @@ class Runtime(SlotMachine, WeightReads):
         params = [p for b in added for p in b.params]
         claim(params, self)  # only now: a failed store leaves no owner on any rank
         if convert:
-            store.convert_pending(params)
+            store.convert_pending(params, self.device)  # a model offloaded from the host
         return indices
 
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],

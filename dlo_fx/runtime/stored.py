@@ -355,13 +355,15 @@ def stored_parameter(shape: Any, stride: Any, dtype: torch.dtype, device: torch.
     return p
 
 
-def become_stored(p: torch.Tensor) -> None:
-    """Turn parameter ``p`` into a `StoredWeight` in place (same object, same metadata);
-    its old tensor (and its memory, unless held elsewhere) is let go."""
+def become_stored(p: torch.Tensor, device: Optional[torch.device] = None) -> None:
+    """Turn parameter ``p`` into a `StoredWeight` in place (same object, same metadata,
+    on ``device``, the compute device, when given); its old tensor (and its memory,
+    unless held elsewhere) is let go."""
     if isinstance(p, StoredWeight):
         return
     with torch.inference_mode(p.is_inference()):  # an inference tensor stays one
-        new = StoredWeight(p.shape, p.stride(), p.dtype, p.device, requires_grad=p.requires_grad,
+        new = StoredWeight(p.shape, p.stride(), p.dtype, device if device is not None else p.device,
+                           requires_grad=p.requires_grad,
                            storage_offset=p.storage_offset())
     vars(new).update(carried_attributes(p))
     vars(new)["_is_param"] = True

@@ -297,16 +297,14 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     if torch_dtype is not None:
         kwargs[_dtype_keyword()] = torch_dtype
     pipe = pipeline_cls.from_pretrained(os.fspath(path), **kwargs)
-    device = torch.device(options.get("device") or "cpu")
-    for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module) and name not in loaded:
-            module.to(device)
     streamed = list(loaded)
     if text_encoders:
         streamed += [n for n, m in pipe.components.items()
                      if n.startswith("text_encoder") and isinstance(m, torch.nn.Module)]
     pipe.set_progress_bar_config(disable=not shows_progress(), leave=False,
                                  desc="denoising steps")
+    # Offloads the text encoders from host memory and moves the rest (the VAE) to the
+    # compute device: the pipeline executes there
     compile_pipeline(pipe, options=options, components=streamed)
     return DiffusersPipeline(pipe, streamed)
 

@@ -1,0 +1,233 @@
+"""`dlo_fx.offload`: make a model that lives in memory a streamed model before anything
+traces it, the in-memory counterpart of `dlo_fx.load`.
+
+[Note: a streamed model exists before Dynamo traces it]
+Dynamo traces a model's parameters with the devices they have. A model whose parameters
+are host tensors, called with device inputs, fails inside Dynamo's fake-tensor
+propagation (two devices in one matmul) before any backend is called, and a model called
+with host inputs computes on the host. So the model must already be what dlo runs when
+Dynamo first sees it: its streamed parameters `StoredWeight`s on the *compute device*
+(their bytes in the host store), its other parameters and buffers on that device. That
+is what FSDP2's ``fully_shard``, diffusers' ``enable_group_offload`` and accelerate's
+``cpu_offload`` do before ``torch.compile`` too, and what `dlo_fx.load` always did for a
+checkpoint. `offload` does it for a model in memory (on the host or on the device), in
+the loader's order: plan the blocks from the module alone (`loading.plan.split_params`,
+the rules the loader and the passes share), store them through `Runtime.store_blocks`
+(one agreement between the ranks, here), convert, move the rest, attach. A compile then
+maps the graph's parameters onto the stored blocks, as it does for a loaded model.
+
+The compute device is ``options["device"]``, else the accelerator ``torch.accelerator``
+reports, else the CPU. ``"meta"`` is a compute device too: the model traces, plans,
+dumps and "runs" there (outputs of the right shape, no values), which is how a machine
+without the accelerator plans for it; the host store still holds the real bytes, and
+`release` gives them back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..config import DLOConfig, canonical_device
+from ..model.guard import attach
+from ..model.storage_dtype import mark_model
+from ..planning.modes import choose_mode
+from ..runtime import platform
+from ..runtime.agreement import Fact
+from ..runtime.owners import owner_of
+from ..runtime.probes import machine_figures
+from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
+from .plan import Target, agree_on_plan, model_targets, split_params
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compute_device", "offload"]
+
+
+def compute_device(config: DLOConfig) -> torch.device:
+    """Where a model offloaded with ``config`` computes: ``config.device``, else the
+    accelerator, else the CPU (`config.canonical_device` spelling)."""
+    if config.device is not None:
+        return canonical_device(config.device)
+    return canonical_device(platform.default_device())
+
+
+def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None] = None, *,
+            resident: Sequence[str] = ()) -> nn.Module:
+    """Store ``model``'s weights in a dlo host store and make it compute on the device.
+
+    See [Note: a streamed model exists before Dynamo traces it]. The parameters are
+    grouped into blocks as `dlo_fx.load` groups them (registration order, the largest
+    layer per block unless ``block_bytes`` says otherwise); each streamed parameter
+    becomes a `StoredWeight` on the compute device (``options["device"]``, else the
+    accelerator, else the CPU); the other parameters and the buffers move to that
+    device. Then ``torch.compile(model, backend="dlo")`` (or ``model.compile(...)``)
+    streams the blocks, inheriting ``options``. ``dlo_fx.release(model)`` is the inverse:
+    the weights come back where they were.
+
+    Args:
+        model: an ``nn.Module`` whose parameters are on one device (the host or the
+            compute device), not compiled yet.
+        options: the dlo options (dict or `DLOConfig`) of the model's runtime.
+        resident: FQNs or module prefixes of parameters to keep on the device instead of
+            streaming (as `dlo_fx.load`'s ``resident=``).
+
+    Returns ``model``, in eval mode with ``requires_grad=False`` parameters. Raises
+    ValueError, naming the parameter and the way out, before anything changes.
+    """
+    start = time.perf_counter()
+    config = DLOConfig.from_options(options)
+    _check_model(model)
+    device = compute_device(config)
+    home = _home_device(model)
+    runtime = Runtime(config, device)
+    split: Optional[dict[str, Any]] = None
+    try:
+        # See [Note: storing weights in another dtype]: marked, checked and rounded at
+        # once, before the blocks are sized in their storage dtype
+        mark_model([model], config.storage_dtype, device)
+        params, _ = model_targets(model, None)
+        split = split_params(params, config, resident, "dlo_fx.offload")
+        error: Optional[BaseException] = None
+    except BaseException as exc:  # every rank raises with it, none waits for it
+        error = exc
+    rows = ([(len(b), sum(t.nbytes for t in b), b[0].fqn) for b in split["blocks"]]
+            if split is not None else None)
+    agree_on_plan(runtime, rows, error, "dlo_fx.offload")
+    assert split is not None  # agree_on_plan raised every planning error
+    if runtime.mode is None and split["blocks"]:  # mode="auto": a collective probe
+        group = runtime.group
+        runtime.set_mode(*choose_mode([sum(t.nbytes for t in b) for b in split["blocks"]],
+                                      group.dp, runtime.slots.num_slots,
+                                      lambda: machine_figures(device, group)))
+    model.eval().requires_grad_(False)
+    blocks = [NewBlock([t.tensor for t in b], [t.fqn for t in b]) for b in split["blocks"]]
+    runtime.store_blocks(blocks, _facts(split), f"offloading {type(model).__name__}")
+    runtime.home = home
+    _move_rest(model, runtime, device)
+    for target in split["named"]:  # no graph streams (and so stores) them either
+        runtime.kept_resident[target.tensor] = NAMED_RESIDENT
+    attach(runtime, [model])
+    log.info("dlo_fx.offload: %s: %d blocks (%d bytes of host shards on this rank), %d "
+             "resident parameters, on %s, in %.2f s", type(model).__name__, len(blocks),
+             sum(b.shard.numel() for b in runtime.store.blocks), len(split["resident"]),
+             device, time.perf_counter() - start)
+    return model
+
+
+def _check_model(model: Any) -> None:
+    """ValueError, before anything changes, for what `offload` cannot take."""
+    from .. import torch_private
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dlo_fx.offload takes a torch module (nn.Module), not a "
+                        f"{type(model).__name__}; for a diffusers pipeline use "
+                        "dlo_fx.compile_pipeline(pipe)")
+    inner = torch_private.compiled_module_of(model)
+    if inner is not None:
+        raise ValueError(
+            f"dlo_fx.offload takes the module, not the torch.compile wrapper of a "
+            f"{type(inner).__name__}: offload the module first, then compile it: "
+            "dlo_fx.offload(model); torch.compile(model, backend='dlo')")
+    backend = torch_private.compiled_backend(model)
+    if getattr(model, "_compiled_call_impl", None) is not None and backend != "dlo":
+        raise ValueError(
+            f"dlo_fx.offload: {type(model).__name__} is already compiled with backend "
+            f"{backend!r} (module.compile); its graphs would read the weights as they were "
+            "traced. Offload the module first, then compile it with backend='dlo': "
+            "dlo_fx.offload(model); model.compile(backend='dlo')")
+    seen: dict[int, str] = {}
+    devices: dict[torch.device, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen[id(p)] = fqn
+        runtime = owner_of((p,))
+        if runtime is not None and not runtime.closed:
+            raise ValueError(
+                f"dlo_fx.offload: parameter {fqn!r} of {type(model).__name__} is already "
+                "stored by dlo (offloaded, loaded with dlo_fx.load, compiled with "
+                "backend='dlo', or shared with such a module); call dlo_fx.release on the "
+                "model that holds it first, or offload the model that holds both once")
+        if p.is_meta:
+            raise ValueError(
+                f"dlo_fx.offload: parameter {fqn!r} is on the meta device (it has no weights "
+                "to store); build the model with its weights, or load them from a "
+                "checkpoint with dlo_fx.load")
+        devices.setdefault(canonical_device(p.device), fqn)
+    if len(devices) > 1:
+        shown = ", ".join(f"{name!r} on {d}" for d, name in devices.items())
+        raise ValueError(
+            f"dlo_fx.offload: the parameters of {type(model).__name__} are on "
+            f"{len(devices)} devices ({shown}); move the model to one device first "
+            "(model.to('cpu')), then offload it")
+
+
+def _home_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters are before it is offloaded: `release` puts them back
+    there."""
+    p = next(model.parameters(), None)
+    return canonical_device(p.device) if p is not None else torch.device("cpu")
+
+
+def _move_rest(model: nn.Module, runtime: Runtime, device: torch.device) -> None:
+    """Every parameter and buffer that is not stored onto ``device``: what ``model.to``
+    does to them (the stored ones are on it already). How to put each back is kept for
+    `release` (`Runtime.undo_moves`): moved home again, or, from the meta device (whose
+    tensors hold no values), the original itself."""
+    keep = device.type == "meta"
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if (p is None or id(p) in moved or p in runtime.store
+                    or canonical_device(p.device) == device):
+                continue
+            moved[id(p)] = p
+            runtime.undo_moves.append(_param_back(p, p.data if keep else None, runtime.home))
+            p.data = p.data.to(device)
+        for name, b in list(module._buffers.items()):
+            if b is None or canonical_device(b.device) == device:
+                continue
+            if id(b) not in moved:
+                moved[id(b)] = b.to(device)
+            module._buffers[name] = moved[id(b)]
+            runtime.undo_moves.append(_buffer_back(module, name, b if keep else None,
+                                                   runtime.home))
+
+
+# The undo steps hold the model weakly: the runtime lives as long as a parameter it stores
+# (owners.py), and a strong reference back to the module would keep both alive for ever.
+def _param_back(p: torch.Tensor, original: Optional[torch.Tensor], home: torch.device
+                ) -> Callable[[], None]:
+    ref = weakref.ref(p)
+
+    def undo() -> None:
+        param = ref()
+        if param is not None:
+            param.data = original if original is not None else param.data.to(home)
+    return undo
+
+
+def _buffer_back(module: nn.Module, name: str, original: Optional[torch.Tensor],
+                 home: torch.device) -> Callable[[], None]:
+    ref = weakref.ref(module)
+
+    def undo() -> None:
+        holder = ref()
+        now = holder._buffers.get(name) if holder is not None else None
+        if now is not None:
+            holder._buffers[name] = original if original is not None else now.to(home)
+    return undo
+
+
+def _facts(split: Mapping[str, Any]) -> list[Fact]:
+    """What the ranks compare beside the runtime's facts and the blocks' layouts."""
+    resident: list[Target] = split["resident"]
+    return [Fact("resident parameters", sorted(t.fqn for t in resident),
+                 "Every rank must offload the same model with the same resident= and "
+                 "resident_bytes")]

@@ -1,0 +1,197 @@
+"""`dlo_fx.offload`: a model in memory becomes a streamed model before anything traces it.
+
+On the CPU the compute device is the host, and every call is compared with the resident
+model (`torch.equal`). The meta device stands in for a compute device that is not the
+host (a GPU, where CI has none): the model traces, plans and runs there, with outputs of
+the right shape. Bad inputs are refused before anything changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dlo_fx
+from dlo_fx.apps.models import example_inputs, reference_dit
+from dlo_fx.config import canonical_device, same_device
+from dlo_fx.runtime.stored import is_stored
+
+
+def _model(depth: int = 3):
+    return reference_dit(width=32, depth=depth, heads=2).eval().requires_grad_(False)
+
+
+def _on(inputs, device):
+    return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def _snapshot(model: nn.Module) -> dict:
+    return {n: (type(p), p.device, p.detach().clone()) for n, p in model.named_parameters()}
+
+
+def _same_as(model: nn.Module, snap: dict) -> bool:
+    now = dict(model.named_parameters())
+    return now.keys() == snap.keys() and all(
+        type(now[n]) is t and now[n].device == d and torch.equal(now[n].detach(), v)
+        for n, (t, d, v) in snap.items())
+
+
+def test_offload_then_compile_is_exact_twice_and_release_gives_it_back():
+    model = _model()
+    inputs = example_inputs(model.config)
+    with torch.inference_mode():
+        want = model(*inputs)
+    snap = _snapshot(model)
+    assert dlo_fx.offload(model, options={"num_slots": 2}) is model
+    stored = [p for p in model.parameters() if is_stored(p)]
+    assert stored and all(p.device == torch.device("cpu") for p in stored)
+    compiled = torch.compile(model, backend="dlo")  # inherits the options
+    with torch.inference_mode():
+        assert torch.equal(compiled(*inputs), want)
+        assert torch.equal(compiled(*inputs), want)
+    dlo_fx.release(model)
+    assert _same_as(model, snap)
+    # Offloaded again with other options, as on the first day
+    dlo_fx.offload(model, options={"num_slots": 3})
+    model.compile(backend="dlo")
+    with torch.inference_mode():
+        assert torch.equal(model(*inputs), want)
+    dlo_fx.release(model)
+    assert _same_as(model, snap)
+
+
+def test_offload_to_meta_traces_plans_and_runs_and_release_restores_the_values():
+    model = _model()
+    inputs = example_inputs(model.config)
+    with torch.inference_mode():
+        want = model(*inputs)
+    snap = _snapshot(model)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    dlo_fx.offload(model, options={"device": "meta"})
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(b.device.type == "meta" for b in model.buffers())
+    compiled = torch.compile(model, backend="dlo")
+    with torch.inference_mode():
+        out = compiled(*_on(inputs, "meta"))
+    assert out.device.type == "meta" and out.shape == want.shape and out.dtype == want.dtype
+    assert "num_blocks" in str(dlo_fx.memory_report(model))
+    dlo_fx.release(model)  # the host store held the real bytes all along
+    assert _same_as(model, snap)
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    with torch.inference_mode():
+        assert torch.equal(model(*inputs), want)
+
+
+def test_load_and_compile_on_meta(tmp_path):
+    from dlo_fx.apps.engine.reference_pipeline import write_checkpoint
+    from dlo_fx.apps.models import ReferenceDiT
+
+    write_checkpoint(str(tmp_path), width=32, depth=3, heads=2)
+    config = {"width": 32, "depth": 3, "heads": 2}
+    for store in ("memory", "mmap"):
+        model = dlo_fx.load(ReferenceDiT, str(tmp_path), config=config,
+                            options={"device": "meta", "host_store": store})
+        assert all(p.device.type == "meta" for p in model.parameters())
+        with torch.inference_mode():
+            out = torch.compile(model, backend="dlo")(
+                *_on(example_inputs(model.config), "meta"))
+        assert out.device.type == "meta" and out.shape == (1, 4, 16, 16)
+        del model, out
+        torch._dynamo.reset()
+
+
+def test_one_device_identity():
+    assert canonical_device("cpu:0") == canonical_device("cpu") == torch.device("cpu")
+    assert canonical_device("meta") == torch.device("meta")
+    assert same_device("cpu:0", torch.device("cpu", 0))
+    # A model on the host offloaded for "cpu:0" computes on the host, exact
+    model = _model(2)
+    inputs = example_inputs(model.config)
+    with torch.inference_mode():
+        want = model(*inputs)
+        assert torch.equal(torch.compile(model, backend="dlo", options={"device": "cpu:0"})(
+            *inputs), want)
+    torch._dynamo.reset()
+    dlo_fx.release(model)
+    dlo_fx.offload(model, options={"device": "cpu:0"})
+    with torch.inference_mode():
+        assert torch.equal(torch.compile(model, backend="dlo")(*inputs), want)
+    dlo_fx.release(model)
+
+
+def test_offload_refuses_before_changing_anything():
+    model = _model(2)
+    snap = _snapshot(model)
+    with pytest.raises(TypeError, match="takes a torch module"):
+        dlo_fx.offload(object())
+    with pytest.raises(ValueError, match="resident='nope' names no parameter"):
+        dlo_fx.offload(model, resident=["nope"])
+    assert _same_as(model, snap)
+    with pytest.raises(ValueError, match="DLOConfig option 'num_slots'"):
+        dlo_fx.offload(model, options={"num_slots": 1})
+    assert _same_as(model, snap)
+    # Compiled by another backend first: its graphs would keep the weights as traced
+    other = _model(2)
+    other.compile(backend="eager")
+    with pytest.raises(ValueError, match="already compiled with backend 'eager'"):
+        dlo_fx.offload(other)
+    with pytest.raises(ValueError, match="not the torch.compile wrapper of a ReferenceDiT"):
+        dlo_fx.offload(torch.compile(model, backend="dlo"))
+    assert _same_as(model, snap)
+    # Twice; and a module sharing a parameter with an offloaded one
+    dlo_fx.offload(model)
+    with pytest.raises(ValueError, match=r"parameter 'modulation_table' .* already stored by dlo"):
+        dlo_fx.offload(model)
+    holder = nn.Sequential(model.blocks[0])
+    with pytest.raises(ValueError, match=r"parameter '0\..*' .* already stored by dlo"):
+        dlo_fx.offload(holder)
+    dlo_fx.release(model)
+    assert _same_as(model, snap)
+    # Parameters without weights
+    meta = nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="parameter 'weight' is on the meta device"):
+        dlo_fx.offload(meta)
+
+
+def test_compile_pipeline_offloads_before_tracing_and_runs_on_meta():
+    pytest.importorskip("diffusers")
+    from diffusers_pipelines import flux
+
+    pipe = flux(seed=0)
+    transformer = pipe.transformer
+    dlo_fx.compile_pipeline(pipe, options={"device": "meta"})
+    # Offloaded before anything traced; the VAE is not moved to meta (it would lose values)
+    for name in ("transformer", "text_encoder", "text_encoder_2"):
+        assert all(p.device.type == "meta" for p in getattr(pipe, name).parameters()), name
+    assert all(p.device.type == "cpu" for p in pipe.vae.parameters())
+    kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v
+              for k, v in flux_inputs(transformer).items()}
+    with torch.inference_mode():
+        out = transformer(**kwargs).sample
+    assert out.device.type == "meta" and out.shape == kwargs["hidden_states"].shape
+    dlo_fx.release(pipe)
+    for name in ("transformer", "text_encoder", "text_encoder_2"):
+        assert all(p.device.type == "cpu" and not is_stored(p)
+                   for p in getattr(pipe, name).parameters()), name
+
+
+def flux_inputs(transformer) -> dict:
+    cfg = transformer.config
+    gen = torch.Generator().manual_seed(1)
+    tokens, text = 16, 8
+    return dict(
+        hidden_states=torch.randn(1, tokens, cfg.in_channels, generator=gen),
+        encoder_hidden_states=torch.randn(1, text, cfg.joint_attention_dim, generator=gen),
+        pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=gen),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.zeros(tokens, 3), txt_ids=torch.zeros(text, 3),
+        guidance=torch.tensor([3.5]) if cfg.guidance_embeds else None)
+
+
+def test_an_offloaded_model_that_moved_buffers_is_collected():
+    """What `release` needs to undo a move is held weakly: the model, its runtime and its
+    host store go with the last reference to the model (tests/conftest.py checks)."""
+    model = _model(2)
+    dlo_fx.offload(model, options={"device": "meta"})  # buffers move: undo steps kept
+    with torch.inference_mode():
+        torch.compile(model, backend="dlo")(*_on(example_inputs(model.config), "meta"))
