@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -225,7 +226,8 @@ START = time.perf_counter()
 
 # -- making a streamed model: the one function ---------------------------------------------
 VIA_LOAD = False  # --via-load: dlo_fx.load of a temporary file even where offload exists
-_FILES: dict[int, str] = {}  # id(source model) -> its safetensors file (the stand-in)
+_FILES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+# (source model -> its safetensors file, the stand-in's; removed with the model)
 _TMP: Optional[tempfile.TemporaryDirectory] = None
 
 
@@ -249,8 +251,8 @@ def _factory(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
 def checkpoint_of(model: torch.nn.Module, path: Optional[str] = None) -> str:
     """A safetensors file of ``model``'s weights, written once (the stand-in's input)."""
     global _TMP
-    if id(model) in _FILES:
-        return _FILES[id(model)]
+    if model in _FILES:
+        return _FILES[model]
     from safetensors.torch import save_file
 
     if path is None:
@@ -259,8 +261,14 @@ def checkpoint_of(model: torch.nn.Module, path: Optional[str] = None) -> str:
         path = os.path.join(_TMP.name, f"model-{len(_FILES)}.safetensors")
     save_file({k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()},
               path)
-    _FILES[id(model)] = path
+    _FILES[model] = path
+    weakref.finalize(model, _remove, path)
     return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def make_streamed(source: torch.nn.Module, options: dict, *, copy_source: bool = True
