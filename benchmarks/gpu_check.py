@@ -899,7 +899,8 @@ def main(argv=None) -> int:
             lambda: build("FluxTransformer2DModel", cfg.flux, device), device)
         result["flux_build_s"] = seconds
         child = None
-        child_json = os.path.join(tempfile.mkdtemp(prefix="gpu_check-child-"), "rss.json")
+        child_dir = tempfile.TemporaryDirectory(prefix="gpu_check-child-")
+        child_json = os.path.join(child_dir.name, "rss.json")
         if not args.no_child:
             stand_in = None if offload_available() else checkpoint_of(resident_model)
             log("host RSS: child process started (runs beside the identity checks)")
@@ -909,6 +910,7 @@ def main(argv=None) -> int:
         save()
         if child is not None:
             result["host_rss_child"] = finish_child(child, child_json, checks)
+            child_dir.cleanup()
             rss = result["host_rss_child"]
             if "peak_rss" in rss:
                 log(f"host RSS child: peak {rss['peak_rss'] / GiB:.2f} GiB for a "
@@ -926,6 +928,8 @@ def main(argv=None) -> int:
         traceback.print_exc()
         checks.check(False, f"gpu_check stopped: {type(exc).__name__}: {exc}")
     save()
+    if _TMP is not None:  # the stand-in's files (a forked caller may never run atexit)
+        _TMP.cleanup()
     table = markdown(result)
     print(table, flush=True)
     if args.markdown:
