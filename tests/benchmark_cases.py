@@ -13,14 +13,14 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def gpu_check_on_cpu(rank: int, world: int, folder: str) -> tuple[int, dict, str]:
-    """``gpu_check.main`` on the CPU through ``dlo_fx.load``: its exit status, the JSON it
-    wrote, and the end of what it printed."""
+    """``gpu_check.main`` on the CPU (tiny sizes, every section, Wan included): its exit
+    status, the JSON it wrote, and the end of what it printed."""
     sys.path.insert(0, str(BENCHMARKS))
     import gpu_check
 
     out = os.path.join(folder, "gpu_check.json")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rc = gpu_check.main(["--device", "cpu", "--via-load", "--out", out])
+        rc = gpu_check.main(["--device", "cpu", "--wan", "--out", out])
     result = json.loads(pathlib.Path(out).read_text()) if os.path.exists(out) else {}
-    return rc, result, printed.getvalue()[-3000:]
+    return rc, result, printed.getvalue()[-6000:]

@@ -255,6 +255,91 @@ def test_corrupt_header(ckpts, tmp_path):
     _expect_error("bad.safetensors: corrupt or truncated", ReferenceDiT, path, config=ckpts["config"])
 
 
+def _with_header(src: str, dst: str, edit) -> str:
+    """A copy of ``src`` whose JSON header is ``edit(header dict) -> bytes`` (padded to 8)."""
+    data = open(src, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    raw = edit(json.loads(data[8:8 + n]))
+    raw += b" " * (-len(raw) % 8)
+    open(dst, "wb").write(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    return dst
+
+
+def _meta(value):
+    def edit(header):
+        header = {k: v for k, v in header.items() if k != "__metadata__"}
+        return json.dumps({"__metadata__": value, **header}, ensure_ascii=False).encode()
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    _meta(None),  # "__metadata__": null
+    lambda h: json.dumps({k: v for k, v in h.items() if k != "__metadata__"}).encode(),  # none
+    _meta({"format": "pt", "note": "\u00e9\u00ff\U0001f600"}),  # non-ASCII UTF-8
+], ids=["null", "absent", "unicode"])
+def test_metadata_is_optional_and_may_be_any_utf8(ckpts, tmp_path, edit):
+    path = _with_header(ckpts["dit"], str(tmp_path / "meta.safetensors"), edit)
+    loader_cases.fresh()
+    model = load(ReferenceDiT, path, config=ckpts["config"])
+    assert loader_cases.same_state(model, resident_dit(ckpts["dit"], ckpts["config"]))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: _meta({"blob": "AB"})(h).replace(b'"AB"', b'"A\xff"'),
+     r"byte 0xff at file byte \d+ is not UTF-8"),
+    (_meta({"n": 1}), r"__metadata__ must be an object of string values, found \{'n': 1\}"),
+    (_meta("text"), r"__metadata__ must be an object of string values"),
+], ids=["binary", "number", "string"])
+def test_bad_metadata_is_an_error_naming_the_file(ckpts, tmp_path, edit, match):
+    path = _with_header(ckpts["dit"], str(tmp_path / "meta.safetensors"), edit)
+    _expect_error(r"meta\.safetensors: corrupt safetensors header: " + match, ReferenceDiT,
+                  path, config=ckpts["config"], exc=CheckpointError)
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"PK\x03\x04" + bytes(60), "a zip archive"),
+    (b"GGUF\x03\x00\x00\x00" + bytes(60), "a GGUF file: name it"),
+    (b"\x80\x02\x8a\x0alz" + bytes(60), "a pickle"),
+    (b'{"a": {"dtype": "F32"}}', "it starts with text"),
+    (b"\xff" * 64, "corrupt or truncated safetensors file"),
+], ids=["zip", "gguf", "pickle", "json", "binary"])
+def test_a_file_that_is_not_safetensors_is_an_error_naming_it(ckpts, tmp_path, content, match):
+    path = str(tmp_path / "model.safetensors")
+    open(path, "wb").write(content)
+    _expect_error(r"model\.safetensors: .*" + match, ReferenceDiT, path,
+                  config=ckpts["config"], exc=CheckpointError)
+
+
+def test_config_that_is_not_json_is_an_error_naming_it(ckpts, tmp_path):
+    """A weights file passed as ``config=`` (or a binary config.json): not a bare
+    UnicodeDecodeError."""
+    from diffusers import WanTransformer3DModel
+
+    weights = next(p for p in sorted(os.listdir(ckpts["wan"])) if p.endswith(".safetensors"))
+    path = os.path.join(ckpts["wan"], weights)
+    _expect_error(rf"{weights} is not a JSON config file", WanTransformer3DModel, ckpts["wan"],
+                  config=path)
+
+
+def test_mochi_state_dict_file_loads_exactly(tmp_path):
+    """diffusers' MochiTransformer3DModel written with ``save_file(model.state_dict())``
+    (no ``__metadata__``), loaded from a factory: every weight as saved."""
+    import diffusers
+    from zoo_models import ZOO
+
+    row = next(z for z in ZOO if z.name == "Mochi")
+
+    def build():
+        torch.manual_seed(0)
+        return getattr(diffusers, row.cls)(**row.config)
+
+    reference = build()
+    path = str(tmp_path / "model.safetensors")
+    save_file(reference.state_dict(), path)
+    loader_cases.fresh()
+    assert loader_cases.same_state(load(lambda: build(), path), reference)
+
+
 def test_index_naming_a_missing_shard(ckpts, tmp_path):
     from diffusers import WanTransformer3DModel
 

@@ -66,8 +66,7 @@ def _config_file(config: Any, ckpt: Checkpoint, name: str) -> Any:
         path = os.path.join(path, name) if os.path.isdir(path) else path
         if not os.path.isfile(path):
             raise ValueError(f"dlo_fx.load: config={os.fspath(config)!r}: no such file")
-        with open(path) as f:
-            return json.load(f)
+        return _read_config(path)
     if config is not None:
         return config
     folder = ckpt.folder if ckpt.folder is not None else os.path.dirname(ckpt.files[0])
@@ -77,8 +76,25 @@ def _config_file(config: Any, ckpt: Checkpoint, name: str) -> Any:
                          "so the model's configuration is unknown (building the class with "
                          "its defaults would make another model); pass config= (a dict, a "
                          f"config object or a path to a {name}) or add {name} to {folder}")
-    with open(path) as f:
-        return json.load(f)
+    return _read_config(path)
+
+
+def _read_config(path: str) -> Any:
+    """A model's JSON config file; a ValueError naming the file where it is not JSON text
+    (a weights file passed as ``config=``, a binary file named config.json)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        return json.loads(raw.decode("utf-8"))
+    except OSError as exc:
+        raise ValueError(f"dlo_fx.load: cannot read the config file {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"dlo_fx.load: {path} is not a JSON config file: byte "
+                         f"0x{raw[exc.start]:02x} at byte {exc.start} is not UTF-8 text (a "
+                         "weights file? config= takes a config.json, a dict or a config "
+                         "object)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"dlo_fx.load: {path} is not a JSON config file ({exc})") from None
 
 
 def construct(model: Any, config: Any, ckpt: Checkpoint) -> nn.Module:

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 __all__ = ["CheckpointError", "Checkpoint", "TensorInfo", "from_files", "from_index",
-           "load_error", "read_header", "refuse_pickles", "read_tensor"]
+           "header_json", "load_error", "read_header", "refuse_pickles", "read_tensor"]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -81,12 +81,40 @@ class Checkpoint:
 
 
 # -- headers ------------------------------------------------------------------------------
-def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Parse and check the header of one safetensors file (reads no tensor data).
+# What a file that is not safetensors starts with, for the message that names it.
+_OTHER_FORMATS = (
+    (b"PK\x03\x04", "a zip archive (what torch.save writes): pickled weights, which dlo_fx "
+                     "never loads; convert it to safetensors first"),
+    (b"GGUF", "a GGUF file: name it *.gguf and dlo_fx.load reads it as one"),
+    (b"\x80\x02", "a pickle (an old torch.save): dlo_fx never loads pickles; convert it to "
+                   "safetensors first"),
+    (b"\x93NUMPY", "a NumPy .npy file, not safetensors"),
+    (b"\x89HDF", "an HDF5 file (Keras/TensorFlow weights), not safetensors"),
+)
 
-    Raises `CheckpointError` naming the file for a file too short to hold a header, a
-    header length beyond the end of the file, a header that is not JSON, an unknown dtype,
-    or a tensor whose bytes do not fit in the file (a truncated download).
+
+def _not_safetensors(path: str, head: bytes) -> Optional[CheckpointError]:
+    """The error for a file whose first bytes are another format's, else None."""
+    for magic, what in _OTHER_FORMATS:
+        if head.startswith(magic):
+            return CheckpointError(f"{path}: not a safetensors file: it is {what}")
+    if head[:1] in (b"{", b"<") or head[:3] == b"\xef\xbb\xbf":
+        return CheckpointError(f"{path}: not a safetensors file: it starts with text "
+                               f"({head[:8]!r}), not an 8-byte header length; a safetensors "
+                               "file begins with the length of its JSON header")
+    return None
+
+
+def header_json(path: str | os.PathLike) -> tuple[dict[str, Any], int, int]:
+    """The JSON header of the safetensors file ``path`` as a dict, the file offset of its
+    first data byte (8 + header length), and the file's size.
+
+    Every way a file can fail to be safetensors is a `CheckpointError` naming the file (a
+    file too short, another format's magic, a header length beyond the file, a header that
+    is not UTF-8 or not JSON or not an object, a ``__metadata__`` that is not an object of
+    strings); nothing else escapes (a ``UnicodeDecodeError`` that named no file was what a
+    user met). A header without ``__metadata__``, or with ``"__metadata__": null``, is
+    fine: the format makes it optional.
     """
     path = os.fspath(path)
     try:
@@ -98,26 +126,61 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
                                       "8-byte header length is missing)")
             (length,) = struct.unpack("<Q", head)
             if length > _MAX_HEADER_BYTES or 8 + length > size:
+                other = _not_safetensors(path, head)
+                if other is not None:
+                    raise other
                 raise CheckpointError(
                     f"{path}: corrupt or truncated safetensors file: its header claims {length} "
                     f"bytes but the file has {size} bytes; re-download or re-save it")
             raw = f.read(length)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint file: {exc}") from exc
+    if len(raw) < length:
+        raise CheckpointError(f"{path}: the file ended inside its safetensors header (read "
+                              f"{len(raw)} of {length} bytes); it changed while it was read")
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header: byte 0x{raw[exc.start]:02x} at file byte "
+            f"{8 + exc.start} is not UTF-8 ({exc.reason}); the format's header is UTF-8 JSON "
+            "(metadata values are strings): re-download or re-save the file") from None
+    try:
+        header = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {exc}); "
                               "re-download or re-save the file") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, "
                               "not an object)")
-    data_bytes = size - 8 - length
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        raise CheckpointError(f"{path}: corrupt safetensors header: __metadata__ must be an "
+                              f"object of string values, found {_short(meta)}; safetensors "
+                              "itself refuses such a file: re-save it")
+    return header, 8 + length, size
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Parse and check the header of one safetensors file (reads no tensor data).
+
+    Raises `CheckpointError` naming the file for anything `header_json` refuses, an
+    unknown dtype, or a tensor whose bytes do not fit in the file (a truncated download).
+    """
+    path = os.fspath(path)
+    header, base, size = header_json(path)
+    data_bytes = size - base
     out: dict[str, TensorInfo] = {}
     for key, meta in header.items():
         if key == "__metadata__":
             continue
-        out[key] = _tensor_info(path, key, meta, data_bytes, 8 + length)
+        out[key] = _tensor_info(path, key, meta, data_bytes, base)
     _check_with_reader(path)
     return out
 

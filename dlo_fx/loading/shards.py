@@ -48,7 +48,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .checkpoint import Checkpoint, CheckpointError, TensorInfo, read_header, read_tensor
+from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, header_json, read_header,
+                         read_tensor)
 from ..config import DLOConfig
 from .plan import LoadPlan, Target
 from ..runtime.file_store import CHECK_SAMPLES, CHECK_WINDOW, Convert, Extent, read_extents
@@ -67,19 +68,14 @@ def rank_file(rank: int, dp: int) -> str:
 
 
 def tensor_offsets(path: str) -> dict[str, tuple[int, int]]:
-    """Absolute file byte range of every tensor of a safetensors file (header only)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    base = 8 + length
-    return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1])
-            for k, v in header.items() if k != "__metadata__"}
+    """Absolute file byte range of every tensor of a safetensors file (header only);
+    a `CheckpointError` naming the file where its header is not safetensors'."""
+    return {k: (t.offset, t.offset + t.nbytes) for k, t in read_header(path).items()
+            if t.offset is not None}
 
 
 def _metadata(path: str) -> dict[str, str]:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length)).get("__metadata__") or {}
+    return header_json(path)[0].get("__metadata__") or {}
 
 
 def checkpoint_extents(block: Sequence[Target], entries: Sequence[Entry]) -> list[Extent]:
