@@ -68,8 +68,11 @@ class DLOConfig:
     keeps a quarter of the device's memory. Default: ``None``."""
 
     device: Optional[str] = None
-    """Device the slots live on and the graph computes on, e.g. ``"cpu"``, ``"cuda:0"``.
-    ``None`` uses the device of the model's parameters. Default: ``None``."""
+    """Device the slots live on and the graph computes on, e.g. ``"cpu"``, ``"cuda:0"``,
+    ``"meta"`` (plan and trace without values). ``None``: for `dlo_fx.offload`,
+    `dlo_fx.load` and `compile_pipeline` the accelerator ``torch.accelerator`` reports,
+    else the CPU; for a model compiled without either, the device of its parameters.
+    Default: ``None``."""
 
     pin_memory: bool = True
     """Pin host shards where the platform supports it (ignored on CPU-only runs).
