@@ -4,12 +4,13 @@ Each is checked against the torch versions the project supports (2.11 to 2.13); 
 that lacks one fails here with a message naming it, or answers "nothing found" where a
 fallback is safe, not somewhere inside a call. No other module of dlo_fx names a
 ``torch._`` module or attribute. The groups: what the stored-weight representation needs
-(`fake_mode_of`, `swap_in_place`, `DISABLED_TORCH_FUNCTION`); what the backend reads of
-the frame Dynamo is compiling (`compiling_frame_locals`, `traced_modules`,
-`is_dynamo_code`, `compiled_module_of`); a correction to Dynamo (`install_contains_fix`);
-what ``compiler="inductor"`` uses (`graph_fake_mode`, `restart_with_floats_specialized`,
-`inductor_compile`, `inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); the op
-targets FLOPs are counted on (`NN_LINEAR`); errors, compile callbacks and profiler state.
+(`fake_mode_of`, `swap_in_place`, `refuse_data_pointer`, `storage_key`,
+`DISABLED_TORCH_FUNCTION`); what the backend reads of the frame Dynamo is compiling
+(`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`, `compiled_module_of`); a
+correction to Dynamo (`install_contains_fix`); what ``compiler="inductor"`` uses
+(`graph_fake_mode`, `restart_with_floats_specialized`, `inductor_compile`,
+`inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); the op targets FLOPs are
+counted on (`NN_LINEAR`); errors, compile callbacks and profiler state.
 Torch itself imports none of its Dynamo or Inductor modules here until a function needs
 them, so the runtime, which uses the first group, never loads Dynamo.
 """
@@ -65,6 +66,16 @@ def swap_in_place(t1: torch.Tensor, t2: torch.Tensor) -> None:
     vars(t2).clear()
     vars(t2).update(d1)
     torch._C._swap_tensor_impl(t1, t2)
+
+
+def refuse_data_pointer(t: torch.Tensor) -> None:
+    """Make C++ readers of ``t``'s mutable data pointer raise (torch's RuntimeError, as for
+    a fake tensor) instead of reading the address of a storage that has no data: a
+    wrapper subclass's ``data_ptr()`` is 0 (``torch.utils.dlpack.to_dlpack`` exported it).
+    Nothing on a torch without the flag."""
+    flag = getattr(torch._C, "_set_throw_on_mutable_data_ptr", None)
+    if callable(flag):
+        flag(t)
 
 
 # -- the frame Dynamo is compiling (backend.py) ------------------------------------------

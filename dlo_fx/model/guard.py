@@ -49,7 +49,7 @@ from torch import nn
 
 from ..config import same_device
 from ..runtime.owners import Owner, claim, owned_by, owner_of, runtimes_holding
-from ..runtime.stored import become_real, is_stored
+from ..runtime.stored import become_real, is_stored, mark_released
 from .state import guarded_modules, peek, state_of
 
 __all__ = ["attach", "guard_module", "guard_pipeline", "release"]
@@ -305,7 +305,7 @@ def _give_back(p: torch.Tensor, value: torch.Tensor, holders: list[nn.Module]) -
         become_real(p, value)
         return
     except RuntimeError:
-        pass
+        mark_released(p)
     fresh = nn.Parameter(value.detach(), requires_grad=p.requires_grad)
     for module in holders:
         for name, q in module._parameters.items():
