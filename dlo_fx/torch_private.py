@@ -6,11 +6,12 @@ fallback is safe, not somewhere inside a call. No other module of dlo_fx names a
 ``torch._`` module or attribute. The groups: what the stored-weight representation needs
 (`fake_mode_of`, `swap_in_place`, `refuse_data_pointer`, `storage_key`,
 `DISABLED_TORCH_FUNCTION`); what the backend reads of the frame Dynamo is compiling
-(`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`, `compiled_module_of`); a
-correction to Dynamo (`install_contains_fix`); what ``compiler="inductor"`` uses
-(`graph_fake_mode`, `restart_with_floats_specialized`, `inductor_compile`,
-`inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); the op targets FLOPs are
-counted on (`NN_LINEAR`); errors, compile callbacks and profiler state.
+(`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`, `compiled_module_of`), and
+of a compiled function `dlo_fx.release` undoes (`compile_backend_name`); a correction to
+Dynamo (`install_contains_fix`); what ``compiler="inductor"`` uses (`graph_fake_mode`,
+`restart_with_floats_specialized`, `inductor_compile`, `inductor_config_key`,
+`storage_key`, `GRAD_MODE_TARGETS`); the op targets FLOPs are counted on (`NN_LINEAR`);
+errors, compile callbacks and profiler state.
 Torch itself imports none of its Dynamo or Inductor modules here until a function needs
 them, so the runtime, which uses the first group, never loads Dynamo.
 """
@@ -131,6 +132,25 @@ def is_dynamo_code(code: Any) -> bool:
     from torch._dynamo.utils import orig_code_map
 
     return code in orig_code_map
+
+
+def compile_backend_name(fn: Any) -> Optional[str]:
+    """The name of the backend a ``torch.compile`` wrapper of a function compiles with
+    (``module.compile``'s ``_compiled_call_impl``, a compiled bound method): Dynamo's
+    callback, down its ``_torchdynamo_orig_backend`` chain to the wrapper that names the
+    backend. None for anything else, or on a torch where the chain is not there."""
+    if not callable(fn) or getattr(fn, "_torchdynamo_orig_callable", None) is None:
+        return None
+    try:
+        found = inspect.getclosurevars(fn).nonlocals.get("callback")
+    except (TypeError, ValueError):  # not a Python function
+        return None
+    for _ in range(16):  # a few wrappers deep
+        name = getattr(found, "compiler_name", None)
+        if isinstance(name, str) or found is None:
+            return name
+        found = getattr(found, "_torchdynamo_orig_backend", None)
+    return None
 
 
 def compiled_module_of(value: Any) -> Optional[torch.nn.Module]:

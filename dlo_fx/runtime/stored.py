@@ -192,7 +192,11 @@ class StoredWeight(torch.Tensor):
             return  # module._apply hands a no-op conversion back (.to() its own device)
         raise _refusal(self, "param.data = ... would replace")
 
+    # Dynamo never traces it: an op run eagerly inside a compiled frame (after a graph
+    # break) calls it under Dynamo's frame hook, which compiled every code path of the
+    # reads and views, graph break after graph break
     @classmethod
+    @torch.compiler.disable
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
@@ -635,11 +639,17 @@ def mark_released(p: StoredWeight) -> None:
     vars(p)["_dlo_released"] = True
 
 
+def real_parameter(p: StoredWeight, value: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter holding ``value`` with stored parameter ``p``'s attributes (those
+    others set on it: a ``GGUFParameter``'s ``quant_type``, a storage-dtype mark)."""
+    with torch.inference_mode(p.is_inference()):
+        real = torch.nn.Parameter(value.detach(), requires_grad=p.requires_grad)
+    vars(real).update({k: v for k, v in vars(p).items() if k not in _OURS and k != "_is_param"})
+    return real
+
+
 def become_real(p: StoredWeight, value: torch.Tensor) -> None:
     """Give stored parameter ``p`` the real tensor ``value`` in place (`dlo_fx.release`)."""
     if not isinstance(p, StoredWeight):
         raise TypeError("dlo: internal error: become_real of a parameter that is not stored")
-    with torch.inference_mode(p.is_inference()):
-        real = torch.nn.Parameter(value.detach(), requires_grad=p.requires_grad)
-    vars(real).update({k: v for k, v in vars(p).items() if k not in _OURS and k != "_is_param"})
-    torch_private.swap_in_place(p, real)
+    torch_private.swap_in_place(p, real_parameter(p, value))
