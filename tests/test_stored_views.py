@@ -27,16 +27,18 @@ aten = torch.ops.aten
 DEBUG = False
 
 
-def _stored(folder, how: str = "loaded"):
+def _stored(folder, how: str = "loaded", device: str = "cpu"):
     """(model, stored params, resident params by name) of the tiny DiT: loaded with
-    `dlo_fx.load` from a file in ``folder`` (no compile), or compiled and called once."""
+    `dlo_fx.load` from a file in ``folder`` (no compile) onto ``device``, or compiled and
+    called once."""
     if how == "compiled":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             ref, model, names = _stored_model()
     else:
         path, config = save_dit(str(folder))
-        ref, model = resident_dit(path, config), dlo_fx.load(ReferenceDiT, path, config=config)
+        ref = resident_dit(path, config).to(device)
+        model = dlo_fx.load(ReferenceDiT, path, config=config, options={"device": device})
         names = [n for n, p in model.named_parameters() if is_stored(p)]
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     return model, {n: got[n] for n in names}, {n: want[n].detach() for n in names}
@@ -378,3 +380,25 @@ def test_a_view_that_outlived_release_says_the_weights_were_released(tmp_path):
     for read in reads:
         with pytest.raises(ValueError, match=r"read after dlo_fx\.release put the weights"):
             read()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_views_and_ways_out_on_a_gpu(tmp_path):
+    """On a GPU: the view family and the issue's as_strided cases exact, DLPack a copy on
+    the device, __cuda_array_interface__ and data_ptr refused by name."""
+    stored = _stored(tmp_path, device="cuda")
+    name, p, r = _pick(stored, 2)
+    failures = [f"{op}[{i}]: {outcome}" for op in _view_ops()
+                for i, sample in enumerate(SAMPLES.get(op, []))
+                if (outcome := _compare(op, sample, name, p, r)) not in ("exact", "refused")]
+    assert not failures, "\n".join(failures)
+    match = repr(name).replace(".", r"\.")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.from_dlpack(p.t()[3:])
+        assert out.is_cuda and torch.equal(out, r.t()[3:]) and torch.isfinite(out.sum())
+        for attempt in (lambda: p.__cuda_array_interface__, lambda: p.data_ptr(),
+                        lambda: hasattr(p, "__cuda_array_interface__")):
+            with pytest.raises(ValueError, match=match):
+                attempt()
+        assert hasattr(r, "__cuda_array_interface__")

@@ -157,7 +157,7 @@ class StoredWeight(torch.Tensor):
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         if self.requires_grad:  # as torch refuses any tensor that requires grad
             raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
-        return _copy(self).__dlpack__(*args, **kwargs)
+        return _read(self).detach().clone().__dlpack__(*args, **kwargs)  # on its device
 
     def data_ptr(self) -> int:
         raise _no_pointer(self, "data_ptr()")
