@@ -4,12 +4,14 @@ Each is checked against the torch versions the project supports (2.11 to 2.13); 
 that lacks one fails here with a message naming it, or answers "nothing found" where a
 fallback is safe, not somewhere inside a call. No other module of dlo_fx names a
 ``torch._`` module or attribute. The groups: what the stored-weight representation needs
-(`fake_mode_of`, `swap_in_place`, `DISABLED_TORCH_FUNCTION`); what the backend reads of
-the frame Dynamo is compiling (`compiling_frame_locals`, `traced_modules`,
-`is_dynamo_code`, `compiled_module_of`); a correction to Dynamo (`install_contains_fix`);
-what ``compiler="inductor"`` uses (`graph_fake_mode`, `restart_with_floats_specialized`,
-`inductor_compile`, `inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); the op
-targets FLOPs are counted on (`NN_LINEAR`); errors, compile callbacks and profiler state.
+(`fake_mode_of`, `swap_in_place`, `refuse_data_pointer`, `storage_key`,
+`DISABLED_TORCH_FUNCTION`); what the backend reads of the frame Dynamo is compiling
+(`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`, `compiled_module_of`), and
+of a compiled function `dlo_fx.release` undoes (`compile_backend_name`); a correction to
+Dynamo (`install_contains_fix`); what ``compiler="inductor"`` uses (`graph_fake_mode`,
+`restart_with_floats_specialized`, `inductor_compile`, `inductor_config_key`,
+`storage_key`, `GRAD_MODE_TARGETS`); the op targets FLOPs are counted on (`NN_LINEAR`);
+errors, compile callbacks and profiler state.
 Torch itself imports none of its Dynamo or Inductor modules here until a function needs
 them, so the runtime, which uses the first group, never loads Dynamo.
 """
@@ -67,6 +69,16 @@ def swap_in_place(t1: torch.Tensor, t2: torch.Tensor) -> None:
     torch._C._swap_tensor_impl(t1, t2)
 
 
+def refuse_data_pointer(t: torch.Tensor) -> None:
+    """Make C++ readers of ``t``'s mutable data pointer raise (torch's RuntimeError, as for
+    a fake tensor) instead of reading the address of a storage that has no data: a
+    wrapper subclass's ``data_ptr()`` is 0 (``torch.utils.dlpack.to_dlpack`` exported it).
+    Nothing on a torch without the flag."""
+    flag = getattr(torch._C, "_set_throw_on_mutable_data_ptr", None)
+    if callable(flag):
+        flag(t)
+
+
 # -- the frame Dynamo is compiling (backend.py) ------------------------------------------
 def _current_tx() -> Any:
     """Dynamo's instruction translator of the frame being compiled; None outside Dynamo."""
@@ -122,30 +134,23 @@ def is_dynamo_code(code: Any) -> bool:
     return code in orig_code_map
 
 
-def compiled_backend(module: Any) -> Optional[str]:
-    """The name of the backend ``module`` was compiled with (``module.compile(...)``, or
-    the ``OptimizedModule`` of ``torch.compile(module)``), None when it was not compiled
-    or the name cannot be read: the name is on the wrapper Dynamo keeps inside its frame
-    callback (``_torchdynamo_orig_backend``, a chain of wrappers)."""
-    import inspect
-
-    ctx = getattr(module, "dynamo_ctx", None)
-    call = getattr(module, "_compiled_call_impl", None) if ctx is None else None
-    if ctx is None and call is None:
+def compile_backend_name(fn: Any) -> Optional[str]:
+    """The name of the backend a ``torch.compile`` wrapper of a function compiles with
+    (``module.compile``'s ``_compiled_call_impl``, a compiled bound method): Dynamo's
+    callback, down its ``_torchdynamo_orig_backend`` chain to the wrapper that names the
+    backend. None for anything else, or on a torch where the chain is not there."""
+    if not callable(fn) or getattr(fn, "_torchdynamo_orig_callable", None) is None:
         return None
     try:
-        if ctx is None:
-            ctx = inspect.getclosurevars(call).nonlocals.get("self")
-        backend = getattr(ctx, "callback", None)
-        for _ in range(8):
-            inner = getattr(backend, "_torchdynamo_orig_backend", None)
-            if inner is None:
-                break
-            backend = inner
-    except (TypeError, ValueError):
+        found = inspect.getclosurevars(fn).nonlocals.get("callback")
+    except (TypeError, ValueError):  # not a Python function
         return None
-    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
-    return name if isinstance(name, str) else None
+    for _ in range(16):  # a few wrappers deep
+        name = getattr(found, "compiler_name", None)
+        if isinstance(name, str) or found is None:
+            return name
+        found = getattr(found, "_torchdynamo_orig_backend", None)
+    return None
 
 
 def compiled_module_of(value: Any) -> Optional[torch.nn.Module]:

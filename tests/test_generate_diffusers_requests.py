@@ -11,6 +11,7 @@ import torch
 
 import diffusers_pipelines as dp
 from dlo_fx.apps.cli import main
+from dlo_fx.apps.engine.request import Request
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,46 @@ def test_request_outside_the_limits_refused_up_front(flux_root, tmp_path, capsys
     assert lines[0].startswith("dlo-fx generate: request 1: Request.num_frames=5 is not "
                                "allowed"), err
     assert not (tmp_path / "out").exists()  # refused before any wave
+
+
+def test_sizes_no_memory_holds_refused_before_any_worker_starts(flux_root, tmp_path, capsys,
+                                                                monkeypatch):
+    """A height that overflows and a 4 TiB image failed in a worker after the model
+    loaded; refused now before any worker starts, naming the field and the limit."""
+    from dlo_fx.apps.engine.engine import Engine
+
+    def started(*args, **kwargs):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(Engine, "start", started)
+    for size in (dict(height=10**30, width=16), dict(height=2**20, width=2**20)):
+        rows = [dict(prompt="a red cat", num_inference_steps=2), dict(prompt="a cat", **size)]
+        status, err = _generate(flux_root, tmp_path, rows, 1, capsys)
+        assert status == 2, err
+        assert err.startswith(f"dlo-fx generate: request 1: Request.height={size['height']} "
+                              "is not allowed: 1 output(s) of 1 frame(s)"), err
+        assert "this pipeline serves at most" in err and ", height at most " in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_loaded_pipeline_bounds_pixels_by_its_denoisers_width(flux_root):
+    """The workers' limits add the denoiser's hidden states (tokens x its width) on their
+    device to the images' bytes."""
+    import dataclasses
+
+    from dlo_fx.apps.engine.diffusers_pipeline import (DiffusersPipeline, memory_limits,
+                                                       pipeline_limits)
+
+    pipe = dp.flux()
+    limits = DiffusersPipeline(pipe).limits
+    width = pipe.transformer.config.num_attention_heads * pipe.transformer.config.attention_head_dim
+    assert 0 < limits.max_pixels <= memory_limits("cpu").max_pixels
+    pipe.transformer.register_to_config(attention_head_dim=10**9)  # a very wide denoiser
+    wide = pipeline_limits(pipe, DiffusersPipeline(pipe)._params)
+    assert wide.max_pixels < limits.max_pixels and width < 10**9
+    request = dataclasses.replace(Request(prompt="a cat"), height=2**14, width=2**14)
+    with pytest.raises(ValueError, match=r"Request\.height=16384 is not allowed"):
+        wide.check(request)
 
 
 def test_refused_request_fails_alone_among_good_ones(flux_root, tmp_path, capsys):

@@ -101,6 +101,9 @@ def test_release_of_a_pipeline_then_save_and_cast(tmp_path):
         mine, theirs = module.state_dict(), getattr(reference, name).state_dict()
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k])
                                                     for k in mine), name
+    # released, it runs resident: no runtime is made again
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+    assert not runtimes_holding(list(pipe.transformer.parameters()))
     pipe.save_pretrained(tmp_path / "saved")
     assert (tmp_path / "saved" / "transformer" / "config.json").is_file()
     pipe.to(torch.float64)
@@ -111,6 +114,72 @@ def test_release_of_a_pipeline_then_save_and_cast(tmp_path):
     pipe.to(torch.float32)
     dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
     assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+    assert _slots(pipe) == {"transformer": 3, "text_encoder": 3, "text_encoder_2": 3}
+
+
+def _slots(pipe) -> dict:
+    """num_slots of the runtime of each streamed component."""
+    return {name: runtimes_holding(list(getattr(pipe, name).parameters()))[0].config.num_slots
+            for name in ("transformer", "text_encoder", "text_encoder_2")
+            if runtimes_holding(list(getattr(pipe, name).parameters()))}
+
+
+def test_a_pipeline_released_after_a_refused_compile_a_move_and_lora_compiles_anew():
+    """What a compile left (the options held by each component's compiled call, the
+    pipeline's guards) goes with release: the issue's case (a refused second
+    compile_pipeline, then release, then other options) after ``pipe.to`` its own device
+    and a LoRA adapter added while the weights were stored."""
+    from peft import LoraConfig
+
+    reference, pipe = dp.flux(), dp.flux()
+    dlo_fx.compile_pipeline(pipe, options={"num_slots": 2})
+    dp.images(pipe, "flux", cfg=False)
+    with pytest.raises(ValueError, match=r"differ from those its runtime was built with"):
+        dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
+    pipe.to("cpu")  # its own device: the stored weights stay where they are
+    for transformer in (reference.transformer, pipe.transformer):
+        torch.manual_seed(7)
+        transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                           target_modules=["to_q", "to_k", "to_v"]))
+    dlo_fx.release(pipe)
+    assert "fuse_lora" not in vars(pipe) and pipe.transformer._compiled_call_impl is None
+    dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
+    assert torch.equal(dp.images(pipe, "flux", cfg=False),
+                       dp.images(reference, "flux", cfg=False))
+    assert _slots(pipe) == {"transformer": 3, "text_encoder": 3, "text_encoder_2": 3}
+
+
+def test_a_released_module_compiles_again_with_any_options(dit):
+    """``model.compile(backend="dlo")``'s options, a refused first call's and a storage
+    dtype's marks do not outlive release: the module runs resident, then compiles with
+    other options, exactly."""
+    model = resident_dit(dit["path"], dit["config"])
+    model.compile(backend="dlo", options={"num_slots": 2, "storage_dtype": torch.float8_e4m3fn})
+    with torch.no_grad():
+        model(*dit["inputs"])
+    dlo_fx.release(model)
+    rounded = resident_dit(dit["path"], dit["config"])  # the values fp8 holds are its own now
+    rounded.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = rounded(*dit["inputs"])
+        assert torch.equal(model(*dit["inputs"]), expected)  # resident: nothing stored
+    assert not runtimes_holding(list(model.parameters()))
+    model.compile(backend="dlo", options={"num_slots": 3})
+    with torch.no_grad():
+        assert torch.equal(model(*dit["inputs"]), expected)
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    assert runtime.config.num_slots == 3
+    assert torch.float8_e4m3fn not in {e.dtype for b in runtime.store.blocks for e in b.entries}
+    # a model whose first call was refused (options differing from its load's)
+    loaded = dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"],
+                         options={"num_slots": 3})
+    first_call_error(torch.compile(loaded, backend="dlo", options={"num_slots": 2}),
+                     dit["inputs"])
+    dlo_fx.release(loaded)
+    with torch.no_grad():
+        out = torch.compile(loaded, backend="dlo", options={"num_slots": 2})(*dit["inputs"])
+    assert torch.equal(out, dit["expected"])
+    assert runtimes_holding(list(loaded.parameters()))[0].config.num_slots == 2
 
 
 def test_release_of_anything_else_says_what_it_takes():

@@ -31,7 +31,7 @@ from torch import nn
 from .backend import given_options
 from ..config import DLOConfig, same_device
 from ..loading.offload import compute_device, offload
-from ..model.guard import guard_pipeline
+from ..model.guard import guard_pipeline, restore, unguard_pipeline
 from ..model.guard import release as release_module
 from ..model.state import peek, state_of
 from ..model.storage_dtype import take_over_hooks
@@ -180,9 +180,11 @@ def release(target: Any) -> Any:
 
     A module: see `dlo_fx.model.guard.release`. A pipeline (anything with a
     ``components`` dict): every torch module component whose weights dlo stores is
-    released, so the pipeline can be saved, moved or cast as usual; compiling it again
-    (`compile_pipeline`) takes new options. Raises ValueError when nothing in ``target`` is
-    stored by dlo, and TypeError for anything but a module or a pipeline."""
+    released, and every component, stored or only compiled, is restored (see [Note: a
+    released module is as on the first day] in model/guard.py), so the pipeline can be
+    saved, moved or cast as usual, and compiling it again (`compile_pipeline`) takes any
+    options. Raises ValueError when nothing in ``target`` is dlo's (no weights stored, no
+    compile to undo), and TypeError for anything but a module or a pipeline."""
     if isinstance(target, nn.Module):
         _forget(target)
         return release_module(target)
@@ -193,26 +195,31 @@ def release(target: Any) -> Any:
                         f"{type(target).__name__}")
     modules = {n: m for n, m in found.items() if isinstance(m, nn.Module)}
     stored = [n for n, m in modules.items() if runtimes_holding(list(m.parameters()))]
-    for module in modules.values():
-        _forget(module)
-    if not stored:
-        raise ValueError(f"dlo_fx.release: no component of {type(target).__name__} "
-                         f"({', '.join(modules) or 'it has no torch modules'}) has weights "
-                         "in a dlo host store (was it compiled with compile_pipeline and "
-                         "called, or its transformer loaded with dlo_fx.load?)")
+    undone = sum(_forget(m) for m in modules.values())
     for name in stored:
         module = modules[name]
         if runtimes_holding(list(module.parameters())):  # a shared runtime may be gone
             release_module(module)
         log.info("dlo_fx.release: %s.%s released", type(target).__name__, name)
+    undone += sum(restore(m) for m in modules.values()) + unguard_pipeline(target)
+    if not stored and not undone:
+        raise ValueError(f"dlo_fx.release: no component of {type(target).__name__} "
+                         f"({', '.join(modules) or 'it has no torch modules'}) has weights "
+                         "in a dlo host store or a dlo compile to undo (was it compiled "
+                         "with compile_pipeline, or its transformer loaded with dlo_fx.load?)")
     return target
 
 
-def _forget(module: nn.Module) -> None:
+def _forget(module: nn.Module) -> int:
+    """Forget the options `compile_pipeline` gave ``module``; returns how many modules had
+    some."""
+    count = 0
     for sub in module.modules():
         state = peek(sub)
-        if state is not None:
+        if state is not None and state.compiled_with is not None:
             state.compiled_with = None
+            count += 1
+    return count
 
 
 def _components(pipe: Any) -> dict[str, Any]:

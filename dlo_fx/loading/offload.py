@@ -134,7 +134,7 @@ def _check_model(model: Any) -> None:
             f"dlo_fx.offload takes the module, not the torch.compile wrapper of a "
             f"{type(inner).__name__}: offload the module first, then compile it: "
             "dlo_fx.offload(model); torch.compile(model, backend='dlo')")
-    backend = torch_private.compiled_backend(model)
+    backend = torch_private.compile_backend_name(getattr(model, "_compiled_call_impl", None))
     if getattr(model, "_compiled_call_impl", None) is not None and backend != "dlo":
         raise ValueError(
             f"dlo_fx.offload: {type(model).__name__} is already compiled with backend "

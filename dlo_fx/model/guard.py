@@ -47,12 +47,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .. import torch_private
 from ..config import same_device
 from ..runtime.owners import Owner, claim, owned_by, owner_of, runtimes_holding
-from ..runtime.stored import become_real, is_stored
+from ..runtime.stored import become_real, is_stored, mark_released, real_parameter
 from .state import guarded_modules, peek, state_of
+from .storage_dtype import forget_storage_marks
 
-__all__ = ["attach", "guard_module", "guard_pipeline", "release"]
+__all__ = ["attach", "guard_module", "guard_pipeline", "release", "restore", "unguard_pipeline"]
 
 
 def _in_store(t: torch.Tensor) -> bool:
@@ -305,8 +307,8 @@ def _give_back(p: torch.Tensor, value: torch.Tensor, holders: list[nn.Module]) -
         become_real(p, value)
         return
     except RuntimeError:
-        pass
-    fresh = nn.Parameter(value.detach(), requires_grad=p.requires_grad)
+        mark_released(p)
+    fresh = real_parameter(p, value)
     for module in holders:
         for name, q in module._parameters.items():
             if q is p:
@@ -315,18 +317,21 @@ def _give_back(p: torch.Tensor, value: torch.Tensor, holders: list[nn.Module]) -
 
 def release(model: nn.Module) -> nn.Module:
     """Put the weights dlo stores for ``model`` back into its parameters and free its
-    runtime (host store, resident copies, and slots nothing else uses).
+    runtime (host store, resident copies, and slots nothing else uses); then `restore` it.
 
     Afterwards the module runs eagerly, can be saved, moved or cast like any module;
-    compiling it with ``backend="dlo"`` again stores it again. Models that share
-    parameters (a layer assigned to both) share one runtime, so releasing one releases
-    them all: every parameter the runtime stores gets its weights back. Every rank of an
-    allgather shard group must call it (the blocks are gathered). Returns ``model``.
-    Raises ValueError when no parameter of ``model`` is stored by dlo.
+    compiling it with ``backend="dlo"`` again, with any options, stores it again. Models
+    that share parameters (a layer assigned to both) share one runtime, so releasing one
+    releases them all: every parameter the runtime stores gets its weights back. Every
+    rank of an allgather shard group must call it (the blocks are gathered). Returns
+    ``model``. Raises ValueError when nothing of ``model`` is dlo's: no parameter stored
+    by dlo, no ``backend="dlo"`` compile to undo.
     """
     params = list(dict.fromkeys(model.parameters()))
     runtimes = runtimes_holding(params)
     if not runtimes:
+        if restore(model):
+            return model
         raise ValueError(f"dlo_fx.release: no parameter of {type(model).__name__} is in a dlo "
                          "host store (was it loaded with dlo_fx.load or compiled with "
                          "backend='dlo' and called?)")
@@ -357,4 +362,49 @@ def release(model: nn.Module) -> nn.Module:
             runtime.close()
     for module in modules:
         unguard_module(module)
+        restore(module)
     return model
+
+
+# -- what a compile left on a module ------------------------------------------------------------
+# [Note: a released module is as on the first day]
+# Besides the weights, a compile leaves on the module what would make it compile or run
+# with dlo's options again: ``module.compile(backend="dlo", options=...)`` keeps a compiled
+# ``_compiled_call_impl`` holding those options (a call after release stored the weights
+# again with them, and a compile with other options was then refused as differing from
+# that runtime), `compile_pipeline` compiled methods as instance attributes (a VAE's
+# ``encode``/``decode``) and guarded the pipeline's LoRA fusing, and ``storage_dtype``
+# marked the parameters to store. `restore` removes them; a model compiled again takes any
+# options. Not undone: ``eval()`` and ``requires_grad_(False)`` (`compile_pipeline` sets
+# them, and the module's earlier modes are not kept), a ``torch.compile`` wrapper the
+# caller holds (its next call stores the weights again, with its own options), and the
+# values of weights stored in a lower-precision dtype (they are the values that dtype
+# holds).
+DLO_BACKENDS = ("dlo", "dlo_backend")
+"""The names a ``torch.compile`` wrapper gives dlo's backend: the registered one, or the
+function's name when the function itself was passed as ``backend=``."""
+
+
+def restore(module: nn.Module) -> int:
+    """Undo what a ``backend="dlo"`` compile left on ``module`` and its submodules besides
+    the weights (see [Note: a released module is as on the first day]); returns how many
+    things were undone."""
+    count = forget_storage_marks(module)
+    for sub in module.modules():
+        # ``_compiled_call_impl`` (module.compile) and compiled methods set on the instance
+        for name, value in list(vars(sub).items()):
+            if torch_private.compile_backend_name(value) in DLO_BACKENDS:
+                del vars(sub)[name]
+                count += 1
+    return count
+
+
+def unguard_pipeline(pipe: Any) -> int:
+    """Remove `guard_pipeline`'s refusals from ``pipe``; returns how many."""
+    count = 0
+    for name in ("fuse_lora", "unfuse_lora"):
+        installed = vars(pipe).get(name)
+        if isinstance(installed, functools.partial) and installed.func is _guarded_pipe_rewrite:
+            del vars(pipe)[name]
+            count += 1
+    return count

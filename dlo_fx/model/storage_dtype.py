@@ -49,6 +49,7 @@ DEFAULT_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj
 (``re.search``) whose weights keep their dtype."""
 
 _ROUNDED = "_dlo_rounded_to_storage"  # a marked parameter holding its storage dtype's values
+_FROM_HOOK = "_dlo_storage_from_hook"  # marked in place of diffusers' layerwise casting
 
 CAST_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                nn.ConvTranspose3d, nn.Linear)
@@ -153,8 +154,24 @@ def take_over_hooks(root: nn.Module) -> int:
             vars(value).update(vars(p))
             setattr(value, _MARK, hook.storage_dtype)
             setattr(value, _ROUNDED, True)  # the fp8 values, in the compute dtype
+            setattr(value, _FROM_HOOK, True)  # the model's own choice: release keeps it
             swap_in_place(p, value)  # the same object, in the compute dtype
         count += 1
+    return count
+
+
+def forget_storage_marks(root: nn.Module) -> int:
+    """Remove the storage-dtype marks ``options["storage_dtype"]`` put on ``root``'s
+    parameters (`dlo_fx.release`: a later compile takes other options); returns how many.
+    Marks that stand for diffusers' layerwise casting taken over (`take_over_hooks`) are
+    the model's own and stay. The values stay those the storage dtype holds: they are
+    the model's weights now."""
+    count = 0
+    for p in root.parameters():
+        if getattr(p, _MARK, None) is not None and not getattr(p, _FROM_HOOK, False):
+            vars(p).pop(_MARK, None)
+            vars(p).pop(_ROUNDED, None)
+            count += 1
     return count
 
 

@@ -119,6 +119,16 @@ class Entry:
         view = self.view_of(flat)
         return view if self.compute_dtype is None else view.to(self.compute_dtype)
 
+    def span_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter's storage span from a block's flat bytes, as a 1-D tensor of the
+        parameter's dtype (cast when stored in another): element ``i`` is the element at
+        storage offset ``storage_offset + i`` of the parameter's own storage. Plain
+        entries only (a tensor subclass has no one span)."""
+        if self.parts:
+            raise TypeError("dlo: internal error: span_of of a tensor subclass's entry")
+        typed = flat[self.offset : self.offset + self.nbytes].view(self.dtype)
+        return typed if self.compute_dtype is None else typed.to(self.compute_dtype)
+
     def view_of(self, flat: torch.Tensor) -> torch.Tensor:
         """Rebuild the parameter's view over a block's flat uint8 bytes."""
         if self.parts:

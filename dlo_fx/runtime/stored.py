@@ -20,8 +20,8 @@ use by a view of a device slot. Outside a graph every operation goes through
   allgather mode, behind a collective clock word, as a graph's gathers are) and runs the op
   on the real bytes: exact. The first such read of a module's weights warns once, naming
   the module (every eager read copies the block again: correct, but slow);
-- a view (``p.t()``, ``p[0]``, ``p.view(...)``) is another `StoredWeight` that replays the
-  view on the fetched bytes, so a write through it is refused too;
+- a view (``p.t()``, ``p[0]``, ``p.view(...)``, ``p.as_strided(...)``) is another
+  `StoredWeight`: see [Note: a view of a stored weight]. A write through it is refused too;
 - a write (an in-place op or an ``out=`` into it, ``p.data = ...``, ``copy_`` from
   ``load_state_dict``, a LoRA merge through ``param.data``) and ``copy.deepcopy`` raise
   ``ValueError`` naming the parameter and `dlo_fx.release`. A conversion (``p.float()``,
@@ -29,7 +29,11 @@ use by a view of a device slot. Outside a graph every operation goes through
   the module (``module.to(...)``, ``.half()``) would replace its parameters: it is refused
   for the whole module before anything changes (`dlo_fx.model.guard`), and the
   parameter's ``data`` setter refuses it where no guard is;
-- ``torch.save`` and pickling store the real weights; ``.numpy()`` returns a copy.
+- ``torch.save`` and pickling store the real weights; ``.numpy()``, ``__array__`` and
+  ``__dlpack__`` (``torch.from_dlpack``) return copies; what would hand out the address of
+  its bytes (``data_ptr()``, ``untyped_storage()``, ``storage()``,
+  ``__cuda_array_interface__``) raises ``ValueError`` naming it: see [Note: no pointer to a
+  stored weight].
 
 While Dynamo traces (its fake mode is active on the inner tensor) an op computes fake
 outputs of the right metadata, so tracing reads nothing.
@@ -52,12 +56,13 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import torch_private
+from .layout import storage_span
 from .owners import owner_of
 
 aten = torch.ops.aten
 
 # Attribute names a `StoredWeight` carries in its __dict__ (beside the parameter's own).
-_OURS = ("_dlo_token", "_dlo_origin", "_dlo_steps")
+_OURS = ("_dlo_token", "_dlo_origin", "_dlo_steps", "_dlo_bits", "_dlo_released")
 
 _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # runtimes warned about once
 _WARN_LOCK = threading.Lock()
@@ -66,10 +71,13 @@ _WARN_LOCK = threading.Lock()
 class StoredWeight(torch.Tensor):
     """A parameter (or a view of one) whose weights are in a dlo host store: see
     [Note: a stored weight is a tensor]. ``_dlo_origin`` is the stored parameter it reads
-    (None: itself), ``_dlo_steps`` the views applied to it, ``_dlo_token`` the empty
-    device tensor Dynamo fakes."""
+    (None: itself), ``_dlo_steps`` the views applied to it, ``_dlo_bits`` its conjugate and
+    negative bits, ``_dlo_token`` the empty device tensor Dynamo fakes."""
 
     __torch_function__ = torch_private.DISABLED_TORCH_FUNCTION
+    # DLPack's C exchange API reads a tensor's data pointer without Python: consumers
+    # fall back to __dlpack__, which hands out a copy.
+    __dlpack_c_exchange_api__ = None
 
     @staticmethod
     def __new__(cls, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device,
@@ -77,11 +85,15 @@ class StoredWeight(torch.Tensor):
                 token: Optional[torch.Tensor] = None) -> "StoredWeight":
         t = torch.Tensor._make_wrapper_subclass(
             cls, tuple(shape), strides=tuple(stride), storage_offset=storage_offset,
-            dtype=dtype, device=device, requires_grad=requires_grad)
+            dtype=dtype, device=device, requires_grad=requires_grad, storage_size=0)
+        # No bytes behind it (see [Note: no pointer to a stored weight]): a storage of none,
+        # whose mutable data pointer C++ readers are refused
+        torch_private.refuse_data_pointer(t)
         t._dlo_token = token if token is not None else torch.empty(0, dtype=torch.uint8,
                                                                    device=device)
         t._dlo_origin = None
         t._dlo_steps = ()
+        t._dlo_bits = (False, False)
         return t
 
     # -- Dynamo: a traceable subclass with one (empty) inner tensor ----------------------
@@ -113,7 +125,7 @@ class StoredWeight(torch.Tensor):
         return f"{what} {name!r} stored by dlo:\n{values}"
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        value = _read(self).detach().cpu().clone()
+        value = _copy(self)
         if self._dlo_origin is None and getattr(self, "_is_param", False):
             return torch.nn.Parameter(value, self.requires_grad).__reduce_ex__(protocol)
         return value.__reduce_ex__(protocol)
@@ -131,14 +143,43 @@ class StoredWeight(torch.Tensor):
         slot inside a graph."""
         return self.view(self.shape)
 
+    # -- ways out of the tensor: copies, or refused (see [Note: no pointer to a stored
+    # weight]) --------------------------------------------------------------------------------
     def numpy(self, *, force: bool = False) -> Any:  # a copy: the fetched bytes are cached
-        return _read(self).detach().cpu().clone().numpy()
+        return _copy(self).numpy()
 
     def tolist(self) -> Any:
         return _read(self).tolist()
 
     def item(self) -> Any:
         return _read(self).item()
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.requires_grad:  # as torch refuses any tensor that requires grad
+            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        return _read(self).detach().clone().__dlpack__(*args, **kwargs)  # on its device
+
+    def data_ptr(self) -> int:
+        raise _no_pointer(self, "data_ptr()")
+
+    def const_data_ptr(self) -> int:
+        raise _no_pointer(self, "const_data_ptr()")
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        if _compiler_asks():
+            return super().untyped_storage()
+        raise _no_pointer(self, "untyped_storage()")
+
+    def _typed_storage(self) -> Any:  # storage(), share_memory_(), is_shared() read it
+        if _compiler_asks():
+            return super()._typed_storage()
+        raise _no_pointer(self, "storage()")
+
+    @property
+    def __cuda_array_interface__(self) -> Any:
+        if self.device.type != "cuda":  # torch's AttributeError: hasattr() stays False
+            return super().__cuda_array_interface__
+        raise _no_pointer(self, "__cuda_array_interface__")
 
     @property
     def data(self) -> "StoredWeight":
@@ -151,7 +192,11 @@ class StoredWeight(torch.Tensor):
             return  # module._apply hands a no-op conversion back (.to() its own device)
         raise _refusal(self, "param.data = ... would replace")
 
+    # Dynamo never traces it: an op run eagerly inside a compiled frame (after a graph
+    # break) calls it under Dynamo's frame hook, which compiled every code path of the
+    # reads and views, graph break after graph break
     @classmethod
+    @torch.compiler.disable
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
@@ -166,27 +211,31 @@ class StoredWeight(torch.Tensor):
         aliased = _aliased_input(func, args)
         if aliased is not None:
             return _view(func, args, kwargs, aliased)
-        cache: dict = {}
-        try:
-            return func(*tree_map(lambda x: _read(x, cache), args),
-                        **tree_map(lambda x: _read(x, cache), kwargs))
-        except NotImplementedError as exc:
-            raise _unsupported_read(func, stored, exc) from exc
+        return _read_op(func, args, kwargs, stored)
 
 
 def _fake_like(x: Any) -> Any:
     if isinstance(x, StoredWeight):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        return _empty_like_layout(x, x.device)
     return x
 
 
+def _empty_like_layout(x: torch.Tensor, device: Any) -> torch.Tensor:
+    """An uninitialised tensor with ``x``'s shape, strides, storage offset and dtype."""
+    size = x.storage_offset() + storage_span(x)
+    return torch.empty((size,), dtype=x.dtype, device=device).as_strided(
+        x.shape, x.stride(), x.storage_offset())
+
+
 def _alias(t: StoredWeight, steps: tuple, meta: Optional[torch.Tensor] = None) -> StoredWeight:
-    """Another `StoredWeight` reading ``t``'s origin through ``t``'s steps and ``steps``."""
+    """Another `StoredWeight` reading ``t``'s origin through ``t``'s steps and ``steps``,
+    with the metadata of ``meta`` (the view computed on a meta tensor) or of ``t``."""
     m = meta if meta is not None else t
-    out = StoredWeight(m.shape, m.stride(), t.dtype, t.device, requires_grad=False,
+    out = StoredWeight(m.shape, m.stride(), m.dtype, t.device, requires_grad=False,
                        storage_offset=m.storage_offset(), token=t._dlo_token)
     out._dlo_origin = t.origin
     out._dlo_steps = t._dlo_steps + steps
+    out._dlo_bits = (m.is_conj(), m.is_neg()) if meta is not None else t._dlo_bits
     return out
 
 
@@ -202,11 +251,45 @@ def stored_name(param: torch.Tensor) -> str:
     return entry.fqn if entry is not None else f"<parameter of shape {tuple(param.shape)}>"
 
 
+def _read_op(func: Any, args: Any, kwargs: Any, stored: list) -> Any:
+    """``func`` run on the real values of its stored arguments. An output that shares
+    the fetched bytes (an op that returns its input, ``_unsafe_view``) is copied: a
+    tensor over the block would reach the other weights in it."""
+    cache: dict = {}
+    fetched: set = set()
+
+    def real(x: Any) -> Any:
+        value = _read(x, cache)
+        if isinstance(x, StoredWeight):
+            fetched.add(torch_private.storage_key(value))
+        return value
+
+    try:
+        out = func(*tree_map(real, args), **tree_map(real, kwargs))
+    except NotImplementedError as exc:
+        raise _unsupported_read(func, stored, exc) from exc
+    return tree_map(lambda o: _unshared(o, fetched), out)
+
+
+def _unshared(out: Any, fetched: set) -> Any:
+    if isinstance(out, torch.Tensor) and not is_traceable_wrapper_subclass(out) \
+            and torch_private.storage_key(out) in fetched:
+        return out.clone()
+    return out
+
+
+def _copy(x: "StoredWeight") -> torch.Tensor:
+    """A new host tensor holding ``x``'s values."""
+    return _read(x).detach().cpu().clone()
+
+
 def _read(x: Any, cache: Optional[dict] = None) -> Any:
     """``x`` with its real values (on its device) when it is a `StoredWeight`."""
     if not isinstance(x, StoredWeight):
         return x
     origin = x.origin
+    if not isinstance(origin, StoredWeight) or getattr(origin, "_dlo_released", False):
+        raise _released_view(origin)
     runtime = _owner(origin)
     entry = runtime.store.entry(origin) if runtime is not None and not runtime.closed else None
     if entry is None and runtime is None:
@@ -228,12 +311,17 @@ def _read(x: Any, cache: Optional[dict] = None) -> Any:
         if cache is not None:
             cache[key] = flat
         _warn_once(runtime, entry.fqn)
-    value = entry.value_of(flat)
-    for func, args, kwargs, index in x._dlo_steps:
-        value = func(*_put(args, value), **_put(kwargs, value))
-        if index is not None:
-            value = value[index]
-    return value
+    if entry.parts:
+        return _replayed(x, entry.value_of(flat), entry.fqn)
+    return _rebased(x, origin, entry.span_of(flat), entry.fqn)
+
+
+def _released_view(param: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"dlo: a parameter of shape {tuple(param.shape)} ({param.dtype}), or a view of it, "
+        "was read after dlo_fx.release put the weights back into the model's parameters: it "
+        "was taken while they were in a dlo host store, and reads nothing now. Take it again "
+        "from the model (released, its parameters are ordinary tensors)")
 
 
 def _unsupported_read(func: Any, stored: list, exc: BaseException) -> BaseException:
@@ -279,6 +367,27 @@ def _caller_level() -> int:
     return level
 
 
+# -- views ----------------------------------------------------------------------------------
+# [Note: a view of a stored weight]
+# A view of a stored parameter is a `StoredWeight` whose metadata (shape, strides, storage
+# offset, dtype, conjugate and negative bits) is what the op computes on a meta tensor of
+# the parameter's own metadata: for any view op, the one torch defines, since a view is
+# metadata over the same storage. Its bytes are then found by construction: the storage
+# offset is rebased on the parameter's own place (`_rebased`: byte ``k`` of the
+# parameter's storage, counted from its storage offset, is byte ``k`` of its span in the
+# fetched block), never replayed against the block's buffer, where ``as_strided`` with an
+# explicit offset read another parameter's bytes. A view that reaches bytes outside the
+# parameter's own storage span (the resident parameter's storage may hold other tensors
+# there, or end) raises ValueError naming it, when it is made. A quantized weight (a tensor
+# subclass stored as its inner tensors) has no one span: its views are replayed through
+# the subclass's own ops, and a view op that takes an explicit layout (``as_strided``,
+# ``_reshape_alias``) or another tensor is refused for it by name.
+class StoredViewError(ValueError, RuntimeError):
+    """A view op torch refuses for the resident parameter too (a ``view`` of an
+    incompatible shape), raised naming the stored parameter: a ``ValueError``, and a
+    ``RuntimeError`` as torch's own refusal is for code that catches that."""
+
+
 class _Marker:
     """Where a view step's input goes in its recorded arguments."""
 
@@ -290,7 +399,6 @@ def _put(tree: Any, value: torch.Tensor) -> Any:
     return tree_map(lambda a: value if a is _SELF else a, tree)
 
 
-# -- views ----------------------------------------------------------------------------------
 def _aliased_input(func: Any, args: Any) -> Optional[StoredWeight]:
     """The `StoredWeight` argument the op's first output aliases (a view), or None."""
     schema = func._schema
@@ -305,19 +413,158 @@ def _aliased_input(func: Any, args: Any) -> Optional[StoredWeight]:
 
 
 def _view(func: Any, args: Any, kwargs: Any, base: StoredWeight) -> Any:
+    """A view op on ``base``: its outputs computed on meta tensors, each a `StoredWeight`
+    (see [Note: a view of a stored weight])."""
+    meta_base = _meta_of(base)
+    metas = {id(base): meta_base}
+    to_meta = (lambda a: metas.setdefault(id(a), _meta_of(a))
+               if isinstance(a, torch.Tensor) else a)
+    try:
+        out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+    except Exception as exc:  # torch refuses it for the resident parameter too
+        raise StoredViewError(
+            f"dlo: {func} of parameter {stored_name(base.origin)!r} (stored by dlo) failed on "
+            f"the parameter's metadata: {exc}. Where torch refuses it for a resident "
+            "parameter too, this is that refusal; otherwise read a copy first "
+            "(p.detach().clone()), or call dlo_fx.release(model) first") from exc
     recorded = tree_map(lambda a: _SELF if a is base else a, args)
-    if any(isinstance(a, torch.Tensor) for a in tree_flatten((recorded, kwargs))[0]):
-        # A view op that takes another tensor: read it now (no later write reaches it)
-        return func(*tree_map(_read, args), **tree_map(_read, kwargs))
-    out = func(*tree_map(lambda a: _meta_of(a) if a is base else a, args), **kwargs)
+    step = (func, recorded, kwargs)
     if isinstance(out, torch.Tensor):
-        return _alias(base, ((func, recorded, kwargs, None),), out)
-    return type(out)(_alias(base, ((func, recorded, kwargs, i),), o) for i, o in enumerate(out))
+        return _view_output(base, meta_base, out, step, None)
+    return type(out)(_view_output(base, meta_base, o, step, i) for i, o in enumerate(out))
+
+
+def _view_output(base: StoredWeight, meta_base: torch.Tensor, out: Any, step: tuple,
+                 index: Optional[int]) -> Any:
+    if not isinstance(out, torch.Tensor):
+        return out
+    if torch_private.storage_key(out) != torch_private.storage_key(meta_base):
+        raise ValueError(
+            f"dlo: {step[0]} of parameter {stored_name(base.origin)!r} returns a tensor that "
+            "is not a view of it, which dlo cannot compute without reading it as a view; "
+            "read a copy first (p.detach().clone()) or call dlo_fx.release(model) first")
+    _check_reach(out, base.origin)
+    return _alias(base, (step + (index,),), out)
 
 
 def _meta_of(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").as_strided(
-        t.shape, t.stride(), t.storage_offset())
+    """A meta tensor with ``t``'s metadata, over a meta storage that holds at least the
+    stored parameter's whole span (a view op checks its bounds against it)."""
+    end = (t.storage_offset() + storage_span(t)) * t.element_size()
+    if isinstance(t, StoredWeight):
+        o = t.origin
+        end = max(end, (o.storage_offset() + storage_span(o)) * o.element_size())
+    storage = torch.UntypedStorage(end, device="meta")
+    meta = torch.empty(0, dtype=t.dtype, device="meta").set_(
+        storage, t.storage_offset(), t.shape, t.stride())
+    conj, neg = t._dlo_bits if isinstance(t, StoredWeight) else (t.is_conj(), t.is_neg())
+    if conj:
+        meta = aten._conj(meta)
+    if neg:
+        meta = aten._neg_view(meta)
+    return meta
+
+
+def _check_reach(view: torch.Tensor, origin: StoredWeight) -> None:
+    """ValueError when ``view`` reaches bytes outside ``origin``'s own storage span."""
+    start, end = _byte_range(view, origin)
+    span = storage_span(origin) * origin.element_size()
+    if view.numel() and (start < 0 or end > span or start % view.element_size()):
+        raise ValueError(
+            f"dlo: a view of parameter {stored_name(origin)!r} (shape "
+            f"{tuple(view.shape)}, strides {tuple(view.stride())}, storage offset "
+            f"{view.storage_offset()}, {view.dtype}) reaches bytes {start} to {end} of the "
+            f"parameter's storage, counted from its first element, outside its {span} bytes: "
+            "the resident parameter's storage holds other tensors there, or ends, and dlo "
+            "holds the parameter's own bytes only; nothing was read. Take views within the "
+            "parameter, or call dlo_fx.release(model) first")
+
+
+def _byte_range(view: torch.Tensor, origin: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``view`` spans, counted from ``origin``'s first storage element."""
+    start = view.storage_offset() * view.element_size() - \
+        origin.storage_offset() * origin.element_size()
+    return start, start + storage_span(view) * view.element_size()
+
+
+def _rebased(x: StoredWeight, origin: StoredWeight, span: torch.Tensor,
+             name: str) -> torch.Tensor:
+    """``x``'s values: a tensor of ``x``'s metadata over ``span``, the fetched bytes of
+    ``origin``'s storage span, its storage offset rebased there."""
+    if x.numel() == 0:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=span.device)
+    _check_reach(x, origin)
+    start, _ = _byte_range(x, origin)
+    at = span.storage_offset() * span.element_size() + start
+    if at % x.element_size():  # pragma: no cover - block entries are aligned
+        raise ValueError(f"dlo: internal error: a view of {name!r} is not aligned in its block")
+    value = torch.empty(0, dtype=x.dtype, device=span.device).set_(
+        span.untyped_storage(), at // x.element_size(), x.shape, x.stride())
+    conj, neg = x._dlo_bits
+    if conj:
+        value = aten._conj(value)
+    if neg:
+        value = aten._neg_view(value)
+    return value
+
+
+def _replayed(x: StoredWeight, value: torch.Tensor, name: str) -> torch.Tensor:
+    """``x``'s values for a tensor subclass's stored weight: its view steps replayed on
+    the subclass's value (see [Note: a view of a stored weight])."""
+    for func, args, kwargs, index in x._dlo_steps:
+        if _takes_layout(func):
+            raise ValueError(
+                f"dlo: {func} of parameter {name!r}, a tensor subclass stored as its inner "
+                "tensors, cannot be read: its inner tensors have no storage in common with "
+                "the layout the op names. Read a copy first (p.detach().clone()), or call "
+                "dlo_fx.release(model) first")
+        value = func(*_put(args, value), **_put(kwargs, value))
+        if index is not None:
+            value = value[index]
+    return value
+
+
+def _takes_layout(func: Any) -> bool:
+    """A view op that names a layout itself (strides, a storage offset, another tensor)."""
+    for arg in func._schema.arguments[1:]:
+        if arg.name in ("stride", "storage_offset") or "Tensor" in str(arg.type):
+            return True
+    return False
+
+
+# -- no pointer to a stored weight --------------------------------------------------------
+# [Note: no pointer to a stored weight]
+# A `StoredWeight` has no bytes in this process that are its weights: its storage is the
+# wrapper's, with no data, and the bytes it reads are a block fetched for each read. So
+# every zero-copy way out either hands out a copy of the real values (``numpy()``,
+# ``__array__``, ``__dlpack__`` and so ``torch.from_dlpack``, pickling) or raises
+# ValueError naming the parameter (``data_ptr()``, ``const_data_ptr()``,
+# ``untyped_storage()``, ``storage()`` and what is built on it: ``share_memory_()``,
+# ``is_shared()``, a tensor ``set_`` over it; ``__cuda_array_interface__``, whose consumer
+# keeps only the address; a ``set_`` with a stored source). A pointer would read memory
+# that is not the weight (address 0 or a freed block: a crash, or another tensor's bytes).
+# Below Python, the wrapper's storage refuses its mutable data pointer
+# (`torch_private.refuse_data_pointer`), so ``torch.utils.dlpack.to_dlpack`` raises
+# torch's RuntimeError instead of exporting address 0. Torch's compiler stack reads the
+# storage object for identity and size only (fake tensors are made from it), and gets it.
+_COMPILER_MODULES = ("torch._subclasses.", "torch._dynamo.", "torch._functorch.",
+                     "torch._inductor.", "torch.fx.", "torch._guards", "torch._export.",
+                     "torch.export.", "dlo_fx.")
+
+
+def _compiler_asks() -> bool:
+    """Whether the caller of the method calling this is torch's compiler stack or dlo."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller.startswith(_COMPILER_MODULES)
+
+
+def _no_pointer(t: StoredWeight, what: str) -> ValueError:
+    return ValueError(
+        f"dlo: {what} of parameter {stored_name(t.origin)!r} is refused: its weights are in "
+        "a dlo host store and no memory of this process holds them as this tensor, so an "
+        "address would read memory that is not the weight. Read a copy (p.detach().clone(), "
+        "p.numpy() and torch.from_dlpack(p) give copies), or call dlo_fx.release(model) "
+        "first to put the weights back into the parameters")
 
 
 # -- writes and conversions -------------------------------------------------------------------
@@ -339,6 +586,13 @@ def _check_writes(func: Any, args: Any, kwargs: Any) -> None:
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         if isinstance(value, StoredWeight):
             raise _refusal(value, f"{func.__name__} would write into")
+    if func.overloadpacket in _SETS:  # the tensor set would share the parameter's storage
+        for value in tree_flatten((args, kwargs))[0][1:]:
+            if isinstance(value, StoredWeight):
+                raise _refusal(value, f"{func.__name__} would make a tensor share the storage of")
+
+
+_SETS = (aten.set_, aten.set)
 
 
 # -- becoming stored and back -------------------------------------------------------------------
@@ -380,11 +634,24 @@ def carried_attributes(p: torch.Tensor) -> dict[str, Any]:
             and not isinstance(v, torch.Tensor)}
 
 
+def mark_released(p: StoredWeight) -> None:
+    """Stored parameter ``p`` stays a `StoredWeight` after `dlo_fx.release` (something
+    held its tensor, and the model got a new parameter): a later read of it or of a view
+    of it says so."""
+    vars(p)["_dlo_released"] = True
+
+
+def real_parameter(p: StoredWeight, value: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter holding ``value`` with stored parameter ``p``'s attributes (those
+    others set on it: a ``GGUFParameter``'s ``quant_type``, a storage-dtype mark)."""
+    with torch.inference_mode(p.is_inference()):
+        real = torch.nn.Parameter(value.detach(), requires_grad=p.requires_grad)
+    vars(real).update({k: v for k, v in vars(p).items() if k not in _OURS and k != "_is_param"})
+    return real
+
+
 def become_real(p: StoredWeight, value: torch.Tensor) -> None:
     """Give stored parameter ``p`` the real tensor ``value`` in place (`dlo_fx.release`)."""
     if not isinstance(p, StoredWeight):
         raise TypeError("dlo: internal error: become_real of a parameter that is not stored")
-    with torch.inference_mode(p.is_inference()):
-        real = torch.nn.Parameter(value.detach(), requires_grad=p.requires_grad)
-    vars(real).update({k: v for k, v in vars(p).items() if k not in _OURS and k != "_is_param"})
-    torch_private.swap_in_place(p, real)
+    torch_private.swap_in_place(p, real_parameter(p, value))

@@ -168,6 +168,13 @@ def run_generate(args: argparse.Namespace) -> int:
             return 2
         args.pipeline = DIFFUSERS
         kwargs["path"] = os.path.abspath(args.diffusers)
+        from .diffusers_pipeline import check_up_front
+
+        try:  # sizes no memory holds: refused before any worker starts
+            check_up_front(requests, dict(args.option))
+        except ValueError as exc:
+            print(f"dlo-fx generate: {exc}", file=sys.stderr)
+            return 2
     common = dict(options=dict(args.option), wave_timeout_s=args.wave_timeout,
                   pipeline_kwargs=kwargs)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:

@@ -30,7 +30,9 @@ pipeline (no ``num_frames`` argument) serves one frame, a video pipeline ``k *
 vae_scale_factor_temporal + 1``; height and width are multiples of the VAE's spatial factor
 times the denoiser's patch (at least 2 where the pipeline packs 2x2 latents, as Flux
 does), and at most ``pos_embed_max_size`` patches where the denoiser has that table (SD3);
-its ``sample_size`` is the size it was trained at, not a bound, so it bounds nothing; steps
+its ``sample_size`` is the size it was trained at, not a bound, so it bounds nothing; the
+pixels of a request (outputs x frames x height x width) at most what memory holds
+(`memory_limits`, [Note: sizes that cannot fit]); steps
 up to the scheduler's ``num_train_timesteps``; a Request field the call does not take
 (``true_cfg_scale``, ``negative_prompt``, ...) must keep its default; ``extra_args`` keys
 are the call's other arguments. A request that passes those can still fail in the
@@ -38,10 +40,26 @@ pipeline's own ``check_inputs`` (``max_sequence_length`` too large): `DiffusersP
 check` runs it, and ``call_arguments``, on every rank for every request of a wave before
 any forward, so such a request fails alone and its rank runs a peer's request in its
 place (see [Note: refused requests fail alone] in worker.py).
+
+[Note: sizes that cannot fit]
+A size the memory cannot hold failed in a worker, after the model loaded (minutes at real
+size): ``height=10**30`` overflowed a shape, ``height=width=2**20`` asked for 4 TiB.
+`memory_limits` bounds a request's pixels by what it certainly allocates, lower bounds
+only, so no request that fits is refused: the decoded RGB images as float32 on the host
+(``output_type="pt"``, copied to the CPU by `to_uint8`: 12 bytes a pixel, whatever the
+device), the same in at least 2 bytes a channel on the device (6 bytes a pixel), and,
+where the denoiser's config gives its width (``num_attention_heads *
+attention_head_dim``), its hidden states: one token of at least 2 bytes a channel per
+``(spatial factor x patch)**2`` pixels (and per ``vae_scale_factor_temporal`` frames).
+``dlo-fx generate --diffusers`` checks the first two against the host's RAM and the
+device's memory before any worker starts (`check_up_front`); each worker's `Limits`
+(from the pipeline it loaded, on its device) adds the third before any wave. The check
+computes in Python integers: a number that would overflow a shape is refused, not wrapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -62,12 +80,12 @@ class DiffusersPipeline:
     """``pipeline(request) -> {"images": ...}`` or ``{"frames": ...}`` around a diffusers
     pipeline (see [Note: Request fields as pipeline arguments])."""
 
-    def __init__(self, pipe: Any, streamed: Sequence[str] = ()) -> None:
+    def __init__(self, pipe: Any, streamed: Sequence[str] = (), device: str = "cpu") -> None:
         self.pipe = pipe
         self.streamed = tuple(streamed)
         """Components compiled with backend="dlo"."""
         self._params = inspect.signature(type(pipe).__call__).parameters
-        self.limits = pipeline_limits(pipe, self._params)
+        self.limits = pipeline_limits(pipe, self._params, device)
         """What it serves (see [Note: what a diffusers pipeline declares])."""
 
     def check(self, request: Request) -> None:
@@ -113,8 +131,10 @@ REQUEST_ARGUMENTS = ("prompt", "height", "width", "num_inference_steps", "negati
 """Call arguments set from the request's own fields."""
 
 
-def pipeline_limits(pipe: Any, params: Mapping[str, inspect.Parameter]) -> Limits:
-    """The `Limits` of ``pipe`` (see [Note: what a diffusers pipeline declares])."""
+def pipeline_limits(pipe: Any, params: Mapping[str, inspect.Parameter],
+                    device: str = "cpu") -> Limits:
+    """The `Limits` of ``pipe`` computing on ``device`` (see [Note: what a diffusers
+    pipeline declares])."""
     fixed = [f for f in ("negative_prompt", "guidance_scale", "true_cfg_scale")
              if f not in params] + ["cfg_normalize"]
     video = "num_frames" in params
@@ -129,13 +149,60 @@ def pipeline_limits(pipe: Any, params: Mapping[str, inspect.Parameter]) -> Limit
     scheduler = getattr(getattr(pipe, "scheduler", None), "config", {}) or {}
     extra = sorted(n for n, p in params.items() if n != "self" and n not in REQUEST_ARGUMENTS
                    and n not in RESERVED and _from_json(p))
-    return Limits(max_height=largest, max_width=largest, size_multiple=int(spatial) * cell,
-                  max_frames=None if video else 1,
-                  frames_multiple=int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
-                  if video else 1,
-                  max_inference_steps=scheduler.get("num_train_timesteps"),
-                  max_outputs_per_prompt=None if any(a in params for a in PER_PROMPT) else 1,
-                  fixed_fields=fixed, extra_args=extra)
+    temporal = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1) if video else 1
+    limits = Limits(max_height=largest, max_width=largest, size_multiple=int(spatial) * cell,
+                    max_frames=None if video else 1, frames_multiple=temporal,
+                    max_inference_steps=scheduler.get("num_train_timesteps"),
+                    max_outputs_per_prompt=None if any(a in params for a in PER_PROMPT) else 1,
+                    fixed_fields=fixed, extra_args=extra)
+    pixels = memory_limits(device).max_pixels
+    width = _denoiser_width(config)
+    if width:  # its hidden states: 2 bytes a channel per token at least
+        tokens = _device_bytes(device) // (2 * width)
+        pixels = min(pixels, tokens * (int(spatial) * cell) ** 2 * temporal)
+    return dataclasses.replace(limits, max_pixels=max(pixels, 1))
+
+
+HOST_BYTES_PER_PIXEL = 12
+"""The decoded RGB images as float32 on the host (`to_uint8`): a lower bound of what a
+request's pixel takes there (see [Note: sizes that cannot fit])."""
+DEVICE_BYTES_PER_PIXEL = 6
+"""The decoded RGB images on the device, at least 2 bytes a channel."""
+
+
+def memory_limits(device: str = "cpu") -> Limits:
+    """`Limits` bounding a request's pixels by what the host and ``device`` hold (see
+    [Note: sizes that cannot fit])."""
+    from ...runtime.probes import host_ram_bytes
+
+    pixels = min(host_ram_bytes() // HOST_BYTES_PER_PIXEL,
+                 _device_bytes(device) // DEVICE_BYTES_PER_PIXEL)
+    return Limits(max_pixels=max(pixels, 1))
+
+
+def _device_bytes(device: str) -> int:
+    """The memory of ``device``: the host's RAM for the CPU (or where it cannot be read)."""
+    from ...runtime.platform import device_memory_bytes
+    from ...runtime.probes import host_ram_bytes
+
+    return device_memory_bytes(torch.device(device)) or host_ram_bytes()
+
+
+def _denoiser_width(config: Mapping[str, Any]) -> Optional[int]:
+    """Channels of the denoiser's hidden states, where its config says (a transformer)."""
+    heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    if isinstance(heads, int) and isinstance(dim, int) and heads > 0 and dim > 0:
+        return heads * dim
+    return None
+
+
+def check_up_front(requests: Sequence[Request], options: Mapping[str, Any]) -> None:
+    """``ValueError`` naming the first request, and its field, whose images could not fit
+    the host or the device the workers would compute on (`memory_limits`): checked before
+    any worker starts."""
+    limits = memory_limits(str(options.get("device") or "cpu"))
+    for index, request in enumerate(requests):
+        limits.check(request, f"request {index}")
 
 
 NOT_FROM_JSON = ("Tensor", "Image", "Callable", "Generator")
@@ -306,7 +373,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     # Offloads the text encoders from host memory and moves the rest (the VAE) to the
     # compute device: the pipeline executes there
     compile_pipeline(pipe, options=options, components=streamed)
-    return DiffusersPipeline(pipe, streamed)
+    return DiffusersPipeline(pipe, streamed, str(device))
 
 
 def resident(path: Union[str, os.PathLike]) -> DiffusersPipeline:

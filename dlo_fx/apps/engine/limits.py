@@ -36,6 +36,11 @@ class Limits:
     """Largest ``num_inference_steps``. Default: ``None``."""
     max_outputs_per_prompt: Optional[int] = None
     """Largest ``num_outputs_per_prompt``. Default: ``None``."""
+    max_pixels: Optional[int] = None
+    """Largest ``num_outputs_per_prompt * num_frames * height * width`` of one request:
+    what the memory its outputs, latents and activations need holds (a size whose
+    allocation would fail, or overflow, in a worker is refused up front). Default:
+    ``None``."""
     max_prompt_bytes: Optional[int] = None
     """Largest UTF-8 size of ``prompt`` and of ``negative_prompt``. Default: ``None``."""
     lora_ids: Optional[Sequence[Any]] = ()
@@ -107,6 +112,8 @@ class Limits:
                 refuse(name, f"this pipeline needs a multiple of {self.size_multiple}")
         if (request.num_frames - 1) % self.frames_multiple:
             refuse("num_frames", f"this pipeline needs {self.frames_multiple}k + 1 frames")
+        if self.max_pixels is not None:
+            self._check_pixels(request, refuse)
         if self.max_prompt_bytes is not None:
             for name in ("prompt", "negative_prompt"):
                 size = len(getattr(request, name).encode("utf-8"))
@@ -128,6 +135,21 @@ class Limits:
                     raise ValueError(
                         f"{where}: Request.extra_args[{key!r}] is not allowed: this pipeline "
                         f"reads the extra_args {', '.join(map(repr, self.extra_args)) or 'none'}")
+
+    def _check_pixels(self, request: Request, refuse: Any) -> None:
+        """Refuse a request of more than ``max_pixels``, naming the larger of its height
+        and width and the largest value that fits with the other fields as given."""
+        n, f, h, w = (request.num_outputs_per_prompt, request.num_frames, request.height,
+                      request.width)
+        pixels = n * f * h * w  # Python integers: no overflow
+        if pixels <= self.max_pixels:
+            return
+        name, other = ("height", w) if h >= w else ("width", h)
+        fits = self.max_pixels // (n * f * other)
+        refuse(name, f"{n} output(s) of {f} frame(s) of {h}x{w} pixels are {pixels} pixels, "
+                     f"and this pipeline serves at most {self.max_pixels} per request "
+                     "(outputs x frames x height x width: what the memory of its device and "
+                     f"host holds); with the other fields as given, {name} at most {fits}")
 
 
 _NAMES = ("lora_ids", "fixed_fields", "extra_args")
