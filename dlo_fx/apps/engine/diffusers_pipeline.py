@@ -341,8 +341,10 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     """
     import diffusers
 
-    from ...loading.loader import load
+    from ...config import DLOConfig
     from ...dynamo.pipelines import compile_pipeline
+    from ...loading.loader import load
+    from ...loading.offload import compute_device
 
     options = dict(options or {})
     torch_dtype = _dtype(dtype)
@@ -373,6 +375,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     # Offloads the text encoders from host memory and moves the rest (the VAE) to the
     # compute device: the pipeline executes there
     compile_pipeline(pipe, options=options, components=streamed)
+    device = compute_device(DLOConfig.from_options(options))
     return DiffusersPipeline(pipe, streamed, str(device))
 
 
