@@ -27,25 +27,25 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     "(the meta-device tests of test_offload.py cover these paths on CPU)")]
 
 
+def each_tensor(value, fn):
+    """``value`` with ``fn`` applied to every tensor in it (lists, tuples, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(each_tensor(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: each_tensor(v, fn) for k, v in value.items()}
+    return value
+
+
 def on(value, device):
     """``value`` (tensors, and lists, tuples and dicts of them) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(on(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: on(v, device) for k, v in value.items()}
-    return value
+    return each_tensor(value, lambda t: t.to(device))
 
 
 def cast(value, dtype):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    if isinstance(value, (list, tuple)):
-        return type(value)(cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: cast(v, dtype) for k, v in value.items()}
-    return value
+    """``value`` with its floating-point tensors in ``dtype``."""
+    return each_tensor(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def zoo_names() -> list[str]:
