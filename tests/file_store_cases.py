@@ -94,11 +94,15 @@ def serve_then_break(rank: int, world: int, dit_path: str, how: str, slots: int)
     if how == "truncate":
         os.truncate(dit_path, size // 2)
     else:  # rewrite in place: same size, other bytes
+        before = os.stat(dit_path)
         with open(dit_path, "r+b") as f:
             f.seek(size // 2)
             f.write(b"\x7f" * 4096)
         st = os.stat(dit_path)
-        os.utime(dit_path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        if how == "rewrite":
+            os.utime(dit_path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        else:  # "rewrite-same-mtime": its mtime set back, only its ctime tells
+            os.utime(dit_path, ns=(before.st_atime_ns, before.st_mtime_ns))
     for attempt in range(2):
         try:
             with torch.no_grad():

@@ -25,7 +25,7 @@ from dlo_fx.loading.checkpoint import CheckpointError
 from dlo_fx.config import DLOConfig
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.loading.shards import MANIFEST, write_shard_dir
+from dlo_fx.loading.shards import MANIFEST, ShardDir, tensor_offsets, write_shard_dir
 from file_store_cases import served
 from loader_cases import SHARED, compare, fresh, resident_dit, resident_wan, stored_state
 from models import tiny_dit, tiny_wan
@@ -166,14 +166,15 @@ def test_two_ranks_both_modes_from_files_and_shards(spawned):
 
 
 # -- bad inputs -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("how", ["truncate", "rewrite"])
+@pytest.mark.parametrize("how", ["truncate", "rewrite", "rewrite-same-mtime"])
 def test_file_changed_while_served_is_an_error_not_sigbus(ckpts, tmp_path, how):
     path = str(tmp_path / "dit.safetensors")
     shutil.copy(ckpts["dit"], path)
     # A forked child: a SIGBUS would show as a dead rank, not take pytest down.
     lines = spawn(1, file_store_cases.serve_then_break, path, how, 2)[0]
     assert lines[0] == "first-equal True"
-    word = "truncated or extended" if how == "truncate" else "rewritten"
+    word = {"truncate": "truncated or extended", "rewrite": "rewritten",
+            "rewrite-same-mtime": "keeping its size and mtime (its ctime changed"}[how]
     assert lines[1].startswith("FileChangedError") and word in lines[1] and path in lines[1]
     assert "host block" in lines[1] and "rank 0" in lines[1]
     assert not any(line.startswith("no-error") for line in lines[1:]), lines
@@ -203,6 +204,27 @@ def test_missing_and_foreign_shard_files(ckpts, tmp_path):
     os.truncate(name, os.path.getsize(name) - 512)
     with pytest.raises(CheckpointError, match="has .* bytes, the manifest says"):
         load(ReferenceDiT, str(truncated), config=ckpts["config"], resident=SHARED)
+    # A byte changed between the sampled windows (a bad copy): served other weights before
+    changed = tmp_path / "changed"
+    shutil.copytree(ckpts["dit1"], changed)
+    name = str(changed / "rank-00000-of-00001.safetensors")
+    start, end = tensor_offsets(name)["block.1"]
+    with open(name, "r+b") as f:
+        f.seek(start + (end - start) * 37 // 100 + 3)
+        f.write(b"\x3f" * 64)
+    for store in ("memory", "mmap"):
+        with pytest.raises(CheckpointError, match=r"block\.1 differ .*\(CRC-32 of the block\)"):
+            load(ReferenceDiT, str(changed), config=ckpts["config"],
+                 options={"host_store": store}, resident=SHARED)
+    # Rank files swapped by name: each names the rank it was written for
+    swapped = tmp_path / "swapped"
+    shutil.copytree(ckpts["dit2"], swapped)
+    first, second = (swapped / f"rank-0000{r}-of-00002.safetensors" for r in (0, 1))
+    first.rename(tmp_path / "kept")
+    second.rename(first)
+    (tmp_path / "kept").rename(second)
+    with pytest.raises(CheckpointError, match="holds the shard of rank 1, not of rank 0"):
+        ShardDir.open(swapped)._rank_file(0)
 
 
 def test_manifest_that_does_not_match_names_what_differs(ckpts):

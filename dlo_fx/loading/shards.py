@@ -16,16 +16,19 @@ makes for the same options) and writes:
   the plan digest (every block's FQNs, shapes, strides, dtypes and offsets), an id that
   every rank file repeats in its metadata, each file's size, each block's size in a rank
   file (``block_shard_bytes``), each block's fingerprint of the checkpoint as `dlo_fx.load`
-  takes it (``fingerprints``) and a sampled digest of every block of every rank file
-  (``block_checks``).
+  takes it (``fingerprints``), a sampled digest of every block of every rank file
+  (``block_checks``) and the CRC-32 of all its bytes (``block_crc32``).
 
 ``dlo_fx.load(cls, DIR, options=...)`` recognises the manifest (a malformed one is a
 `CheckpointError` naming the field), plans the load as usual, and raises ValueError listing
 every field that differs from what the manifest was written for before anything is
 registered. The rank's file is checked against the manifest first: missing, of another
-``dlo-fx shard`` run, of another size, a header whose ``block.B`` is not exactly
-``block_shard_bytes[B]`` uint8 bytes inside the file, or sampled bytes that differ from the
-digests, each an error naming the file (and the block). Ranks loading folders of two runs
+``dlo-fx shard`` run, of another size, written for another rank (its metadata's ``rank``), a
+header whose ``block.B`` is not exactly ``block_shard_bytes[B]`` uint8 bytes inside the
+file, or bytes that differ from what was written (the sampled digests, then the CRC-32 of
+every block, read once at load), each an error naming the file (and the block). The
+sampled digest alone let a byte changed between its windows (a bad copy to another node)
+through: the load then served other weights, with no error. Ranks loading folders of two runs
 are refused by the ranks' agreement (the run id and the fingerprints; see [Note: one
 agreement before the first gather] in runtime/agreement.py). With ``host_store="mmap"`` the
 blocks are then served from the rank file; with ``"memory"`` each rank reads its file once.
@@ -42,6 +45,7 @@ import shutil
 import struct
 import sys
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -59,7 +63,7 @@ from ..runtime.layout import Entry, ShardSpec, plan_offsets
 __all__ = ["MANIFEST", "ShardDir", "checkpoint_extents", "write_shard_dir"]
 
 MANIFEST = "dlo-shards.json"
-FORMAT = "dlo-fx-shards/2"
+FORMAT = "dlo-fx-shards/3"
 COMMON = "common.safetensors"
 
 
@@ -155,6 +159,22 @@ def sampled_digest(read: Any, nbytes: int) -> str:
     return h.hexdigest()[:16]
 
 
+CRC_CHUNK = 16 << 20
+"""Bytes read at a time for a block's CRC-32 at load."""
+
+
+def _crc32(read: Any, nbytes: int) -> int:
+    """The CRC-32 of ``nbytes`` bytes, ``read(at, n)`` giving the bytes at ``at``."""
+    crc = 0
+    for at in range(0, nbytes, CRC_CHUNK):
+        n = min(CRC_CHUNK, nbytes - at)
+        got = read(at, n)
+        if len(got) != n:
+            raise OSError(f"read {len(got)} of {n} bytes")
+        crc = zlib.crc32(got, crc)
+    return crc
+
+
 def _padded_block(block: Sequence[Target], offsets: list[int], spec: ShardSpec) -> torch.Tensor:
     """A block's whole padded flat image, read from the checkpoint with ``pread`` and
     converted as `dlo_fx.load` converts it (the same extents)."""
@@ -221,6 +241,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
             entries, extent_sources(entries, checkpoint_extents(plan.blocks[b], entries))))
         bar.update()
     checks: list[list[str]] = [[] for _ in range(dp)]
+    crcs: list[list[int]] = [[] for _ in range(dp)]
     sizes = [s.shard_bytes if dp > 1 else s.padded_bytes for s in specs]
     names = [rank_file(r, dp) for r in range(dp)]
     handles = [open(out / n, "wb") for n in names]
@@ -235,6 +256,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
                 lo = specs[b].rank_range(r)[0] if dp > 1 else 0
                 data = flat[lo : lo + sizes[b]].numpy().tobytes()
                 checks[r].append(sampled_digest(lambda at, n: data[at : at + n], sizes[b]))
+                crcs[r].append(zlib.crc32(data))
                 f.write(data)
             del flat
             bar.update()
@@ -261,6 +283,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         "block_shard_bytes": sizes,
         "fingerprints": fingerprints,
         "block_checks": checks,
+        "block_crc32": crcs,
         "files": {n: (out / n).stat().st_size for n in names + [COMMON]},
         "tensors": tensors,
     }
@@ -274,7 +297,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
 _FIELDS: dict[str, Any] = {  # manifest field -> what it must be
     "shard_id": str, "source": str, "model": str, "dp": int, "mode": str, "alignment": int,
     "blocks": int, "plan_digest": str, "block_shard_bytes": list, "fingerprints": list,
-    "block_checks": list, "files": dict, "tensors": dict,
+    "block_checks": list, "block_crc32": list, "files": dict, "tensors": dict,
 }
 
 
@@ -300,6 +323,10 @@ def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
     if len(checks) != dp or not all(isinstance(c, list) and len(c) == blocks and all(
             isinstance(x, str) for x in c) for c in checks):
         raise bad(f"field 'block_checks' is not {dp} lists of {blocks} digests")
+    crcs = manifest["block_crc32"]
+    if len(crcs) != dp or not all(isinstance(c, list) and len(c) == blocks and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in c) for c in crcs):
+        raise bad(f"field 'block_crc32' is not {dp} lists of {blocks} integers")
     if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
                for k, v in manifest["files"].items()):
         raise bad("field 'files' does not map file names to sizes")
@@ -352,7 +379,7 @@ class ShardDir:
     def dp(self) -> int:
         return int(self.manifest["dp"])
 
-    def _check_file(self, name: str) -> Path:
+    def _check_file(self, name: str, rank: Optional[int] = None) -> Path:
         path = self.folder / name
         want = self.manifest["files"].get(name)
         if not path.is_file():
@@ -365,15 +392,20 @@ class ShardDir:
                                   f"bytes, the manifest says {want}; the file is truncated or "
                                   "from another `dlo-fx shard` run: rerun it")
         try:
-            got = _metadata(str(path)).get("shard_id")
+            metadata = _metadata(str(path))
         except (OSError, ValueError, struct.error) as exc:
             raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {name} has no "
                                   f"readable header ({exc}); rerun `dlo-fx shard`") from None
+        got = metadata.get("shard_id")
         if got != self.manifest["shard_id"]:
             raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {name} belongs to "
                                   f"another `dlo-fx shard` output (shard id {got}, the manifest "
                                   f"says {self.manifest['shard_id']}); do not mix shard "
                                   "folders: copy all files of one run")
+        if rank is not None and metadata.get("rank") != str(rank):
+            raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {name} holds the shard "
+                                  f"of rank {metadata.get('rank')}, not of rank {rank} (files "
+                                  "renamed or swapped); copy each rank file under its own name")
         return path
 
     def _rank_file(self, rank: int) -> tuple[str, dict[str, tuple[int, int]]]:
@@ -387,7 +419,7 @@ class ShardDir:
         found = self._offsets.get(name)
         if found is not None:
             return name, found
-        path = self._check_file(name)
+        path = self._check_file(name, rank if self.dp > 1 else 0)
         where = f"pre-sharded checkpoint {self.folder}: {name}"
         fix = "the file does not match its manifest: copy it again from the `dlo-fx shard` run"
         try:
@@ -407,6 +439,7 @@ class ShardDir:
                                   f"and lacks {missing}; {fix}")
         offsets = {}
         digests = self.manifest["block_checks"][rank if self.dp > 1 else 0]
+        crcs = self.manifest["block_crc32"][rank if self.dp > 1 else 0]
         with open(path, "rb") as f:
             for b, want in enumerate(sizes):
                 meta = header[f"block.{b}"]
@@ -429,6 +462,10 @@ class ShardDir:
                     raise CheckpointError(
                         f"{where}: the bytes of block.{b} differ from those `dlo-fx shard` "
                         f"wrote (sampled check); {fix}")
+                if _crc32(read, want) != crcs[b]:
+                    raise CheckpointError(
+                        f"{where}: the bytes of block.{b} differ from those `dlo-fx shard` "
+                        f"wrote (CRC-32 of the block); {fix}")
                 offsets[f"block.{b}"] = (start, start + want)
         self._offsets[name] = offsets
         return name, offsets

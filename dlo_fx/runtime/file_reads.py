@@ -55,7 +55,9 @@ class FileChangedError(RuntimeError):
 
 
 class ServedFile:
-    """One open file and the size and mtime it had when it was opened."""
+    """One open file and the size, mtime and ctime it had when it was opened. The ctime
+    too: a file written in place with its mtime set back (``os.utime``) kept size and
+    mtime, and served other weights with no error; no user call sets a ctime back."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -65,7 +67,7 @@ class ServedFile:
             raise FileChangedError(f"dlo: cannot open {path} to serve weights from it "
                                    f"({exc})") from None
         st = os.fstat(self.fd)
-        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+        self.size, self.mtime_ns, self.ctime_ns = st.st_size, st.st_mtime_ns, st.st_ctime_ns
         self.dfd: Optional[int] = None  # O_DIRECT, opened at the first direct read
         self.direct_error: Optional[str] = None  # why O_DIRECT is not used, once it failed
         self._lock = threading.Lock()
@@ -108,9 +110,13 @@ class ServedFile:
 
     def check(self, what: str) -> None:
         st = os.fstat(self.fd)
-        if (st.st_size, st.st_mtime_ns) != (self.size, self.mtime_ns):
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (self.size, self.mtime_ns,
+                                                            self.ctime_ns):
             how = (f"truncated or extended from {self.size} to {st.st_size} bytes"
-                   if st.st_size != self.size else "rewritten (its mtime changed)")
+                   if st.st_size != self.size else "rewritten (its mtime changed)"
+                   if st.st_mtime_ns != self.mtime_ns else
+                   "rewritten keeping its size and mtime (its ctime changed; a chmod or "
+                   "chown changes it too)")
             raise FileChangedError(
                 f"dlo: {self.path} was {how} while host_store='mmap' serves {what} from it; "
                 "the weights would be wrong. Restore the file (or never write to a "

@@ -383,9 +383,10 @@ def _caller_level() -> int:
 # the subclass's own ops, and a view op that takes an explicit layout (``as_strided``,
 # ``_reshape_alias``) or another tensor is refused for it by name.
 class StoredViewError(ValueError, RuntimeError):
-    """A view op torch refuses for the resident parameter too (a ``view`` of an
-    incompatible shape), raised naming the stored parameter: a ``ValueError``, and a
-    ``RuntimeError`` as torch's own refusal is for code that catches that."""
+    """A view op that fails on the stored parameter's metadata, raised naming it: one
+    torch refuses for the resident parameter too (a ``view`` of an incompatible shape),
+    or one that needs more than metadata (a nested-tensor view). A ``ValueError``, and a
+    ``RuntimeError`` as torch's own refusal is, for code that catches that."""
 
 
 class _Marker:
@@ -449,7 +450,7 @@ def _view_output(base: StoredWeight, meta_base: torch.Tensor, out: Any, step: tu
 
 def _meta_of(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor with ``t``'s metadata, over a meta storage that holds at least the
-    stored parameter's whole span (a view op checks its bounds against it)."""
+    stored parameter's whole span and ``t`` (``set_`` checks ``t`` against it)."""
     end = (t.storage_offset() + storage_span(t)) * t.element_size()
     if isinstance(t, StoredWeight):
         o = t.origin
