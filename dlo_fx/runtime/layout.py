@@ -186,12 +186,21 @@ def copy_into_shard(
             shard[lo - start : hi - start].copy_(src[lo - entry.offset : hi - entry.offset])
 
 
+_OWN_WRAPPERS: list[type] = []
+"""dlo's own wrapper subclass (`StoredWeight`), which stored.py registers when it defines
+it (`own_wrapper`): layout sits below stored.py and imports nothing from it."""
+
+
+def own_wrapper(cls: type) -> type:
+    """Register ``cls`` as dlo's own wrapper subclass: never laid out as inner tensors."""
+    _OWN_WRAPPERS.append(cls)
+    return cls
+
+
 def is_composite(t: Any) -> bool:
     """Whether ``t`` is a tensor subclass made of inner tensors (torchao's quantized
     weights) that dlo lays out as those tensors, not dlo's own `StoredWeight`."""
-    from .stored import is_stored
-
-    return is_traceable_wrapper_subclass(t) and not is_stored(t)
+    return is_traceable_wrapper_subclass(t) and not isinstance(t, tuple(_OWN_WRAPPERS))
 
 
 def inner_tensors(t: torch.Tensor) -> tuple[list[str], Any, list[torch.Tensor]]:

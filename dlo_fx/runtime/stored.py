@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import torch_private
-from .layout import storage_span
+from .layout import own_wrapper, storage_span
 from .owners import owner_of
 
 aten = torch.ops.aten
@@ -68,6 +68,7 @@ _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # runtimes warned about onc
 _WARN_LOCK = threading.Lock()
 
 
+@own_wrapper
 class StoredWeight(torch.Tensor):
     """A parameter (or a view of one) whose weights are in a dlo host store: see
     [Note: a stored weight is a tensor]. ``_dlo_origin`` is the stored parameter it reads
