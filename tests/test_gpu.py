@@ -51,9 +51,6 @@ def cast(value, dtype):
 def zoo_names() -> list[str]:
     if importlib_missing("diffusers"):
         return []
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
     from zoo_models import ZOO
 
     names = [m.name for m in ZOO]

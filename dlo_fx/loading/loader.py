@@ -61,9 +61,8 @@ from .discover import resolve_checkpoint
 from ..config import DLOConfig
 from .offload import compute_device
 from .gguf import is_gguf, quantize_module
-from ..planning.modes import choose_mode
-from ..runtime.probes import machine_figures
-from .plan import KeyMap, LoadPlan, Target, agree_on_plan, load_facts, map_keys, plan_load
+from .plan import (KeyMap, LoadPlan, Target, agree_on_plan, load_facts, map_keys, plan_load,
+                   settle_mode)
 from ..model.guard import attach
 from ..runtime.fingerprint import extent_sources, file_fingerprint
 from ..runtime.layout import STORAGE_MARK
@@ -161,11 +160,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     agree_on_plan(runtime, plan.rows() if plan is not None else None, error, "dlo_fx.load")
     if plan is None:  # agree_on_plan re-raises every planning error
         raise RuntimeError("dlo_fx.load: internal error: no load plan and no error")
-    if runtime.mode is None and plan.blocks:  # mode="auto": a collective probe, as at compile
-        group = runtime.group
-        runtime.set_mode(*choose_mode([sum(t.nbytes for t in block) for block in plan.blocks],
-                                      group.dp, runtime.slots.num_slots,
-                                      lambda: machine_figures(device, group)))
+    settle_mode(runtime, plan.blocks)
     _commit(plan, runtime, device, shards)  # into runtime.store, which the mode decides
     module.eval()
     attach(runtime, [module])  # the resident parameters too: compiling finds the runtime

@@ -36,13 +36,11 @@ from torch import nn
 from ..config import DLOConfig, canonical_device
 from ..model.guard import attach
 from ..model.storage_dtype import mark_model
-from ..planning.modes import choose_mode
 from ..runtime import platform
-from ..runtime.agreement import Fact
 from ..runtime.owners import owner_of
-from ..runtime.probes import machine_figures
 from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
-from .plan import Target, agree_on_plan, model_targets, split_params
+from .plan import (agree_on_plan, block_rows, model_targets, resident_fact, settle_mode,
+                   split_params)
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +94,14 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
         error: Optional[BaseException] = None
     except BaseException as exc:  # every rank raises with it, none waits for it
         error = exc
-    rows = ([(len(b), sum(t.nbytes for t in b), b[0].fqn) for b in split["blocks"]]
-            if split is not None else None)
-    agree_on_plan(runtime, rows, error, "dlo_fx.offload")
+    agree_on_plan(runtime, block_rows(split["blocks"]) if split is not None else None, error,
+                  "dlo_fx.offload")
     assert split is not None  # agree_on_plan raised every planning error
-    if runtime.mode is None and split["blocks"]:  # mode="auto": a collective probe
-        group = runtime.group
-        runtime.set_mode(*choose_mode([sum(t.nbytes for t in b) for b in split["blocks"]],
-                                      group.dp, runtime.slots.num_slots,
-                                      lambda: machine_figures(device, group)))
+    settle_mode(runtime, split["blocks"])
     model.eval().requires_grad_(False)
     blocks = [NewBlock([t.tensor for t in b], [t.fqn for t in b]) for b in split["blocks"]]
-    runtime.store_blocks(blocks, _facts(split), f"offloading {type(model).__name__}")
+    runtime.store_blocks(blocks, [resident_fact(split["resident"])],
+                         f"offloading {type(model).__name__}")
     runtime.home = home
     _move_rest(model, runtime, device)
     for target in split["named"]:  # no graph streams (and so stores) them either
@@ -223,11 +217,3 @@ def _buffer_back(module: nn.Module, name: str, original: Optional[torch.Tensor],
         if now is not None:
             holder._buffers[name] = original if original is not None else now.to(home)
     return undo
-
-
-def _facts(split: Mapping[str, Any]) -> list[Fact]:
-    """What the ranks compare beside the runtime's facts and the blocks' layouts."""
-    resident: list[Target] = split["resident"]
-    return [Fact("resident parameters", sorted(t.fqn for t in resident),
-                 "Every rank must offload the same model with the same resident= and "
-                 "resident_bytes")]

@@ -27,8 +27,8 @@ from ..model.storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KeyMap", "LoadPlan", "Target", "agree_on_plan", "load_facts", "map_keys",
-           "model_targets",
+__all__ = ["KeyMap", "LoadPlan", "Target", "agree_on_plan", "block_rows", "load_facts",
+           "map_keys", "model_targets", "resident_fact", "settle_mode",
            "plan_load", "split_params"]
 
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
@@ -84,7 +84,32 @@ class LoadPlan:
 
     def rows(self) -> list[tuple]:
         """One (parameter count, bytes, first FQN) row per block, compared across ranks."""
-        return [(len(b), sum(t.nbytes for t in b), b[0].fqn) for b in self.blocks]
+        return block_rows(self.blocks)
+
+
+def block_rows(blocks: Sequence[Sequence[Target]]) -> list[tuple]:
+    """One (parameter count, bytes, first FQN) row per block, compared across ranks."""
+    return [(len(b), sum(t.nbytes for t in b), b[0].fqn) for b in blocks]
+
+
+def settle_mode(runtime: Any, blocks: Sequence[Sequence[Target]]) -> None:
+    """``mode="auto"``, still undecided: choose it from the blocks' bytes and the machine's
+    measured figures (a collective probe, as at compile), before anything is stored."""
+    if runtime.mode is not None or not blocks:
+        return
+    from ..planning.modes import choose_mode
+    from ..runtime.probes import machine_figures
+
+    group, device = runtime.group, runtime.device
+    runtime.set_mode(*choose_mode([sum(t.nbytes for t in b) for b in blocks], group.dp,
+                                  runtime.slots.num_slots,
+                                  lambda: machine_figures(device, group)))
+
+
+def resident_fact(resident: Sequence[Target]) -> Fact:
+    """The resident parameters, which every rank must have alike (load and offload)."""
+    return Fact("resident parameters", sorted(t.fqn for t in resident),
+                "Every rank must load or offload with the same resident= and resident_bytes")
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -304,8 +329,7 @@ def load_facts(plan: LoadPlan, shards: Any) -> list[Fact]:
              "Every rank must load the files of one `dlo-fx shard` run: copy that run's folder "
              "to every rank (a folder of another run, or a stale copy, holds other weights), "
              "or rerun `dlo-fx shard` once and copy its output"),
-        Fact("resident parameters", sorted(t.fqn for t in plan.resident),
-             "Every rank must load with the same resident= and resident_bytes"),
+        resident_fact(plan.resident),
     ]
 
 

@@ -186,21 +186,22 @@ def copy_into_shard(
             shard[lo - start : hi - start].copy_(src[lo - entry.offset : hi - entry.offset])
 
 
-_OWN_WRAPPERS: list[type] = []
+_OWN_WRAPPERS: tuple[type, ...] = ()
 """dlo's own wrapper subclass (`StoredWeight`), which stored.py registers when it defines
 it (`own_wrapper`): layout sits below stored.py and imports nothing from it."""
 
 
 def own_wrapper(cls: type) -> type:
     """Register ``cls`` as dlo's own wrapper subclass: never laid out as inner tensors."""
-    _OWN_WRAPPERS.append(cls)
+    global _OWN_WRAPPERS
+    _OWN_WRAPPERS += (cls,)
     return cls
 
 
 def is_composite(t: Any) -> bool:
     """Whether ``t`` is a tensor subclass made of inner tensors (torchao's quantized
     weights) that dlo lays out as those tensors, not dlo's own `StoredWeight`."""
-    return is_traceable_wrapper_subclass(t) and not isinstance(t, tuple(_OWN_WRAPPERS))
+    return is_traceable_wrapper_subclass(t) and not isinstance(t, _OWN_WRAPPERS)
 
 
 def inner_tensors(t: torch.Tensor) -> tuple[list[str], Any, list[torch.Tensor]]:
