@@ -23,7 +23,8 @@ from dlo_fx.apps.engine.store_channel import StoreFront, StoreWorker
 
 class Store:
     """Wraps a store: records every value set (``sets``), and ``tamper(key, value)``
-    returns what to store instead (the attacker overwrites it right after its writer)."""
+    returns what to store instead: the attacker's value replaces the writer's before any
+    reader can see it (written in its place, so that no reader can win the race)."""
 
     def __init__(self, store: Any, tamper: Optional[Callable[[str, bytes], bytes]] = None):
         self.store, self.tamper, self.sets = store, tamper, {}
@@ -31,9 +32,7 @@ class Store:
     def set(self, key: str, value: Any) -> None:
         value = value.encode() if isinstance(value, str) else bytes(value)
         self.sets[key] = value
-        self.store.set(key, value)
-        if self.tamper is not None and self.tamper(key, value) != value:
-            self.store.set(key, self.tamper(key, value))
+        self.store.set(key, value if self.tamper is None else self.tamper(key, value))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
