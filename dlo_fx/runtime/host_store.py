@@ -120,7 +120,7 @@ class HostStore:
         self.pin = pin
         # Pinned shards packed into a few slabs, exactly sized where the platform registers
         # host memory: see [Note: pinned slabs]
-        self.slabs: Optional[HostSlabs] = HostSlabs(max(alignment, 4096)) if pin else None
+        self.slabs: Optional[HostSlabs] = HostSlabs(alignment) if pin else None
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
         # Stored parameters not converted yet: see [Note: when a parameter becomes a
