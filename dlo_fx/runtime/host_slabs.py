@@ -4,7 +4,8 @@
 Page-locked memory cannot be swapped or reclaimed, so every pinned byte that holds nothing
 is lost to the host. The invariant: where the platform registers host memory in place
 (CUDA, ROCm: ``cudaHostRegister``), the host store pins what it uses, rounded up to a page
-per slab, and at most one small slab's free tail (below) more; elsewhere, at most one
+per slab, and at most one small slab's free tail (below, under ``SMALL_SHARD`` stored
+one block at a time) more; elsewhere, at most one
 slab's worth (``SLAB_MAX``) plus first fit's gaps more. `memory_report` prints both sums
 (``pinned_requested_bytes``, ``pinned_allocated_bytes``), which `HostSlabs` counts as it
 takes from and allocates slabs.
@@ -22,9 +23,11 @@ serving stacks). So slabs are not allocated that way where there is a choice:
   hold (`Runtime.store_blocks` gets every block of a compile, an offload or a load before
   it stores the first: `reserve`), so it registers them as a few slabs of exactly their
   sizes, packed in order up to ``SLAB_MAX`` each. A shard nobody announced gets a slab of
-  its own size; one smaller than ``SMALL_SHARD`` shares a small slab with others (from
-  ``SLAB_MIN``, growing with what the small slabs hold), so that a model of many small
-  blocks registers a few regions rather than thousands.
+  its own size. Shards, or announced runs of them, smaller than ``SMALL_SHARD`` share
+  small slabs instead, each as large as the small slabs before it (the first exactly its
+  shards), so that a model of many small blocks stored one by one (a graph Dynamo reuses
+  for every layer) registers a few regions rather than thousands: the one small slab
+  being filled has a free tail, at most as large as the small shards before it.
 - Power-of-two (`platform.pinned_slab`, ``pin_memory``; no registration here, or a
   registration refused: a warning says so and the slabs fall back for good): a slab is the
   power of two the allocator grants anyway, carved first fit, each shard at
@@ -120,16 +123,25 @@ class HostSlabs:
             else:
                 runs.append(size)
         for run in runs:
-            if self._register(run, reserved=True) is None:
+            if run < SMALL_SHARD:  # with the other small shards, as `take` places them
+                if any(s.small and s.free >= run for s in self.slabs):
+                    continue
+                slab = self._small_slab(run)
+            else:
+                slab = self._register(run, reserved=True)
+            if slab is None:
                 return
+
+    def _small_slab(self, size: int) -> Optional[_Slab]:
+        """A registered slab for shards below ``SMALL_SHARD``: ``size``, or as large as the
+        small slabs so far (at most ``SLAB_MAX``), whichever is larger, so that many small
+        shards register a few regions (their count grows as the log of their bytes)."""
+        small = sum(s.buffer.numel() for s in self.slabs if s.small)
+        return self._register(max(size, min(small, SLAB_MAX)), small=True)
 
     def _new_slab(self, size: int) -> _Slab:
         if self.registers():
-            if size >= SMALL_SHARD:
-                slab = self._register(size)
-            else:
-                small = sum(s.buffer.numel() for s in self.slabs if s.small)
-                slab = self._register(max(size, min(max(small, SLAB_MIN), SLAB_MAX)), small=True)
+            slab = self._register(size) if size >= SMALL_SHARD else self._small_slab(size)
             if slab is not None:
                 return slab
         want = max(size, min(max(self.allocated, SLAB_MIN), SLAB_MAX))
