@@ -142,7 +142,7 @@ class Registrar:
 
 def fake_registered(granted: list):
     """`platform.registered_slab` on the meta device: the page-rounded size, no memory."""
-    def registered_slab(nbytes: int) -> torch.Tensor:
+    def registered_slab(nbytes: int, device=None) -> torch.Tensor:
         size = -(-nbytes // platform.PAGE) * platform.PAGE
         granted.append(size)
         return torch.empty(size, dtype=torch.uint8, device="meta")
@@ -302,3 +302,20 @@ def test_a_refused_registration_falls_back_with_a_warning_and_stays_exact(tmp_pa
     assert granted and all(g & (g - 1) == 0 for g in granted)
     assert calls.registered == [] and calls.unregistered == []
     fresh()
+
+
+def test_a_registered_slab_waits_for_its_device_before_it_is_unregistered(monkeypatch):
+    """A stream waits for a copy from the slab, the host does not: the device finishes
+    them before the memory stops being page-locked."""
+    import gc
+
+    calls = Registrar(monkeypatch)
+    order: list[str] = []
+    monkeypatch.setattr(platform, "has_streams", lambda device: device.type == "cuda")
+    monkeypatch.setattr(platform, "synchronize", lambda device: order.append(f"sync {device}"))
+    monkeypatch.setattr(platform, "host_unregister", lambda ptr: order.append("unregister"))
+    slab = platform.registered_slab(4096, torch.device("cuda", 1))
+    assert len(calls.registered) == 1 and order == []
+    del slab
+    gc.collect()
+    assert order == ["sync cuda:1", "unregister"]

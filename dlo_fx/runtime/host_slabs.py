@@ -18,8 +18,9 @@ serving stacks). So slabs are not allocated that way where there is a choice:
 - Registered (`platform.registered_slab`, where `platform.can_register`): a slab is an
   anonymous private mapping of exactly the bytes it is to hold (page rounded), page-locked
   in place; a finalizer on its storage unregisters it (and then unmaps it) when the last
-  view of it dies: when the store is released (`dlo_fx.release`) or collected, and a copy
-  still queued from a shard holds it until then. A store knows the shards it is about to
+  view of it dies (the store released by `dlo_fx.release`, or collected), once the device
+  finished the copies it queued from it: a stream waits for a copy, the host does not, so
+  the finalizer synchronises the device (outside steady state) before unregistering. A store knows the shards it is about to
   hold (`Runtime.store_blocks` gets every block of a compile, an offload or a load before
   it stores the first: `reserve`), so it registers them as a few slabs of exactly their
   sizes, packed in order up to ``SLAB_MAX`` each. A shard nobody announced gets a slab of
@@ -72,11 +73,14 @@ class HostSlabs:
     """Page-locked host bytes handed out as views of a few slabs; counts what was asked
     for (``requested``) and what the slabs hold (``allocated``). ``exact``: register exactly
     sized slabs (True), take power-of-two ones (False), or ask `platform.can_register` at
-    the first allocation (None). See [Note: pinned slabs]."""
+    the first allocation (None). ``device``: the device the slabs feed, which finishes its
+    copies from a registered slab before it is unregistered. See [Note: pinned slabs]."""
 
-    def __init__(self, alignment: int = 4096, exact: Optional[bool] = None) -> None:
+    def __init__(self, alignment: int = 4096, exact: Optional[bool] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.alignment = alignment
         self.exact = exact
+        self.device = device
         self.slabs: list[_Slab] = []
         self.requested = 0
         self.allocated = 0
@@ -94,7 +98,7 @@ class HostSlabs:
         """A registered slab of ``nbytes``, or None (the slabs fall back to power-of-two
         ones for good, saying so) where registration fails."""
         try:
-            buffer = platform.registered_slab(nbytes)
+            buffer = platform.registered_slab(nbytes, self.device)
         except RuntimeError as exc:
             warnings.warn(
                 f"dlo: registering {nbytes} bytes of host memory as page-locked failed ({exc}); "

@@ -112,7 +112,8 @@ class HostStore:
     """
 
     def __init__(self, *, alignment: int, rank: int = 0, dp: int = 1,
-                 pin: bool = False, files: Optional[FileStore] = None) -> None:
+                 pin: bool = False, files: Optional[FileStore] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.alignment = alignment
         self.files = files  # host_store="mmap"
         self.rank = rank
@@ -120,7 +121,7 @@ class HostStore:
         self.pin = pin
         # Pinned shards packed into a few slabs, exactly sized where the platform registers
         # host memory: see [Note: pinned slabs]
-        self.slabs: Optional[HostSlabs] = HostSlabs(alignment) if pin else None
+        self.slabs: Optional[HostSlabs] = HostSlabs(alignment, device=device) if pin else None
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
         # Stored parameters not converted yet: see [Note: when a parameter becomes a

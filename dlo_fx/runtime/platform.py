@@ -18,6 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+
 def accelerator() -> Optional[torch.device]:
     """The accelerator this build can use, or None (CPU only)."""
     acc = getattr(torch, "accelerator", None)
@@ -62,11 +63,10 @@ def pinned_held_bytes(nbytes: int) -> int:
 
 
 def pinned_slab(nbytes: int) -> torch.Tensor:
-    """Page-locked host bytes from PyTorch's caching host allocator (``pin_memory``, where
-    `registered_slab` is unavailable or failed): ``pinned_held_bytes(nbytes)`` of them, all
-    usable. Raises
-    RuntimeError where the platform cannot pin that much. See [Note: pinned slabs] in
-    host_slabs.py."""
+    """Page-locked host bytes from PyTorch's caching host allocator (``pin_memory``; where
+    `registered_slab` is unavailable or refused): ``pinned_held_bytes(nbytes)`` of them, all
+    usable. Raises RuntimeError where the platform cannot pin that much. See [Note: pinned
+    slabs] in host_slabs.py."""
     with torch.inference_mode(False):
         return torch.empty(pinned_held_bytes(nbytes), dtype=torch.uint8, pin_memory=True)
 
@@ -128,7 +128,15 @@ def host_unregister(ptr: int) -> None:
         log.debug("dlo: cudaHostUnregister(%#x) failed: %s", ptr, exc)
 
 
-def _unregister_then_unmap(ptr: int, mapping: mmap.mmap) -> None:
+def _unregister_then_unmap(ptr: int, mapping: mmap.mmap, device: Optional[torch.device]) -> None:
+    # A copy issued from the slab may still run on the device (a stream waits on it, the
+    # host does not): it finishes before the memory stops being page-locked. Explicit,
+    # outside steady state (a store released or collected).
+    if device is not None and has_streams(device):
+        try:
+            synchronize(device)
+        except Exception as exc:
+            log.debug("dlo: synchronising %s before cudaHostUnregister failed: %s", device, exc)
     host_unregister(ptr)  # before the memory goes: ``mapping`` is held until here
     try:
         mapping.close()
@@ -136,10 +144,11 @@ def _unregister_then_unmap(ptr: int, mapping: mmap.mmap) -> None:
         pass
 
 
-def registered_slab(nbytes: int) -> torch.Tensor:
+def registered_slab(nbytes: int, device: Optional[torch.device] = None) -> torch.Tensor:
     """Page-locked host bytes, exactly ``nbytes`` rounded up to a page: an anonymous private
     mapping, registered with `host_register`, unregistered (then unmapped) by a finalizer
-    when the tensor's storage dies, that is when the last view of it does. Raises
+    when the tensor's storage dies, that is when the last view of it does, once the copies
+    ``device`` (the one the slab feeds, if known) has queued are done. Raises
     RuntimeError where the platform cannot register it. See [Note: pinned slabs] in
     host_slabs.py."""
     size = -(-max(nbytes, 1) // PAGE) * PAGE
@@ -154,7 +163,8 @@ def registered_slab(nbytes: int) -> torch.Tensor:
         del slab
         mapping.close()
         raise
-    weakref.finalize(slab.untyped_storage(), _unregister_then_unmap, ptr, mapping).atexit = False
+    weakref.finalize(slab.untyped_storage(), _unregister_then_unmap, ptr, mapping,
+                     device).atexit = False
     return slab
 
 

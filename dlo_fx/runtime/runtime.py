@@ -179,7 +179,8 @@ class Runtime(SlotMachine, WeightReads):
                            file_reads=self.config.file_reads)
                  if self.config.host_store == "mmap" else None)
         self.store = HostStore(alignment=self.config.alignment, pin=pin, rank=rank,
-                               dp=self.group.dp if sharded else 1, files=files)
+                               dp=self.group.dp if sharded else 1, files=files,
+                               device=self.device)
         log.info("dlo: %s mode over the %s (%s)", mode, self.group.describe(), reason)
 
     # -- storing blocks (compile, load, first call of a reused graph) -----------------------
