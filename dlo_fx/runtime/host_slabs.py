@@ -2,40 +2,43 @@
 
 [Note: pinned slabs]
 Page-locked memory cannot be swapped or reclaimed, so every pinned byte that holds nothing
-is lost to the host. The invariant: where the platform registers host memory in place
-(CUDA, ROCm: ``cudaHostRegister``), the host store pins what it uses, rounded up to a page
-per slab, and at most one small slab's free tail (below, under ``SMALL_SHARD`` stored
-one block at a time) more; elsewhere, at most one
-slab's worth (``SLAB_MAX``) plus first fit's gaps more. `memory_report` prints both sums
-(``pinned_requested_bytes``, ``pinned_allocated_bytes``), which `HostSlabs` counts as it
-takes from and allocates slabs.
+is lost to the host. The invariant, in what `memory_report` prints (``pinned_requested_bytes``,
+the bytes shards and staging buffers use; ``pinned_allocated_bytes``, what their slabs hold;
+`HostSlabs` counts both as it allocates slabs and takes from them):
+
+- where the platform registers host memory in place (CUDA, ROCm: ``cudaHostRegister``),
+  allocated = requested, plus each shard rounded up to ``alignment``, each slab to a page,
+  and the free tail of the one small slab being filled (below ``SMALL_SHARD``, at most the
+  small shards' own bytes): FLUX.1-dev's shards pin 1.000001x what they use;
+- elsewhere (`pin_memory`), at most one slab's worth (``SLAB_MAX``) plus first fit's gaps
+  more: FLUX.1-dev's shards pin 1.09x what they use, and the policy can pin up to 2x.
 
 ``pin_memory()`` goes through PyTorch's caching host allocator, which rounds every request
 up to a power of two and keeps the rounding: a 680 MB host shard holds 1 GiB of page-locked
 memory, and a store of such shards pins 1.5x what it uses (1.78x to 1.9x measured in
-serving stacks). So slabs are not allocated that way where there is a choice:
+serving stacks). So slabs are allocated that way only where there is no choice:
 
 - Registered (`platform.registered_slab`, where `platform.can_register`): a slab is an
   anonymous private mapping of exactly the bytes it is to hold (page rounded), page-locked
-  in place; a finalizer on its storage unregisters it (and then unmaps it) when the last
-  view of it dies (the store released by `dlo_fx.release`, or collected), once the device
-  finished the copies it queued from it: a stream waits for a copy, the host does not, so
-  the finalizer synchronises the device (outside steady state) before unregistering. A store knows the shards it is about to
-  hold (`Runtime.store_blocks` gets every block of a compile, an offload or a load before
-  it stores the first: `reserve`), so it registers them as a few slabs of exactly their
-  sizes, packed in order up to ``SLAB_MAX`` each. A shard nobody announced gets a slab of
-  its own size. Shards, or announced runs of them, smaller than ``SMALL_SHARD`` share
-  small slabs instead, each as large as the small slabs before it (the first exactly its
-  shards), so that a model of many small blocks stored one by one (a graph Dynamo reuses
-  for every layer) registers a few regions rather than thousands: the one small slab
-  being filled has a free tail, at most as large as the small shards before it.
-- Power-of-two (`platform.pinned_slab`, ``pin_memory``; no registration here, or a
-  registration refused: a warning says so and the slabs fall back for good): a slab is the
-  power of two the allocator grants anyway, carved first fit, each shard at
-  ``alignment``. A new slab is at least as large as everything allocated so far (from
-  ``SLAB_MIN``, at most ``SLAB_MAX`` unless one request is larger), so a small model pins
-  little and a large one needs few slabs: FLUX.1-dev's shards pin 1.09x what they use
-  this way, against 1.43x one ``pin_memory`` per shard; the policy can pin up to 2x.
+  in place. A finalizer on its storage unregisters and unmaps it when the last view of it
+  dies (the store released by `dlo_fx.release`, or collected), after synchronising the
+  device it feeds: a stream waits for a copy queued from it, the host does not (outside
+  steady state, once per slab). `Runtime.store_blocks` announces every block of a compile,
+  an offload or a load before it stores the first (`HostStore.reserve`; the loader passes
+  its blocks ``ahead`` of the generator that reads them), so the store registers their
+  shards as a few slabs of exactly their sizes, packed in order up to ``SLAB_MAX`` each;
+  takes fill those first. A shard nobody announced gets a slab of its own size. Shards,
+  and announced runs of them, below ``SMALL_SHARD`` share small slabs instead, each as
+  large as the small slabs before it (the first exactly its shards), so that a model of
+  many small blocks stored one by one (a graph Dynamo reuses for every layer) registers a
+  few regions rather than thousands.
+- Power-of-two (`platform.pinned_slab`, ``pin_memory``: no registration on this platform,
+  or a registration refused, which warns, consumes the CUDA error it left so that no later
+  kernel launch reports it, and falls back for good): a slab is the power of two the
+  allocator grants anyway, carved first fit, each shard at ``alignment``. A new slab is at
+  least as large as everything allocated so far (from ``SLAB_MIN``, at most ``SLAB_MAX``
+  unless one request is larger), so a small model pins little and a large one needs few
+  slabs.
 
 Nothing is ever given back to a slab: a store's shards live as long as the store.
 """

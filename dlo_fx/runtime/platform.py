@@ -152,8 +152,16 @@ def registered_slab(nbytes: int, device: Optional[torch.device] = None) -> torch
     RuntimeError where the platform cannot register it. See [Note: pinned slabs] in
     host_slabs.py."""
     size = -(-max(nbytes, 1) // PAGE) * PAGE
-    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise RuntimeError(f"mapping {size} bytes of host memory failed: {exc}") from exc
+    if hasattr(mmap, "MADV_DONTFORK"):  # as CUDA's own pinned memory: a forked child gets
+        try:  # none of it (rather than copying every page-locked page at the fork)
+            mapping.madvise(mmap.MADV_DONTFORK)
+        except OSError:
+            pass
     with torch.inference_mode(False):
         slab = torch.frombuffer(mapping, dtype=torch.uint8)
     ptr = slab.data_ptr()
