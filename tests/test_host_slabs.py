@@ -319,3 +319,57 @@ def test_a_registered_slab_waits_for_its_device_before_it_is_unregistered(monkey
     del slab
     gc.collect()
     assert order == ["sync cuda:1", "unregister"]
+
+
+@pytest.mark.filterwarnings("ignore:dlo.*read by no compiled graph")
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_a_compiled_model_registers_what_it_uses(monkeypatch, graph_break):
+    """Stored by its first call (`backend.commit` announces each graph's new blocks; with a
+    graph break in every block, Dynamo's graph for the next block stores one at a time)."""
+    import gc
+
+    from dlo_fx.runtime.owners import owner_of
+
+    calls = Registrar(monkeypatch)
+    monkeypatch.setattr(platform, "can_pin", lambda device: True)
+    monkeypatch.setattr(platform, "pinned_slab", lambda n: pytest.fail("power-of-two slab"))
+    fresh()
+    model, inputs = tiny_dit(graph_break=graph_break)
+    with torch.no_grad():
+        expected = call(model, inputs)
+        compiled = torch.compile(model, backend="dlo")
+        assert all(torch.equal(call(compiled, inputs), expected) for _ in range(2))
+    slabs = owner_of(model.parameters()).store.slabs
+    report = memory_report(model)
+    assert report.pinned_requested_bytes == report.host_shard_bytes == slabs.requested > 0
+    assert report.pinned_allocated_bytes == sum(n for _, n in calls.registered)
+    assert len(calls.registered) <= 4
+    if not graph_break:
+        assert report.pinned_allocated_bytes - report.pinned_requested_bytes < platform.PAGE
+    del slabs, compiled, model
+    fresh()
+    gc.collect()
+    assert calls.each_unregistered_once()
+
+
+def test_slabs_reserved_for_blocks_a_failed_store_drops_are_let_go(monkeypatch):
+    import gc
+
+    from dlo_fx.runtime.host_store import HostStore
+
+    calls = Registrar(monkeypatch)
+    store = HostStore(alignment=256, pin=True)
+    blocks = [([torch.zeros(1 << 20)], ["w0"]), ([torch.zeros(1 << 20)], ["w1"])]
+    store.reserve(blocks)
+    assert len(calls.registered) == 1 and store.slabs.allocated == 8 << 20
+    store.add_block(*blocks[0])
+    store.drop_blocks(0)  # the second was never added: its room stays in the used slab
+    assert store.slabs.allocated == 8 << 20
+    store.reserve(blocks[1:])
+    store.drop_blocks(1)  # nothing taken from the new slab: let go
+    assert len(calls.registered) == 2 and store.slabs.allocated == 8 << 20
+    gc.collect()
+    assert calls.unregistered == [calls.registered[1][0]]
+    del store
+    gc.collect()
+    assert calls.each_unregistered_once()
