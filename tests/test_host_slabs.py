@@ -373,3 +373,32 @@ def test_slabs_reserved_for_blocks_a_failed_store_drops_are_let_go(monkeypatch):
     del store
     gc.collect()
     assert calls.each_unregistered_once()
+
+
+def test_host_register_checks_the_return_code_and_clears_the_error(monkeypatch):
+    """Through `torch.cuda.cudart()`'s bindings (faked here): a refusal raises, naming the
+    CUDA error, after consuming it; unregistering never raises."""
+    import types
+
+    results = {"register": 2, "unregister": 0}
+    seen: list = []
+    rt = types.SimpleNamespace(
+        cudaError=types.SimpleNamespace(success=0),
+        cudaGetErrorString=lambda err: {2: "out of memory", 4: "unloading"}[err],
+        cudaHostRegister=lambda ptr, n, flags: seen.append(("register", ptr, n, flags))
+        or results["register"],
+        cudaHostUnregister=lambda ptr: seen.append(("unregister", ptr)) or results["unregister"])
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    cleared: list[int] = []
+    monkeypatch.setattr(platform, "_clear_cuda_error", lambda: cleared.append(1))
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 8192 bytes failed: out of "
+                                           r"memory \(error 2\)"):
+        platform.host_register(4096, 8192)
+    assert seen == [("register", 4096, 8192, 1)] and cleared == [1]
+    results["register"] = 0
+    platform.host_register(4096, 8192)
+    platform.host_unregister(4096)
+    assert cleared == [1] and seen[-1] == ("unregister", 4096)
+    results["unregister"] = 4
+    platform.host_unregister(4096)  # logged, not raised
+    assert cleared == [1, 1]

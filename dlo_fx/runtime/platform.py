@@ -169,7 +169,8 @@ def registered_slab(nbytes: int, device: Optional[torch.device] = None) -> torch
         host_register(ptr, size)
     except BaseException:
         del slab
-        mapping.close()
+        with contextlib.suppress(BufferError):
+            mapping.close()
         raise
     weakref.finalize(slab.untyped_storage(), _unregister_then_unmap, ptr, mapping,
                      device).atexit = False
