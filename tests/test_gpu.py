@@ -205,6 +205,43 @@ def test_steady_state_has_no_host_sync_and_the_store_is_pinned():
     assert torch.equal(out, want)
 
 
+def test_the_store_pins_what_it_uses(caplog):
+    """Every host shard page-locked, and the pinned slabs no more than what the shards use
+    (exactly sized registered slabs where the platform registers host memory: [Note: pinned
+    slabs] in runtime/host_slabs.py); unregistered again at release."""
+    import gc
+    import logging
+
+    from dlo_fx import memory_report
+    from dlo_fx.apps.models import example_inputs, reference_dit
+    from dlo_fx.runtime.owners import owner_of
+
+    if not platform.can_pin(ACCELERATOR):
+        pytest.skip(f"{ACCELERATOR.type}: host shards are not page-locked for this device")
+    if not platform.can_register():
+        pytest.skip(f"{ACCELERATOR.type}: no cudaHostRegister in this build (power-of-two "
+                    "pin_memory slabs, tests/test_host_slabs.py)")
+    model = reference_dit(width=256, depth=4, heads=4)
+    inputs = example_inputs(model.config)
+    with torch.inference_mode():
+        want = model.to(ACCELERATOR)(*on(inputs, ACCELERATOR))
+    model.cpu()
+    dlo_fx.offload(model, options={"num_slots": 2})
+    store = owner_of(model.parameters()).store
+    shards = [b.shard for b in store.blocks if b.shard.numel()]
+    assert shards and all(s.is_pinned() for s in shards)
+    report = memory_report(model)
+    assert report.pinned_requested_bytes == report.host_shard_bytes > 0
+    assert report.pinned_allocated_bytes / report.pinned_requested_bytes <= 1.01
+    with torch.inference_mode():
+        assert torch.equal(torch.compile(model, backend="dlo")(*on(inputs, ACCELERATOR)), want)
+    del shards, store
+    with caplog.at_level(logging.DEBUG, logger=platform.__name__):
+        dlo_fx.release(model)
+        gc.collect()
+    assert "cudaHostUnregister" not in caplog.text  # each slab unregistered, once
+
+
 @pytest.mark.parametrize("budget", ["auto", None])
 def test_device_budget_exact(budget):
     from dlo_fx.apps.models import example_inputs, reference_dit

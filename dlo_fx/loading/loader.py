@@ -225,19 +225,28 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
     else:
         read_failure = None
 
+    # Every block's parameters (no storage yet) before the first is read: the store sizes
+    # its pinned slabs for all of them ([Note: pinned slabs] in runtime/host_slabs.py)
+    ahead: list[NewBlock] = []
+    try:
+        if read_failure is None:
+            ahead = [NewBlock([_stored_like(t, device) for t in block], [t.fqn for t in block])
+                     for block in plan.blocks]
+    except BaseException as exc:  # joins the ranks' agreement with it, as a read failure
+        read_failure, ahead = exc, []
+
     def blocks() -> Iterator[NewBlock]:
         if read_failure is not None:  # joins the ranks' agreement with it
             raise read_failure
-        for b, block in enumerate(plan.blocks):
-            params = [_stored_like(t, device) for t in block]
-            yield NewBlock(params, [t.fqn for t in block], *_block_source(block, b, shards,
-                                                                          store.rank))
-            values.extend(zip(block, params))  # the block is stored when asked for the next
+        for b, (block, new) in enumerate(zip(plan.blocks, ahead)):
+            yield NewBlock(new.params, new.fqns, *_block_source(block, b, shards, store.rank))
+            values.extend(zip(block, new.params))  # stored when asked for the next
             progress.update(sum(t.info.nbytes for t in block), len(block))
 
     try:
         indices = runtime.store_blocks(blocks(), load_facts(plan, shards),
-                                       f"loading {plan.ckpt.source}", error_of=load_error)
+                                       f"loading {plan.ckpt.source}", ahead=ahead,
+                                       error_of=load_error)
         plan.host_bytes += sum(store.blocks[i].shard.numel() for i in indices)
     finally:
         progress.close()

@@ -52,8 +52,9 @@ class MemoryReport:
     pinned_requested_bytes: int = 0
     """Page-locked host bytes the host shards and staging buffers use (0 unpinned)."""
     pinned_allocated_bytes: int = 0
-    """Page-locked host bytes held for them: the power-of-two slabs they are packed into
-    (see [Note: pinned slabs] in runtime/host_slabs.py)."""
+    """Page-locked host bytes held for them: the slabs they are packed into, exactly sized
+    where the platform registers host memory, powers of two elsewhere (see [Note: pinned
+    slabs] in runtime/host_slabs.py)."""
 
     def __str__(self) -> str:
         rows = [(f.name, getattr(self, f.name)) for f in fields(self)

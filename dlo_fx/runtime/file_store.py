@@ -298,7 +298,7 @@ class _Staging:
 
     def __init__(self, device: torch.device, count: int, pin: bool) -> None:
         self.device, self.count, self.pin = device, count, pin
-        self.slabs: Optional[HostSlabs] = HostSlabs() if pin else None
+        self.slabs: Optional[HostSlabs] = HostSlabs(device=device) if pin else None
         self.buffers: list[Optional[torch.Tensor]] = [None] * count
         self.events: list = [None] * count
         self.turn = 0

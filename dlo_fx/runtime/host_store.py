@@ -112,14 +112,16 @@ class HostStore:
     """
 
     def __init__(self, *, alignment: int, rank: int = 0, dp: int = 1,
-                 pin: bool = False, files: Optional[FileStore] = None) -> None:
+                 pin: bool = False, files: Optional[FileStore] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.alignment = alignment
         self.files = files  # host_store="mmap"
         self.rank = rank
         self.dp = dp
         self.pin = pin
-        # Pinned shards packed into power-of-two slabs: see [Note: pinned slabs]
-        self.slabs: Optional[HostSlabs] = HostSlabs(max(alignment, 4096)) if pin else None
+        # Pinned shards packed into a few slabs, exactly sized where the platform registers
+        # host memory: see [Note: pinned slabs]
+        self.slabs: Optional[HostSlabs] = HostSlabs(alignment, device=device) if pin else None
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
         # Stored parameters not converted yet: see [Note: when a parameter becomes a
@@ -172,6 +174,19 @@ class HostStore:
                 out.append(stored_bytes(t, leaf.dtype) if leaf.nbytes else None)
         return out
 
+    def shard_size(self, spec: ShardSpec) -> int:
+        """Bytes of this rank's host shard of a block of geometry ``spec``."""
+        return spec.shard_bytes if self.dp > 1 else spec.padded_bytes
+
+    def reserve(self, blocks: Sequence[tuple[Sequence[torch.Tensor], Sequence[str]]]) -> None:
+        """Announce the blocks (parameters, names) about to be added, in order, so that a
+        pinned memory store registers their shards as a few exactly sized slabs: see
+        [Note: pinned slabs]. Nothing for an unpinned or file-backed store."""
+        if self.slabs is None or not self.pin or self.files is not None or not blocks:
+            return
+        self.slabs.reserve(self.shard_size(self.layout(params, fqns)[1])
+                           for params, fqns in blocks)
+
     def add_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
                   sources: Optional[Sequence[torch.Tensor]] = None,
                   extents: Optional[Sequence[Extent]] = None, defer: bool = False) -> HostBlock:
@@ -188,7 +203,7 @@ class HostStore:
                 raise RuntimeError(f"parameter {fqn!r} is already in host block "
                                    f"{self._entries[id(p)].block}")
         entries, spec = self.layout(params, fqns)
-        size = spec.shard_bytes if self.dp > 1 else spec.padded_bytes
+        size = self.shard_size(spec)
         start, _ = spec.rank_range(self.rank) if self.dp > 1 else (0, 0)
         index, source = len(self.blocks), None
         if self.files is not None:
@@ -282,6 +297,8 @@ class HostStore:
             self._entries = {k: e for k, e in self._entries.items() if e.block < first}
             self._live = {k: n for k, n in self._live.items() if k < first}
             del self.blocks[first:]
+        if self.slabs is not None:
+            self.slabs.trim()  # slabs reserved for the dropped blocks
         if self.files is not None:
             self.files.drop(first)
 

@@ -9,9 +9,14 @@ backend (NCCL on CUDA and ROCm, HCCL on Ascend NPUs, XCCL on Intel XPUs, gloo on
 from __future__ import annotations
 
 import contextlib
+import logging
+import mmap
+import weakref
 from typing import Iterator, Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def accelerator() -> Optional[torch.device]:
@@ -58,11 +63,118 @@ def pinned_held_bytes(nbytes: int) -> int:
 
 
 def pinned_slab(nbytes: int) -> torch.Tensor:
-    """Page-locked host bytes: ``pinned_held_bytes(nbytes)`` of them, all usable. Raises
-    RuntimeError where the platform cannot pin that much. See [Note: pinned slabs] in
-    host_slabs.py."""
+    """Page-locked host bytes from PyTorch's caching host allocator (``pin_memory``; where
+    `registered_slab` is unavailable or refused): ``pinned_held_bytes(nbytes)`` of them, all
+    usable. Raises RuntimeError where the platform cannot pin that much. See [Note: pinned
+    slabs] in host_slabs.py."""
     with torch.inference_mode(False):
         return torch.empty(pinned_held_bytes(nbytes), dtype=torch.uint8, pin_memory=True)
+
+
+PAGE = mmap.PAGESIZE
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device
+
+
+def can_register() -> bool:
+    """Whether this build page-locks ordinary host memory in place: CUDA and ROCm
+    (``cudaHostRegister`` / ``hipHostRegister``, which torch exposes through
+    `torch.cuda.cudart`), on an OS with anonymous private mappings. See [Note: pinned
+    slabs] in host_slabs.py."""
+    acc = accelerator()
+    if acc is None or acc.type != "cuda" or not hasattr(mmap, "MAP_PRIVATE"):
+        return False
+    try:
+        rt = torch.cuda.cudart()
+    except (AttributeError, RuntimeError, AssertionError):
+        return False
+    return hasattr(rt, "cudaHostRegister") and hasattr(rt, "cudaHostUnregister")
+
+
+def _clear_cuda_error() -> None:
+    """Consume the error a failed registration left as this thread's last CUDA error, so
+    that the next kernel launch's check does not report it as its own. torch exposes no
+    ``cudaGetLastError``; a tiny kernel launch's check reads it (raising, and so clearing
+    it) where one is pending, and does nothing where none is."""
+    for _ in range(2):
+        try:
+            torch.zeros(1, device="cuda").add_(1)
+            return
+        except RuntimeError:
+            continue
+
+
+def host_register(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` of ordinary host memory at ``ptr`` (page aligned). Raises
+    RuntimeError, the CUDA error state cleared, where the platform refuses."""
+    rt = torch.cuda.cudart()
+    err = rt.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE)
+    if err != rt.cudaError.success:
+        what = rt.cudaGetErrorString(err)
+        _clear_cuda_error()
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {what} "
+                           f"(error {int(err)})")
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo `host_register` at ``ptr``. Runs in a finalizer: logs a failure, never raises."""
+    try:
+        rt = torch.cuda.cudart()
+        err = rt.cudaHostUnregister(ptr)
+        if err != rt.cudaError.success:
+            log.warning("dlo: cudaHostUnregister(%#x) failed: %s", ptr,
+                        rt.cudaGetErrorString(err))
+            _clear_cuda_error()
+    except Exception as exc:  # interpreter shutdown, a torn-down CUDA context
+        log.debug("dlo: cudaHostUnregister(%#x) failed: %s", ptr, exc)
+
+
+def _unregister_then_unmap(ptr: int, mapping: mmap.mmap, device: Optional[torch.device]) -> None:
+    # A copy issued from the slab may still run on the device (a stream waits on it, the
+    # host does not): it finishes before the memory stops being page-locked. Explicit,
+    # outside steady state (a store released or collected).
+    if device is not None and has_streams(device):
+        try:
+            synchronize(device)
+        except Exception as exc:
+            log.debug("dlo: synchronising %s before cudaHostUnregister failed: %s", device, exc)
+    host_unregister(ptr)  # before the memory goes: ``mapping`` is held until here
+    try:
+        mapping.close()
+    except BufferError:  # something still exports it: the mapping goes with it
+        pass
+
+
+def registered_slab(nbytes: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Page-locked host bytes, exactly ``nbytes`` rounded up to a page: an anonymous private
+    mapping, registered with `host_register`, unregistered (then unmapped) by a finalizer
+    when the tensor's storage dies, that is when the last view of it does, once the copies
+    ``device`` (the one the slab feeds, if known) has queued are done. Raises
+    RuntimeError where the platform cannot register it. See [Note: pinned slabs] in
+    host_slabs.py."""
+    size = -(-max(nbytes, 1) // PAGE) * PAGE
+    try:
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise RuntimeError(f"mapping {size} bytes of host memory failed: {exc}") from exc
+    if hasattr(mmap, "MADV_DONTFORK"):  # as CUDA's own pinned memory: a forked child gets
+        try:  # none of it (rather than copying every page-locked page at the fork)
+            mapping.madvise(mmap.MADV_DONTFORK)
+        except OSError:
+            pass
+    with torch.inference_mode(False):
+        slab = torch.frombuffer(mapping, dtype=torch.uint8)
+    ptr = slab.data_ptr()
+    try:
+        host_register(ptr, size)
+    except BaseException:
+        del slab
+        with contextlib.suppress(BufferError):
+            mapping.close()
+        raise
+    weakref.finalize(slab.untyped_storage(), _unregister_then_unmap, ptr, mapping,
+                     device).atexit = False
+    return slab
 
 
 def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:

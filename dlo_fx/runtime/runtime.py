@@ -179,12 +179,13 @@ class Runtime(SlotMachine, WeightReads):
                            file_reads=self.config.file_reads)
                  if self.config.host_store == "mmap" else None)
         self.store = HostStore(alignment=self.config.alignment, pin=pin, rank=rank,
-                               dp=self.group.dp if sharded else 1, files=files)
+                               dp=self.group.dp if sharded else 1, files=files,
+                               device=self.device)
         log.info("dlo: %s mode over the %s (%s)", mode, self.group.describe(), reason)
 
     # -- storing blocks (compile, load, first call of a reused graph) -----------------------
     def store_blocks(self, blocks: Iterable[NewBlock], facts: Sequence[Fact], what: str,
-                     *, convert: bool = True,
+                     *, convert: bool = True, ahead: Optional[Sequence[NewBlock]] = None,
                      error_of: Callable[[BaseException], BaseException] = lambda e: e) -> list[int]:
         """Store ``blocks`` (see [Note: storing blocks]) and return their host block indices.
 
@@ -193,7 +194,9 @@ class Runtime(SlotMachine, WeightReads):
         layouts and fingerprints. ``convert=False`` leaves real parameters real until the
         runtime's next graph call ([Note: when a parameter becomes a StoredWeight]).
         ``blocks`` may be a generator: each is stored before the next is asked for (the
-        loader reads block by block). ``error_of`` turns a failure into the error raised
+        loader reads block by block); ``ahead`` then announces them (their parameters
+        and names), so that a pinned store sizes its slabs for all of them at once ([Note:
+        pinned slabs] in host_slabs.py). ``error_of`` turns a failure into the error raised
         (the loader's, naming a file that changed)."""
         store = self.store
         first = len(store.blocks)
@@ -211,7 +214,10 @@ class Runtime(SlotMachine, WeightReads):
                          "options and dtype", blocks=list(names)),
                     weights_fact(fingerprints, names)]
 
+        if ahead is None and isinstance(blocks, Sequence):
+            ahead = blocks
         try:
+            store.reserve([(b.params, b.fqns) for b in ahead or ()])
             for block in blocks:
                 entries, spec = store.layout(block.params, block.fqns)
                 extents = block.extents(entries, spec) if block.extents is not None else None
