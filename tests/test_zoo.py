@@ -3,8 +3,11 @@
 Spawns of two gloo ranks run the models of `zoo_models.ZOO` (with ``DLO_FX_ZOO=all``, as
 `make zoo` sets it, also those of `zoo_more.MORE`: the rest of the release's transformer
 classes and their cache and conditioning variants), a group of them per spawn:
-dp=1 (each rank alone on its share of the group), then dp=2 in both modes, two calls
-each, ``resident_bytes=0``. Each model must be bit-identical (`torch.equal`) to its
+dp=1 (each rank alone on its share of the group), then dp=2 in allgather mode (with
+``DLO_FX_ZOO=all`` in both modes), two calls each, ``resident_bytes=0``. `make test` leaves
+dp=2 rank-local to `make zoo`: there the shard group is one rank, so each rank computes
+what the dp=1 case computes, and the agreement between the ranks on the model's blocks
+and fingerprints, the one thing it adds, is the allgather case's too. Each model must be bit-identical (`torch.equal`) to its
 resident twin on every call and stream at least half of its parameter bytes (counted
 from the runtime's host store). Each group's spawn is a job of tests/conftest.py: it runs
 in the background while the in-process tests of the suite run, and the group's tests check
@@ -33,10 +36,12 @@ FIRST = ["Mochi", "HiDream", "HunyuanVideo15", "Sana", "Flux", "Wan", "SD3", "Co
          "PixArt", "Lumina2", "Allegro", "HunyuanVideo", "Chroma", "QwenImage", "Cosmos",
          "SkyReelsV2"]
 NAMES = FIRST + [m.name for m in ZOO if m.name not in FIRST]
+MODES = ("allgather",)  # at dp=2
 if os.environ.get("DLO_FX_ZOO") == "all":
     from zoo_more import MORE
 
     NAMES += [m.name for m in MORE]
+    MODES = zoo_cases.MODES
 GROUPS = [tuple(NAMES[i : i + GROUP]) for i in range(0, len(NAMES), GROUP)]
 
 
@@ -53,7 +58,7 @@ class Zoo:
         run one after another on one thread, so the totals need no lock."""
         start = time.monotonic()
         # Collectives wait for the slower rank's compile: generous on a loaded machine.
-        per_rank = spawn(WORLD, zoo_cases.zoo_cases, group, 600.0, timeout=1800.0)
+        per_rank = spawn(WORLD, zoo_cases.zoo_cases, group, 600.0, MODES, timeout=1800.0)
         self.wall += time.monotonic() - start
         results = {}
         for rank in range(WORLD):
@@ -97,7 +102,8 @@ JOBS = {group: functools.partial(RUNS.run, group) for group in GROUPS}
     for group in GROUPS for name in group])
 def test_zoo_model_is_exact_and_streams(spawned: dict, name: str) -> None:
     cases = {k: v for k, v in spawned.items() if k[0] == name}
-    assert len(cases) == 1 + 2 * WORLD, sorted(cases)  # dp=1, and dp=2 from both ranks
+    # dp=1, and dp=2 from both ranks in each mode
+    assert len(cases) == 1 + len(MODES) * WORLD, sorted(cases)
     failures = []
     for key, r in cases.items():
         if r["error"]:
