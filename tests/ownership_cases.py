@@ -26,7 +26,7 @@ from models import tiny_wan
 OPTIONS = {"block_bytes": 300_000}
 
 
-def _hollow_count(model: torch.nn.Module) -> int:
+def _stored_count(model: torch.nn.Module) -> int:
     return sum(is_stored(p) for p in model.parameters())
 
 
@@ -67,13 +67,13 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
             return torch.equal(compiled(*inputs), expected)
 
     out: dict = {"exact_before": exact()}
-    out["hollow"] = _hollow_count(model)
+    out["stored"] = _stored_count(model)
     out.update(_forked(dit_path, cfg, inputs, expected))
     # 1. .to() the runtime's own device, in every spelling: a no-op.
     for spelling in (torch.device("cpu", 0), "cpu", "cpu:0", torch.device("cpu")):
         out[f"to {spelling!r}"] = _error(lambda: model.to(spelling))
     out["cpu()"] = _error(model.cpu)
-    out["hollow_after_to_cpu"] = _hollow_count(model)
+    out["stored_after_to_cpu"] = _stored_count(model)
     out["exact_after_to_cpu"] = exact()
     # 2. .to() another dtype (the DiT is bfloat16): refused, nothing converted.
     out["dtypes_before"] = _dtypes(model)
@@ -98,7 +98,7 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     out["load_state_dict"] = _error(lambda: model.load_state_dict(ref_state))
     block0 = {k[len("blocks.0."):]: v for k, v in ref_state.items() if k.startswith("blocks.0.")}
     out["load_state_dict_block"] = _error(lambda: model.blocks[0].load_state_dict(block0))
-    out["hollow_after_load"] = _hollow_count(model)
+    out["stored_after_load"] = _stored_count(model)
     out["exact_after_load"] = exact()
     out["deepcopy"] = _error(lambda: copy.deepcopy(model))
     out["exact_after_deepcopy"] = exact()
@@ -124,7 +124,7 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
     blocks = runtime.store.blocks
     out["blocks_before_release"] = len(blocks)
     out["release"] = _error(lambda: dlo_fx.release(model))
-    out["hollow_after_release"] = _hollow_count(model)
+    out["stored_after_release"] = _stored_count(model)
     out["runtimes_after_release"] = len(runtimes_holding(list(model.parameters())))
     with torch.no_grad():
         out["eager_after_release"] = torch.equal(model(*inputs), expected)
@@ -190,8 +190,8 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
 
 def _built_and_loaded(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
     """Dynamo reuses a graph for every model of the class: one built in memory (small
-    parameters resident, read by the graph itself) and one from dlo_fx.load (all stored,
-    hollow), in either order, then the loaded one released and called again; with and
+    parameters resident, read by the graph itself) and one from dlo_fx.load (all
+    stored), in either order, then the loaded one released and called again; with and
     without a graph break in the blocks (the model's own forward then runs eagerly, and
     the built model's compile left torch.nn forwards to eager calls). The loaded model's
     call through the built one's graph read zero-byte storage (a crash), the other way
@@ -236,7 +236,7 @@ def _built_and_loaded(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dic
 
 
 def _eager_and_state(model: torch.nn.Module, ref: torch.nn.Module) -> list:
-    """Whether an eager call of each hollow Linear of ``model`` and ``state_dict()`` give
+    """Whether an eager call of each stored Linear of ``model`` and ``state_dict()`` give
     what ``ref`` gives: one entry per Linear, then the state dict's."""
     gen = torch.Generator().manual_seed(0)
     got = []
@@ -257,7 +257,7 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
     """Graphs Dynamo reuses for parameters no compile saw are guarded on their call: a
     second model of the class (an eager call of a submodule read zero-byte storage) and
     the layers after the first of a DiT with a graph break inside its blocks (one graph per
-    half layer; ``state_dict()`` crashed reading a later layer's hollow weights), also
+    half layer; ``state_dict()`` crashed reading a later layer's stored weights), also
     through a compiled function that takes the model."""
     second = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=OPTIONS)
     compiled = torch.compile(second, backend="dlo")
@@ -313,7 +313,7 @@ def _shared_storages(out_dir: str) -> dict:
             compiled = torch.compile(model, backend="dlo", options={"resident_bytes": 0})
             out[f"shared_{key}_exact"] = [_outcome(lambda: torch.equal(compiled(*x), want))
                                           for _ in range(2)]
-            out[f"shared_{key}_hollow"] = _hollow_count(model)
+            out[f"shared_{key}_stored"] = _stored_count(model)
         out["shared_dict_intact"] = all(torch.equal(shared[k], v)
                                         for k, v in twin.state_dict().items())
         out["shared_resident_exact"] = torch.equal(resident(*x), want)
@@ -322,8 +322,8 @@ def _shared_storages(out_dir: str) -> dict:
 
 def _shared_layer() -> dict:
     """Two models sharing a layer share a runtime. Releasing one closed it and left the
-    other's parameters hollow, their weights gone (its next call raised reading zero-byte
-    storage): release gives back every parameter the runtime stores. Dynamo starts afresh:
+    other's parameters stored in a closed runtime, their weights gone (its next call
+    raised reading zero-byte storage): release gives back every parameter the runtime stores. Dynamo starts afresh:
     past its recompile limit for the DiT's frame (the models of the class compiled before
     in this process, each traced once plain and once stored) it runs the frame eagerly,
     and the block graphs it then reuses would store ``b``'s own layers in a runtime of
@@ -340,7 +340,7 @@ def _shared_layer() -> dict:
         dlo_fx.release(a)
         out["shared_layer_eager"] = [_outcome(lambda: torch.equal(m(*x), want))
                                      for m, want in pairs]
-        out["shared_layer_hollow"] = _hollow_count(a) + _hollow_count(b)
+        out["shared_layer_stored"] = _stored_count(a) + _stored_count(b)
         out["shared_layer_again"] = [_outcome(lambda: torch.equal(c(*x), want))
                                      for c, want in compiled]
     out["shared_layer_eager_and_state"] = _eager_and_state(b, ref_b)

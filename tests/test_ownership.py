@@ -1,5 +1,5 @@
 """The model owns its runtime: options given once and inherited, memory given back when
-the model goes, hollow parameters safe under ordinary module operations, harmful
+the model goes, stored parameters safe under ordinary module operations, harmful
 options refused up front, and no import from the runtime up into the planning."""
 
 from __future__ import annotations
@@ -435,7 +435,7 @@ def test_in_place_write_to_a_stored_parameter_is_refused(dit):
     assert torch.equal(run(model, dit["inputs"]), dit["expected"])
 
 
-# -- hollow parameters under module operations (a forked child: a crash is a dead rank) -----
+# -- stored parameters under module operations (a forked child: a crash is a dead rank) -----
 def _module_operations():
     with tempfile.TemporaryDirectory() as folder:
         return spawn(1, ownership_cases.module_operations, folder)[0]
@@ -444,7 +444,7 @@ def _module_operations():
 @pytest.mark.spawned.with_args(_module_operations)
 def test_module_operations_in_a_child_process(spawned):
     r = spawned
-    assert r["hollow"] > 0 and r["exact_before"]
+    assert r["stored"] > 0 and r["exact_before"]
     # os.fork after a call: the child refuses the parent's model naming the fork (it
     # waited forever), and a model loaded there runs exactly; the parent's is unaffected.
     child = r["fork_child"]
@@ -465,13 +465,13 @@ def test_module_operations_in_a_child_process(spawned):
     # stored, exact, and the other tensors' bytes left to them.
     for key in ("assign", "mmap"):
         assert r[f"shared_{key}_exact"] == [True, True], (key, r[f"shared_{key}_exact"])
-        assert r[f"shared_{key}_hollow"] > 0, key
+        assert r[f"shared_{key}_stored"] > 0, key
     assert r["shared_dict_intact"] and r["shared_resident_exact"]
     # Two models sharing a layer share a runtime: releasing one gives both their weights
     # back, and both compiled models store them again, exactly.
     assert r["shared_layer_exact"] == [True, True]
     assert r["shared_layer_eager"] == [True, True], r["shared_layer_eager"]
-    assert r["shared_layer_hollow"] == 0
+    assert r["shared_layer_stored"] == 0
     assert r["shared_layer_again"] == [True, True], r["shared_layer_again"]
     assert len(r["shared_layer_eager_and_state"]) > 10
     assert all(v is True for v in r["shared_layer_eager_and_state"]), r["shared_layer_eager_and_state"]
@@ -487,7 +487,7 @@ def test_module_operations_in_a_child_process(spawned):
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
                 "to device(type='cpu')", "cpu()"):
         assert r[key] == "", (key, r[key])
-    assert r["hollow_after_to_cpu"] == r["hollow"] and r["exact_after_to_cpu"]
+    assert r["stored_after_to_cpu"] == r["stored"] and r["exact_after_to_cpu"]
     # another dtype: ValueError naming dlo and the way out; nothing converted.
     for key in ("to_fp16", "float"):
         assert r[key].startswith("ValueError: dlo:"), r[key]
@@ -503,7 +503,7 @@ def test_module_operations_in_a_child_process(spawned):
         assert r[key].startswith("ValueError: dlo: cannot load_state_dict"), r[key]
         assert "dlo_fx.release(model)" in r[key], r[key]
         assert re.search(r"parameter '[\w.]+'", r[key]), r[key]
-    assert r["hollow_after_load"] == r["hollow"] and r["exact_after_load"]
+    assert r["stored_after_load"] == r["stored"] and r["exact_after_load"]
     # copy.deepcopy: refused naming a stored parameter (the copy would not own the host
     # store), model intact.
     assert r["deepcopy"].startswith("ValueError: dlo: cannot deepcopy parameter"), r["deepcopy"]
@@ -519,7 +519,7 @@ def test_module_operations_in_a_child_process(spawned):
     # p.float(), repr(p): exact.
     assert r["eager_layer"] and r["eager_model"] and all(r["reads"]), r["reads"]
     # release: an ordinary module again.
-    assert r["release"] == "" and r["hollow_after_release"] == 0
+    assert r["release"] == "" and r["stored_after_release"] == 0
     assert r["runtimes_after_release"] == 0 and r["eager_after_release"]
     assert r["deepcopy_after_release"]
     assert r["to_fp16_after_release"] == "" and r["dtypes_after_release_fp16"] == ["torch.float16"]
