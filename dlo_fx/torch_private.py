@@ -10,7 +10,8 @@ fallback is safe, not somewhere inside a call. No other module of dlo_fx names a
 of a compiled function `dlo_fx.release` undoes (`compile_backend_name`); a correction to
 Dynamo (`install_contains_fix`); what ``compiler="inductor"`` uses (`graph_fake_mode`,
 `restart_with_floats_specialized`, `inductor_compile`, `inductor_config_key`,
-`storage_key`, `GRAD_MODE_TARGETS`); the op targets FLOPs are counted on (`NN_LINEAR`);
+`storage_key`, `GRAD_MODE_TARGETS`); what the passes use to find a parameter's aliases
+(`storage_key`); the op targets FLOPs are counted on (`NN_LINEAR`);
 errors, compile callbacks and profiler state.
 Torch itself imports none of its Dynamo or Inductor modules here until a function needs
 them, so the runtime, which uses the first group, never loads Dynamo.
@@ -281,7 +282,10 @@ def graph_fake_mode(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """An identity of ``t``'s storage that aliases share (fake tensors included)."""
+    """An identity of ``t``'s storage that aliases share (fake tensors included): the one
+    way dlo tells storages apart (the stored weight's views, the passes' aliases of a
+    parameter, the Inductor pieces' inputs). It is what `StorageWeakRef` hashes, valid
+    while the storage lives."""
     return t.untyped_storage()._cdata
 
 
