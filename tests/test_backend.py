@@ -217,3 +217,51 @@ def test_blocks_skipped_by_a_list_argument_whose_values_change():
         for skip in (None, [1], None, [0, 2], [1], [3], (0, 3), [2, 1]):
             assert torch.equal(compiled(x, skip), ref(x, skip)), skip
     assert any(is_stored(p) for p in model.parameters())  # streamed
+
+
+def test_contains_fix_only_where_torch_needs_it_and_only_for_dlo(monkeypatch):
+    """[Note: `x in list` with a symbolic element]: the correction is installed on a torch
+    older than the first one with the upstream fix only, and where it is, it corrects the
+    frames traced for dlo and leaves every other compile to Dynamo's own function."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from dlo_fx import torch_private
+
+    needed = torch.torch_version.TorchVersion(torch.__version__) < \
+        torch_private.CONTAINS_FIXED_IN
+    assert getattr(dynamo_utils.iter_contains, "__dlo_fixed__", False) == needed
+    if not needed:
+        return
+    corrected: list[str] = []
+    through_eq = torch_private._contains_through_eq
+    monkeypatch.setattr(torch_private, "_contains_through_eq",
+                        lambda *a: corrected.append("x") or through_eq(*a))
+
+    def skipping(x: torch.Tensor, skip: list) -> torch.Tensor:  # a code object of its own
+        for i in range(3):
+            if i not in skip:
+                x = x + (i + 1)
+        return x
+
+    eager = torch.compile(skipping, backend="eager")
+    for skip in ([1], [0, 2], [1, 2]):  # the second call makes ``skip[0]`` a SymInt
+        eager(torch.zeros(1), skip)
+    assert corrected == []  # another backend's frames: Dynamo's function as it is
+
+    class SkipLayersAgain(_SkipLayers):  # a forward Dynamo has not traced yet
+        def forward(self, x: torch.Tensor, skip_layers=None) -> torch.Tensor:
+            for i, block in enumerate(self.blocks):
+                if not (skip_layers is not None and i in skip_layers):
+                    x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    model = SkipLayersAgain().eval().requires_grad_(False)
+    ref = SkipLayersAgain().eval().requires_grad_(False)
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 20_000})
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        for skip in ([1], [0, 2]):
+            assert torch.equal(compiled(x, skip), ref(x, skip)), skip
+    assert corrected  # the frame traced for dlo went through the correction
