@@ -24,6 +24,7 @@ from torch.fx.node import has_side_effect
 
 from .owners import claim, owner_of
 from .runtime import Runtime
+from .stored import release_advice
 from ..torch_private import profiler_enabled
 
 
@@ -125,8 +126,9 @@ class GraphSchedule(torch.nn.Module):
 def conflict_message(differing: Sequence[str]) -> str:
     return ("dlo: torch.compile options differ from the options this model's runtime was "
             "built with (at dlo_fx.load or its first compile): " + "; ".join(differing) +
-            ". Options are given once: compile with options=None to inherit them, or call "
-            "dlo_fx.release(model) and load or compile again")
+            ". Options are given once. " +
+            release_advice(instead="compile with options=None to inherit them",
+                           then="and load or compile again"))
 
 
 # [Note: profiler spans]
