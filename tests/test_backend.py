@@ -204,17 +204,22 @@ class _SkipLayers(torch.nn.Module):
         return x
 
 
+def _skip_layers_compiled(cls: type = _SkipLayers) -> tuple:
+    """A model of ``cls`` compiled with dlo, its resident twin and an input."""
+    torch.manual_seed(0)
+    ref = cls().eval().requires_grad_(False)
+    model = cls().eval().requires_grad_(False)
+    model.load_state_dict(ref.state_dict())
+    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 20_000})
+    return model, compiled, ref, torch.randn(2, 64)
+
+
 def test_blocks_skipped_by_a_list_argument_whose_values_change():
     """Once ``skip_layers`` changed from ``[1]`` to ``[0, 2]``, Dynamo made its first element
     a SymInt and evaluated ``0 in [s0, 2]`` as False with no guard: block 0 ran though it
     was skipped, a wrong output and no error (with ``backend="eager"`` too). See [Note: `x
     in list` with a symbolic element] (dlo_fx/torch_private.py)."""
-    torch.manual_seed(0)
-    ref = _SkipLayers().eval().requires_grad_(False)
-    model = _SkipLayers().eval().requires_grad_(False)
-    model.load_state_dict(ref.state_dict())
-    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 20_000})
-    x = torch.randn(2, 64)
+    model, compiled, ref, x = _skip_layers_compiled()
     with torch.no_grad():
         for skip in (None, [1], None, [0, 2], [1], [3], (0, 3), [2, 1]):
             assert torch.equal(compiled(x, skip), ref(x, skip)), skip
@@ -254,12 +259,7 @@ def test_contains_fix_only_where_torch_needs_it_and_only_for_dlo(monkeypatch):
     forward = _SkipLayers.forward
     SkipLayersAgain = type("SkipLayersAgain", (_SkipLayers,), {"forward": types.FunctionType(
         forward.__code__.replace(), forward.__globals__, "forward")})
-    torch.manual_seed(0)
-    model = SkipLayersAgain().eval().requires_grad_(False)
-    ref = SkipLayersAgain().eval().requires_grad_(False)
-    ref.load_state_dict(model.state_dict())
-    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 20_000})
-    x = torch.randn(2, 64)
+    _, compiled, ref, x = _skip_layers_compiled(SkipLayersAgain)
     with torch.no_grad():
         for skip in ([1], [0, 2]):
             assert torch.equal(compiled(x, skip), ref(x, skip)), skip
