@@ -35,7 +35,7 @@ class DLOConfig:
     1/dp of every block in host memory; the block is completed on the device by an
     AllGather. ``"rank_local"``: every rank keeps whole blocks, no collective. ``"auto"``:
     measure H2D and AllGather bandwidth on the shard group when the first graph is
-    scheduled and choose through the policy model (`dlo_fx.policy`). ``None`` picks
+    scheduled and choose through the policy model (`dlo_fx.planning.modes`). ``None`` picks
     allgather when the shard group has more than one rank, rank-local otherwise.
     Default: ``None``."""
 

@@ -10,7 +10,8 @@ fallback is safe, not somewhere inside a call. No other module of dlo_fx names a
 of a compiled function `dlo_fx.release` undoes (`compile_backend_name`); a correction to
 Dynamo (`install_contains_fix`); what ``compiler="inductor"`` uses (`graph_fake_mode`,
 `restart_with_floats_specialized`, `inductor_compile`, `inductor_config_key`,
-`storage_key`, `GRAD_MODE_TARGETS`); the op targets FLOPs are counted on (`NN_LINEAR`);
+`storage_key`, `GRAD_MODE_TARGETS`); what the passes use to find a parameter's aliases
+(`storage_key`); the op targets FLOPs are counted on (`NN_LINEAR`);
 errors, compile callbacks and profiler state.
 Torch itself imports none of its Dynamo or Inductor modules here until a function needs
 them, so the runtime, which uses the first group, never loads Dynamo.
@@ -198,30 +199,68 @@ def profiler_enabled() -> bool:
 
 # -- a correction to Dynamo's `x in sequence` (dynamo/backend.py) ------------------------
 # [Note: `x in list` with a symbolic element]
-# Dynamo (torch 2.13) evaluates ``const in [a, b, ...]`` at trace time by comparing the
+# What must hold: ``const in [a, b, ...]`` in a frame traced for dlo gives the answer Python
+# gives for every value the compiled code will be called with.
+#
+# Dynamo before torch 2.14 evaluates ``const in [a, b, ...]`` at trace time by comparing the
 # constant with the elements that are Python constants only, and installs no guard. An
 # element Dynamo made dynamic (automatic dynamic: an int argument that changed between
 # calls becomes a SymInt) is skipped, so ``0 in [s0, 2]`` is False whatever ``s0`` is, and
 # the compiled code takes the wrong branch with no error. diffusers'
-# ``SD3Transformer2DModel(..., skip_layers=[...])`` (skip-layer guidance) is one such model:
-# after ``skip_layers=[1]`` and then ``[0, 2]``, block 0 ran when it should have been
-# skipped; with ``backend="eager"`` as with ``backend="dlo"``, the output differed from the
-# resident model's. (Upstream: "Fix Dynamo ordered contains semantics", pytorch#184765.)
+# ``SD3Transformer2DModel(..., skip_layers=[...])`` (skip-layer guidance) is such a model:
+# after ``skip_layers=[1]`` and then ``[0, 2]``, block 0 runs though it is skipped
+# (``backend="eager"`` too). Upstream fixed ``iter_contains`` in pytorch#184765 ("Fix
+# Dynamo ordered contains semantics", May 2026, after 2.13: torch 2.13.0 still
+# reproduces it), so the correction is installed on torch older than `CONTAINS_FIXED_IN`
+# only. The suite's skip-layers test runs on every torch, so a torch at or past that
+# version without the fix fails it.
 #
-# `install` wraps Dynamo's ``iter_contains`` where it is bound (``torch._dynamo.utils``,
-# and ``torch._dynamo.variables.lists``, which imported it by name): when the searched value
-# is a constant and an element is symbolic, every element is compared through Dynamo's own
-# ``==`` and ``or``, as for a symbolic searched value, so the branch taken is guarded on
-# (``Eq(s0, 0)``) and a later call with other values recompiles. Every other case goes to
-# Dynamo's function unchanged. It is installed when ``dlo_fx.dynamo.backend`` is imported (which
-# ``torch.compile(backend="dlo")`` does before it traces), so it applies to the process's
-# other compiles too: it only makes their answer the one Python gives. Where Dynamo's
-# function is not there in that form, nothing is installed.
+# `install_contains_fix` wraps ``iter_contains`` where Dynamo binds it
+# (``torch._dynamo.utils``, and ``torch._dynamo.variables.lists``, which imported it by
+# name). The wrapper changes one case only, and only in a frame traced for a dlo backend
+# (`_traced_for_dlo`; every other compile in the process gets Dynamo's function as it is):
+# when the searched value is a constant and an element is symbolic, every element is
+# compared through Dynamo's own ``==`` and ``or``, as for a symbolic searched value, so the
+# branch taken is guarded on (``Eq(s0, 0)``) and a later call with other values
+# recompiles. It is installed when ``dlo_fx.dynamo.backend`` is imported, which
+# ``torch.compile(backend="dlo")`` does before it traces. Where Dynamo's function is not
+# there in that form, nothing is installed.
 _CONTAINS_PARAMETERS = ["items", "search", "tx", "check_tensor_identity"]
+#: The first torch whose Dynamo answers ``const in [SymInt, ...]`` correctly itself.
+CONTAINS_FIXED_IN = (2, 14)
+
+
+def _traced_for_dlo(tx: Any) -> bool:
+    """Whether the frame ``tx`` traces is compiled for a backend of dlo's own: the backend
+    at the end of Dynamo's wrappers (``_torchdynamo_orig_backend``, ``compiler_fn``) is a
+    function of this package. True where the chain cannot be followed (the correction
+    then errs on the side of dlo's models)."""
+    found = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    for _ in range(16):  # a few wrappers deep
+        inner = getattr(found, "_torchdynamo_orig_backend", None) or \
+            getattr(found, "compiler_fn", None)
+        if inner is None:
+            break
+        found = inner
+    module = getattr(found, "__module__", None)
+    return module is None or module.split(".")[0] == __name__.split(".")[0]
+
+
+def _contains_through_eq(items: list, search: Any, tx: Any) -> Any:
+    """``search in items`` through Dynamo's own ``==`` and ``or``, guarded."""
+    from torch._dynamo.variables.builder import SourcelessBuilder
+
+    eq = SourcelessBuilder.create(tx, operator.eq)
+    or_ = SourcelessBuilder.create(tx, operator.or_)
+    found = None
+    for x in items:
+        check = eq.call_function(tx, [x, search], {})
+        found = check if found is None else or_.call_function(tx, [check, found], {})
+    return found
 
 
 def _fixed_contains(original: Callable) -> Callable:
-    from torch._dynamo.variables.builder import SourcelessBuilder
+    from torch._dynamo.variables.builder import SourcelessBuilder  # noqa: F401 (moved: none)
     from torch._dynamo.variables.tensor import SymNodeVariable
 
     @functools.wraps(original)
@@ -229,22 +268,20 @@ def _fixed_contains(original: Callable) -> Callable:
         items = list(items)
         if not (search.is_python_constant() and any(
                 not x.is_python_constant() and isinstance(x.realize(), SymNodeVariable)
-                for x in items)):
+                for x in items) and _traced_for_dlo(tx)):
             return original(items, search, tx, check_tensor_identity)
-        eq = SourcelessBuilder.create(tx, operator.eq)
-        or_ = SourcelessBuilder.create(tx, operator.or_)
-        found = None
-        for x in items:
-            check = eq.call_function(tx, [x, search], {})
-            found = check if found is None else or_.call_function(tx, [check, found], {})
-        return found
+        return _contains_through_eq(items, search, tx)
 
     iter_contains.__dlo_fixed__ = True
     return iter_contains
 
 
 def install_contains_fix() -> bool:
-    """Wrap Dynamo's ``iter_contains`` (once); False where it is not there as expected."""
+    """Wrap Dynamo's ``iter_contains`` (once) on a torch older than `CONTAINS_FIXED_IN`;
+    False where it is not needed or not there as expected. See [Note: `x in list` with a
+    symbolic element]."""
+    if torch.torch_version.TorchVersion(torch.__version__) >= CONTAINS_FIXED_IN:
+        return False
     import torch._dynamo.utils as utils
     import torch._dynamo.variables.lists as lists
 
@@ -281,7 +318,10 @@ def graph_fake_mode(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """An identity of ``t``'s storage that aliases share (fake tensors included)."""
+    """An identity of ``t``'s storage that aliases share (fake tensors included): the one
+    way dlo tells storages apart (the stored weight's views, the passes' aliases of a
+    parameter, the Inductor pieces' inputs). It is what `StorageWeakRef` hashes, valid
+    while the storage lives."""
     return t.untyped_storage()._cdata
 
 

@@ -51,7 +51,7 @@ def run(options: dict, *, checkpoint: Optional[str] = None, calls: int = 2) -> d
             "streamed_s": plan.streamed_s, "compute_s": plan.compute_s, "flops": plan.flops,
             "block_bytes": plan.block_bytes, "mode": runtime.mode,
             "copies_per_call": runtime.copies - copies,
-            "hollow": sum(is_stored(p) for p in model.parameters()),
+            "stored": sum(is_stored(p) for p in model.parameters()),
             "report": dlo_fx.memory_report(model), "plan": plan,
             "plan_budget": plan.device_budget}
 

@@ -82,7 +82,7 @@ def compare(loaded: torch.nn.Module, reference: torch.nn.Module, inputs, options
 
 
 def stored_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's values as the runtime would serve them (hollow ones read back from
+    """Every parameter's values as the runtime would serve them (stored ones read back from
     the host store through `Runtime.resident_tensor`): checks a load without compiling."""
     runtime = runtimes_holding(list(model.parameters()))[0]
     return {name: runtime.resident_tensor(p) if p in runtime.store else p.detach()

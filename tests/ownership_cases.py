@@ -4,12 +4,15 @@ dlo model, and the allgather ``state_dict`` / `release` case."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
 import warnings
 import signal
+import traceback
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,7 +29,7 @@ from models import tiny_wan
 OPTIONS = {"block_bytes": 300_000}
 
 
-def _hollow_count(model: torch.nn.Module) -> int:
+def _stored_count(model: torch.nn.Module) -> int:
     return sum(is_stored(p) for p in model.parameters())
 
 
@@ -40,6 +43,17 @@ def _error(fn) -> str:
     except Exception as exc:  # the text is what the test checks
         return error_text(exc)
     return ""
+
+
+@contextlib.contextmanager
+def _section(out: dict, name: str) -> Iterator[None]:
+    """One section of `module_operations`' facts: what it raises is reported in
+    ``out["raised"][name]`` and the next sections still run, so the test lists every failing
+    fact, not the first."""
+    try:
+        yield
+    except Exception:  # reported: the test fails naming the section and the error
+        out.setdefault("raised", {})[name] = traceback.format_exc(limit=-4)
 
 
 def _outcome(fn):
@@ -66,132 +80,150 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
         with torch.no_grad():
             return torch.equal(compiled(*inputs), expected)
 
-    out: dict = {"exact_before": exact()}
-    out["hollow"] = _hollow_count(model)
-    out.update(_forked(dit_path, cfg, inputs, expected))
-    # 1. .to() the runtime's own device, in every spelling: a no-op.
-    for spelling in (torch.device("cpu", 0), "cpu", "cpu:0", torch.device("cpu")):
-        out[f"to {spelling!r}"] = _error(lambda: model.to(spelling))
-    out["cpu()"] = _error(model.cpu)
-    out["hollow_after_to_cpu"] = _hollow_count(model)
-    out["exact_after_to_cpu"] = exact()
-    # 2. .to() another dtype (the DiT is bfloat16): refused, nothing converted.
-    out["dtypes_before"] = _dtypes(model)
-    out["to_fp16"] = _error(lambda: model.to(torch.float16))
-    out["float"] = _error(model.float)
-    out["dtypes_after_fp16"] = _dtypes(model)
-    out["exact_after_fp16"] = exact()
-    # 3. state_dict() holds the real weights: save_file writes them.
-    path = os.path.join(out_dir, "saved.safetensors")
-    state = model.state_dict()
-    out["save_file"] = _error(lambda: save_file({k: v.contiguous() for k, v in state.items()},
-                                                path))
-    saved = load_file(path) if not out["save_file"] else {}
-    ref_state = ref.state_dict()
-    out["saved_equal"] = saved.keys() == ref_state.keys() and all(
-        torch.equal(saved[k], ref_state[k]) for k in ref_state)
-    out["state_strides"] = all(state[k].stride() == ref_state[k].stride() for k in ref_state)
-    out["exact_after_state_dict"] = exact()
-    # 4. load_state_dict of a stored parameter's key: refused before anything is loaded,
-    # from the model and from a submodule.
-    runtime = runtimes_holding(list(model.parameters()))[0]
-    out["load_state_dict"] = _error(lambda: model.load_state_dict(ref_state))
-    block0 = {k[len("blocks.0."):]: v for k, v in ref_state.items() if k.startswith("blocks.0.")}
-    out["load_state_dict_block"] = _error(lambda: model.blocks[0].load_state_dict(block0))
-    out["hollow_after_load"] = _hollow_count(model)
-    out["exact_after_load"] = exact()
-    out["deepcopy"] = _error(lambda: copy.deepcopy(model))
-    out["exact_after_deepcopy"] = exact()
-    # 5. param.data = other and an in-place write into a stored parameter: refused at the
-    # write, naming it (the graphs would read the stored weights); nothing changed.
-    name, linear = next((n, m) for n, m in model.named_modules()
-                        if isinstance(m, torch.nn.Linear) and is_stored(m.weight))
-    out["replaced_name"] = f"{name}.weight"
-    out["replaced_data"] = _error(lambda: setattr(
-        linear.weight, "data", torch.zeros_like(ref.get_submodule(name).weight)))
-    out["replaced_in_place"] = _error(lambda: torch.nn.init.zeros_(linear.weight))
-    out["exact_after_replaced"] = exact()
-    x = torch.ones(1, linear.in_features, dtype=linear.weight.dtype)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # read outside a graph: warned
-        out["eager_layer"] = torch.equal(linear(x), ref.get_submodule(name)(x))
-        out["eager_model"] = torch.equal(model(*inputs), expected)
-        out["reads"] = [torch.equal(linear.weight.sum(), ref.get_submodule(name).weight.sum()),
-                        torch.equal(linear.weight.float(), ref.get_submodule(name).weight.float()),
-                        repr(ref.get_submodule(name).weight.detach())[:40] in repr(linear.weight)
-                        or name in repr(linear.weight)]
-    # release: the stored weights go back into the parameters; the module is ordinary again.
-    blocks = runtime.store.blocks
-    out["blocks_before_release"] = len(blocks)
-    out["release"] = _error(lambda: dlo_fx.release(model))
-    out["hollow_after_release"] = _hollow_count(model)
-    out["runtimes_after_release"] = len(runtimes_holding(list(model.parameters())))
-    with torch.no_grad():
-        out["eager_after_release"] = torch.equal(model(*inputs), expected)
-    with torch.no_grad():
-        out["deepcopy_after_release"] = torch.equal(copy.deepcopy(model)(*inputs), expected)
-    out["to_fp16_after_release"] = _error(lambda: model.to(torch.float16))
-    out["dtypes_after_release_fp16"] = _dtypes(model)
-    # A diffusers model: save_pretrained from the host store.
-    from diffusers import WanTransformer3DModel
+    out: dict = {}
+    with _section(out, "before"):
+        out["exact_before"] = exact()
+        out["stored"] = _stored_count(model)
+    with _section(out, "fork"):
+        out.update(_forked(dit_path, cfg, inputs, expected))
+    with _section(out, "to its own device"):
+        # 1. .to() the runtime's own device, in every spelling: a no-op.
+        for spelling in (torch.device("cpu", 0), "cpu", "cpu:0", torch.device("cpu")):
+            out[f"to {spelling!r}"] = _error(lambda: model.to(spelling))
+        out["cpu()"] = _error(model.cpu)
+        out["stored_after_to_cpu"] = _stored_count(model)
+        out["exact_after_to_cpu"] = exact()
+    with _section(out, "to another dtype"):
+        # 2. .to() another dtype (the DiT is bfloat16): refused, nothing converted.
+        out["dtypes_before"] = _dtypes(model)
+        out["to_fp16"] = _error(lambda: model.to(torch.float16))
+        out["float"] = _error(model.float)
+        out["dtypes_after_fp16"] = _dtypes(model)
+        out["exact_after_fp16"] = exact()
+    with _section(out, "state_dict"):
+        # 3. state_dict() holds the real weights: save_file writes them.
+        path = os.path.join(out_dir, "saved.safetensors")
+        state = model.state_dict()
+        out["save_file"] = _error(lambda: save_file({k: v.contiguous() for k, v in state.items()},
+                                                    path))
+        saved = load_file(path) if not out["save_file"] else {}
+        ref_state = ref.state_dict()
+        out["saved_equal"] = saved.keys() == ref_state.keys() and all(
+            torch.equal(saved[k], ref_state[k]) for k in ref_state)
+        out["state_strides"] = all(state[k].stride() == ref_state[k].stride() for k in ref_state)
+        out["exact_after_state_dict"] = exact()
+    with _section(out, "load_state_dict and deepcopy"):
+        # 4. load_state_dict of a stored parameter's key: refused before anything is loaded,
+        # from the model and from a submodule.
+        runtime = runtimes_holding(list(model.parameters()))[0]
+        out["load_state_dict"] = _error(lambda: model.load_state_dict(ref_state))
+        block0 = {k[len("blocks.0."):]: v for k, v in ref_state.items()
+                  if k.startswith("blocks.0.")}
+        out["load_state_dict_block"] = _error(lambda: model.blocks[0].load_state_dict(block0))
+        out["stored_after_load"] = _stored_count(model)
+        out["exact_after_load"] = exact()
+        out["deepcopy"] = _error(lambda: copy.deepcopy(model))
+        out["exact_after_deepcopy"] = exact()
+    with _section(out, "writes and reads"):
+        # 5. param.data = other and an in-place write into a stored parameter: refused at the
+        # write, naming it (the graphs would read the stored weights); nothing changed.
+        name, linear = next((n, m) for n, m in model.named_modules()
+                            if isinstance(m, torch.nn.Linear) and is_stored(m.weight))
+        out["replaced_name"] = f"{name}.weight"
+        out["replaced_data"] = _error(lambda: setattr(
+            linear.weight, "data", torch.zeros_like(ref.get_submodule(name).weight)))
+        out["replaced_in_place"] = _error(lambda: torch.nn.init.zeros_(linear.weight))
+        out["exact_after_replaced"] = exact()
+        x = torch.ones(1, linear.in_features, dtype=linear.weight.dtype)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # read outside a graph: warned
+            out["eager_layer"] = torch.equal(linear(x), ref.get_submodule(name)(x))
+            out["eager_model"] = torch.equal(model(*inputs), expected)
+            out["reads"] = [torch.equal(linear.weight.sum(), ref.get_submodule(name).weight.sum()),
+                            torch.equal(linear.weight.float(), ref.get_submodule(name).weight.float()),
+                            repr(ref.get_submodule(name).weight.detach())[:40] in repr(linear.weight)
+                            or name in repr(linear.weight)]
+    with _section(out, "release"):
+        # release: the stored weights go back into the parameters; the module is ordinary again.
+        blocks = runtime.store.blocks
+        out["blocks_before_release"] = len(blocks)
+        out["release"] = _error(lambda: dlo_fx.release(model))
+        out["stored_after_release"] = _stored_count(model)
+        out["runtimes_after_release"] = len(runtimes_holding(list(model.parameters())))
+        with torch.no_grad():
+            out["eager_after_release"] = torch.equal(model(*inputs), expected)
+        with torch.no_grad():
+            out["deepcopy_after_release"] = torch.equal(copy.deepcopy(model)(*inputs), expected)
+        out["to_fp16_after_release"] = _error(lambda: model.to(torch.float16))
+        out["dtypes_after_release_fp16"] = _dtypes(model)
+    with _section(out, "save_pretrained"):
+        # A diffusers model: save_pretrained from the host store.
+        from diffusers import WanTransformer3DModel
 
-    wan = dlo_fx.load(WanTransformer3DModel, wan_dir)
-    folder = os.path.join(out_dir, "wan")
-    out["save_pretrained"] = _error(lambda: wan.save_pretrained(folder))
-    got = {}
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        if name.endswith(".safetensors"):
-            got.update(load_file(os.path.join(folder, name)))
-    want = resident_wan(wan_dir).state_dict()
-    out["save_pretrained_equal"] = got.keys() == want.keys() and all(
-        torch.equal(got[k], want[k]) for k in want)
-    # diffusers methods that rewrite the weights in place: refused before anything changes.
-    processors = {k: type(v).__name__ for k, v in wan.attn_processors.items()}
-    out["rewrites"] = {
-        "enable_layerwise_casting": _error(
-            lambda: wan.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)),
-        "enable_group_offload": _error(lambda: wan.enable_group_offload(
-            torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)),
-        # LoRA fusing adds into the base weights through param.data, layer by layer
-        "fuse_lora": _error(wan.fuse_lora),
-        "unfuse_lora": _error(wan.unfuse_lora),
-    }
-    # hotswapping copies into the loaded adapter's weights in place; a plain load passes
-    # through to diffusers (which wants peft, not a test dependency)
-    out["hotswap"] = _error(lambda: wan.load_lora_adapter({}, hotswap=True))
-    out["lora_load"] = _error(lambda: wan.load_lora_adapter({}))
-    # .to(memory_format=...) restrides a 5-D conv weight: refused like a dtype (it was
-    # skipped, and the output differed from the resident model's converted one)
-    out["channels_last"] = _error(lambda: wan.to(memory_format=torch.channels_last_3d))
-    after = wan.state_dict()
-    out["rewrites_left_nothing"] = (
-        after.keys() == want.keys() and all(torch.equal(after[k], want[k]) for k in want)
-        and {k: type(v).__name__ for k, v in wan.attn_processors.items()} == processors
-        and not any(hasattr(m, "to_qkv") for m in wan.modules())
-        and _dtypes(wan) == _dtypes(resident_wan(wan_dir)))
-    # fuse_qkv_projections reads the stored q, k and v weights (exactly) into new fused
-    # ones, which the next compiled call stores: the same output as the resident model
-    # fused the same way.
-    resident = resident_wan(wan_dir)
-    wan_inputs = tiny_wan()[1]
-    out["fuse_qkv"] = _error(wan.fuse_qkv_projections)
-    resident.fuse_qkv_projections()
-    compiled_wan = torch.compile(wan, backend="dlo")
-    with torch.no_grad():
-        want_wan = resident(*wan_inputs)[0]
-        out["fuse_qkv_exact"] = [torch.equal(compiled_wan(*wan_inputs)[0], want_wan)
-                                 for _ in range(2)]
-    out.update(_reused_graphs(dit_path, cfg, inputs, expected, ref))  # last: more Dynamo entries
-    out.update(_shared_storages(out_dir))
-    out.update(_shared_layer())
-    out.update(_built_and_loaded(dit_path, cfg, inputs, expected))
+        wan = dlo_fx.load(WanTransformer3DModel, wan_dir)
+        folder = os.path.join(out_dir, "wan")
+        out["save_pretrained"] = _error(lambda: wan.save_pretrained(folder))
+        got = {}
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if name.endswith(".safetensors"):
+                got.update(load_file(os.path.join(folder, name)))
+        want = resident_wan(wan_dir).state_dict()
+        out["save_pretrained_equal"] = got.keys() == want.keys() and all(
+            torch.equal(got[k], want[k]) for k in want)
+    with _section(out, "rewrites"):
+        # diffusers methods that rewrite the weights in place: refused before anything changes.
+        processors = {k: type(v).__name__ for k, v in wan.attn_processors.items()}
+        out["rewrites"] = {
+            "enable_layerwise_casting": _error(
+                lambda: wan.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)),
+            "enable_group_offload": _error(lambda: wan.enable_group_offload(
+                torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)),
+            # LoRA fusing adds into the base weights through param.data, layer by layer
+            "fuse_lora": _error(wan.fuse_lora),
+            "unfuse_lora": _error(wan.unfuse_lora),
+        }
+        # hotswapping copies into the loaded adapter's weights in place; a plain load passes
+        # through to diffusers (which wants peft, not a test dependency)
+        out["hotswap"] = _error(lambda: wan.load_lora_adapter({}, hotswap=True))
+        out["lora_load"] = _error(lambda: wan.load_lora_adapter({}))
+        # .to(memory_format=...) restrides a 5-D conv weight: refused like a dtype (it was
+        # skipped, and the output differed from the resident model's converted one)
+        out["channels_last"] = _error(lambda: wan.to(memory_format=torch.channels_last_3d))
+        after = wan.state_dict()
+        out["rewrites_left_nothing"] = (
+            after.keys() == want.keys() and all(torch.equal(after[k], want[k]) for k in want)
+            and {k: type(v).__name__ for k, v in wan.attn_processors.items()} == processors
+            and not any(hasattr(m, "to_qkv") for m in wan.modules())
+            and _dtypes(wan) == _dtypes(resident_wan(wan_dir)))
+    with _section(out, "fuse_qkv"):
+        # fuse_qkv_projections reads the stored q, k and v weights (exactly) into new fused
+        # ones, which the next compiled call stores: the same output as the resident model
+        # fused the same way.
+        resident = resident_wan(wan_dir)
+        wan_inputs = tiny_wan()[1]
+        out["fuse_qkv"] = _error(wan.fuse_qkv_projections)
+        resident.fuse_qkv_projections()
+        compiled_wan = torch.compile(wan, backend="dlo")
+        with torch.no_grad():
+            want_wan = resident(*wan_inputs)[0]
+            out["fuse_qkv_exact"] = [torch.equal(compiled_wan(*wan_inputs)[0], want_wan)
+                                     for _ in range(2)]
+    with _section(out, "reused graphs"):
+        # last: more Dynamo entries
+        out.update(_reused_graphs(dit_path, cfg, inputs, expected, ref))
+    with _section(out, "shared storages"):
+        out.update(_shared_storages(out_dir))
+    with _section(out, "shared layer"):
+        out.update(_shared_layer())
+    with _section(out, "built and loaded"):
+        out.update(_built_and_loaded(dit_path, cfg, inputs, expected))
     return out
 
 
 def _built_and_loaded(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
     """Dynamo reuses a graph for every model of the class: one built in memory (small
-    parameters resident, read by the graph itself) and one from dlo_fx.load (all stored,
-    hollow), in either order, then the loaded one released and called again; with and
+    parameters resident, read by the graph itself) and one from dlo_fx.load (all
+    stored), in either order, then the loaded one released and called again; with and
     without a graph break in the blocks (the model's own forward then runs eagerly, and
     the built model's compile left torch.nn forwards to eager calls). The loaded model's
     call through the built one's graph read zero-byte storage (a crash), the other way
@@ -236,7 +268,7 @@ def _built_and_loaded(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dic
 
 
 def _eager_and_state(model: torch.nn.Module, ref: torch.nn.Module) -> list:
-    """Whether an eager call of each hollow Linear of ``model`` and ``state_dict()`` give
+    """Whether an eager call of each stored Linear of ``model`` and ``state_dict()`` give
     what ``ref`` gives: one entry per Linear, then the state dict's."""
     gen = torch.Generator().manual_seed(0)
     got = []
@@ -257,7 +289,7 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
     """Graphs Dynamo reuses for parameters no compile saw are guarded on their call: a
     second model of the class (an eager call of a submodule read zero-byte storage) and
     the layers after the first of a DiT with a graph break inside its blocks (one graph per
-    half layer; ``state_dict()`` crashed reading a later layer's hollow weights), also
+    half layer; ``state_dict()`` crashed reading a later layer's stored weights), also
     through a compiled function that takes the model."""
     second = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=OPTIONS)
     compiled = torch.compile(second, backend="dlo")
@@ -291,8 +323,9 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
 
 
 def _shared_storages(out_dir: str) -> dict:
-    """Parameters whose storage is not theirs alone (see [Note: hollowing never frees a
-    storage it did not make] in dlo_fx/runtime/host_store.py): a state dict loaded with
+    """Parameters whose storage is not theirs alone (a parameter stored lets its old tensor
+    go and frees no storage: see [Note: when a parameter becomes a StoredWeight] in
+    dlo_fx/runtime/host_store.py): a state dict loaded with
     ``assign=True`` into the compiled model and into a resident one (storing freed the
     resident model's weights and the caller's dict under them), and ``torch.load(...,
     mmap=True)``, whose storages cannot be resized (the compile raised)."""
@@ -312,7 +345,7 @@ def _shared_storages(out_dir: str) -> dict:
             compiled = torch.compile(model, backend="dlo", options={"resident_bytes": 0})
             out[f"shared_{key}_exact"] = [_outcome(lambda: torch.equal(compiled(*x), want))
                                           for _ in range(2)]
-            out[f"shared_{key}_hollow"] = _hollow_count(model)
+            out[f"shared_{key}_stored"] = _stored_count(model)
         out["shared_dict_intact"] = all(torch.equal(shared[k], v)
                                         for k, v in twin.state_dict().items())
         out["shared_resident_exact"] = torch.equal(resident(*x), want)
@@ -321,8 +354,8 @@ def _shared_storages(out_dir: str) -> dict:
 
 def _shared_layer() -> dict:
     """Two models sharing a layer share a runtime. Releasing one closed it and left the
-    other's parameters hollow, their weights gone (its next call raised reading zero-byte
-    storage): release gives back every parameter the runtime stores. Dynamo starts afresh:
+    other's parameters stored in a closed runtime, their weights gone (its next call
+    raised reading zero-byte storage): release gives back every parameter the runtime stores. Dynamo starts afresh:
     past its recompile limit for the DiT's frame (the models of the class compiled before
     in this process, each traced once plain and once stored) it runs the frame eagerly,
     and the block graphs it then reuses would store ``b``'s own layers in a runtime of
@@ -339,7 +372,7 @@ def _shared_layer() -> dict:
         dlo_fx.release(a)
         out["shared_layer_eager"] = [_outcome(lambda: torch.equal(m(*x), want))
                                      for m, want in pairs]
-        out["shared_layer_hollow"] = _hollow_count(a) + _hollow_count(b)
+        out["shared_layer_stored"] = _stored_count(a) + _stored_count(b)
         out["shared_layer_again"] = [_outcome(lambda: torch.equal(c(*x), want))
                                      for c, want in compiled]
     out["shared_layer_eager_and_state"] = _eager_and_state(b, ref_b)

@@ -19,7 +19,7 @@ def _eager(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class EagerHeadDiT(nn.Module):
     """Layers traced by Dynamo, then a head that runs once eagerly (a disabled helper) and
     once inside the graph of the resumed frame: after the first call its parameters are
-    hollow when the eager code reads them."""
+    stored when the eager code reads them."""
 
     def __init__(self, width: int = 64, depth: int = 3) -> None:
         super().__init__()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -202,18 +204,63 @@ class _SkipLayers(torch.nn.Module):
         return x
 
 
+def _skip_layers_compiled(cls: type = _SkipLayers) -> tuple:
+    """A model of ``cls`` compiled with dlo, its resident twin and an input."""
+    torch.manual_seed(0)
+    ref = cls().eval().requires_grad_(False)
+    model = cls().eval().requires_grad_(False)
+    model.load_state_dict(ref.state_dict())
+    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 20_000})
+    return model, compiled, ref, torch.randn(2, 64)
+
+
 def test_blocks_skipped_by_a_list_argument_whose_values_change():
     """Once ``skip_layers`` changed from ``[1]`` to ``[0, 2]``, Dynamo made its first element
     a SymInt and evaluated ``0 in [s0, 2]`` as False with no guard: block 0 ran though it
     was skipped, a wrong output and no error (with ``backend="eager"`` too). See [Note: `x
     in list` with a symbolic element] (dlo_fx/torch_private.py)."""
-    torch.manual_seed(0)
-    ref = _SkipLayers().eval().requires_grad_(False)
-    model = _SkipLayers().eval().requires_grad_(False)
-    model.load_state_dict(ref.state_dict())
-    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 20_000})
-    x = torch.randn(2, 64)
+    model, compiled, ref, x = _skip_layers_compiled()
     with torch.no_grad():
         for skip in (None, [1], None, [0, 2], [1], [3], (0, 3), [2, 1]):
             assert torch.equal(compiled(x, skip), ref(x, skip)), skip
     assert any(is_stored(p) for p in model.parameters())  # streamed
+
+
+def test_contains_fix_only_where_torch_needs_it_and_only_for_dlo(monkeypatch):
+    """[Note: `x in list` with a symbolic element]: the correction is installed on a torch
+    older than the first one with the upstream fix only, and where it is, it corrects the
+    frames traced for dlo and leaves every other compile to Dynamo's own function."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from dlo_fx import torch_private
+
+    needed = torch.torch_version.TorchVersion(torch.__version__) < \
+        torch_private.CONTAINS_FIXED_IN
+    assert getattr(dynamo_utils.iter_contains, "__dlo_fixed__", False) == needed
+    if not needed:
+        return
+    corrected: list[str] = []
+    through_eq = torch_private._contains_through_eq
+    monkeypatch.setattr(torch_private, "_contains_through_eq",
+                        lambda *a: corrected.append("x") or through_eq(*a))
+
+    def skipping(x: torch.Tensor, skip: list) -> torch.Tensor:  # a code object of its own
+        for i in range(3):
+            if i not in skip:
+                x = x + (i + 1)
+        return x
+
+    eager = torch.compile(skipping, backend="eager")
+    for skip in ([1], [0, 2], [1, 2]):  # the second call makes ``skip[0]`` a SymInt
+        eager(torch.zeros(1), skip)
+    assert corrected == []  # another backend's frames: Dynamo's function as it is
+
+    # _SkipLayers' forward as a code object of its own, which Dynamo has not traced yet
+    forward = _SkipLayers.forward
+    SkipLayersAgain = type("SkipLayersAgain", (_SkipLayers,), {"forward": types.FunctionType(
+        forward.__code__.replace(), forward.__globals__, "forward")})
+    _, compiled, ref, x = _skip_layers_compiled(SkipLayersAgain)
+    with torch.no_grad():
+        for skip in ([1], [0, 2]):
+            assert torch.equal(compiled(x, skip), ref(x, skip)), skip
+    assert corrected  # the frame traced for dlo went through the correction

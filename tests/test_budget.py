@@ -29,7 +29,7 @@ def check_sweep(results: dict, loaded: bool = False) -> None:
     blocks = results["full"]["blocks"]
     assert results["full"]["resident"] == list(range(blocks))
     assert results["full"]["copies_per_call"] == 0
-    assert loaded or results["full"]["hollow"] == 0  # nothing stored: the model as it was
+    assert loaded or results["full"]["stored"] == 0  # nothing stored: the model as it was
     # Room for 3 of the largest blocks: which ones depends on the measured copy and compute
     # times (the planner's choice on hand-made numbers is tested below); what any plan
     # must do is fit, stream fewer blocks and predict no slower a call.
@@ -128,7 +128,7 @@ def test_a_block_that_lengthens_the_call_is_not_kept():
     assert plan.resident == [] and plan.predicted_s == plan.streamed_s == 8.0
 
 
-def test_budget_below_minimum_raises_before_hollowing():
+def test_budget_below_minimum_raises_before_storing():
     ref_model, inputs = tiny_dit(depth=1)  # refused before any schedule: one layer traces faster
     model, _ = tiny_dit(depth=1)
     compiled = torch.compile(model, backend="dlo", fullgraph=True,
@@ -245,9 +245,9 @@ def test_timeline_and_blocks_md_show_resident_blocks(swept, tmp_path):
                 f"{plan.copy_s[g] * 1e3:.3f} | {plan.compute_s[g] * 1e3:.3f} |") in text
 
 
-def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypatch):
+def test_second_resolution_never_stores_what_the_first_reads_directly(monkeypatch):
     """A block the first resolution's graph keeps resident (read from the module, not
-    stored) stays resident in the second's, instead of being stored and hollowed under the
+    stored) stays resident in the second's, instead of being stored under the
     first graph; the second graph streams the first one's other blocks and keeps no more
     resident (planned anew from its own FLOPs, one rank's recompile could stream other
     blocks than its peers')."""
@@ -274,7 +274,7 @@ def test_second_resolution_never_hollows_what_the_first_reads_directly(monkeypat
             assert torch.equal(call(compiled, inputs), call(ref, inputs))
             runtime = runtimes_holding(list(model.parameters()))[0]
             kept.append([plan.resident for plan in runtime.budget_plans.values()])
-            # what any graph reads from the module is never hollow
+            # what any graph reads from the module is never stored
             direct = [p for p, why in runtime.kept_resident.items() if why == READ_DIRECTLY]
             assert direct and not any(is_stored(p) for p in direct)
     assert kept[0] != [[]]  # the small graph keeps blocks resident (then pinned): the

@@ -1,6 +1,6 @@
 """The model owns its runtime: options given once and inherited, memory given back when
-the model goes, hollow parameters safe under ordinary module operations, harmful
-options refused up front, and no import from the runtime up into the policy."""
+the model goes, stored parameters safe under ordinary module operations, harmful
+options refused up front, and no import from the runtime up into the planning."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import warnings
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -435,110 +436,191 @@ def test_in_place_write_to_a_stored_parameter_is_refused(dit):
     assert torch.equal(run(model, dit["inputs"]), dit["expected"])
 
 
-# -- hollow parameters under module operations (a forked child: a crash is a dead rank) -----
+# -- stored parameters under module operations (a forked child: a crash is a dead rank) -----
 def _module_operations():
     with tempfile.TemporaryDirectory() as folder:
         return spawn(1, ownership_cases.module_operations, folder)[0]
 
 
+class Facts:
+    """Checks that all run: each failing one (or one that raised, a fact the child did not
+    report, say) is collected, and `verify` fails listing every one of them."""
+
+    def __init__(self, reported: dict) -> None:
+        self.reported = reported
+        self.failed: list[str] = []
+
+    def check(self, what: str, holds: Callable[[], Any],
+              detail: Optional[Callable[[], Any]] = None) -> None:
+        try:
+            if holds():
+                return
+            shown = detail() if detail is not None else ""
+        except Exception as exc:  # noqa: BLE001 (a fact missing or malformed fails alone)
+            shown = f"raised {type(exc).__name__}: {exc}"
+        self.failed.append(f"{what}: {shown!r}" if shown != "" else what)
+
+    def verify(self) -> None:
+        raised = self.reported.get("raised", {})
+        failed = [f"the child raised in {section!r}: {tb}" for section, tb in raised.items()]
+        failed += self.failed
+        assert not failed, f"{len(failed)} failing facts:\n" + "\n".join(failed)
+
+
 @pytest.mark.spawned.with_args(_module_operations)
 def test_module_operations_in_a_child_process(spawned):
     r = spawned
-    assert r["hollow"] > 0 and r["exact_before"]
+    facts = Facts(r)
+    check = facts.check
+    check("stored before, exact before", lambda: r["stored"] > 0 and r["exact_before"])
     # os.fork after a call: the child refuses the parent's model naming the fork (it
     # waited forever), and a model loaded there runs exactly; the parent's is unaffected.
-    child = r["fork_child"]
-    assert child is not None, "the forked child gave no answer: it hung and was killed"
+    child = r.get("fork_child")
+    check("the forked child answered (else it hung and was killed)", lambda: child is not None)
     for key in ("call", "eager", "release"):
-        assert child[key].startswith("RuntimeError: dlo: this model's weights are stored by "
-                                     "process"), (key, child[key])
-        assert "was forked from it" in child[key] and "'spawn'" in child[key], child[key]
-    assert child["fresh"] == [True, True]
-    assert r["fork_parent_before"] and r["fork_parent_after"]
+        check(f"fork child {key}: refused naming the process", lambda: child[key].startswith(
+            "RuntimeError: dlo: this model's weights are stored by process"),
+            lambda: child[key])
+        check(f"fork child {key}: names the fork and 'spawn'", lambda: "was forked from it"
+              in child[key] and "'spawn'" in child[key], lambda: child[key])
+    check("fork child: a fresh model runs exactly", lambda: child["fresh"] == [True, True],
+          lambda: child["fresh"])
+    check("fork parent unaffected",
+          lambda: r["fork_parent_before"] and r["fork_parent_after"])
     # A graph Dynamo reuses (another model of the class, a later layer after a graph break
     # in the blocks) guards the modules it meets: eager calls and state_dict are exact.
     for key in ("second", "graph_break", "graph_break_released", "step_first", "step"):
-        assert r[f"{key}_exact"] == [True, True], key
-        assert len(r[f"{key}_eager_and_state"]) > 10, key
-        assert all(v is True for v in r[f"{key}_eager_and_state"]), (key, r[f"{key}_eager_and_state"])
+        check(f"{key}: exact", lambda: r[f"{key}_exact"] == [True, True],
+              lambda: r[f"{key}_exact"])
+        check(f"{key}: more than 10 eager and state checks",
+              lambda: len(r[f"{key}_eager_and_state"]) > 10, lambda: r[f"{key}_eager_and_state"])
+        check(f"{key}: eager calls and state_dict exact",
+              lambda: all(v is True for v in r[f"{key}_eager_and_state"]),
+              lambda: r[f"{key}_eager_and_state"])
     # Parameters sharing storage with other tensors, or over a file (torch.load mmap=True):
     # stored, exact, and the other tensors' bytes left to them.
     for key in ("assign", "mmap"):
-        assert r[f"shared_{key}_exact"] == [True, True], (key, r[f"shared_{key}_exact"])
-        assert r[f"shared_{key}_hollow"] > 0, key
-    assert r["shared_dict_intact"] and r["shared_resident_exact"]
+        check(f"shared {key}: exact", lambda: r[f"shared_{key}_exact"] == [True, True],
+              lambda: r[f"shared_{key}_exact"])
+        check(f"shared {key}: stored", lambda: r[f"shared_{key}_stored"] > 0,
+              lambda: r[f"shared_{key}_stored"])
+    check("shared dict intact, resident model exact",
+          lambda: r["shared_dict_intact"] and r["shared_resident_exact"])
     # Two models sharing a layer share a runtime: releasing one gives both their weights
     # back, and both compiled models store them again, exactly.
-    assert r["shared_layer_exact"] == [True, True]
-    assert r["shared_layer_eager"] == [True, True], r["shared_layer_eager"]
-    assert r["shared_layer_hollow"] == 0
-    assert r["shared_layer_again"] == [True, True], r["shared_layer_again"]
-    assert len(r["shared_layer_eager_and_state"]) > 10
-    assert all(v is True for v in r["shared_layer_eager_and_state"]), r["shared_layer_eager_and_state"]
+    check("shared layer: exact", lambda: r["shared_layer_exact"] == [True, True],
+          lambda: r["shared_layer_exact"])
+    check("shared layer: eager exact", lambda: r["shared_layer_eager"] == [True, True],
+          lambda: r["shared_layer_eager"])
+    check("shared layer: nothing stored after release", lambda: r["shared_layer_stored"] == 0,
+          lambda: r["shared_layer_stored"])
+    check("shared layer: stored again, exact", lambda: r["shared_layer_again"] == [True, True],
+          lambda: r["shared_layer_again"])
+    check("shared layer: more than 10 eager and state checks",
+          lambda: len(r["shared_layer_eager_and_state"]) > 10,
+          lambda: r["shared_layer_eager_and_state"])
+    check("shared layer: eager calls and state_dict exact",
+          lambda: all(v is True for v in r["shared_layer_eager_and_state"]),
+          lambda: r["shared_layer_eager_and_state"])
     # A model built in memory and one from dlo_fx.load share Dynamo's graphs, in either
     # order, with and without a graph break in the blocks; the loaded one, released, is
     # stored again by its next compiled call.
     for graph_break in (False, True):
         for order in ("built_loaded", "loaded_built"):
             key = f"built_and_loaded_{graph_break}_{order}"
-            assert r[key] == [True] * 6, (key, r[key])
-    assert r["skipped_forwards"] == [True] * 6, r["skipped_forwards"]
+            check(key, lambda: r[key] == [True] * 6, lambda: r[key])
+    check("skipped forwards", lambda: r["skipped_forwards"] == [True] * 6,
+          lambda: r["skipped_forwards"])
     # .to() the runtime's own device, any spelling: a no-op.
     for key in ("to device(type='cpu', index=0)", "to 'cpu'", "to 'cpu:0'",
                 "to device(type='cpu')", "cpu()"):
-        assert r[key] == "", (key, r[key])
-    assert r["hollow_after_to_cpu"] == r["hollow"] and r["exact_after_to_cpu"]
+        check(f"{key}: a no-op", lambda: r[key] == "", lambda: r[key])
+    check("to cpu: still stored, exact", lambda: r["stored_after_to_cpu"] == r["stored"]
+          and r["exact_after_to_cpu"])
     # another dtype: ValueError naming dlo and the way out; nothing converted.
     for key in ("to_fp16", "float"):
-        assert r[key].startswith("ValueError: dlo:"), r[key]
-        assert "dlo_fx.release(model)" in r[key] and "dtype=" in r[key]
-        assert re.search(r"parameter '[\w.]+'", r[key]), r[key]  # names the parameter FQN
-        assert "strides" not in r[key], r[key]  # said only of a memory-format change
-    assert r["dtypes_after_fp16"] == r["dtypes_before"] and r["exact_after_fp16"]
+        check(f"{key}: a ValueError of dlo's", lambda: r[key].startswith("ValueError: dlo:"),
+              lambda: r[key])
+        check(f"{key}: names release and dtype=",
+              lambda: "dlo_fx.release(model)" in r[key] and "dtype=" in r[key], lambda: r[key])
+        check(f"{key}: names the parameter FQN",
+              lambda: re.search(r"parameter '[\w.]+'", r[key]), lambda: r[key])
+        check(f"{key}: says nothing of strides (a memory-format change only)",
+              lambda: "strides" not in r[key], lambda: r[key])
+    check("fp16: nothing converted, exact", lambda: r["dtypes_after_fp16"] == r["dtypes_before"]
+          and r["exact_after_fp16"])
     # state_dict: the real weights, saved by safetensors.
-    assert r["save_file"] == "" and r["saved_equal"] and r["state_strides"]
-    assert r["exact_after_state_dict"]
+    check("state_dict saved, equal, strides", lambda: r["save_file"] == "" and r["saved_equal"]
+          and r["state_strides"], lambda: r["save_file"])
+    check("exact after state_dict", lambda: r["exact_after_state_dict"])
     # load_state_dict: refused naming a stored parameter, nothing loaded.
     for key in ("load_state_dict", "load_state_dict_block"):
-        assert r[key].startswith("ValueError: dlo: cannot load_state_dict"), r[key]
-        assert "dlo_fx.release(model)" in r[key], r[key]
-        assert re.search(r"parameter '[\w.]+'", r[key]), r[key]
-    assert r["hollow_after_load"] == r["hollow"] and r["exact_after_load"]
+        check(f"{key}: refused", lambda: r[key].startswith(
+            "ValueError: dlo: cannot load_state_dict"), lambda: r[key])
+        check(f"{key}: names release", lambda: "dlo_fx.release(model)" in r[key],
+              lambda: r[key])
+        check(f"{key}: names the parameter FQN",
+              lambda: re.search(r"parameter '[\w.]+'", r[key]), lambda: r[key])
+    check("load_state_dict: still stored, exact",
+          lambda: r["stored_after_load"] == r["stored"] and r["exact_after_load"])
     # copy.deepcopy: refused naming a stored parameter (the copy would not own the host
     # store), model intact.
-    assert r["deepcopy"].startswith("ValueError: dlo: cannot deepcopy parameter"), r["deepcopy"]
-    assert "dlo_fx.release(model)" in r["deepcopy"] and r["exact_after_deepcopy"]
+    check("deepcopy: refused naming the parameter", lambda: r["deepcopy"].startswith(
+        "ValueError: dlo: cannot deepcopy parameter"), lambda: r["deepcopy"])
+    check("deepcopy: names release, model exact",
+          lambda: "dlo_fx.release(model)" in r["deepcopy"] and r["exact_after_deepcopy"],
+          lambda: r["deepcopy"])
     # param.data = ... and an in-place write of a stored parameter: refused at the write,
     # naming it; nothing changed.
     for key in ("replaced_data", "replaced_in_place"):
-        assert r[key].startswith("ValueError: dlo: "), r[key]
-        assert f"parameter '{r['replaced_name']}'" in r[key], r[key]
-        assert "dlo_fx.release(model)" in r[key], r[key]
-    assert r["exact_after_replaced"]
+        check(f"{key}: a ValueError of dlo's", lambda: r[key].startswith("ValueError: dlo: "),
+              lambda: r[key])
+        check(f"{key}: names the parameter",
+              lambda: f"parameter '{r['replaced_name']}'" in r[key], lambda: r[key])
+        check(f"{key}: names release", lambda: "dlo_fx.release(model)" in r[key],
+              lambda: r[key])
+    check("exact after the refused writes", lambda: r["exact_after_replaced"])
     # Reads outside the graph: an eager call of a layer and of the whole model, p.sum(),
     # p.float(), repr(p): exact.
-    assert r["eager_layer"] and r["eager_model"] and all(r["reads"]), r["reads"]
+    check("reads outside the graph exact",
+          lambda: r["eager_layer"] and r["eager_model"] and all(r["reads"]), lambda: r["reads"])
     # release: an ordinary module again.
-    assert r["release"] == "" and r["hollow_after_release"] == 0
-    assert r["runtimes_after_release"] == 0 and r["eager_after_release"]
-    assert r["deepcopy_after_release"]
-    assert r["to_fp16_after_release"] == "" and r["dtypes_after_release_fp16"] == ["torch.float16"]
+    check("release: no error, nothing stored",
+          lambda: r["release"] == "" and r["stored_after_release"] == 0, lambda: r["release"])
+    check("release: no runtime, eager exact",
+          lambda: r["runtimes_after_release"] == 0 and r["eager_after_release"])
+    check("release: deepcopy exact", lambda: r["deepcopy_after_release"])
+    check("release: to fp16 converts", lambda: r["to_fp16_after_release"] == ""
+          and r["dtypes_after_release_fp16"] == ["torch.float16"],
+          lambda: (r["to_fp16_after_release"], r["dtypes_after_release_fp16"]))
     # diffusers' save_pretrained from the host store.
-    assert r["save_pretrained"] == "" and r["save_pretrained_equal"]
+    check("save_pretrained: no error, equal",
+          lambda: r["save_pretrained"] == "" and r["save_pretrained_equal"],
+          lambda: r["save_pretrained"])
     # diffusers methods that rewrite the weights: refused naming the method, nothing changed.
-    for name, text in r["rewrites"].items():
-        assert text.startswith("ValueError: dlo: cannot call "), (name, text)
-        assert f".{name}()" in text and "dlo_fx.release(model)" in text, (name, text)
-    assert r["rewrites_left_nothing"]
+    for name, text in r.get("rewrites", {"(the rewrites were not reported)": ""}).items():
+        check(f"{name}: refused", lambda: text.startswith("ValueError: dlo: cannot call "),
+              lambda: text)
+        check(f"{name}: names the method and release",
+              lambda: f".{name}()" in text and "dlo_fx.release(model)" in text, lambda: text)
+    check("the rewrites left nothing changed", lambda: r["rewrites_left_nothing"])
     # fuse_qkv_projections reads the stored weights into new fused ones: exact.
-    assert r["fuse_qkv"] == "" and r["fuse_qkv_exact"] == [True, True], (r["fuse_qkv"],
-                                                                         r["fuse_qkv_exact"])
-    assert r["hotswap"].startswith("ValueError: dlo: cannot hotswap a LoRA adapter"), r["hotswap"]
-    assert "hotswap=True" in r["hotswap"] and "dlo_fx.release(model)" in r["hotswap"]
-    assert not r["lora_load"].startswith("ValueError: dlo:"), r["lora_load"]
-    assert r["channels_last"].startswith("ValueError: dlo: cannot convert"), r["channels_last"]
-    assert "strides" in r["channels_last"] and "patch_embedding.weight" in r["channels_last"]
-
+    check("fuse_qkv: no error, exact",
+          lambda: r["fuse_qkv"] == "" and r["fuse_qkv_exact"] == [True, True],
+          lambda: (r["fuse_qkv"], r["fuse_qkv_exact"]))
+    check("hotswap: refused", lambda: r["hotswap"].startswith(
+        "ValueError: dlo: cannot hotswap a LoRA adapter"), lambda: r["hotswap"])
+    check("hotswap: names hotswap=True and release",
+          lambda: "hotswap=True" in r["hotswap"] and "dlo_fx.release(model)" in r["hotswap"],
+          lambda: r["hotswap"])
+    check("a plain LoRA load passes through", lambda: not r["lora_load"].startswith(
+        "ValueError: dlo:"), lambda: r["lora_load"])
+    check("channels_last: refused", lambda: r["channels_last"].startswith(
+        "ValueError: dlo: cannot convert"), lambda: r["channels_last"])
+    check("channels_last: names strides and the parameter",
+          lambda: "strides" in r["channels_last"]
+          and "patch_embedding.weight" in r["channels_last"], lambda: r["channels_last"])
+    facts.verify()
 
 def _state_dict_two_ranks():
     with tempfile.TemporaryDirectory() as folder:
@@ -588,19 +670,25 @@ def test_harmful_option_at_compile_leaves_model_intact():
     assert torch.equal(run(model, inputs), expected)  # still an ordinary, eager module
 
 
-# -- the runtime never reaches up into the policy ------------------------------------------------
-def test_runtime_imports_nothing_from_policy():
+# -- the runtime never reaches up into the planning ----------------------------------------------
+def _imported_modules(path, package: str):
+    """Every module ``path`` (a module of ``package``) imports, as absolute names; ``from X
+    import y`` counts as both ``X`` and ``X.y``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] \
+                if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            yield module
+            yield from (f"{module}.{a.name}" for a in node.names)
+
+
+def test_runtime_imports_nothing_from_planning():
     bad = []
-    for path in sorted((ROOT / "dlo_fx" / "runtime").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                module = node.module or ""
-                if (node.level >= 2 and module.split(".")[0] == "policy") or \
-                        module.startswith("dlo_fx.policy") or \
-                        (node.level >= 2 and not module and any(a.name == "policy"
-                                                                 for a in node.names)):
-                    bad.append(f"{path.name}:{node.lineno}")
-            elif isinstance(node, ast.Import):
-                if any(a.name.startswith("dlo_fx.policy") for a in node.names):
-                    bad.append(f"{path.name}:{node.lineno}")
+    for path in sorted((ROOT / "dlo_fx" / "runtime").rglob("*.py")):
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+        bad += [f"{path.relative_to(ROOT)}: {m}" for m in _imported_modules(path, package)
+                if m == "dlo_fx.planning" or m.startswith("dlo_fx.planning.")]
     assert bad == [], bad

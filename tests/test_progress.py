@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -19,6 +20,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TIMEOUT_S = 300
+#: a frame of ``dlo-fx shard``'s bar: percentage, count and total, the unit in the rate
+SHARD_BAR = re.compile(r"dlo-fx shard: blocks read and written:\s*(\d+)%\|[^|\r\n]*\|\s*"
+                       r"(\d+)/(\d+) \[[^\]\r\n]*block/s\]")
 
 
 def on_terminal(args: list[str], cwd: str) -> tuple[int, str]:
@@ -93,4 +97,15 @@ def test_shard_shows_a_bar_on_a_terminal(tmp_path):
             json.dumps({"width": 64, "depth": 2, "heads": 4})]
     status, shown = on_terminal(args, str(tmp_path))
     assert status == 0, shown
-    assert "dlo-fx shard:" in shown and "block" in shown, shown
+    # tqdm's bar as it draws it on a terminal, once per block read and written:
+    # "dlo-fx shard: blocks read and written:  50%|#####     | 4/8 [00:00<00:00, 9.1block/s]"
+    frames = SHARD_BAR.findall(shown)
+    assert frames, shown
+    blocks = json.loads((tmp_path / "shards" / "dlo-shards.json").read_text())["blocks"]
+    assert blocks > 0
+    total = 2 * blocks  # each block read (fingerprinted), then written
+    assert {int(t) for _, _, t in frames} == {total}, frames
+    counts = [int(n) for _, n, _ in frames]
+    assert counts == sorted(counts) and sorted(set(counts)) == list(range(total + 1)), counts
+    for percent, n, _ in frames:
+        assert abs(int(percent) - 100 * int(n) / total) <= 0.5, (percent, n, total)

@@ -2,8 +2,8 @@
 
 See [Note: the collective clock of a shard group] in runtime/clock.py, [Note: one call at a
 time] in runtime/graph_call.py,
-[Note: interrupts and slot state] in runtime/interrupts.py and [Note: eager reads of
-streamed parameters] in runtime/eager.py.
+[Note: interrupts and slot state] in runtime/interrupts.py and [Note: a stored weight is a tensor]
+(its reads outside a graph) in runtime/stored.py.
 """
 
 from __future__ import annotations

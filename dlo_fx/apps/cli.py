@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump", help="compile a model with dlo and write its schedule dumps")
     add_dump_arguments(dump)
 
-    from ..loading.shards import add_shard_arguments
+    from .shard import add_shard_arguments
 
     shard = sub.add_parser("shard", help="write per-rank shard files of a checkpoint, so "
                            "each rank reads only its own 1/N (dlo_fx.load accepts the folder)")
@@ -99,7 +99,7 @@ def run_command(args: argparse.Namespace) -> int:
 
         return run_dump(args)
     if args.command == "shard":
-        from ..loading.shards import run_shard
+        from .shard import run_shard
 
         return run_shard(args)
     if args.command == "plan":

@@ -36,6 +36,7 @@ from ..model.guard import release as release_module
 from ..model.state import peek, state_of
 from ..model.storage_dtype import take_over_hooks
 from ..runtime.owners import owner_of, runtimes_holding
+from ..runtime.stored import release_advice
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +170,10 @@ def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
     differing = config.differing(given)
     if differing:
         raise ValueError(f"compile_pipeline: options for {type(pipe).__name__}.{name} differ "
-                         f"from those {where}: {'; '.join(differing)}. Options are given once: "
-                         "pass the same options (or none, to keep them), or call "
-                         "dlo_fx.release(pipe) first; nothing was changed")
+                         f"from those {where}: {'; '.join(differing)}; nothing was changed. "
+                         "Options are given once. " + release_advice(
+                             instead="pass the same options (or none, to keep them)",
+                             target="pipe"))
 
 
 def release(target: Any) -> Any:

@@ -36,19 +36,16 @@ blocks are then served from the rank file; with ``"memory"`` each rank reads its
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import importlib
 import json
 import os
 import shutil
 import struct
-import sys
 import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -203,11 +200,13 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
                     key_map: Any = None, strict: bool = True,
                     options: Mapping[str, Any] | DLOConfig | None = None,
                     resident: Sequence[str] = (),
-                    subfolder: Optional[str] = None) -> dict[str, Any]:
+                    subfolder: Optional[str] = None,
+                    progress: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
     """Write the per-rank shard files of ``checkpoint`` (its ``subfolder``, for a
     component of a diffusers pipeline folder) for ``dp`` ranks into ``out`` (see
     [Note: pre-sharded checkpoints]); returns the manifest. ``dp=1`` writes whole blocks
-    (for rank-local mode or one rank). The arguments are `dlo_fx.load`'s."""
+    (for rank-local mode or one rank). The arguments are `dlo_fx.load`'s; ``progress(done,
+    total)`` is told of each block read (fingerprinted), then of each block written."""
     from .discover import resolve_checkpoint
     from .gguf import is_gguf
     from .plan import plan_load
@@ -231,7 +230,9 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         (out / MANIFEST).unlink()  # a half-written folder is never taken for a finished one
     shard_id = uuid.uuid4().hex
     specs, offsets, fingerprints = [], [], []
-    bar = _bar(2 * len(plan.blocks))  # each block read (fingerprint), then written
+    report = progress or (lambda done, total: None)
+    steps = 2 * len(plan.blocks)  # each block read (fingerprint), then written
+    report(0, steps)
     for b in range(len(plan.blocks)):
         offs, total = _block_bytes(plan, b, cfg.alignment)
         offsets.append(offs)
@@ -239,7 +240,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         entries = _entries(plan.blocks[b], offs)  # as `dlo_fx.load` fingerprints the checkpoint
         fingerprints.append(file_fingerprint(
             entries, extent_sources(entries, checkpoint_extents(plan.blocks[b], entries))))
-        bar.update()
+        report(b + 1, steps)
     checks: list[list[str]] = [[] for _ in range(dp)]
     crcs: list[list[int]] = [[] for _ in range(dp)]
     sizes = [s.shard_bytes if dp > 1 else s.padded_bytes for s in specs]
@@ -259,9 +260,8 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
                 crcs[r].append(zlib.crc32(data))
                 f.write(data)
             del flat
-            bar.update()
+            report(len(plan.blocks) + b + 1, steps)
     finally:
-        bar.close()
         for f in handles:
             f.close()
     common: dict[str, torch.Tensor] = {}
@@ -533,77 +533,3 @@ class ShardDir:
         """Block ``index``'s fingerprint of the checkpoint, as `dlo_fx.load` takes it
         (`runtime.fingerprint.file_fingerprint`), recorded when the folder was written."""
         return int(self.manifest["fingerprints"][index])
-
-
-def _bar(total: int) -> Any:
-    """A tqdm bar over the blocks on a terminal (off otherwise)."""
-    from tqdm.auto import tqdm
-
-    try:
-        shown = sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        shown = False
-    return tqdm(total=total, desc="dlo-fx shard: blocks read and written", unit="block",
-                leave=False, disable=not shown)
-
-
-# -- the command -----------------------------------------------------------------------------
-def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="safetensors file, folder, index or cached hub id")
-    parser.add_argument("--subfolder", default=None,
-                        help="the component folder inside a diffusers pipeline folder, e.g. "
-                        "transformer (as dlo_fx.load(..., subfolder=...))")
-    parser.add_argument("--dp", type=int, required=True, help="ranks of the shard group")
-    parser.add_argument("--out", required=True, help="folder to write the shard files into")
-    parser.add_argument("--model", default=None,
-                        help="module:attr of the model class or factory (default: the diffusers "
-                        "class named by the checkpoint's config.json)")
-    parser.add_argument("--config", default=None,
-                        help="JSON object of constructor arguments (default: config.json)")
-    parser.add_argument("--dtype", default=None, help="cast floating-point weights, e.g. bfloat16")
-    parser.add_argument("--storage-dtype", default=None,
-                        help="store the linear and convolution weights in this dtype, e.g. "
-                        "float8_e4m3fn, converted block by block while sharding (the "
-                        "storage_dtype option; load with the same)")
-    parser.add_argument("--options", default="{}",
-                        help="JSON dlo options the model will be loaded with (alignment, "
-                        "block_bytes, resident_bytes)")
-    parser.add_argument("--resident", action="append", default=[],
-                        help="parameter FQN or module prefix to keep resident (repeatable)")
-
-
-def _model_from(spec: Optional[str], ckpt_path: str, subfolder: Optional[str] = None) -> Any:
-    if spec is not None:
-        module, _, attr = spec.partition(":")
-        if not attr:
-            raise ValueError(f"dlo-fx shard: --model {spec!r} must be module:attr")
-        return getattr(importlib.import_module(module), attr)
-    from .discover import resolve_checkpoint
-
-    folder = resolve_checkpoint(ckpt_path, subfolder).folder
-    config = Path(folder) / "config.json" if folder else None
-    if config is None or not config.is_file():
-        raise ValueError("dlo-fx shard: no config.json next to the checkpoint; pass --model")
-    name = json.loads(config.read_text()).get("_class_name")
-    import diffusers
-
-    if not name or not hasattr(diffusers, name):
-        raise ValueError(f"dlo-fx shard: config.json names class {name!r}, not a diffusers "
-                         "class; pass --model")
-    return getattr(diffusers, name)
-
-
-def run_shard(args: argparse.Namespace) -> int:
-    options = json.loads(args.options)
-    if args.storage_dtype is not None:
-        options["storage_dtype"] = args.storage_dtype
-    manifest = write_shard_dir(
-        _model_from(args.model, args.checkpoint, args.subfolder), args.checkpoint, args.out,
-        subfolder=args.subfolder, dp=args.dp,
-        config=json.loads(args.config) if args.config else None,
-        dtype=_dtype(args.dtype) if args.dtype else None, options=options,
-        resident=tuple(args.resident))
-    total = sum(manifest["files"].values())
-    print(f"wrote {len(manifest['files'])} files ({total} bytes) for dp={manifest['dp']}, "
-          f"{manifest['blocks']} blocks, plan {manifest['plan_digest'][:12]}, into {args.out}")
-    return 0

@@ -50,7 +50,8 @@ from torch import nn
 from .. import torch_private
 from ..config import same_device
 from ..runtime.owners import Owner, claim, owned_by, owner_of, runtimes_holding
-from ..runtime.stored import become_real, is_stored, mark_released, real_parameter
+from ..runtime.stored import (become_real, is_stored, mark_released, real_parameter,
+                              release_advice)
 from .state import guarded_modules, peek, state_of
 from .storage_dtype import forget_storage_marks
 
@@ -93,16 +94,14 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
                     "dlo_fx.compile_pipeline(pipe), which takes the casting over, or call "
                     "dlo_fx.take_over_layerwise_casting(model) before "
                     "torch.compile, or build the model without it and pass options="
-                    "{'storage_dtype': torch.float8_e4m3fn}; dlo_fx.release(model) gives "
-                    "this one its weights back")
+                    "{'storage_dtype': torch.float8_e4m3fn}. " + release_advice(
+                        then="to give this one its weights back"))
             raise ValueError(
                 f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
                 f"{probe.dtype}{to}: parameter {fqn!r} ({p.device}, {p.dtype}{had}) has its "
                 "weights "
-                "in a dlo host store, and the module is left unchanged. Call "
-                "dlo_fx.release(model) first to put the weights back into the parameters, or "
-                "load the model with dlo_fx.load(..., dtype=...) and options={'device': ...} "
-                "for the dtype and device it should run in")
+                "in a dlo host store, and the module is left unchanged. " + release_advice(
+                    then="to put the weights back into the parameters", load=True))
 
 
 def _casts_layerwise(module: nn.Module) -> bool:
@@ -155,8 +154,9 @@ def _refuse_load(module: nn.Module, state_dict: dict, prefix: str, *unused: Any)
             raise ValueError(
                 f"dlo: cannot load_state_dict into {type(module).__name__}: parameter {key!r} "
                 "has its weights in a dlo host store, where the compiled model reads them, and "
-                "nothing was loaded. Call dlo_fx.release(model) first, load the weights, then "
-                "compile the model again; or load the new checkpoint with dlo_fx.load")
+                "nothing was loaded. " + release_advice(
+                    then="and load the weights, then compile the model again",
+                    after="load the new checkpoint with dlo_fx.load"))
 
 
 # -- diffusers and peft methods that rewrite the weights ---------------------------------------
@@ -176,14 +176,14 @@ _PEFT_ONLY = ("merge", "unmerge")  # generic names: shadowed on peft's layers on
 
 def _refusal(owner: str, name: str) -> ValueError:
     if name == "enable_layerwise_casting":  # its hooks cast around every call: never works
-        advice = ("dlo stores and casts low-precision weights itself: load or compile the "
-                  "model with options={'storage_dtype': torch.float8_e4m3fn} (the same "
-                  "layers and casts as layerwise casting), or call "
-                  "dlo_fx.release(model) first and run it without dlo")
+        advice = "dlo stores and casts low-precision weights itself. " + release_advice(
+            instead="load or compile the model with options={'storage_dtype': "
+                    "torch.float8_e4m3fn} (the same layers and casts as layerwise casting)",
+            then="and run it without dlo")
     else:
-        advice = (f"Call {name}() before the weights are stored (before the model's first "
-                  "call compiled with backend='dlo'), or call dlo_fx.release(model) first and "
-                  "compile it again")
+        advice = release_advice(instead=f"call {name}() before the weights are stored (before "
+                                        "the model's first call compiled with backend='dlo')",
+                                then="and compile it again")
     return ValueError(
         f"dlo: cannot call {owner}.{name}(): {_REWRITING[name]}, and its weights are in a "
         f"dlo host store; nothing was changed. {advice}")
@@ -205,9 +205,9 @@ def _guarded_lora_load(module_ref: "weakref.ReferenceType[nn.Module]", original:
         raise ValueError(
             f"dlo: cannot hotswap a LoRA adapter into {type(module).__name__}: hotswapping "
             "copies the new adapter's weights into the loaded adapter's in place, and those "
-            "are in a dlo host store; nothing was changed. Load it without hotswap=True (the "
-            "next call stores the new adapter and Dynamo recompiles), or call "
-            "dlo_fx.release(model) first")
+            "are in a dlo host store; nothing was changed. " + release_advice(
+                instead="load it without hotswap=True (the next call stores the new adapter "
+                        "and Dynamo recompiles)"))
     return original(module, *args, **kwargs)
 
 

@@ -11,7 +11,7 @@ picks (`layerwise_layers`): its default skip patterns, the model's
 layers; the casts are the same (``fp8 -> compute dtype`` before the layer runs), so the
 output is bit-identical to the model with layerwise casting run resident.
 
-The choice is a mark on each parameter (`mark_storage`, read by `storage_of`), made on the
+The choice is a mark on each parameter (`mark_storage`, read by `storage_dtype_of`), made on the
 whole model before its first graph is scheduled, so a graph Dynamo reuses for the next
 layer stores that layer's weights the same way. A stored parameter keeps its own dtype (a
 bf16 `StoredWeight` whose bytes are fp8): that is what Dynamo traces with, what
@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from ..runtime.layout import STORAGE_MARK as _MARK
-from ..runtime.layout import is_composite, storage_of
+from ..runtime.layout import is_composite, storage_dtype_of
 from ..runtime.stored import is_stored
 from ..torch_private import swap_in_place
 
-__all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage_of",
+__all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage_dtype_of",
            "take_over_layerwise_casting"]
 
 DEFAULT_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
@@ -224,7 +224,7 @@ def mark_model(roots: Sequence[nn.Module], dtype: Optional[torch.dtype],
         if dtype is not None:
             mark_storage(root, dtype)
         for name, p in root.named_parameters():
-            stored = storage_of(p)
+            stored = storage_dtype_of(p)
             if stored is None or is_stored(p):
                 continue
             marked.setdefault((stored, p.dtype), f"parameter {name!r}")
@@ -239,7 +239,7 @@ def round_to_storage(param: torch.Tensor) -> None:
     """Give a marked parameter that stays resident (never stored) the values its storage
     dtype holds, in place: the layer computes with ``fp8 -> compute dtype`` values, as the
     layerwise-cast model does, whether or not dlo streams it. Idempotent."""
-    stored = storage_of(param)
+    stored = storage_dtype_of(param)
     if stored is None or is_composite(param) or getattr(param, _ROUNDED, False):
         return
     with torch.no_grad():

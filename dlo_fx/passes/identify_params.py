@@ -21,7 +21,7 @@ from torch import fx
 
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..runtime.layout import leaf_tensors, param_bytes, span_bytes, storage_of
+from ..runtime.layout import leaf_tensors, param_bytes, span_bytes, storage_dtype_of
 from ..runtime.stored import is_stored
 from .context import ParamInfo, PassContext
 
@@ -56,7 +56,7 @@ def identify_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not is_param_placeholder(node, value):
             continue
         entry = ctx.runtime.store.entry(value) if ctx.runtime is not None else None
-        stored_as = storage_of(value)  # see [Note: a storage dtype] in runtime/layout.py
+        stored_as = storage_dtype_of(value)  # see [Note: a storage dtype] in runtime/layout.py
         if entry is not None:
             fqn = entry.fqn
             stored_as = entry.dtype if entry.compute_dtype is not None else None

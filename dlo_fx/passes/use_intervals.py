@@ -19,9 +19,9 @@ from typing import Iterator
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
+from .. import torch_private
 from .context import ParamInfo, PassContext
 
 _VIEW_NAMES = {
@@ -32,11 +32,12 @@ _VIEW_NAMES = {
 }
 
 
-def _storages(value: object) -> Iterator[StorageWeakRef]:
+def _storages(value: object) -> Iterator[int]:
+    """The storage identities (`torch_private.storage_key`) of ``value``'s tensors."""
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             try:
-                yield StorageWeakRef(leaf.untyped_storage())
+                yield torch_private.storage_key(leaf)
             except (NotImplementedError, RuntimeError):
                 continue
 
@@ -49,7 +50,7 @@ def _target_name(node: fx.Node) -> str:
 def use_intervals(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     ctx.order = {n: i for i, n in enumerate(nodes)}
-    by_storage: dict[StorageWeakRef, list[ParamInfo]] = {}
+    by_storage: dict[int, list[ParamInfo]] = {}
     alias_of: dict[fx.Node, list[ParamInfo]] = {}
     for info in ctx.params:
         alias_of[info.node] = [info]

@@ -54,7 +54,7 @@ import torch
 from .file_store import Extent, FileShard, FileStore, read_extents
 from .host_slabs import HostSlabs
 from .layout import (Entry, ShardSpec, copy_into_shard, lay_out, leaf_entries, leaf_tensors,
-                     storage_of, stored_bytes)
+                     storage_dtype_of, stored_bytes)
 from .stored import become_stored, is_stored
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class HostStore:
         index, cursor, entries = len(self.blocks), 0, []
         for p, fqn in zip(params, fqns):
             entry, cursor = lay_out(p, fqn, cursor, self.alignment,
-                                    self._next_uid + len(entries), index, storage_of(p))
+                                    self._next_uid + len(entries), index, storage_dtype_of(p))
             entries.append(entry)
         return entries, ShardSpec.of(cursor, self.dp, self.alignment)
 

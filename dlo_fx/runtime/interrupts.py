@@ -11,7 +11,7 @@ while a section is open, and the section raises it on exit, once the state is wh
 
 Blocking waits stay outside these sections: Ctrl-C while a call waits on a copy or a
 gather interrupts the wait at once, and the runtime keeps the pending handle, so the next
-wait on that slot (or the completion of the graph, see `Runtime.run_graph`) waits again.
+wait on that slot (or the completion of the graph, see `graph_call.run_graph`) waits again.
 The handler chains to the one it replaced (Python's default raises ``KeyboardInterrupt``);
 a program that installs its own ``SIGINT`` handler later simply gets no deferral.
 """

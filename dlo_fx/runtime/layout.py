@@ -59,7 +59,7 @@ STORAGE_MARK = "_dlo_storage_dtype"
 (`dlo_fx.model.storage_dtype.mark_storage`)."""
 
 
-def storage_of(param: torch.Tensor) -> Optional[torch.dtype]:
+def storage_dtype_of(param: torch.Tensor) -> Optional[torch.dtype]:
     """The dtype ``param`` is to be stored in when it differs from its own, else None."""
     dtype = getattr(param, STORAGE_MARK, None)
     return dtype if dtype is not None and dtype != param.dtype else None

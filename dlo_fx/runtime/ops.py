@@ -13,16 +13,18 @@ idempotent on the slot state, so one interrupted half-way simply runs again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch.fx.node import has_side_effect
 
 from .owners import claim, owner_of
 from .runtime import Runtime
+from .stored import release_advice
 from ..torch_private import profiler_enabled
 
 
@@ -124,8 +126,9 @@ class GraphSchedule(torch.nn.Module):
 def conflict_message(differing: Sequence[str]) -> str:
     return ("dlo: torch.compile options differ from the options this model's runtime was "
             "built with (at dlo_fx.load or its first compile): " + "; ".join(differing) +
-            ". Options are given once: compile with options=None to inherit them, or call "
-            "dlo_fx.release(model) and load or compile again")
+            ". Options are given once. " +
+            release_advice(instead="compile with options=None to inherit them",
+                           then="and load or compile again"))
 
 
 # [Note: profiler spans]
@@ -133,21 +136,26 @@ def conflict_message(differing: Sequence[str]) -> str:
 # ``record_function`` span named ``dlo::<kind> block <b>`` on the thread that runs the
 # graph, so a trace shows when a copy or a gather was issued and how long compute stood
 # waiting for a block, beside the kernels (on a device the copies and gathers themselves
-# show as the stream's memcpy and collective kernels). Without a profiler a call pays one
-# flag read per op (`torch_private.profiler_enabled`): no span, no context manager.
-def _span(kind: str, block: int) -> Any:
-    return torch.profiler.record_function(f"dlo::{kind} block {block}")
+# show as the stream's memcpy and collective kernels). `_profiled` is the one place that
+# decides: without a profiler a call pays one flag read per op
+# (`torch_private.profiler_enabled`): no span, no context manager.
+def _profiled(kind: str) -> Callable[[Callable], Callable]:
+    """An op ``(sched, block, ...)`` run inside a span named for its block while a profiler
+    records. See [Note: profiler spans]."""
+    def wrap(op: Callable) -> Callable:
+        @functools.wraps(op)
+        def spanned(sched: GraphSchedule, block: int, *args: Any) -> Any:
+            if not profiler_enabled():
+                return op(sched, block, *args)
+            with torch.profiler.record_function(f"dlo::{kind} block {block}"):
+                return op(sched, block, *args)
+        return spanned
+    return wrap
 
 
+@_profiled("prefetch")
 def prefetch(sched: GraphSchedule, block: int, *params: torch.nn.Parameter) -> None:
     """Start copying graph block ``block``'s host shard into its slot."""
-    if profiler_enabled():  # see [Note: profiler spans]
-        with _span("prefetch", block):
-            return _prefetch(sched, block, params)
-    _prefetch(sched, block, params)
-
-
-def _prefetch(sched: GraphSchedule, block: int, params: Sequence[torch.nn.Parameter]) -> None:
     runtime = sched.enter()
     host_block = runtime.resolve(params, sched.fqns[block])
     sched.bound[block] = host_block
@@ -155,23 +163,17 @@ def _prefetch(sched: GraphSchedule, block: int, params: Sequence[torch.nn.Parame
     sched.step += 1
 
 
+@_profiled("allgather")
 def allgather(sched: GraphSchedule, block: int) -> None:
     """Complete graph block ``block`` in its slot from every rank's shard (in place)."""
-    if profiler_enabled():
-        with _span("allgather", block):
-            sched.enter().allgather(sched.bound[block], sched.slot_of[block])
-    else:
-        sched.enter().allgather(sched.bound[block], sched.slot_of[block])
+    sched.enter().allgather(sched.bound[block], sched.slot_of[block])
     sched.step += 1
 
 
+@_profiled("wait")
 def wait(sched: GraphSchedule, block: int) -> None:
     """Block until graph block ``block`` is complete in its slot."""
-    if profiler_enabled():
-        with _span("wait", block):
-            sched.enter().wait(sched.bound[block], sched.slot_of[block])
-    else:
-        sched.enter().wait(sched.bound[block], sched.slot_of[block])
+    sched.enter().wait(sched.bound[block], sched.slot_of[block])
     sched.step += 1
 
 

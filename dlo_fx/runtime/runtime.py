@@ -165,7 +165,8 @@ class Runtime(SlotMachine, WeightReads):
     # -- the mode and the store it implies ---------------------------------------------
     def set_mode(self, mode: str, reason: str) -> None:
         """Settle the mode (and so the store's shard geometry): before any block is stored.
-        ``mode="auto"`` is decided by the caller (`passes.choose_mode`, the loader)."""
+        ``mode="auto"`` is decided by the caller (`planning.modes.choose_mode`, called by the
+        compile's probes and by the loader)."""
         if mode not in ("allgather", "rank_local"):
             raise ValueError(f"dlo: mode {mode!r} is not 'allgather' or 'rank_local'")
         if self.store.blocks:
@@ -258,7 +259,8 @@ class Runtime(SlotMachine, WeightReads):
         in files (the loader's blocks, `HostStore.add_block`)."""
         if self.mode is None:
             raise RuntimeError("dlo: internal error: a block is stored before the mode is "
-                               "decided (passes.choose_mode or the loader decides it)")
+                               "decided (planning.modes.choose_mode decides it, for the "
+                               "compile and the loader alike)")
         if self.closed:
             raise RuntimeError("dlo: this runtime was released; compile the model again")
         block = self.store.add_block(params, fqns, extents=extents, defer=True)

@@ -67,6 +67,22 @@ _OURS = ("_dlo_token", "_dlo_origin", "_dlo_steps", "_dlo_bits", "_dlo_released"
 _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # runtimes warned about once
 _WARN_LOCK = threading.Lock()
 
+_LOAD_ADVICE = ("load the model with dlo_fx.load(..., dtype=...) and options={'device': ...} "
+                "for the dtype and device it should run in")
+
+
+def release_advice(instead: str = "", then: str = "", load: bool = False, after: str = "",
+                   target: str = "model") -> str:
+    """The way out that ends every refusal caused by weights in a dlo host store, in one
+    wording: ``instead`` (what works as it is), then releasing first (``then``: what to do
+    once released), then loading for the dtype and device wanted (``load``) and ``after``,
+    joined by "or", as one sentence without its full stop. ``target``: the name the
+    advice gives the object to release (``model``, ``pipe``)."""
+    release = f"call dlo_fx.release({target}) first" + (f" {then}" if then else "")
+    text = ", or ".join([s for s in (instead, release) if s] +
+                        ([_LOAD_ADVICE] if load else []) + ([after] if after else []))
+    return text[0].upper() + text[1:]
+
 
 @own_wrapper
 class StoredWeight(torch.Tensor):
@@ -134,8 +150,8 @@ class StoredWeight(torch.Tensor):
     def __deepcopy__(self, memo: Any) -> Any:
         raise ValueError(
             f"dlo: cannot deepcopy parameter {stored_name(self.origin)!r}: its weights are in "
-            "a dlo host store, which the copy would not own. Call dlo_fx.release(model) first "
-            "to put them back, or copy the weights alone with model.state_dict()")
+            "a dlo host store, which the copy would not own. " + release_advice(
+                then="to put them back", after="copy the weights alone with model.state_dict()"))
 
     def as_tensor(self) -> torch.Tensor:
         """A view of the weight, for code written for diffusers' ``GGUFParameter`` (whose
@@ -297,9 +313,9 @@ def _read(x: Any, cache: Optional[dict] = None) -> Any:
         raise ValueError(
             f"dlo: a stored weight of shape {tuple(origin.shape)} ({origin.dtype}) that no dlo "
             "runtime holds was read: a copy of a stored parameter made by other code (another "
-            "torch.compile backend, such as 'inductor', rebuilds it). Compile the model with "
-            "backend='dlo' (options={'compiler': 'inductor'} for Inductor's kernels), or call "
-            "dlo_fx.release(model) first to run it without dlo")
+            "torch.compile backend, such as 'inductor', rebuilds it). " + release_advice(
+                instead="compile the model with backend='dlo' (options={'compiler': "
+                        "'inductor'} for Inductor's kernels)", then="to run it without dlo"))
     if entry is None:
         raise ValueError(
             f"dlo: parameter of shape {tuple(origin.shape)} ({origin.dtype}) was stored by a "
@@ -339,10 +355,11 @@ def _unsupported_read(func: Any, stored: list, exc: BaseException) -> BaseExcept
     return NotImplementedError(
         f"dlo: parameter {entry.fqn!r} (a {kind}) was read outside a compiled graph by "
         f"{func}, which {kind} does not implement below torch functions (it implements "
-        "linear as a whole); outside a graph dlo reads a stored weight op by op. Run the "
-        "layers that use it inside the graph compiled with backend='dlo' (no graph break "
-        "around them), or call dlo_fx.release(model) to run it without dlo. "
-        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        "linear as a whole); outside a graph dlo reads a stored weight op by op. " +
+        release_advice(instead="run the layers that use it inside the graph compiled with "
+                               "backend='dlo' (no graph break around them)",
+                       then="to run it without dlo") +
+        f". ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
 def _warn_once(runtime: Any, fqn: str) -> None:
@@ -427,8 +444,8 @@ def _view(func: Any, args: Any, kwargs: Any, base: StoredWeight) -> Any:
         raise StoredViewError(
             f"dlo: {func} of parameter {stored_name(base.origin)!r} (stored by dlo) failed on "
             f"the parameter's metadata: {exc}. Where torch refuses it for a resident "
-            "parameter too, this is that refusal; otherwise read a copy first "
-            "(p.detach().clone()), or call dlo_fx.release(model) first") from exc
+            "parameter too, this is that refusal. " + release_advice(
+                instead="otherwise read a copy first (p.detach().clone())")) from exc
     recorded = tree_map(lambda a: _SELF if a is base else a, args)
     step = (func, recorded, kwargs)
     if isinstance(out, torch.Tensor):
@@ -443,8 +460,8 @@ def _view_output(base: StoredWeight, meta_base: torch.Tensor, out: Any, step: tu
     if torch_private.storage_key(out) != torch_private.storage_key(meta_base):
         raise ValueError(
             f"dlo: {step[0]} of parameter {stored_name(base.origin)!r} returns a tensor that "
-            "is not a view of it, which dlo cannot compute without reading it as a view; "
-            "read a copy first (p.detach().clone()) or call dlo_fx.release(model) first")
+            "is not a view of it, which dlo cannot compute without reading it as a view. " +
+            release_advice(instead="read a copy first (p.detach().clone())"))
     _check_reach(out, base.origin)
     return _alias(base, (step + (index,),), out)
 
@@ -478,8 +495,8 @@ def _check_reach(view: torch.Tensor, origin: StoredWeight) -> None:
             f"{view.storage_offset()}, {view.dtype}) reaches bytes {start} to {end} of the "
             f"parameter's storage, counted from its first element, outside its {span} bytes: "
             "the resident parameter's storage holds other tensors there, or ends, and dlo "
-            "holds the parameter's own bytes only; nothing was read. Take views within the "
-            "parameter, or call dlo_fx.release(model) first")
+            "holds the parameter's own bytes only; nothing was read. " +
+            release_advice(instead="take views within the parameter"))
 
 
 def _byte_range(view: torch.Tensor, origin: torch.Tensor) -> tuple[int, int]:
@@ -518,8 +535,8 @@ def _replayed(x: StoredWeight, value: torch.Tensor, name: str) -> torch.Tensor:
             raise ValueError(
                 f"dlo: {func} of parameter {name!r}, a tensor subclass stored as its inner "
                 "tensors, cannot be read: its inner tensors have no storage in common with "
-                "the layout the op names. Read a copy first (p.detach().clone()), or call "
-                "dlo_fx.release(model) first")
+                "the layout the op names. " +
+                release_advice(instead="read a copy first (p.detach().clone())"))
         value = func(*_put(args, value), **_put(kwargs, value))
         if index is not None:
             value = value[index]
@@ -564,20 +581,18 @@ def _no_pointer(t: StoredWeight, what: str) -> ValueError:
     return ValueError(
         f"dlo: {what} of parameter {stored_name(t.origin)!r} is refused: its weights are in "
         "a dlo host store and no memory of this process holds them as this tensor, so an "
-        "address would read memory that is not the weight. Read a copy (p.detach().clone(), "
-        "p.numpy() and torch.from_dlpack(p) give copies), or call dlo_fx.release(model) "
-        "first to put the weights back into the parameters")
+        "address would read memory that is not the weight. " + release_advice(
+            instead="read a copy (p.detach().clone(), p.numpy() and torch.from_dlpack(p) give "
+                    "copies)", then="to put the weights back into the parameters"))
 
 
 # -- writes and conversions -------------------------------------------------------------------
 def _refusal(t: StoredWeight, action: str) -> ValueError:
     return ValueError(
         f"dlo: {action} parameter {stored_name(t.origin)!r}, whose weights are in a dlo host "
-        "store where the compiled model reads them; nothing was written to it. Call "
-        "dlo_fx.release(model) first to put the weights back into the parameters (then change, "
-        "move or cast the module and compile it again), or load the model with "
-        "dlo_fx.load(..., dtype=...) and options={'device': ...} for the dtype and device it "
-        "should run in")
+        "store where the compiled model reads them; nothing was written to it. " +
+        release_advice(then="to put the weights back into the parameters (then change, move "
+                            "or cast the module and compile it again)", load=True))
 
 
 def _check_writes(func: Any, args: Any, kwargs: Any) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from ...planning import constants
+from .. import figures
 from ...planning.simulate import CallState, Event, simulate_call
 from .measure import BlockMeasure
 from .record import GraphDump
@@ -39,13 +39,13 @@ from .record import GraphDump
 @dataclass(frozen=True)
 class Assumptions:
     """What a prediction uses where nothing was measured: the generic node of
-    `dlo_fx.planning.constants`, the figures the planning study (``dlo-fx plan``) assumes."""
+    `dlo_fx.apps.figures`, the figures the planning study (``dlo-fx plan``) assumes."""
 
-    h2d_gbps: float = constants.value("generic_h2d_gbps")
+    h2d_gbps: float = figures.value("generic_h2d_gbps")
     """Host-to-device copy bandwidth, GB/s (PCIe 4.0 x16, pinned). Default: ``25.0``."""
-    gather_gbps: float = constants.value("generic_gather_gbps")
+    gather_gbps: float = figures.value("generic_gather_gbps")
     """Bytes an AllGather delivers to each rank per second, GB/s. Default: ``50.0``."""
-    compute_gbps: float = constants.value("generic_compute_gbps")
+    compute_gbps: float = figures.value("generic_compute_gbps")
     """Compute time of a block taken as its bytes over this rate, GB/s (a bf16 DiT block
     on ~4k tokens at ~400 TFLOP/s). Default: ``100.0``."""
 

@@ -4,9 +4,9 @@
 The ranks of a wave gather the same weights in lock-step, one AllGather per block per
 forward. A request field that changes how many forwards run, or their shapes, or which
 weights they read, would make one rank issue a different sequence of collectives than
-its peers and hang them. A pipeline that keeps a forward clock (see [Note: the collective
-clock] in clock.py) pads every rank to the same forwards and compiles every shape on every
-rank at once, so any requests may share a wave. For any other pipeline those fields form
+its peers and hang them. A pipeline that keeps a forward clock (see [Note: the forward
+clock of a wave] in clock.py) pads every rank to the same forwards and compiles every shape
+on every rank at once, so any requests may share a wave. For any other pipeline those fields form
 the *wave key*: every request of a wave must agree on all of them. ``extra_args`` is
 pipeline-specific and may change the forward schedule, so it is part of the key, compared
 as canonical JSON. The request-local fields (prompt, negative prompt, seed) only change

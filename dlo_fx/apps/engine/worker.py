@@ -251,7 +251,7 @@ def watch_front_end(front_end_pid: int) -> None:
     """Exit at once when the front end dies, wherever it is in a wave.
 
     A worker's parent is the fork server (see [Note: workers fork from a fork server] in
-    workers.py), which exits when the front end does: a parent-death signal covers that
+    worker_set.py), which exits when the front end does: a parent-death signal covers that
     path. A thread also waits on the front end's own pid (a pidfd, so a reused pid cannot
     fool it; where there is none, ``kill(pid, 0)`` every 0.25 s)."""
     try:

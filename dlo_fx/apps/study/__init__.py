@@ -5,7 +5,7 @@
 `formulas` prints every modelled quantity. Named constant sets are in `presets`, the
 comparison with published figures in `calibration`, docs/memory-model.md is rendered by
 `markdown`, and the ``plan`` command is in `cli`. The constants and their sources are in
-`dlo_fx.planning.constants`, shared with the dump's timeline. The library never imports
+`dlo_fx.apps.figures`, shared with the dump's timeline. The library never imports
 it: ``mode="auto"`` simulates the schedule (`dlo_fx.planning.modes`) instead.
 """
 
@@ -16,7 +16,7 @@ from .calibration import (
     minimax_inputs,
     wave_report,
 )
-from ...planning.constants import CONSTANTS, Constant
+from ..figures import CONSTANTS, Constant
 from .inputs import PlanInputs
 from .model import DEFINITIONS, Definition, evaluate, expression, formulas
 from .prediction import ModePrediction, Prediction, fits, predict, recommend

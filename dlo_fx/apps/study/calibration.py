@@ -1,6 +1,6 @@
 """The model against the published figures: fits, residuals and extrapolation.
 
-* `fit_staging_fraction` re-derives ``constants.CONSTANTS["staging_fraction"]``.
+* `fit_staging_fraction` re-derives ``figures.CONSTANTS["staging_fraction"]``.
 * `load_peak_report` compares the cgroup-visible load peak with the three published
   Ascend measurements.
 * `extrapolation_report` puts the model beside the DLO write-up's memory-scaling table.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ...planning.constants import PUBLISHED_EXTRAPOLATION, PUBLISHED_LOAD_PEAKS, PUBLISHED_WAVES, PublishedLoadPeak
+from ..figures import PUBLISHED_EXTRAPOLATION, PUBLISHED_LOAD_PEAKS, PUBLISHED_WAVES, PublishedLoadPeak
 from .inputs import PlanInputs
 from .prediction import predict
 from .presets import preset_fields

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, TextIO
 
 from . import model
 from .calibration import EXTRAPOLATION_PAIRS
-from ...planning.constants import PUBLISHED_EXTRAPOLATION
+from ..figures import PUBLISHED_EXTRAPOLATION
 from .inputs import GATHER_OVER, PlanInputs
 from .prediction import ModePrediction, Prediction, predict
 from .presets import PRESETS, preset_fields

@@ -1,7 +1,7 @@
 """`PlanInputs`: the validated inputs of one planning question.
 
 Units are the ones a person types: GB (10^9 bytes), GB/s and milliseconds. Defaults
-describe the generic node of `dlo_fx.planning.constants` (the same figures the dump's
+describe the generic node of `dlo_fx.apps.figures` (the same figures the dump's
 timeline assumes), perfect overlap, no lockstep cost and the load constants fitted on
 Ascend. Presets (`presets.py`) replace them with a documented constant set.
 """
@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 import sympy
 
-from ...planning import constants as c
+from .. import figures as c
 from .symbols import INPUT_SYMBOLS
 
 GATHER_OVER = ("dp", "world")

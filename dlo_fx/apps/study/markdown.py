@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from . import calibration as cal
 from . import model
-from ...planning.constants import CONSTANTS, GIB, PUBLISHED_DEVICE_PEAKS_GIB
+from ..figures import CONSTANTS, GIB, PUBLISHED_DEVICE_PEAKS_GIB
 from .prediction import predict
 from .symbols import SYMBOLS
 

@@ -2,7 +2,7 @@
 
 A preset sets some `PlanInputs` fields; several presets combine left to right (a node
 and a workload, e.g. ``b300-8gpu`` then ``minimax-h3``), and explicit inputs override
-them. Every value comes from `constants.CONSTANTS` and carries that constant's source.
+them. Every value comes from `figures.CONSTANTS` and carries that constant's source.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from ...planning.constants import CONSTANTS
+from ..figures import CONSTANTS
 from .inputs import input_field_names
 
 

@@ -1,4 +1,4 @@
-"""Every number the policy model uses that is not a user input, each with its source.
+"""Every published or assumed figure the applications use, each with its source.
 
 Kinds: ``measured`` (a published measurement used as is), ``derived`` (arithmetic on
 published figures, shown in the source), ``fitted`` (chosen so the model reproduces
