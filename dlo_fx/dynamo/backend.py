@@ -25,7 +25,8 @@ from torch import fx
 from .errors import CompileOptionsError
 from ..config import DLOConfig
 from ..passes import GraphPlan, PassContext, plan_graph, run_passes, schedule_of
-from ..passes.resident_set import device_budget_bytes
+from ..passes.resident_set import resolve_budget
+from .auto_budget import AutoResidency, copy_graph
 from .probes import probe_for_budget, settle_mode
 from ..runtime.agreement import compile_facts
 from ..model.guard import attach
@@ -104,30 +105,61 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     # Plan (no collective), settle mode="auto", then write the schedule: the probes and
     # the mode choice are collectives, run here and not in a pass (dynamo/probes.py).
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
-    ctx.device_budget = device_budget_bytes(ctx)
-    probe_for_budget(runtime, ctx.device_budget, bool(params))
+    budget, auto_capacity = resolve_budget(ctx)
+    ctx.device_budget = probe_for_budget(runtime, budget if auto_capacity is None
+                                         else auto_capacity, bool(params))
+    if auto_capacity is not None:
+        ctx.device_budget = None  # planned at each call (auto_budget.py)
+    pristine = copy_graph(gm) if auto_capacity is not None and params else None
     plan = settle_mode(plan_graph(gm, ctx))
-    gm = run_passes(gm, plan, extra=config.user_passes)
-    check_inference_only(gm, plan)
-    compiled = gm.forward
-    if config.compiler == "inductor":  # before commit: a failure leaves the model intact
-        from ..inductor import compile_pieces
+    reached_names = [n for _, n in reached]
 
-        check_no_subclass_weights(plan)
+    def schedule(gm: fx.GraphModule, plan: GraphPlan) -> Callable:
+        gm = run_passes(gm, plan, extra=config.user_passes)
+        check_inference_only(gm, plan)
+        compiled = gm.forward
+        if config.compiler == "inductor":  # before commit: a failure leaves the model intact
+            from ..inductor import compile_pieces
 
-        compiled = compile_pieces(gm, example_inputs, plan)
-    if runtime is not None:
-        with runtime.lock:  # no graph of another thread gathers while this one compares plans
-            runtime.drain()
-            commit(plan, runtime)
-            claim(params, runtime)
-            adopt(runtime, modules, roots)
-    for observe in SCHEDULED_OBSERVERS:  # the dump writer (dlo_fx/__init__.py registers it)
-        observe(gm, plan, runtime, config)
-    run = scheduled_call(gm, plan, given, example_inputs, compiled, [n for _, n in reached])
+            check_no_subclass_weights(plan)
+
+            compiled = compile_pieces(gm, example_inputs, plan)
+        if runtime is not None:
+            with runtime.lock:  # no graph of another thread gathers while this one compares plans
+                runtime.drain()
+                commit(plan, runtime)
+                claim(params, runtime)
+                adopt(runtime, modules, roots)
+        for observe in SCHEDULED_OBSERVERS:  # the dump writer (dlo_fx/__init__.py registers it)
+            observe(gm, plan, runtime, config)
+        return scheduled_call(gm, plan, given, example_inputs, compiled, reached_names)
+
+    run = schedule(gm, plan)
+    if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
+        run = auto_residency(pristine, plan, run, schedule)
     if params:
         _SCHEDULED[key] = run
     return run
+
+
+def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, first: Callable,
+                   schedule: Callable[[fx.GraphModule, GraphPlan], Callable]) -> AutoResidency:
+    """``first`` (every block streamed) wrapped in the auto device budget's re-plans: each
+    resident set is scheduled from a copy of ``pristine`` (the graph before the passes),
+    with ``plan``'s blocks and those resident. See dynamo/auto_budget.py."""
+    runtime = plan.runtime
+
+    def build(forced: Any) -> Callable:
+        gm = copy_graph(pristine)
+        ctx = PassContext(config=plan.config, example_inputs=plan.example_inputs,
+                          runtime=runtime)
+        ctx.forced_plan = forced
+        return schedule(gm, plan_graph(gm, ctx).with_mode(runtime.mode))
+
+    return AutoResidency(runtime, plan.budget_plan, tuple(p.fqn for p in plan.params), first,
+                         build, {p.fqn: p.param for p in plan.params},
+                         [i for i, v in enumerate(plan.example_inputs)
+                          if isinstance(v, torch.nn.Parameter)])
 
 
 # [Note: a graph compiled again for stored weights]

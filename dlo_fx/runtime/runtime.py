@@ -117,6 +117,18 @@ class Runtime(SlotMachine, WeightReads):
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.planning.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
+        # device_budget="auto" (dlo_fx.dynamo.auto_budget), per graph's parameters (the key
+        # of budget_plans): the memory record (capacity, peaks per shape, OOM floor) and the
+        # blocks resident now (first FQN of each, their bytes)
+        self.device_memory: dict[tuple[str, ...], object] = {}
+        self.auto_resident: dict[tuple[str, ...], tuple[frozenset, int]] = {}
+        # The auto budget with several ranks gathering: one budget agreed at the first
+        # compile (dlo_fx.dynamo.probes.probe_runtime), kept for every later one
+        self.agreed_auto_budget: Optional[int] = None
+        # Where the device has no allocator statistics (the CPU, the meta device): the
+        # activation peak of a call, from the shapes of its tensor inputs, for tests and
+        # planning with a declared device_memory. None: 0 (nothing measured on the device)
+        self.activation_peak_of: Optional[Callable[[tuple], int]] = None
         # Parameters resident in every later graph, and why (`KEPT_RESIDENT`): one a
         # committed graph reads straight from the module, not from the host store (no later
         # graph may stream, and so store, it), or one named in ``dlo_fx.load(...,

@@ -1,0 +1,200 @@
+"""`AutoResidency`: a graph under ``device_budget="auto"``, planned from measured memory.
+
+The compile plans every block streamed and keeps a copy of the graph before the passes.
+Each call then (see [Note: the auto device budget] in dlo_fx/planning/device_memory.py):
+
+1. finds the weights budget for its input shape (`DeviceMemory.budget_for`: measured,
+   or predicted per element from the largest shape measured; nothing known yet: every
+   block streams), and the resident blocks for it (`planning.device_memory.replan`, the
+   budget planner on the first plan's figures);
+2. runs the graph variant of that resident set: scheduled once from the kept copy, with
+   the blocks forced resident (`PassContext.forced_plan`), cached per resident set, so a
+   shape seen before reuses its variant. Blocks that stop being resident drop their
+   device copies before the call; new resident blocks are copied once, at their first
+   read (`Runtime.resident_tensor`);
+3. on the first call at a shape, measures the device's peak during the call minus what
+   was allocated before it and the resident copies it made (`platform`; on the CPU and
+   the meta device ``runtime.activation_peak_of``, else 0) and records it;
+4. on ``torch.OutOfMemoryError`` moves every resident block back to streaming, lowers the
+   OOM floor and raises `DeviceMemoryError` (no retry: the call's hooks may hold state).
+
+Several ranks gathering keep the compile's plan (no `AutoResidency`): every rank must run
+the same blocks, and a per-call agreement would be a collective a call on one rank alone
+could not pair. Their budget is agreed once (`dlo_fx.dynamo.probes.probe_runtime`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import fx
+
+from ..planning.budget import BudgetPlan
+from ..planning.device_memory import DeviceMemory, replan
+from ..runtime import platform
+from ..runtime.owners import owner_of
+from .errors import DeviceMemoryError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AutoResidency", "copy_graph"]
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes the passes may change (node metadata shallow-copied)."""
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def shape_key(args: Sequence[Any]) -> tuple[tuple, int]:
+    """(key, elements) of a call: the shapes and dtypes of its tensor inputs that are not
+    parameters, and their element count."""
+    key, elements = [], 0
+    for a in args:
+        if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter):
+            key.append((tuple(a.shape), str(a.dtype)))
+            elements += a.numel()
+        elif isinstance(a, (int, float, bool)) and not isinstance(a, torch.Tensor):
+            key.append(a)  # a symbolic size passed as an argument
+    return tuple(key), elements
+
+
+class AutoResidency:
+    """The callable a graph's compile returns under the auto device budget."""
+
+    def __init__(self, runtime: Any, base: BudgetPlan, key: tuple[str, ...],
+                 first: Callable, build: Callable[[BudgetPlan], Callable],
+                 params: dict[str, torch.Tensor], positions: Sequence[int]) -> None:
+        self.runtime = runtime
+        self.base = base  # every block streamed: the figures every re-plan starts from
+        self.key = key
+        self.build = build
+        self.params = params  # FQN -> parameter, to drop the copies of a block
+        self.positions = list(positions)
+        self.variants: dict[frozenset, tuple[Callable, BudgetPlan]] = {frozenset(): (first, base)}
+        self.plans: dict[int, BudgetPlan] = {}  # weights budget -> plan (a planned budget)
+        self.num_slots = runtime.config.num_slots
+        if key not in runtime.device_memory:
+            runtime.device_memory[key] = DeviceMemory(
+                capacity=base.device_budget, reserve=runtime.config.activation_reserve_bytes)
+        base.budget_lines = ["first call at a new shape, nothing measured yet: every block "
+                             "streams while the activation peak is measured"]
+
+    @property
+    def memory(self) -> DeviceMemory:
+        return self.runtime.device_memory[self.key]
+
+    def __call__(self, *args: Any) -> Any:
+        runtime = self.runtime
+        if self.positions and owner_of([args[self.positions[0]]]) is not runtime:
+            # a graph Dynamo reuses for another model of the class: its own runtime's
+            # plan is not this one's; it streams every block (see [Note: a graph
+            # compiled for another model of the class] in runtime/weight_reads.py)
+            return self.variants[frozenset()][0](*args)
+        key, elements = shape_key(args)
+        memory = self.memory
+        other = sum(b for k, (_, b) in runtime.auto_resident.items() if k != self.key)
+        found = memory.budget_for(key, elements, other)
+        plan = self.base if found is None else self._plan(found.weights, found.lines())
+        run = self._switch(plan)
+        measure = memory.reserve is None and key not in memory.peaks.measured
+        before = self._start(measure)
+        start = time.perf_counter()
+        try:
+            out = run(*args)
+        except torch.OutOfMemoryError as exc:
+            if isinstance(exc, DeviceMemoryError):
+                raise
+            raise self._out_of_memory(exc, plan) from exc
+        plan.measured_s = time.perf_counter() - start
+        if measure:
+            memory.peaks.record(key, elements, self._peak(key, before))
+        return out
+
+    # -- planning and variants ----------------------------------------------------------
+    def _plan(self, weights: int, lines: list[str]) -> BudgetPlan:
+        plan = self.plans.get(weights)
+        if plan is None:
+            plan = self.plans[weights] = replan(self.base, weights, self.num_slots, lines)
+        else:
+            plan.budget_lines = lines
+        return plan
+
+    def _switch(self, plan: BudgetPlan) -> Callable:
+        """The variant of ``plan``'s resident set (scheduled at its first use), after
+        dropping the device copies of the blocks that stream again."""
+        resident = frozenset(plan.resident)
+        found = self.variants.get(resident)
+        if found is None:
+            found = self.variants[resident] = (self.build(plan), plan)
+            log.info("dlo: device_budget='auto' keeps %d of %d blocks resident (%d B): %s",
+                     len(plan.resident), len(plan.block_bytes), plan.resident_bytes,
+                     plan.budget_lines[0] if plan.budget_lines else "")
+        run, variant_plan = found
+        if variant_plan is not plan:  # another budget with the same blocks: same graph
+            variant_plan.budget_lines, variant_plan.device_budget = plan.budget_lines, plan.device_budget
+        names = frozenset(self.base.fqns[g][0] for g in resident)
+        runtime = self.runtime
+        held = runtime.auto_resident.get(self.key)
+        if held is None or held[0] != names:
+            keep = {id(self.params[f]) for g in resident for f in self.base.fqns[g]}
+            with runtime.lock:
+                runtime.drop_resident([p for p in self.params.values() if id(p) not in keep])
+            runtime.auto_resident[self.key] = (names, plan.resident_bytes)
+        runtime.budget_plans[self.key] = variant_plan
+        return run
+
+    # -- measuring ------------------------------------------------------------------------
+    def _start(self, measure: bool) -> Optional[tuple[int, int]]:
+        if not measure:
+            return None
+        device = self.runtime.device
+        allocated = platform.memory_allocated(device)
+        if allocated is not None:
+            platform.reset_peak_memory(device)
+        return (allocated if allocated is not None else -1, self.runtime.resident_copy_bytes)
+
+    def _peak(self, key: tuple, before: Optional[tuple[int, int]]) -> int:
+        """Activations and workspace of the call just made (see [Note: the auto device
+        budget]): the device's peak minus what was allocated before and minus the resident
+        copies the call made."""
+        runtime = self.runtime
+        allocated, copies = before
+        peak = platform.max_memory_allocated(runtime.device) if allocated >= 0 else None
+        if peak is None:
+            hook = runtime.activation_peak_of
+            return int(hook(key)) if hook is not None else 0
+        return max(peak - allocated - (runtime.resident_copy_bytes - copies), 0)
+
+    # -- out of memory --------------------------------------------------------------------
+    def _out_of_memory(self, exc: BaseException, plan: BudgetPlan) -> DeviceMemoryError:
+        moved = list(plan.resident)
+        moved_bytes = plan.resident_bytes
+        floor = self.memory.after_oom(plan.device_budget, moved_bytes,
+                                      f"out of memory with {len(moved)} blocks resident "
+                                      f"({moved_bytes:,} B, weights budget "
+                                      f"{plan.device_budget:,} B)")
+        self.plans.clear()  # every later plan is capped by the floor
+        self._switch(self.base)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if moved:
+            names = ", ".join(f"{g} ({self.base.labels[g]})" for g in moved[:4])
+            more = f" and {len(moved) - 4} more" if len(moved) > 4 else ""
+            changed = (f"dlo moved {len(moved)} resident blocks back to streaming (blocks "
+                       f"{names}{more}; {moved_bytes:,} B) and keeps this graph's weights "
+                       f"within {floor:,} B from now on")
+        else:
+            changed = ("every block already streamed, so dlo changed nothing: this call's "
+                       "activations do not fit on the device even so; lower the resolution "
+                       "or the batch")
+        return DeviceMemoryError(
+            f"dlo: the call ran out of device memory ({first}). {changed}. Nothing was "
+            "retried; the slots, the host store and the model are intact, so calling again "
+            "reruns it exactly. (device_budget='auto'; device_budget=None streams every "
+            "block from the start, activation_reserve_bytes reserves more for activations)",
+            moved, moved_bytes)
