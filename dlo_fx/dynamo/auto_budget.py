@@ -53,14 +53,14 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
 
 def shape_key(args: Sequence[Any]) -> tuple[tuple, int]:
     """(key, elements) of a call: the shapes and dtypes of its tensor inputs that are not
-    parameters, and their element count."""
+    parameters (buffers included), and their element count. Sizes passed as integers (a
+    graph Dynamo made dynamic) are left out: they repeat the tensors' shapes, and a shape
+    keeps one key whichever graph of the model runs it."""
     key, elements = [], 0
     for a in args:
         if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter):
             key.append((tuple(a.shape), str(a.dtype)))
             elements += a.numel()
-        elif isinstance(a, (int, float, bool)) and not isinstance(a, torch.Tensor):
-            key.append(a)  # a symbolic size passed as an argument
     return tuple(key), elements
 
 
@@ -82,8 +82,6 @@ class AutoResidency:
         if key not in runtime.device_memory:
             runtime.device_memory[key] = DeviceMemory(
                 capacity=base.device_budget, reserve=runtime.config.activation_reserve_bytes)
-        base.budget_lines = ["first call at a new shape, nothing measured yet: every block "
-                             "streams while the activation peak is measured"]
 
     @property
     def memory(self) -> DeviceMemory:
@@ -142,9 +140,10 @@ class AutoResidency:
         runtime = self.runtime
         held = runtime.auto_resident.get(self.key)
         if held is None or held[0] != names:
-            keep = {id(self.params[f]) for g in resident for f in self.base.fqns[g]}
+            drop = [self.params[f] for g, fqns in enumerate(self.base.fqns)
+                    if g not in resident for f in fqns]
             with runtime.lock:
-                runtime.drop_resident([p for p in self.params.values() if id(p) not in keep])
+                runtime.drop_resident(drop)
             runtime.auto_resident[self.key] = (names, plan.resident_bytes)
         runtime.budget_plans[self.key] = variant_plan
         return run

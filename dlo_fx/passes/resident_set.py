@@ -221,6 +221,10 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
                           copy_s=copy_s, compute_s=compute_s, flops=flops,
                           flops_per_s={str(d).removeprefix("torch."): r
                                        for d, r in rates.items() if r != float("inf")})
+        if auto is not None:
+            plan.budget_lines = [
+                f"device capacity {auto:,} B; nothing measured yet: the first call streams "
+                "every block and measures its activation peak, later calls are planned"]
         ctx.budget_plan = plan_resident_blocks(sizes, copy_s, compute_s, num_slots=num_slots,
                                                capacity=capacity, plan=plan)
         return {g: plan.reasons[g] for g in plan.resident}
