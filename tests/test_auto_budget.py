@@ -300,3 +300,23 @@ def test_memory_report_and_blocks_md_show_the_auto_budget():
     md = blocks_markdown(dump)
     assert "device_budget='auto': device capacity" in md
     assert all(f"| {g} | {plan.labels[g]} |" in md for g in plan.resident)
+
+
+# -- several ranks gathering: the compile's plan, agreed ------------------------------------
+def _two_ranks():
+    import auto_budget_cases
+    from distributed import spawn
+
+    return spawn(2, auto_budget_cases.allgather_keeps_the_compile_plan, timeout=300)
+
+
+@pytest.mark.spawned.with_args(_two_ranks)
+def test_two_ranks_gathering_keep_one_agreed_plan(spawned):
+    results = spawned
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["mode"] == "allgather" and r["equal"] == [True] * 4, r
+        assert r["agreed"] == 800_000 - 800_000 // 4 == r["budget"]
+        assert r["records"] == 0  # no per-call re-plan: no memory record
+        assert r["resident"][0] and all(x == r["resident"][0] for x in r["resident"]), r
+    assert results[0] == results[1]
