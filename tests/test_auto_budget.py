@@ -267,6 +267,31 @@ def test_out_of_memory_moves_blocks_back_and_the_next_call_is_exact():
     assert any("out of memory with" in line for line in report.budget_lines)
 
 
+def test_graph_breaks_plan_each_graph_within_what_the_others_keep():
+    """A graph break in every block: each graph's budget leaves out what the others keep
+    resident, and the block graph Dynamo reuses for the next layers streams those layers
+    (its plan and copies are the first layer's): the resident copies stay within the
+    plans, and every call is exact."""
+    ref, inputs = tiny_dit(depth=4, graph_break=True)
+    model, _ = tiny_dit(depth=4, graph_break=True)
+    dlo_fx.offload(model, options={"device": "cpu", "device_memory": GIB + 500_000})
+    runtime = runtime_of(model)
+    runtime.activation_peak_of = lambda key: 1000
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        for _ in range(3):
+            assert torch.equal(call(compiled, inputs), want)
+    held = runtime.auto_resident
+    assert len(held) >= 2 and all(nbytes > 0 for _, nbytes in held.values())
+    assert runtime.resident_copy_bytes <= sum(nbytes for _, nbytes in held.values()) + 1024
+    for key, (_, nbytes) in held.items():
+        plan = runtime.budget_plans[key]
+        others = sum(b for k, (_, b) in held.items() if k != key)
+        assert plan.minimum + plan.resident_bytes <= plan.device_budget
+        assert plan.device_budget <= GIB + 500_000 - 1000 - GIB - others
+
+
 # -- reports --------------------------------------------------------------------------------
 def test_memory_report_and_blocks_md_show_the_auto_budget():
     probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)

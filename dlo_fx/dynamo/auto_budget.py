@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -36,7 +37,6 @@ from torch import fx
 from ..planning.budget import BudgetPlan
 from ..planning.device_memory import DeviceMemory, replan
 from ..runtime import platform
-from ..runtime.owners import owner_of
 from .errors import DeviceMemoryError
 
 log = logging.getLogger(__name__)
@@ -69,13 +69,18 @@ class AutoResidency:
 
     def __init__(self, runtime: Any, base: BudgetPlan, key: tuple[str, ...],
                  first: Callable, build: Callable[[BudgetPlan], Callable],
-                 params: dict[str, torch.Tensor], positions: Sequence[int]) -> None:
-        self.runtime = runtime
+                 params: dict[str, torch.Tensor], positions: Sequence[int],
+                 first_param: Optional[torch.Tensor] = None) -> None:
+        self._runtime = weakref.ref(runtime)  # weak: see `dlo_fx.dynamo.backend.auto_residency`
         self.base = base  # every block streamed: the figures every re-plan starts from
         self.key = key
         self.build = build
-        self.params = params  # FQN -> parameter, to drop the copies of a block
+        # FQN -> parameter, to drop the copies of a block (weakly, as the runtime)
+        self.params: "weakref.WeakValueDictionary[str, torch.Tensor]" = (
+            weakref.WeakValueDictionary(params))
         self.positions = list(positions)
+        # the parameter at positions[0] when compiled
+        self._first = weakref.ref(first_param) if first_param is not None else None
         self.variants: dict[frozenset, tuple[Callable, BudgetPlan]] = {frozenset(): (first, base)}
         self.plans: dict[int, BudgetPlan] = {}  # weights budget -> plan (a planned budget)
         self.num_slots = runtime.config.num_slots
@@ -84,15 +89,21 @@ class AutoResidency:
                 capacity=base.device_budget, reserve=runtime.config.activation_reserve_bytes)
 
     @property
+    def runtime(self) -> Any:
+        return self._runtime()
+
+    @property
     def memory(self) -> DeviceMemory:
         return self.runtime.device_memory[self.key]
 
     def __call__(self, *args: Any) -> Any:
         runtime = self.runtime
-        if self.positions and owner_of([args[self.positions[0]]]) is not runtime:
-            # a graph Dynamo reuses for another model of the class: its own runtime's
-            # plan is not this one's; it streams every block (see [Note: a graph
-            # compiled for another model of the class] in runtime/weight_reads.py)
+        if runtime is None or (self.positions and self._first is not None
+                               and args[self.positions[0]] is not self._first()):
+            # A graph Dynamo reuses for other parameters (the next layer's, after a graph
+            # break in the blocks; another model of the class): the plan and the resident
+            # copies are this graph's own parameters'. Those calls stream every block, the
+            # plan that needs least (see [Note: the auto device budget]).
             return self.variants[frozenset()][0](*args)
         key, elements = shape_key(args)
         memory = self.memory
@@ -140,8 +151,8 @@ class AutoResidency:
         runtime = self.runtime
         held = runtime.auto_resident.get(self.key)
         if held is None or held[0] != names:
-            drop = [self.params[f] for g, fqns in enumerate(self.base.fqns)
-                    if g not in resident for f in fqns]
+            drop = [p for g, fqns in enumerate(self.base.fqns) if g not in resident
+                    for p in map(self.params.get, fqns) if p is not None]
             with runtime.lock:
                 runtime.drop_resident(drop)
             runtime.auto_resident[self.key] = (names, plan.resident_bytes)

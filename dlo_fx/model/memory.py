@@ -174,6 +174,7 @@ def auto_figures(runtimes, plans) -> dict:
     measured peaks (`dlo_fx.planning.device_memory`), each plan's budget and resident
     blocks with why."""
     records = [m for rt in runtimes for m in rt.device_memory.values()]
+    plans = [p for p in plans if p.block_bytes]  # a graph that streams nothing has no budget
     peaks = tuple((shapes, peak) for m in records
                   for shapes, (_, peak) in m.peaks.measured.items())
     lines: list[str] = []
