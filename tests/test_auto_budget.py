@@ -292,6 +292,51 @@ def test_graph_breaks_plan_each_graph_within_what_the_others_keep():
         assert plan.device_budget <= GIB + 500_000 - 1000 - GIB - others
 
 
+_ARMED = []  # one entry: the next call of dlotest::maybe_oom raises
+
+
+@torch.library.custom_op("dlotest::maybe_oom", mutates_args=())
+def maybe_oom(x: torch.Tensor) -> torch.Tensor:
+    """An op of the compute that runs out of device memory once when armed."""
+    if _ARMED:
+        _ARMED.clear()
+        raise torch.OutOfMemoryError("out of memory (injected in the middle of the graph)")
+    return x.clone()
+
+
+@maybe_oom.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_out_of_memory_in_the_middle_of_the_graph_leaves_the_slots_exact():
+    """The error raised by a compute op between two blocks, with later blocks' copies
+    queued: the rest of the schedule completes without compute, and the next calls (a
+    smaller plan) are exact."""
+    probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)
+    with torch.no_grad():
+        call(torch.compile(probe_model, backend="dlo"), inputs)
+    minimum, sizes = the_plan(probe_model).minimum, the_plan(probe_model).block_bytes
+    torch._dynamo.reset()
+    reset_runtimes()
+    ref, model, _ = _offloaded_dit(GIB + 1000 + minimum + 2 * max(sizes))
+    model.blocks[2].register_forward_hook(lambda module, args, out: maybe_oom(out))
+    runtime_of(model).activation_peak_of = lambda key: 1000
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+        plan = the_plan(model)
+        assert plan.resident
+        _ARMED.append(True)
+        with pytest.raises(DeviceMemoryError) as info:
+            call(compiled, inputs)
+        assert info.value.moved_blocks == plan.resident
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+
+
 # -- reports --------------------------------------------------------------------------------
 def test_memory_report_and_blocks_md_show_the_auto_budget():
     probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)

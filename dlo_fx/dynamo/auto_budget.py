@@ -14,7 +14,9 @@ Each call then (see [Note: the auto device budget] in dlo_fx/planning/device_mem
    read (`Runtime.resident_tensor`);
 3. on the first call at a shape, measures the device's peak during the call minus what
    was allocated before it and the resident copies it made (`platform`; on the CPU and
-   the meta device ``runtime.activation_peak_of``, else 0) and records it;
+   the meta device ``runtime.activation_peak_of``, else 0) and records it. That call
+   resets the device's peak statistics (`platform.reset_peak_memory`): a caller reading
+   ``max_memory_allocated`` across it sees the peak since then;
 4. on ``torch.OutOfMemoryError`` moves every resident block back to streaming, lowers the
    OOM floor and raises `DeviceMemoryError` (no retry: the call's hooks may hold state).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import weakref
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -84,6 +87,7 @@ class AutoResidency:
         self.variants: dict[frozenset, tuple[Callable, BudgetPlan]] = {frozenset(): (first, base)}
         self.plans: dict[int, BudgetPlan] = {}  # weights budget -> plan (a planned budget)
         self.num_slots = runtime.config.num_slots
+        self._lock = threading.Lock()
         if key not in runtime.device_memory:
             runtime.device_memory[key] = DeviceMemory(
                 capacity=base.device_budget, reserve=runtime.config.activation_reserve_bytes)
@@ -108,11 +112,12 @@ class AutoResidency:
         key, elements = shape_key(args)
         memory = self.memory
         other = sum(b for k, (_, b) in runtime.auto_resident.items() if k != self.key)
-        found = memory.budget_for(key, elements, other)
-        plan = self.base if found is None else self._plan(found.weights, found.lines())
-        run = self._switch(plan)
-        measure = memory.reserve is None and key not in memory.peaks.measured
-        before = self._start(measure)
+        with self._lock:  # calls of one graph from several threads plan one at a time
+            found = memory.budget_for(key, elements, other)
+            plan = self.base if found is None else self._plan(found.weights, found.lines())
+            run = self._switch(plan)
+            measure = memory.reserve is None and key not in memory.peaks.measured
+            before = self._start(measure)
         start = time.perf_counter()
         try:
             out = run(*args)
