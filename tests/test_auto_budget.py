@@ -268,10 +268,10 @@ def test_out_of_memory_moves_blocks_back_and_the_next_call_is_exact():
 
 
 def test_graph_breaks_plan_each_graph_within_what_the_others_keep():
-    """A graph break in every block: each graph's budget leaves out what the others keep
-    resident, and the block graph Dynamo reuses for the next layers streams those layers
-    (its plan and copies are the first layer's): the resident copies stay within the
-    plans, and every call is exact."""
+    """A graph break in every block: the block graphs Dynamo reuses for every layer are
+    planned for each layer's parameters on their own, each budget leaves out what the
+    others keep resident, the resident copies stay within the plans, and every call is
+    exact."""
     ref, inputs = tiny_dit(depth=4, graph_break=True)
     model, _ = tiny_dit(depth=4, graph_break=True)
     dlo_fx.offload(model, options={"device": "cpu", "device_memory": GIB + 500_000})
@@ -282,14 +282,37 @@ def test_graph_breaks_plan_each_graph_within_what_the_others_keep():
         want = call(ref, inputs)
         for _ in range(3):
             assert torch.equal(call(compiled, inputs), want)
-    held = runtime.auto_resident
-    assert len(held) >= 2 and all(nbytes > 0 for _, nbytes in held.values())
-    assert runtime.resident_copy_bytes <= sum(nbytes for _, nbytes in held.values()) + 1024
-    for key, (_, nbytes) in held.items():
+    held = {key: nbytes for (_, key), nbytes in runtime.shared.auto_resident.items()}
+    # two graphs per layer (the graph break), each layer's planned: those that fit stay
+    assert len(held) == 8 and sum(nbytes > 0 for nbytes in held.values()) >= 4
+    assert runtime.resident_copy_bytes <= sum(held.values()) + 1024
+    for key, nbytes in held.items():
         plan = runtime.budget_plans[key]
-        others = sum(b for k, (_, b) in held.items() if k != key)
+        assert plan.resident_bytes == nbytes
+        others = sum(b for k, b in held.items() if k != key)
         assert plan.minimum + plan.resident_bytes <= plan.device_budget
         assert plan.device_budget <= GIB + 500_000 - 1000 - GIB - others
+
+
+def test_two_models_on_one_device_leave_each_other_out():
+    """Two models streamed into the same slots (a pipeline's components): the second's
+    budget leaves out what the first keeps resident, and both are exact."""
+    capacity = GIB + 1000 + 1_500_000
+    (ref_a, model_a, inputs), (ref_b, model_b, _) = (_offloaded_dit(capacity)
+                                                     for _ in range(2))
+    for model in (model_a, model_b):
+        runtime_of(model).activation_peak_of = lambda key: 1000
+    a, b = (torch.compile(m, backend="dlo") for m in (model_a, model_b))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(call(a, inputs), call(ref_a, inputs))
+        kept_a = the_plan(model_a).resident_bytes
+        for _ in range(2):
+            assert torch.equal(call(b, inputs), call(ref_b, inputs))
+    assert runtime_of(model_a).shared is runtime_of(model_b).shared
+    plan_b = the_plan(model_b)
+    assert kept_a > 0 and plan_b.device_budget == capacity - 1000 - GIB - kept_a
+    assert f"{kept_a:,} B resident for the other graphs on the device" in plan_b.budget_lines[0]
 
 
 _ARMED = []  # one entry: the next call of dlotest::maybe_oom raises

@@ -40,6 +40,7 @@ from torch import fx
 from ..planning.budget import BudgetPlan
 from ..planning.device_memory import DeviceMemory, replan
 from ..runtime import platform
+from ..runtime.owners import owner_of
 from .errors import DeviceMemoryError
 
 log = logging.getLogger(__name__)
@@ -68,66 +69,71 @@ def shape_key(args: Sequence[Any]) -> tuple[tuple, int]:
 
 
 class AutoResidency:
-    """The callable a graph's compile returns under the auto device budget."""
+    """The callable a graph's compile returns under the auto device budget.
+
+    A graph Dynamo reuses for other parameters (the next layer's after a graph break in
+    the blocks, another model of the class) plans those parameters on their own: the
+    memory record, the resident set and the copies are per runtime and per the parameters
+    a call passes (`_bound`); the graph variants are shared, since each call binds the
+    parameters it is called with."""
 
     def __init__(self, runtime: Any, base: BudgetPlan, key: tuple[str, ...],
                  first: Callable, build: Callable[[BudgetPlan], Callable],
-                 params: dict[str, torch.Tensor], positions: Sequence[int],
-                 first_param: Optional[torch.Tensor] = None) -> None:
-        self._runtime = weakref.ref(runtime)  # weak: see `dlo_fx.dynamo.backend.auto_residency`
+                 positions: dict[str, int], first_param: Optional[torch.Tensor]) -> None:
         self.base = base  # every block streamed: the figures every re-plan starts from
         self.key = key
         self.build = build
-        # FQN -> parameter, to drop the copies of a block (weakly, as the runtime)
-        self.params: "weakref.WeakValueDictionary[str, torch.Tensor]" = (
-            weakref.WeakValueDictionary(params))
-        self.positions = list(positions)
-        # the parameter at positions[0] when compiled
+        self.positions = positions  # FQN -> position of the parameter among the arguments
+        self._first_position = min(positions.values(), default=None)
+        # the parameter there when compiled: weakly (see backend.auto_residency)
         self._first = weakref.ref(first_param) if first_param is not None else None
         self.variants: dict[frozenset, tuple[Callable, BudgetPlan]] = {frozenset(): (first, base)}
         self.plans: dict[int, BudgetPlan] = {}  # weights budget -> plan (a planned budget)
         self.num_slots = runtime.config.num_slots
         self._lock = threading.Lock()
-        if key not in runtime.device_memory:
-            runtime.device_memory[key] = DeviceMemory(
-                capacity=base.device_budget, reserve=runtime.config.activation_reserve_bytes)
 
-    @property
-    def runtime(self) -> Any:
-        return self._runtime()
-
-    @property
-    def memory(self) -> DeviceMemory:
-        return self.runtime.device_memory[self.key]
+    def _bound(self, args: Sequence[Any]) -> Optional[tuple[Any, tuple, DeviceMemory]]:
+        """(runtime, key, memory record) of the parameters this call passes; None where no
+        live runtime stores them (the call then streams every block)."""
+        if self._first_position is None:
+            return None
+        first = args[self._first_position]
+        runtime = owner_of([first])
+        if runtime is None or runtime.closed:
+            return None
+        key = self.key if self._first is not None and first is self._first() else (
+            *self.key, f"(reused for the parameters at {id(first):#x})")
+        memory = runtime.device_memory.get(key)
+        if memory is None:
+            capacity = runtime.config.device_memory or self.base.device_budget
+            memory = runtime.device_memory[key] = DeviceMemory(
+                capacity=capacity, reserve=runtime.config.activation_reserve_bytes)
+        return runtime, key, memory
 
     def __call__(self, *args: Any) -> Any:
-        runtime = self.runtime
-        if runtime is None or (self.positions and self._first is not None
-                               and args[self.positions[0]] is not self._first()):
-            # A graph Dynamo reuses for other parameters (the next layer's, after a graph
-            # break in the blocks; another model of the class): the plan and the resident
-            # copies are this graph's own parameters'. Those calls stream every block, the
-            # plan that needs least (see [Note: the auto device budget]).
+        bound = self._bound(args)
+        if bound is None:
             return self.variants[frozenset()][0](*args)
-        key, elements = shape_key(args)
-        memory = self.memory
-        other = sum(b for k, (_, b) in runtime.auto_resident.items() if k != self.key)
+        runtime, key, memory = bound
+        shapes, elements = shape_key(args)
+        mine = (runtime.token, key)
+        other = sum(b for k, b in runtime.shared.auto_resident.items() if k != mine)
         with self._lock:  # calls of one graph from several threads plan one at a time
-            found = memory.budget_for(key, elements, other)
+            found = memory.budget_for(shapes, elements, other)
             plan = self.base if found is None else self._plan(found.weights, found.lines())
-            run = self._switch(plan)
-            measure = memory.reserve is None and key not in memory.peaks.measured
-            before = self._start(measure)
+            run = self._switch(plan, runtime, key, args)
+            measure = memory.reserve is None and shapes not in memory.peaks.measured
+            before = self._start(runtime, measure)
         start = time.perf_counter()
         try:
             out = run(*args)
         except torch.OutOfMemoryError as exc:
             if isinstance(exc, DeviceMemoryError):
                 raise
-            raise self._out_of_memory(exc, plan) from exc
+            raise self._out_of_memory(exc, plan, runtime, key, memory, args) from exc
         plan.measured_s = time.perf_counter() - start
         if measure:
-            memory.peaks.record(key, elements, self._peak(key, before))
+            memory.peaks.record(shapes, elements, self._peak(runtime, shapes, before))
         return out
 
     # -- planning and variants ----------------------------------------------------------
@@ -139,9 +145,10 @@ class AutoResidency:
             plan.budget_lines = lines
         return plan
 
-    def _switch(self, plan: BudgetPlan) -> Callable:
+    def _switch(self, plan: BudgetPlan, runtime: Any, key: tuple,
+                args: Sequence[Any]) -> Callable:
         """The variant of ``plan``'s resident set (scheduled at its first use), after
-        dropping the device copies of the blocks that stream again."""
+        dropping the device copies of the call's blocks that stream again."""
         resident = frozenset(plan.resident)
         found = self.variants.get(resident)
         if found is None:
@@ -151,51 +158,49 @@ class AutoResidency:
                      plan.budget_lines[0] if plan.budget_lines else "")
         run, variant_plan = found
         if variant_plan is not plan:  # another budget with the same blocks: same graph
-            variant_plan.budget_lines, variant_plan.device_budget = plan.budget_lines, plan.device_budget
-        names = frozenset(self.base.fqns[g][0] for g in resident)
-        runtime = self.runtime
-        held = runtime.auto_resident.get(self.key)
-        if held is None or held[0] != names:
-            drop = [p for g, fqns in enumerate(self.base.fqns) if g not in resident
-                    for p in map(self.params.get, fqns) if p is not None]
+            variant_plan.budget_lines = plan.budget_lines
+            variant_plan.device_budget = plan.device_budget
+        if runtime.auto_resident.get(key) != resident:
+            drop = [args[self.positions[f]] for g, fqns in enumerate(self.base.fqns)
+                    if g not in resident for f in fqns if f in self.positions]
             with runtime.lock:
                 runtime.drop_resident(drop)
-            runtime.auto_resident[self.key] = (names, plan.resident_bytes)
-        runtime.budget_plans[self.key] = variant_plan
+            runtime.auto_resident[key] = resident
+            runtime.shared.auto_resident[(runtime.token, key)] = plan.resident_bytes
+        runtime.budget_plans[key] = variant_plan
         return run
 
     # -- measuring ------------------------------------------------------------------------
-    def _start(self, measure: bool) -> Optional[tuple[int, int]]:
+    def _start(self, runtime: Any, measure: bool) -> Optional[tuple[int, int]]:
         if not measure:
             return None
-        device = self.runtime.device
-        allocated = platform.memory_allocated(device)
+        allocated = platform.memory_allocated(runtime.device)
         if allocated is not None:
-            platform.reset_peak_memory(device)
-        return (allocated if allocated is not None else -1, self.runtime.resident_copy_bytes)
+            platform.reset_peak_memory(runtime.device)
+        return (allocated if allocated is not None else -1, runtime.resident_copy_bytes)
 
-    def _peak(self, key: tuple, before: Optional[tuple[int, int]]) -> int:
+    def _peak(self, runtime: Any, shapes: tuple, before: tuple[int, int]) -> int:
         """Activations and workspace of the call just made (see [Note: the auto device
         budget]): the device's peak minus what was allocated before and minus the resident
         copies the call made."""
-        runtime = self.runtime
         allocated, copies = before
         peak = platform.max_memory_allocated(runtime.device) if allocated >= 0 else None
         if peak is None:
             hook = runtime.activation_peak_of
-            return int(hook(key)) if hook is not None else 0
+            return int(hook(shapes)) if hook is not None else 0
         return max(peak - allocated - (runtime.resident_copy_bytes - copies), 0)
 
     # -- out of memory --------------------------------------------------------------------
-    def _out_of_memory(self, exc: BaseException, plan: BudgetPlan) -> DeviceMemoryError:
+    def _out_of_memory(self, exc: BaseException, plan: BudgetPlan, runtime: Any, key: tuple,
+                       memory: DeviceMemory, args: Sequence[Any]) -> DeviceMemoryError:
         moved = list(plan.resident)
         moved_bytes = plan.resident_bytes
-        floor = self.memory.after_oom(plan.device_budget, moved_bytes,
-                                      f"out of memory with {len(moved)} blocks resident "
-                                      f"({moved_bytes:,} B, weights budget "
-                                      f"{plan.device_budget:,} B)")
-        self.plans.clear()  # every later plan is capped by the floor
-        self._switch(self.base)
+        floor = memory.after_oom(plan.device_budget, moved_bytes,
+                                 f"out of memory with {len(moved)} blocks resident "
+                                 f"({moved_bytes:,} B, weights budget "
+                                 f"{plan.device_budget:,} B)")
+        with self._lock:
+            self._switch(self.base, runtime, key, args)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if moved:
             names = ", ".join(f"{g} ({self.base.labels[g]})" for g in moved[:4])

@@ -182,12 +182,13 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, first: Callable,
             observe(gm, plan, runtime, config)
         return scheduled_call(gm, plan, given, example_inputs, compiled, reached)
 
-    positions = [i for i, v in enumerate(plan.example_inputs)
-                 if isinstance(v, torch.nn.Parameter)]
+    where = {id(v): i for i, v in enumerate(plan.example_inputs)
+             if isinstance(v, torch.nn.Parameter)}
+    positions = {p.fqn: where[id(p.param)] for p in plan.params if id(p.param) in where}
+    first_param = plan.example_inputs[min(positions.values())] if positions else None
     controller = AutoResidency(plan.runtime, plan.budget_plan,
-                               tuple(p.fqn for p in plan.params), first, build,
-                               {p.fqn: p.param for p in plan.params}, positions,
-                               plan.example_inputs[positions[0]] if positions else None)
+                               tuple(p.fqn for p in plan.params), first, build, positions,
+                               first_param)
 
     def run(*args: Any) -> Any:
         # A function, not the object: Dynamo wraps what a backend returns with

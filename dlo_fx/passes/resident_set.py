@@ -102,8 +102,9 @@ def resolve_budget(ctx: PassContext) -> tuple[Optional[int], Optional[int]]:
                      "streams", device.type)
             return None, None
         free, _ = figures
-        # The runtime's slots and resident copies are the weights' own: part of the budget.
-        capacity = free + (runtime.slots.total_bytes + runtime.resident_copy_bytes
+        # The slots and the blocks the auto budget keeps resident (of every model on the
+        # device) are the weights' own: part of the budget, which leaves the others out.
+        capacity = free + (runtime.slots.total_bytes + sum(runtime.shared.auto_resident.values())
                            if runtime is not None else 0)
     if runtime is None:
         return None, None

@@ -9,12 +9,13 @@ blocks are then chosen by `dlo_fx.planning.budget` within what this module leave
 ``device_budget="auto"`` keeps whole blocks resident within what the device really has.
 For one graph (one set of parameters) and one input shape:
 
-    weights budget = capacity - activation peak - margin - resident bytes of the runtime's
-                     other graphs
+    weights budget = capacity - activation peak - margin - resident bytes of the other
+                     graphs on the device
 
 - ``capacity``: ``device_memory`` where declared (the planner then works on the CPU and
   the meta device too), else the device's free memory when the graph was compiled plus
-  what the runtime's slots and resident copies held then (they are the weights' own).
+  what the slots and the auto budget's resident blocks held then (they are the weights'
+  own).
 - ``activation peak``: the device's peak during the call minus what was allocated before
   it and minus the resident copies made during it (activations and workspace only),
   recorded per input shape (`ActivationPeaks`). The first call of the first shape streams
@@ -32,9 +33,9 @@ For one graph (one set of parameters) and one input shape:
   itself (a different attention kernel at another sequence length). 1 GiB covers the
   fixed part on today's accelerators; 10% covers the part that grows with the
   activations.
-- resident bytes of the other graphs of the runtime (a graph break, or another
-  component of a pipeline sharing the runtime): they stay on the device while this graph
-  runs.
+- resident bytes of the other graphs on the device (a graph break in the model, another
+  model or pipeline component on the same device: `SharedSlots.auto_resident`): they stay
+  on the device while this graph runs.
 - OOM floor: when a call runs out of device memory anyway, every block the graph kept
   resident goes back to streaming, and its weights budget never again exceeds the budget
   that failed minus the bytes moved (`DeviceMemory.after_oom`): a budget that failed
@@ -49,9 +50,10 @@ Where no plan is re-made per call:
   smallest over the ranks, agreed once with the probes at the first compile and kept for
   every later compile. The ranks' agreement on the resident parameters when blocks are
   stored and the collective clock before every graph call refuse a plan that differs.
-- A graph Dynamo reuses for other parameters (the next layer's, after a graph break in
-  the blocks) streams every block on those calls: the plan and its resident copies are
-  the parameters it was compiled for.
+
+A graph Dynamo reuses for other parameters (the next layer's, after a graph break in the
+blocks; another model of the class) is planned for each set of parameters on its own:
+one memory record and one resident set per runtime and parameters.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class AutoBudget:
         floor = "" if self.floor is None else f", OOM floor {self.floor:,} B"
         return [f"device capacity {self.capacity:,} B - activation peak "
                 f"{self.activation_peak:,} B ({self.peak_source}) - margin {self.margin:,} B"
-                f" - {self.other_resident:,} B resident for the runtime's other graphs"
+                f" - {self.other_resident:,} B resident for the other graphs on the device"
                 f"{floor} = weights budget {self.weights:,} B"]
 
 
