@@ -156,10 +156,7 @@ class AutoResidency:
             log.info("dlo: device_budget='auto' keeps %d of %d blocks resident (%d B): %s",
                      len(plan.resident), len(plan.block_bytes), plan.resident_bytes,
                      plan.budget_lines[0] if plan.budget_lines else "")
-        run, variant_plan = found
-        if variant_plan is not plan:  # another budget with the same blocks: same graph
-            variant_plan.budget_lines = plan.budget_lines
-            variant_plan.device_budget = plan.device_budget
+        run = found[0]  # another budget with the same blocks runs the same graph
         if runtime.auto_resident.get(key) != resident:
             drop = [args[self.positions[f]] for g, fqns in enumerate(self.base.fqns)
                     if g not in resident for f in fqns if f in self.positions]
@@ -167,7 +164,7 @@ class AutoResidency:
                 runtime.drop_resident(drop)
             runtime.auto_resident[key] = resident
             runtime.shared.auto_resident[(runtime.token, key)] = plan.resident_bytes
-        runtime.budget_plans[key] = variant_plan
+        runtime.budget_plans[key] = plan  # this budget's lines, for memory_report
         return run
 
     # -- measuring ------------------------------------------------------------------------
