@@ -30,8 +30,8 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-import weakref
 import time
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
