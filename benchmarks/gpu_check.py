@@ -465,6 +465,26 @@ def first_call(v: Variant, kw: dict, device: torch.device, reference: Optional[t
     del out
 
 
+def budget_figures(variants: list, label: str) -> None:
+    """The device budget's plan of each dlo variant at ``label``, after its timed rounds:
+    resident blocks, the predicted step time beside the measured median, and (auto) the
+    capacity and the activation peak it planned from (`dlo_fx.memory_report`)."""
+    for v in variants:
+        f = v.figures.get(label)
+        if v.model is None or not v.name.startswith("dlo") or f is None:
+            continue
+        report = dlo_fx.memory_report(v.model)
+        f["resident_blocks"] = report.num_resident_blocks
+        f["streamed_bytes_per_call"] = report.streamed_bytes_per_call
+        if report.predicted_s_per_call is not None:
+            f["predicted_step_ms"] = report.predicted_s_per_call * 1e3
+            if f.get("step_ms"):
+                f["measured_over_predicted"] = f["step_ms"] / f["predicted_step_ms"]
+        f["device_capacity_bytes"] = report.device_capacity_bytes
+        f["activation_peak_bytes"] = report.activation_peak_bytes
+        f["weights_budget_bytes"] = report.weights_budget_bytes
+
+
 def device_peak(v: Variant, kw: dict, device: torch.device) -> Optional[int]:
     """Device bytes the variant needs during one call: its peak less what others hold."""
     if device.type == "cpu":
@@ -635,7 +655,7 @@ def child_rss(args) -> int:
     cfg = sizes(args.tiny, 1)
     res = cfg.resolutions[0]
     out: dict[str, Any] = {"entry_point": entry_point(), "rss_start": host_rss()["rss"]}
-    options = {"device": str(device), "num_slots": 2}
+    options = {"device": str(device), "num_slots": 2, "device_budget": None}
     if args.checkpoint:  # the stand-in: the parent wrote the weights
         out["built"] = "weights from the parent's file"
         seconds, model = timed(lambda: dlo_fx.load(
@@ -702,7 +722,7 @@ def flux_section(cfg: Sizes, device: torch.device, resident_model: torch.nn.Modu
     spent: dict[str, float] = {}  # phase 1's rounds (no first calls), seconds, by resolution
     floor: Optional[CopyFloor] = None
     phases = [(["dlo 2 slots", "dlo auto budget", "group offload"], cfg.resolutions),
-              (["dlo 3 slots", "dlo fp8"], cfg.resolutions)]
+              (["dlo 3 slots", "dlo fp8", "dlo half budget"], cfg.resolutions)]
     for phase, (names, resolutions) in enumerate(phases, 1):
         log(f"flux: phase {phase}: making {', '.join(names)}")
         variants: list[Variant] = []
@@ -711,11 +731,17 @@ def flux_section(cfg: Sizes, device: torch.device, resident_model: torch.nn.Modu
                 if name == "group offload":
                     variants.append(group_offload_variant(resident_model, device))
                     continue
-                opts = {"device": dev, "num_slots": 3 if "3 slots" in name else 2}
+                # Streaming variants stream every block (device_budget=None); "dlo auto
+                # budget" takes the default options (device_budget="auto"), "dlo half
+                # budget" a budget of half the model's bytes.
+                opts = {"device": dev, "num_slots": 3 if "3 slots" in name else 2,
+                        "device_budget": None}
                 if "fp8" in name:
                     opts["storage_dtype"] = torch.float8_e4m3fn
                 if "auto" in name:
-                    opts["device_budget"] = "auto"
+                    opts = {"device": dev}
+                if "half budget" in name:
+                    opts["device_budget"] = param_bytes(resident_model) // 2
                 variants.append(dlo_variant(name, resident_model, opts, device,
                                             exact="fp8" not in name))
             except Exception as exc:
@@ -752,6 +778,7 @@ def flux_section(cfg: Sizes, device: torch.device, resident_model: torch.nn.Modu
                 checks.check(False, f"flux {r.label} ({', '.join(names)}): "
                                     f"{type(exc).__name__}: {exc}")
                 continue
+            budget_figures(variants, r.label)
             into = section["resolutions"].setdefault(r.label, {
                 "image_tokens": r.image_tokens, "text_tokens": r.text, "variants": {}})
             into[f"phase {phase}"] = figures
@@ -787,6 +814,17 @@ def flux_section(cfg: Sizes, device: torch.device, resident_model: torch.nn.Modu
             continue
         d = into["variants"]["dlo 2 slots"]
         targets = into.setdefault("targets", {})
+        auto = into["variants"].get("dlo auto budget", {})
+        if "over_resident" in auto:
+            checks.target(auto["over_resident"], 1.02,
+                          f"flux {r.label} dlo auto budget/resident", targets)
+        half = into["variants"].get("dlo half budget", {})
+        if half.get("measured_over_predicted") is not None:
+            checks.target(abs(half["measured_over_predicted"] - 1), 0.10,
+                          f"flux {r.label} dlo half budget |measured/predicted - 1|", targets)
+        if "step_ms" in half and "step_ms" in d:
+            checks.target(half["step_ms"] / d["step_ms"], 1.0,
+                          f"flux {r.label} dlo half budget/dlo 2 slots", targets)
         if into.get("label") == "compute-bound":
             checks.target(d.get("over_resident"), 1.01, f"flux {r.label} dlo/resident", targets)
         elif into.get("label") == "transfer-bound":
@@ -809,8 +847,8 @@ def wan_section(cfg: Sizes, device: torch.device, checks: Checks, result: dict) 
                        own_device_bytes=param_bytes(resident_model))
     seconds, ref = timed(lambda: call(resident_model, kw), device)
     resident.figures[res.label] = {"first_call_s": seconds}
-    v = dlo_variant("dlo 2 slots", resident_model, {"device": str(device), "num_slots": 2},
-                    device)
+    v = dlo_variant("dlo 2 slots", resident_model, {"device": str(device), "num_slots": 2,
+                                                     "device_budget": None}, device)
     log(f"  {res.label}: first call of {v.name}")
     first_call(v, kw, device, ref, res)
     floor = CopyFloor(v.streamed_bytes, v.figures["max_block_bytes"], device)
@@ -1004,6 +1042,18 @@ def markdown(result: dict) -> str:
             lines.append(f"- {label}: {into.get('label_why', '-')}; pinned copies at "
                          f"{_f(p.get('floor_GBps'), '{:.1f} GB/s')}; no host sync in steady "
                          f"state: {into.get('no_host_sync', '-')}.")
+            for name in ("dlo auto budget", "dlo half budget"):
+                v = into["variants"].get(name)
+                if v and "predicted_step_ms" in v:
+                    lines.append(
+                        f"- {label}, {name}: {v.get('resident_blocks')} of "
+                        f"{v.get('num_blocks')} blocks resident; step predicted "
+                        f"{_f(v.get('predicted_step_ms'), '{:.1f} ms')}, measured "
+                        f"{_f(v.get('step_ms'), '{:.1f} ms')} (x"
+                        f"{_f(v.get('measured_over_predicted'))}); capacity "
+                        f"{_gib(v.get('device_capacity_bytes'))}, activation peak "
+                        f"{_gib(v.get('activation_peak_bytes'))}, weights budget "
+                        f"{_gib(v.get('weights_budget_bytes'))}.")
         if "wan" in result:
             lines.append(f"- Wan2.1-14B {result['wan']['resolution']} "
                          f"({result['wan']['tokens']} tokens): {result['wan'].get('label_why')}.")

@@ -53,19 +53,34 @@ class DLOConfig:
     ``0`` streams every parameter that can be streamed. Parameters used far apart
     (shared tables, tied weights) stay resident whatever the setting. Default: ``0``."""
 
-    device_budget: Union[int, str, None] = None
+    device_budget: Union[int, str, None] = "auto"
     """Bytes of device memory the weights may use: the slots, the resident parameters and
     the blocks kept resident. What is left after the slots and the parameters resident
     anyway goes to whole blocks chosen to minimise the predicted time per call (copies at
     the measured bandwidths, compute from each block's FLOPs at the measured matmul rate;
     `dlo_fx.planning.budget`, see [Note: resident blocks spread through the stack]); a budget
-    below that minimum raises ``ValueError`` at compile. ``"auto"``: the device's free
-    memory minus ``activation_reserve_bytes`` (on CPU only explicit bytes apply: "auto"
-    keeps every block streamed). ``None``: every block streams. Default: ``None``."""
+    below that minimum raises ``ValueError`` at compile. ``"auto"``: planned from measured
+    memory (`dlo_fx.planning.device_memory`, see [Note: the auto device budget]): the
+    device's capacity (``device_memory``, else its free memory with the model offloaded)
+    minus the activations and workspace measured on the first call at each input shape,
+    minus a margin; a new input shape re-plans before it runs, and a call that runs out of
+    device memory raises `dlo_fx.DeviceMemoryError` and moves blocks back to streaming. On
+    the CPU or the meta device without ``device_memory``, ``"auto"`` streams every block.
+    ``None``: every block streams. Default: ``"auto"``."""
+
+    device_memory: Optional[int] = None
+    """With ``device_budget="auto"``: the device's capacity in bytes, declared instead of
+    read from the driver. It makes the planner work on the CPU or the meta device as if the
+    compute device had that many bytes (tests, planning for hardware one does not have),
+    and caps the budget on an accelerator. ``None``: the free memory the driver reports
+    (no budget on the CPU or the meta device). Default: ``None``."""
 
     activation_reserve_bytes: Optional[int] = None
-    """With ``device_budget="auto"``: device bytes kept free for activations. ``None``
-    keeps a quarter of the device's memory. Default: ``None``."""
+    """With ``device_budget="auto"``: device bytes kept for activations and workspace,
+    instead of the peak measured on each input shape's first call (an override for a
+    workload whose later calls need more than the first, or to plan once at compile).
+    ``None``: measured (with several ranks gathering, where no plan is re-made per call, a
+    quarter of the capacity). Default: ``None``."""
 
     device: Optional[str] = None
     """Device the slots live on and the graph computes on, e.g. ``"cpu"``, ``"cuda:0"``,
@@ -164,14 +179,16 @@ class DLOConfig:
                     "expected None, 'auto' or an integer number of bytes >= 0"
                 )
             _check_int("device_budget", self.device_budget, minimum=0)
-        if self.activation_reserve_bytes is not None:
-            _check_int("activation_reserve_bytes", self.activation_reserve_bytes, minimum=0)
+        for name, minimum in (("activation_reserve_bytes", 0), ("device_memory", 1)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_int(name, value, minimum=minimum)
             if self.device_budget != "auto":
                 raise ValueError(
-                    f"DLOConfig option 'activation_reserve_bytes'="
-                    f"{self.activation_reserve_bytes!r} applies only with device_budget='auto' "
-                    f"(device_budget={self.device_budget!r}); drop it or set "
-                    "device_budget='auto'"
+                    f"DLOConfig option {name!r}={value!r} applies only with "
+                    f"device_budget='auto' (device_budget={self.device_budget!r}); drop it or "
+                    "set device_budget='auto'"
                 )
         _check_int("alignment", self.alignment, minimum=16)
         if self.alignment & (self.alignment - 1) or self.alignment > MAX_ALIGNMENT:

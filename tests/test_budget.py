@@ -172,7 +172,7 @@ def test_memory_report_and_blocks_md_show_the_resident_blocks(swept):
 def test_device_budget_options_are_validated():
     assert DLOConfig(device_budget="auto", activation_reserve_bytes=0).device_budget == "auto"
     for bad in ({"device_budget": -1}, {"device_budget": "lots"}, {"device_budget": 1.5},
-                {"activation_reserve_bytes": 10}, {"device_budget": "auto",
+                {"device_budget": None, "activation_reserve_bytes": 10}, {"device_budget": "auto",
                                                    "activation_reserve_bytes": -1}):
         with pytest.raises(ValueError, match="device_budget|activation_reserve_bytes"):
             DLOConfig.from_options(bad)

@@ -104,6 +104,10 @@ def test_gpu_check_runs_on_cpu(spawned):
         assert "group offload (CPU: no streams)" in res["variants"]
     assert first["variants"]["dlo 3 slots"]["bit_identical"] is True
     assert first["variants"]["dlo fp8"]["step_ms"] > 0
+    half = first["variants"]["dlo half budget"]  # device_budget = half the model's bytes
+    # which blocks (if any) fit and pay off at tiny sizes depends on the machine's figures
+    assert half["bit_identical"] is True and half["resident_blocks"] < half["num_blocks"]
+    assert half["predicted_step_ms"] > 0 and half["measured_over_predicted"] > 0
     assert "dlo 3 slots" not in second["variants"] and result["flux"]["dropped"]
     child = result["host_rss_child"]
     assert child["peak_rss"] > 0 and child["host_store_bytes"] > 0, child

@@ -25,7 +25,8 @@ from torch import fx
 from .errors import CompileOptionsError
 from ..config import DLOConfig
 from ..passes import GraphPlan, PassContext, plan_graph, run_passes, schedule_of
-from ..passes.resident_set import device_budget_bytes
+from ..passes.resident_set import resolve_budget
+from .auto_budget import AutoResidency, copy_graph
 from .probes import probe_for_budget, settle_mode
 from ..runtime.agreement import compile_facts
 from ..model.guard import attach
@@ -104,18 +105,15 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     # Plan (no collective), settle mode="auto", then write the schedule: the probes and
     # the mode choice are collectives, run here and not in a pass (dynamo/probes.py).
     ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
-    ctx.device_budget = device_budget_bytes(ctx)
-    probe_for_budget(runtime, ctx.device_budget, bool(params))
+    budget, auto_capacity = resolve_budget(ctx)
+    ctx.device_budget = probe_for_budget(runtime, budget if auto_capacity is None
+                                         else auto_capacity, bool(params))
+    if auto_capacity is not None:
+        ctx.device_budget = None  # planned at each call (auto_budget.py)
+    pristine = copy_graph(gm) if auto_capacity is not None and params else None
     plan = settle_mode(plan_graph(gm, ctx))
-    gm = run_passes(gm, plan, extra=config.user_passes)
-    check_inference_only(gm, plan)
-    compiled = gm.forward
-    if config.compiler == "inductor":  # before commit: a failure leaves the model intact
-        from ..inductor import compile_pieces
-
-        check_no_subclass_weights(plan)
-
-        compiled = compile_pieces(gm, example_inputs, plan)
+    reached_names = [n for _, n in reached]
+    gm, compiled = schedule_graph(gm, plan, example_inputs)
     if runtime is not None:
         with runtime.lock:  # no graph of another thread gathers while this one compares plans
             runtime.drain()
@@ -124,9 +122,79 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
             adopt(runtime, modules, roots)
     for observe in SCHEDULED_OBSERVERS:  # the dump writer (dlo_fx/__init__.py registers it)
         observe(gm, plan, runtime, config)
-    run = scheduled_call(gm, plan, given, example_inputs, compiled, [n for _, n in reached])
+    run = scheduled_call(gm, plan, given, example_inputs, compiled, reached_names)
+    if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
+        run = auto_residency(pristine, plan, run, given, reached_names)
     if params:
         _SCHEDULED[key] = run
+    return run
+
+
+def schedule_graph(gm: fx.GraphModule, plan: GraphPlan,
+                   example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, Callable]:
+    """Write ``plan`` into ``gm`` (the schedule and the user's passes), check it, and
+    compile its compute (Inductor pieces when asked): before `commit`, so a failure leaves
+    the model intact."""
+    gm = run_passes(gm, plan, extra=plan.config.user_passes)
+    check_inference_only(gm, plan)
+    compiled = gm.forward
+    if plan.config.compiler == "inductor":
+        from ..inductor import compile_pieces
+
+        check_no_subclass_weights(plan)
+
+        compiled = compile_pieces(gm, example_inputs, plan)
+    return gm, compiled
+
+
+def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, first: Callable,
+                   given: Mapping[str, Any], reached: Sequence[str]) -> Callable:
+    """``first`` (every block streamed) wrapped in the auto device budget's re-plans: each
+    resident set is scheduled from a copy of ``pristine`` (the graph before the passes),
+    with ``plan``'s blocks and those resident. See dynamo/auto_budget.py.
+
+    What it keeps of the model is weak (its runtime, its parameters, the example inputs):
+    Dynamo may keep a compiled graph's callable after the model is gone, and a scheduled
+    graph holds no parameter either (each call binds the ones it is called with)."""
+    config = plan.config
+    runtime_ref = weakref.ref(plan.runtime)
+    # Parameters weakly; the other tensors as Dynamo traced them (their fake values: the
+    # planning stages read their metadata only), so no call's inputs are kept either.
+    holders = pristine.graph.find_nodes(op="placeholder")
+    inputs = [weakref.ref(v) if isinstance(v, torch.nn.Parameter) else
+              node.meta.get("example_value", v) if isinstance(v, torch.Tensor) else v
+              for node, v in zip(holders, plan.example_inputs)]
+
+    def build(forced: Any) -> Callable:
+        runtime = runtime_ref()
+        example_inputs = [v() if isinstance(v, weakref.ref) else v for v in inputs]
+        if runtime is None or any(v is None for v in example_inputs):
+            raise RuntimeError("dlo: the model this graph was compiled for is gone")
+        gm = copy_graph(pristine)
+        ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
+        ctx.forced_plan = forced
+        plan = plan_graph(gm, ctx).with_mode(runtime.mode)
+        gm, compiled = schedule_graph(gm, plan, example_inputs)
+        with runtime.lock:
+            runtime.drain()
+            commit(plan, runtime)  # every block is stored already: no collective
+        for observe in SCHEDULED_OBSERVERS:
+            observe(gm, plan, runtime, config)
+        return scheduled_call(gm, plan, given, example_inputs, compiled, reached)
+
+    where = {id(v): i for i, v in enumerate(plan.example_inputs)
+             if isinstance(v, torch.nn.Parameter)}
+    positions = {p.fqn: where[id(p.param)] for p in plan.params if id(p.param) in where}
+    first_param = plan.example_inputs[min(positions.values())] if positions else None
+    controller = AutoResidency(plan.runtime, plan.budget_plan,
+                               tuple(p.fqn for p in plan.params), first, build, positions,
+                               first_param)
+
+    def run(*args: Any) -> Any:
+        # A function, not the object: Dynamo wraps what a backend returns with
+        # functools.wraps, which copies a callable object's __dict__ onto the wrapper.
+        return controller(*args)
+
     return run
 
 

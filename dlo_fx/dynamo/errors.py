@@ -1,4 +1,5 @@
-"""`CompileOptionsError`: options a compile call gave that the backend refuses.
+"""`CompileOptionsError`: options a compile call gave that the backend refuses;
+`DeviceMemoryError`: a call under the auto device budget ran out of device memory.
 
 Dynamo wraps what a backend raises in ``BackendCompilerFailed``, whose message starts
 ``backend='dlo_backend' raised:`` after a screen of Dynamo frames. A refused option is the
@@ -8,6 +9,10 @@ re-raises unwrapped, so ``except ValueError`` catches it and its message comes f
 """
 
 from __future__ import annotations
+
+from typing import Sequence
+
+import torch
 
 from ..torch_private import unwrapped_error_base
 
@@ -22,3 +27,20 @@ class CompileOptionsError(ValueError, _Unwrapped):  # type: ignore[misc, valid-t
     def __init__(self, message: str) -> None:
         Exception.__init__(self, message)
         self.first_useful_frame = None  # ShortenTraceback: keep the traceback as raised
+
+
+class DeviceMemoryError(torch.OutOfMemoryError):
+    """A call of a model under ``device_budget="auto"`` ran out of device memory.
+
+    Raised from the ``torch.OutOfMemoryError`` the call raised (its ``__cause__``), after
+    dlo moved the graph's resident blocks back to streaming: ``moved_blocks`` (their
+    positions among the graph's blocks, with their first..last FQNs in the message) and
+    ``moved_bytes``. The slots, the host store and the model are intact, and nothing is
+    retried: calling again runs the smaller plan and returns the exact output. See [Note:
+    the auto device budget] in dlo_fx/planning/device_memory.py."""
+
+    def __init__(self, message: str, moved_blocks: Sequence[int] = (),
+                 moved_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.moved_blocks = list(moved_blocks)
+        self.moved_bytes = int(moved_bytes)

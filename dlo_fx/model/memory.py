@@ -11,7 +11,7 @@ from ..runtime.procfs import cgroup_memory, process_memory
 from ..runtime.stored import is_stored
 from ..runtime.host_slabs import pinned_figures
 from ..runtime.layout import span_bytes
-from ..runtime.platform import max_memory_allocated
+from ..runtime.platform import device_memory_bytes, max_memory_allocated
 from ..runtime.owners import runtimes_holding
 
 
@@ -55,11 +55,27 @@ class MemoryReport:
     """Page-locked host bytes held for them: the slabs they are packed into, exactly sized
     where the platform registers host memory, powers of two elsewhere (see [Note: pinned
     slabs] in runtime/host_slabs.py)."""
+    device_capacity_bytes: Optional[int] = None
+    """The device's capacity the auto budget plans with (``device_memory``, else the free
+    memory at compile plus the weights' own bytes); else the device's total memory."""
+    activation_peak_bytes: Optional[int] = None
+    """The largest activation peak measured (device peak of a call minus what was
+    allocated before it and the resident copies it made); None before any."""
+    activation_peaks: tuple = ()
+    """``(input shapes, peak bytes)`` of every shape measured, per graph."""
+    weights_budget_bytes: Optional[int] = None
+    """What the device budget lets the weights use (summed over the model's graphs)."""
+    budget_lines: tuple = ()
+    """How each graph's budget was found and which blocks it keeps resident and why
+    (bytes, predicted time per call before and after); out-of-memory errors met."""
+
+    _SPECIAL = ("predicted", "predicted_s_per_call", "measured_s_per_call",
+                "predicted_copy_s_per_call", "predicted_compute_s_per_call",
+                "activation_peaks", "budget_lines")
 
     def __str__(self) -> str:
         rows = [(f.name, getattr(self, f.name)) for f in fields(self)
-                if f.name not in ("predicted", "predicted_s_per_call", "measured_s_per_call",
-                                  "predicted_copy_s_per_call", "predicted_compute_s_per_call")]
+                if f.name not in self._SPECIAL]
         width = max(len(name) for name, _ in rows)
         lines = [f"{'figure':<{width}}  value", f"{'-' * width}  {'-' * 16}"]
         for name, value in rows:
@@ -76,6 +92,9 @@ class MemoryReport:
                          + (f" (copies {self.predicted_copy_s_per_call * 1e3:.3f} ms, compute "
                             f"{self.predicted_compute_s_per_call * 1e3:.3f} ms)"
                             if self.predicted_copy_s_per_call is not None else ""))
+        for shapes, peak in self.activation_peaks:
+            lines.append(f"{'activation_peak':<{width}}  {_fmt('_bytes', peak)}   at {shapes}")
+        lines += [f"{'device_budget':<{width}}  {line}" for line in self.budget_lines]
         return "\n".join(lines)
 
 
@@ -121,6 +140,9 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
     else:
         streamed = sum(b.nbytes for b in blocks)
     measured = [p.measured_s for p in plans]
+    auto = auto_figures(runtimes, plans)
+    if auto["device_capacity_bytes"] is None:
+        auto["device_capacity_bytes"] = device_memory_bytes(device)
     pinned_requested, pinned_allocated = pinned_figures(*pinned)
     host = process_memory()
     cgroup = cgroup_memory()
@@ -144,4 +166,32 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         predicted_compute_s_per_call=sum(p.compute_total_s for p in plans) if plans else None,
         pinned_requested_bytes=pinned_requested,
         pinned_allocated_bytes=pinned_allocated,
+        **auto,
     )
+
+
+def auto_figures(runtimes, plans) -> dict:
+    """The device budget's figures for the report: the auto budget's capacity and
+    measured peaks (`dlo_fx.planning.device_memory`), each plan's budget and resident
+    blocks with why."""
+    records = [m for rt in runtimes for m in rt.device_memory.values()]
+    plans = [p for p in plans if p.block_bytes]  # a graph that streams nothing has no budget
+    peaks = tuple((shapes, peak) for m in records
+                  for shapes, (_, peak) in m.peaks.measured.items())
+    lines: list[str] = []
+    for plan in plans:
+        lines += plan.budget_lines
+        lines += [f"resident block {g} ({plan.labels[g] if g < len(plan.labels) else ''}): "
+                  f"{plan.block_bytes[g]:,} B, {plan.reasons.get(g, '')}" for g in plan.resident]
+        if plan.budget_lines or plan.resident:
+            lines.append(f"predicted {plan.predicted_s * 1e3:.3f} ms per call with "
+                         f"{len(plan.resident)} of {len(plan.block_bytes)} blocks resident "
+                         f"({plan.streamed_s * 1e3:.3f} ms with every block streamed), measured "
+                         + (f"{plan.measured_s * 1e3:.3f} ms" if plan.measured_s is not None
+                            else "n/a"))
+    lines += [line for m in records for line in m.ooms]
+    return {"device_capacity_bytes": max((m.capacity for m in records), default=None),
+            "activation_peak_bytes": max((p for _, p in peaks), default=None),
+            "activation_peaks": peaks,
+            "weights_budget_bytes": sum(p.device_budget for p in plans) if plans else None,
+            "budget_lines": tuple(lines)}

@@ -72,6 +72,8 @@ class PassContext:
     escaping: set = field(default_factory=set)  # param nodes whose views reach the output
     ran: list[str] = field(default_factory=list)
     device_budget: Optional[int] = None  # the device_budget option in bytes (the backend's)
+    auto_capacity: Optional[int] = None  # device_budget="auto", re-planned per call: capacity
+    forced_plan: Any = None  # a BudgetPlan the auto budget re-plans this graph with
 
     def in_store(self, param: torch.Tensor) -> bool:
         return self.runtime is not None and param in self.runtime.store

@@ -68,23 +68,53 @@ log = logging.getLogger(__name__)
 
 
 def device_budget_bytes(ctx: PassContext) -> Optional[int]:
-    """The ``device_budget`` option in bytes (``"auto"`` resolved), or None: no budget."""
-    cfg = ctx.config
-    if cfg.device_budget != "auto":
-        return cfg.device_budget
-    device = ctx.runtime.device if ctx.runtime is not None else torch.device("cpu")
-    if device.type in ("cpu", "meta"):
-        log.info("dlo: device_budget='auto' on CPU: only explicit bytes apply, every block "
-                 "streams")
-        return None
-    from ..runtime.platform import device_free_bytes
+    """The ``device_budget`` option in bytes for a plan made once, at compile: explicit
+    bytes, or ``"auto"`` where it is not re-planned per call (several ranks gathering:
+    the capacity minus ``activation_reserve_bytes``, a quarter of it by default); None
+    otherwise (no budget, or one the auto budget plans per call: `resolve_budget`)."""
+    budget, _ = resolve_budget(ctx)
+    return budget
 
-    figures = device_free_bytes(device)
-    if figures is None:
-        return None
-    free, total = figures
-    reserve = cfg.activation_reserve_bytes
-    return max(free - (total // 4 if reserve is None else reserve), 0)
+
+def resolve_budget(ctx: PassContext) -> tuple[Optional[int], Optional[int]]:
+    """``(device_budget, auto_capacity)`` for this compile, also set on ``ctx``.
+
+    ``device_budget``: bytes planned once, here (explicit bytes; ``"auto"`` with several
+    ranks gathering, which must agree on one plan: see [Note: the auto device budget] in
+    dlo_fx/planning/device_memory.py). ``auto_capacity``: the device's capacity for the
+    auto budget planned from measured memory at each call (`dlo_fx.dynamo.auto_budget`);
+    this compile then plans every block streamed. Both None: every block streams (no
+    budget; ``"auto"`` on the CPU or the meta device without ``device_memory``)."""
+    cfg = ctx.config
+    ctx.device_budget = ctx.auto_capacity = None
+    if cfg.device_budget != "auto":
+        ctx.device_budget = cfg.device_budget
+        return ctx.device_budget, None
+    runtime = ctx.runtime
+    device = runtime.device if runtime is not None else torch.device("cpu")
+    capacity = cfg.device_memory
+    if capacity is None:
+        from ..runtime.platform import free_and_total
+
+        figures = free_and_total(device)
+        if figures is None:
+            log.info("dlo: device_budget='auto' on %s without device_memory: every block "
+                     "streams", device.type)
+            return None, None
+        free, _ = figures
+        # The slots and the blocks the auto budget keeps resident (of every model on the
+        # device) are the weights' own: part of the budget, which leaves the others out.
+        capacity = free + (runtime.slots.total_bytes + sum(runtime.shared.auto_resident.values())
+                           if runtime is not None else 0)
+    if runtime is None:
+        return None, None
+    dp = runtime.group.dp
+    if dp > 1 and (runtime.mode or cfg.mode or "allgather") != "rank_local":
+        reserve = cfg.activation_reserve_bytes
+        ctx.device_budget = max(capacity - (capacity // 4 if reserve is None else reserve), 0)
+        return ctx.device_budget, None
+    ctx.auto_capacity = capacity
+    return None, capacity
 
 
 def block_spans(starts: Sequence[int], num_nodes: int) -> list[range]:
@@ -125,23 +155,36 @@ def probed_flops(runtime, dtype: Optional[torch.dtype]) -> float:
 
 def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
                     cands: list[Candidate]) -> Optional[ChooseBlocks]:
-    budget = ctx.device_budget
-    if budget is None:
+    budget, auto, forced = ctx.device_budget, ctx.auto_capacity, ctx.forced_plan
+    if budget is None and auto is None and forced is None:
         return None
     num_slots = ctx.config.num_slots
 
     def choose(blocks: list[list[int]], reasons: list[Optional[str]]) -> dict[int, str]:
         sizes = [sum(cands[i].nbytes for i in b) for b in blocks]
+        names = [[cands[i].name for i in b] for b in blocks]
+        if forced is not None:  # the auto budget's re-plan (dlo_fx.dynamo.auto_budget)
+            if forced.fqns != names:
+                raise RuntimeError(
+                    "dlo: internal error: the auto device budget re-planned a graph whose "
+                    f"blocks differ from its first plan's ({len(names)} blocks, first "
+                    f"{names[0][0] if names else None!r}, against {len(forced.fqns)})")
+            ctx.budget_plan = forced
+            return {g: forced.reasons[g] for g in forced.resident}
         always = sum(c.nbytes for c, r in zip(cands, reasons)
                      if r is not None and (c.first is None or c.first >= 0))
         minimum = minimum_bytes(sizes, num_slots, always)
-        if budget < minimum:
+        if auto is not None:  # every block streams at the first call: it measures
+            budget_now, capacity = auto, 0
+        elif budget < minimum:
             raise ValueError(
                 f"dlo option device_budget={ctx.config.device_budget!r} ({budget:,} B) is below "
                 f"the minimum of {minimum:,} B for this graph: num_slots={num_slots} slots of its "
                 f"largest block ({max(sizes, default=0):,} B) plus {always:,} B of parameters "
                 f"resident anyway; set device_budget >= {minimum} (or None to stream every "
                 "block), or lower num_slots / block_bytes")
+        else:
+            budget_now, capacity = budget, budget - minimum
         runtime = ctx.runtime
         # A recompile of the same parameters (a new resolution, autocast; perhaps on one
         # rank only) keeps the blocks the first compile chose: re-planned from other FLOPs,
@@ -150,9 +193,7 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
         # model compiled from the device has the earlier resident blocks pinned already
         # (read directly, not stored): its blocks are the earlier streamed ones, none added.
         earlier = (runtime.budget_plans.get(tuple(p.fqn for p in ctx.params))
-                   if runtime is not None else None)
-        names = [[cands[i].name for i in b] for b in blocks]
-        capacity = budget - minimum
+                   if runtime is not None and auto is None else None)
         if earlier is not None:
             if earlier.fqns == names:
                 ctx.budget_plan = earlier
@@ -174,13 +215,17 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
         flops, compute_s = block_compute_seconds(costs, spans, rates.__getitem__)
         copy_s = [copy_seconds(n, dp=dp, allgather=allgather, h2d_gbps=h2d,
                                gather_gbps=min(gather, 1e6)) for n in sizes]
-        plan = BudgetPlan(device_budget=budget, minimum=minimum, capacity=capacity,
+        plan = BudgetPlan(device_budget=budget_now, minimum=minimum, capacity=capacity,
                           h2d_gbps=h2d, gather_gbps=gather,
                           labels=[f"{cands[b[0]].name} .. {cands[b[-1]].name}" for b in blocks],
                           fqns=names,
                           copy_s=copy_s, compute_s=compute_s, flops=flops,
                           flops_per_s={str(d).removeprefix("torch."): r
                                        for d, r in rates.items() if r != float("inf")})
+        if auto is not None:
+            plan.budget_lines = [
+                f"device capacity {auto:,} B; nothing measured yet: the first call streams "
+                "every block and measures its activation peak, later calls are planned"]
         ctx.budget_plan = plan_resident_blocks(sizes, copy_s, compute_s, num_slots=num_slots,
                                                capacity=capacity, plan=plan)
         return {g: plan.reasons[g] for g in plan.resident}

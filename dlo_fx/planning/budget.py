@@ -64,6 +64,8 @@ class BudgetPlan:
     compute_s: list[float] = field(default_factory=list)  # predicted compute of each block
     flops: list[int] = field(default_factory=list)  # FLOPs of the nodes each block spans
     flops_per_s: dict[str, float] = field(default_factory=dict)  # measured, per dtype
+    # device_budget="auto": how the weights budget was found (dlo_fx.planning.device_memory)
+    budget_lines: list[str] = field(default_factory=list)
 
     @property
     def streamed_copy_s(self) -> float:

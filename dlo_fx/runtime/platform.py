@@ -218,13 +218,49 @@ def synchronize(device: torch.device) -> None:
     torch.accelerator.synchronize(device)
 
 
-def max_memory_allocated(device: torch.device) -> Optional[int]:
+def _memory_call(name: str, device: torch.device):
+    """``torch.accelerator.<name>(device)`` where this torch has it, else the device
+    module's (``torch.cuda.<name>``); None on the CPU and the meta device, or where neither
+    exists."""
     if not has_streams(device):
         return None
-    try:
-        return int(torch.get_device_module(device).max_memory_allocated(device))
-    except (AttributeError, RuntimeError):
+    acc = getattr(torch, "accelerator", None)
+    fn = getattr(acc, name, None) if acc is not None else None
+    if fn is None:
+        fn = getattr(torch.get_device_module(device), name, None)
+    if fn is None:
         return None
+    try:
+        return fn(device)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def memory_allocated(device: torch.device) -> Optional[int]:
+    """Bytes the caching allocator hands out on ``device`` now (None on CPU / meta)."""
+    value = _memory_call("memory_allocated", device)
+    return None if value is None else int(value)
+
+
+def max_memory_allocated(device: torch.device) -> Optional[int]:
+    """The allocator's peak on ``device`` since the last `reset_peak_memory` (None on
+    CPU / meta: the auto budget then takes the declared capacity and a simulated peak)."""
+    value = _memory_call("max_memory_allocated", device)
+    return None if value is None else int(value)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for `max_memory_allocated` (nothing on CPU / meta)."""
+    _memory_call("reset_peak_memory_stats", device)
+
+
+def free_and_total(device: torch.device) -> Optional[tuple[int, int]]:
+    """(free, total) bytes of ``device`` as its driver reports them; None on CPU / meta."""
+    value = _memory_call("get_memory_info", device)
+    if value is None:
+        return device_free_bytes(device)
+    free, total = value
+    return int(free), int(total)
 
 
 def device_memory_bytes(device: torch.device) -> Optional[int]:

@@ -117,6 +117,19 @@ class Runtime(SlotMachine, WeightReads):
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.planning.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
+        # device_budget="auto" (dlo_fx.dynamo.auto_budget), per graph's parameters (the key
+        # of budget_plans): the memory record (capacity, peaks per shape, OOM floor) and the
+        # blocks resident now (their positions; their bytes are on the device's
+        # SharedSlots, beside other models')
+        self.device_memory: dict[tuple[str, ...], object] = {}
+        self.auto_resident: dict[tuple[str, ...], frozenset] = {}  # bytes: shared.auto_resident
+        # The auto budget with several ranks gathering: one budget agreed at the first
+        # compile (dlo_fx.dynamo.probes.probe_runtime), kept for every later one
+        self.agreed_auto_budget: Optional[int] = None
+        # Where the device has no allocator statistics (the CPU, the meta device): the
+        # activation peak of a call, from the shapes of its tensor inputs, for tests and
+        # planning with a declared device_memory. None: 0 (nothing measured on the device)
+        self.activation_peak_of: Optional[Callable[[tuple], int]] = None
         # Parameters resident in every later graph, and why (`KEPT_RESIDENT`): one a
         # committed graph reads straight from the module, not from the host store (no later
         # graph may stream, and so store, it), or one named in ``dlo_fx.load(...,
@@ -132,6 +145,11 @@ class Runtime(SlotMachine, WeightReads):
         self.home: Optional[torch.device] = None
         self.undo_moves: list[Callable[[], None]] = []
         install_interrupt_handler()
+
+    @property
+    def token(self) -> int:
+        """Tells this runtime apart from the others sharing its slots."""
+        return self._token
 
     @property
     def lock(self) -> threading.RLock:
@@ -300,6 +318,8 @@ class Runtime(SlotMachine, WeightReads):
             if self.slot_block[slot] is not None:
                 self.slot_block[slot] = None
         unclaim(self)
+        for key in [k for k in self.shared.auto_resident if k[0] == self._token]:
+            del self.shared.auto_resident[key]  # its resident copies go with it
         if self.store.files is not None:
             self.store.files.close()
         self.store = HostStore(alignment=self.config.alignment)

@@ -62,6 +62,10 @@ class SharedSlots:
         # Held around every graph call of every runtime using these slots
         # (see [Note: one call at a time] in graph_call.py).
         self.lock = threading.RLock()
+        # device_budget="auto": the bytes each graph of each runtime on this device keeps
+        # resident now, by (runtime token, graph's parameters): every model's budget
+        # leaves out what the others keep (dlo_fx.dynamo.auto_budget)
+        self.auto_resident: dict[tuple, int] = {}
         weakref.finalize(self, _shutdown, self.executor)
 
     def shard_group(self, spec: Any, timeout_s: float,

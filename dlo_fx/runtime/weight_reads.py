@@ -166,6 +166,17 @@ class WeightReads:
             self._resident = {k: v for k, v in self._resident.items()
                               if self.store.entry_by_id(k) is v[0]}
 
+    def drop_resident(self, params: Sequence[torch.Tensor]) -> int:
+        """Free the resident device copies of ``params`` (blocks the auto device budget
+        moved back to streaming); returns the bytes freed. A later read makes them again."""
+        freed = 0
+        for p in params:
+            kept = self._resident.pop(id(p), None)
+            if kept is not None:
+                freed += kept[1].untyped_storage().nbytes()
+        self._resident_flat = None
+        return freed
+
     @property
     def resident_copy_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for _, t in self._resident.values())

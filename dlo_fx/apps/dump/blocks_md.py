@@ -37,7 +37,9 @@ def _resident_blocks(plan) -> list[str]:
                 f"{_ms(plan.compute_total_s)} ms ({sum(plan.flops) / 1e9:.3g} GFLOP of "
                 "matmuls, attention and convolutions at the measured matmul rate)."]
                if plan.copy_s else []),
-             "Blocks are numbered before the resident ones are taken out.", ""]
+             "Blocks are numbered before the resident ones are taken out.",
+             *([""] + [f"device_budget='auto': {line}" for line in plan.budget_lines]
+               if plan.budget_lines else []), ""]
     if not plan.resident:
         return lines + ["No block fits in what the budget leaves."]
     timed = len(plan.copy_s) == len(plan.block_bytes) == len(plan.compute_s)

@@ -1,0 +1,431 @@
+"""device_budget="auto" planned from measured memory (#54): the arithmetic, the planner's
+choices at declared capacities, the re-plan before a 4x larger input, the out-of-memory
+fall-back and the reports. CPU and the meta device, with ``device_memory`` declared and the
+activation peak given by ``runtime.activation_peak_of`` (no device peak to measure here)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import dlo_fx
+from dlo_fx import DLOConfig, DeviceMemoryError
+from dlo_fx.apps.dump.blocks_md import blocks_markdown
+from dlo_fx.apps.models import example_inputs
+from dlo_fx.planning.budget import predict_call_s
+from dlo_fx.planning.device_memory import (GIB, ActivationPeaks, DeviceMemory, margin_bytes,
+                                           replan, weights_budget)
+from dlo_fx.runtime import probes
+from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
+
+from models import call, tiny_dit, tiny_wan
+
+resident_set = importlib.import_module("dlo_fx.passes.resident_set")
+
+
+@pytest.fixture(autouse=True)
+def fixed_figures(monkeypatch):
+    """Fixed bandwidth and matmul rate: the planner's choices do not depend on the load of
+    the machine, and no probe runs (a transfer-bound device: 1 GB/s, 10 GFLOP/s)."""
+    monkeypatch.setattr(probes, "probe_bandwidths", lambda device, group, nbytes=0: (1.0, 1e9))
+    monkeypatch.setattr(probes, "probe_matmul_flops", lambda device, dtype, group: 1e10)
+    monkeypatch.setattr(resident_set, "probed_flops", lambda runtime, dtype: 1e10)
+    torch._dynamo.reset()
+    reset_runtimes()
+    yield
+    torch._dynamo.reset()
+
+
+def runtime_of(model):
+    return runtimes_holding(list(model.parameters()))[0]
+
+
+def the_plan(model):
+    (plan,) = runtime_of(model).budget_plans.values()
+    return plan
+
+
+def elements(inputs) -> int:
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    return sum(v.numel() for v in values if isinstance(v, torch.Tensor))
+
+
+# -- options and arithmetic -----------------------------------------------------------------
+def test_auto_is_the_default_and_device_memory_is_validated():
+    assert DLOConfig().device_budget == "auto" and DLOConfig().device_memory is None
+    assert DLOConfig(device_memory=2 * GIB).device_memory == 2 * GIB
+    assert DLOConfig(device_budget=None).device_budget is None  # every block streams
+    for bad, named in (({"device_memory": 0}, "'device_memory'=0"),
+                       ({"device_memory": 1.5}, "'device_memory'=1.5"),
+                       ({"device_budget": None, "device_memory": GIB}, "applies only with"),
+                       ({"device_budget": 10**9, "device_memory": GIB}, "applies only with"),
+                       ({"device_budget": 10**9, "activation_reserve_bytes": 1},
+                        "applies only with")):
+        with pytest.raises(ValueError) as info:
+            DLOConfig.from_options(bad)
+        assert named in str(info.value) and next(iter(bad.keys() - {"device_budget"})) in str(
+            info.value)
+
+
+def test_auto_without_a_declared_capacity_streams_every_block_on_cpu_and_meta():
+    from dlo_fx.passes import PassContext
+
+    for device in ("cpu", "meta"):
+        model, inputs = tiny_dit(depth=2)
+        dlo_fx.offload(model, options={"device": device})
+        ctx = PassContext(config=DLOConfig(device=device), example_inputs=(),
+                          runtime=runtime_of(model))
+        assert resident_set.resolve_budget(ctx) == (None, None)
+
+
+def test_margin_budget_prediction_and_oom_floor():
+    assert margin_bytes(0) == GIB and margin_bytes(20 * GIB) == 2 * GIB
+    assert margin_bytes(10 * GIB + 1) == GIB + 1  # 10%, rounded up
+    assert weights_budget(10 * GIB, 2 * GIB, GIB) == 6 * GIB
+    assert weights_budget(GIB, GIB) == 0  # never below 0
+    peaks = ActivationPeaks()
+    assert peaks.predict(("a",), 100) is None
+    peaks.record(("a",), 100, 1000)
+    peaks.record(("b",), 10, 7)
+    assert peaks.predict(("a",), 100) == (1000, "measured")
+    peak, how = peaks.predict(("c",), 401)  # per element from the largest shape, rounded up
+    assert peak == 4010 and "per element from 100 elements" in how
+    memory = DeviceMemory(capacity=4 * GIB)
+    assert memory.budget_for(("a",), 100) is None  # nothing measured: stream every block
+    memory.peaks = peaks
+    found = memory.budget_for(("a",), 100, other_resident=GIB)
+    assert found.weights == 4 * GIB - 1000 - GIB - GIB and found.peak_source == "measured"
+    assert memory.after_oom(found.weights, 1000, "oom") == found.weights - 1000
+    assert memory.budget_for(("c",), 1).weights == found.weights - 1000  # the floor caps it
+    memory.after_oom(10 * GIB, 0, "oom")  # a floor never rises
+    assert memory.floor == found.weights - 1000 and memory.ooms == ["oom", "oom"]
+    reserved = DeviceMemory(capacity=4 * GIB, reserve=GIB)  # activation_reserve_bytes
+    assert reserved.budget_for(("z",), 5).weights == 2 * GIB
+
+
+# -- the planner's choices at three capacities, against the simulator -------------------------
+def _on_meta(inputs):
+    if isinstance(inputs, dict):
+        return {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return tuple(v.to("meta") for v in inputs)
+
+
+def _zoo(name: str):
+    from zoo_models import build, by_name
+
+    return lambda: build(by_name(name))
+
+
+@pytest.mark.parametrize("factory", [tiny_dit, _zoo("DiT"), tiny_wan],
+                         ids=["reference", "diffusers-DiT", "diffusers-Wan"])
+def test_planner_choices_at_three_capacities_match_the_simulator(factory):
+    """On the meta device with a declared capacity: the first call streams every block and
+    measures, the second runs the plan; then the same planner at three capacities (below
+    one resident block, a few blocks, the whole model): every choice fits, is the
+    simulator's prediction for its resident set, and more room never predicts slower."""
+    model, inputs = factory()
+    peak = 64 * elements(inputs)
+    dlo_fx.offload(model, options={"device": "meta", "device_memory": 64 * GIB})
+    runtime = runtime_of(model)
+    runtime.activation_peak_of = lambda key: peak
+    compiled = torch.compile(model, backend="dlo")
+    meta = _on_meta(inputs)
+    with torch.no_grad():
+        first = call(compiled, meta)
+        assert the_plan(model).resident == []  # nothing measured yet: every block streams
+        second = call(compiled, meta)
+    assert first.device.type == second.device.type == "meta"
+    (memory,) = runtime.device_memory.values()
+    # the call's tensor inputs: the model's inputs and its buffers, lifted by Dynamo
+    ((counted, measured),) = memory.peaks.measured.values()
+    assert measured == peak and counted >= elements(inputs)
+    plan = the_plan(model)
+    n = len(plan.block_bytes)
+    assert plan.resident == list(range(n))  # 64 GiB: the whole model stays resident
+    assert plan.device_budget == weights_budget(64 * GIB, peak)
+    base = replan(plan, 0, 2)
+    chosen = []
+    for weights in (plan.minimum + min(plan.block_bytes) - 1,  # below one resident block
+                    plan.minimum + sum(plan.block_bytes) // 2,  # half the blocks' bytes
+                    plan.minimum + sum(plan.block_bytes)):  # the whole model
+        declared = DeviceMemory(capacity=weights + peak + margin_bytes(peak),
+                                peaks=memory.peaks)
+        found = declared.budget_for(next(iter(memory.peaks.measured)), counted)
+        assert found.weights == weights
+        chosen.append(replan(base, found.weights, 2, found.lines()))
+    assert chosen[0].resident == [] and chosen[-1].resident == list(range(n))
+    assert 0 < chosen[1].resident_bytes <= sum(plan.block_bytes) // 2
+    assert len(chosen[1].resident) < n
+    for c in chosen:
+        assert c.resident_bytes <= max(c.device_budget - c.minimum, 0)
+        assert c.predicted_s == pytest.approx(
+            predict_call_s(c.copy_s, c.compute_s, c.resident, 2))
+        assert c.streamed_s == pytest.approx(predict_call_s(c.copy_s, c.compute_s, (), 2))
+    times = [c.predicted_s for c in chosen]
+    assert times[0] >= times[1] >= times[2] and times[2] < times[0]
+    assert times[2] == pytest.approx(sum(plan.compute_s))  # nothing copied
+
+
+# -- exact calls: two calls, a 4x larger input, an injected out-of-memory error --------------
+def _offloaded_dit(device_memory: int):
+    ref, inputs = tiny_dit(depth=6)
+    model, _ = tiny_dit(depth=6)
+    dlo_fx.offload(model, options={"device": "cpu", "device_memory": device_memory})
+    return ref, model, inputs
+
+
+def test_a_4x_larger_input_replans_before_it_runs_and_is_exact():
+    """A device that holds the weights at the small size but not at 4x its pixels: the
+    large call is planned from the small call's peak, per element, before it runs, keeps
+    fewer blocks resident, fits, and returns the resident model's output exactly."""
+    probe_ref, probe_model, small = _offloaded_dit(GIB + 10**9)
+    large = example_inputs(probe_ref.config, batch=2, height=16, width=16, seed=2)
+    with torch.no_grad():
+        call(torch.compile(probe_model, backend="dlo"), small)
+    sizes, minimum = the_plan(probe_model).block_bytes, the_plan(probe_model).minimum
+    torch._dynamo.reset()
+    reset_runtimes()
+    per_element = 3 * max(sizes) // (elements(large) - elements(small)) + 1
+    capacity = GIB + per_element * elements(large) + minimum + 2 * max(sizes)
+    ref, model, _ = _offloaded_dit(capacity)
+    runtime = runtime_of(model)
+    runtime.activation_peak_of = lambda key: per_element * sum(  # ints: symbolic sizes
+        torch.Size(k[0]).numel() for k in key if isinstance(k, tuple))
+    compiled = torch.compile(model, backend="dlo")
+    fits = []
+    with torch.no_grad():
+        for inputs in (small, small, large, large, small):
+            out = call(compiled, inputs)
+            assert torch.equal(out, call(ref, inputs))
+            plan = runtime.budget_plans[next(iter(runtime.budget_plans))]
+            peak = per_element * elements(inputs)
+            fits.append((len(plan.resident), plan.resident_bytes + minimum + peak
+                         + margin_bytes(peak) <= capacity))
+    assert all(ok for _, ok in fits), fits
+    counts = [k for k, _ in fits]
+    assert counts[0] == 0 and counts[1] > counts[2] > 0  # re-planned before the large call
+    assert counts[2] == counts[3] and counts[4] == counts[1]  # each shape reuses its variant
+    (memory,) = runtime.device_memory.values()
+    assert len(memory.peaks.measured) == 2
+
+
+class InjectedOutOfMemory:
+    """``runtime.resident_tensor`` that raises ``torch.OutOfMemoryError`` once: a resident
+    block's device copy that does not fit."""
+
+    def __init__(self, runtime):
+        self.runtime, self.real, self.raised = runtime, runtime.resident_tensor, 0
+        runtime.resident_tensor = self
+
+    def __call__(self, param, clock=False):
+        if not self.raised:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.real(param, clock)
+
+
+def test_out_of_memory_moves_blocks_back_and_the_next_call_is_exact():
+    probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)
+    with torch.no_grad():
+        call(torch.compile(probe_model, backend="dlo"), inputs)
+    minimum, sizes = the_plan(probe_model).minimum, the_plan(probe_model).block_bytes
+    torch._dynamo.reset()
+    reset_runtimes()
+    ref, model, _ = _offloaded_dit(GIB + 1000 + minimum + 3 * max(sizes))
+    runtime = runtime_of(model)
+    runtime.activation_peak_of = lambda key: 1000
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        assert torch.equal(call(compiled, inputs), want)
+        assert torch.equal(call(compiled, inputs), want)
+        plan = the_plan(model)
+        resident, copies = list(plan.resident), runtime.resident_copy_bytes
+        assert resident and copies >= plan.resident_bytes
+        InjectedOutOfMemory(runtime)
+        with pytest.raises(DeviceMemoryError) as info:
+            call(compiled, inputs)
+        error = info.value
+        assert isinstance(error, torch.OutOfMemoryError)
+        assert isinstance(error.__cause__, torch.OutOfMemoryError)
+        assert error.moved_blocks == resident and error.moved_bytes == plan.resident_bytes
+        message = str(error)
+        assert "ran out of device memory" in message and "back to streaming" in message
+        assert f"{plan.resident_bytes:,} B" in message and "exactly" in message
+        assert plan.labels[resident[0]] in message
+        assert runtime.resident_copy_bytes == copies - plan.resident_bytes  # copies dropped
+        for _ in range(2):  # no retry happened; the next calls fit and are exact
+            assert torch.equal(call(compiled, inputs), want)
+        (memory,) = runtime.device_memory.values()
+        assert memory.floor == plan.device_budget - plan.resident_bytes
+        after = the_plan(model)  # never again more than what failed minus what moved
+        assert after.device_budget <= memory.floor
+        assert after.minimum + after.resident_bytes <= memory.floor
+    report = dlo_fx.memory_report(model)
+    assert any("out of memory with" in line for line in report.budget_lines)
+
+
+def test_graph_breaks_plan_each_graph_within_what_the_others_keep():
+    """A graph break in every block: the block graphs Dynamo reuses for every layer are
+    planned for each layer's parameters on their own, each budget leaves out what the
+    others keep resident, the resident copies stay within the plans, and every call is
+    exact."""
+    ref, inputs = tiny_dit(depth=4, graph_break=True)
+    model, _ = tiny_dit(depth=4, graph_break=True)
+    dlo_fx.offload(model, options={"device": "cpu", "device_memory": GIB + 500_000})
+    runtime = runtime_of(model)
+    runtime.activation_peak_of = lambda key: 1000
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        for _ in range(3):
+            assert torch.equal(call(compiled, inputs), want)
+    held = {key: nbytes for (_, key), nbytes in runtime.shared.auto_resident.items()}
+    # two graphs per layer (the graph break), each layer's planned: those that fit stay
+    assert len(held) == 8 and sum(nbytes > 0 for nbytes in held.values()) >= 4
+    assert runtime.resident_copy_bytes <= sum(held.values()) + 1024
+    for key, nbytes in held.items():
+        plan = runtime.budget_plans[key]
+        assert plan.resident_bytes == nbytes
+        others = sum(b for k, b in held.items() if k != key)
+        assert plan.minimum + plan.resident_bytes <= plan.device_budget
+        assert plan.device_budget <= GIB + 500_000 - 1000 - GIB - others
+
+
+def test_two_models_on_one_device_leave_each_other_out():
+    """Two models streamed into the same slots (a pipeline's components): the second's
+    budget leaves out what the first keeps resident, and both are exact."""
+    capacity = GIB + 1000 + 1_500_000
+    (ref_a, model_a, inputs), (ref_b, model_b, _) = (_offloaded_dit(capacity)
+                                                     for _ in range(2))
+    for model in (model_a, model_b):
+        runtime_of(model).activation_peak_of = lambda key: 1000
+    a, b = (torch.compile(m, backend="dlo") for m in (model_a, model_b))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(call(a, inputs), call(ref_a, inputs))
+        kept_a = the_plan(model_a).resident_bytes
+        for _ in range(2):
+            assert torch.equal(call(b, inputs), call(ref_b, inputs))
+    assert runtime_of(model_a).shared is runtime_of(model_b).shared
+    plan_b = the_plan(model_b)
+    assert kept_a > 0 and plan_b.device_budget == capacity - 1000 - GIB - kept_a
+    assert f"{kept_a:,} B resident for the other graphs on the device" in plan_b.budget_lines[0]
+
+
+def test_replanned_variants_compile_with_inductor():
+    """compiler="inductor": each variant's compute pieces are compiled at its first call
+    (from the graph's fake example inputs); the re-planned calls are exact."""
+    ref, inputs = tiny_dit(depth=2)
+    model, _ = tiny_dit(depth=2)
+    dlo_fx.offload(model, options={"device": "cpu", "device_memory": GIB + 400_000,
+                                   "compiler": "inductor"})
+    runtime_of(model).activation_peak_of = lambda key: 1000
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        for _ in range(3):
+            assert torch.equal(call(compiled, inputs), want)
+    assert the_plan(model).resident
+
+
+_ARMED = []  # one entry: the next call of dlotest::maybe_oom raises
+
+
+@torch.library.custom_op("dlotest::maybe_oom", mutates_args=())
+def maybe_oom(x: torch.Tensor) -> torch.Tensor:
+    """An op of the compute that runs out of device memory once when armed."""
+    if _ARMED:
+        _ARMED.clear()
+        raise torch.OutOfMemoryError("out of memory (injected in the middle of the graph)")
+    return x.clone()
+
+
+@maybe_oom.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_out_of_memory_in_the_middle_of_the_graph_leaves_the_slots_exact():
+    """The error raised by a compute op between two blocks, with later blocks' copies
+    queued: the rest of the schedule completes without compute, and the next calls (a
+    smaller plan) are exact."""
+    probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)
+    with torch.no_grad():
+        call(torch.compile(probe_model, backend="dlo"), inputs)
+    minimum, sizes = the_plan(probe_model).minimum, the_plan(probe_model).block_bytes
+    torch._dynamo.reset()
+    reset_runtimes()
+    ref, model, _ = _offloaded_dit(GIB + 1000 + minimum + 2 * max(sizes))
+    model.blocks[2].register_forward_hook(lambda module, args, out: maybe_oom(out))
+    runtime_of(model).activation_peak_of = lambda key: 1000
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+        plan = the_plan(model)
+        assert plan.resident
+        _ARMED.append(True)
+        with pytest.raises(DeviceMemoryError) as info:
+            call(compiled, inputs)
+        assert info.value.moved_blocks == plan.resident
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+
+
+# -- reports --------------------------------------------------------------------------------
+def test_memory_report_and_blocks_md_show_the_auto_budget():
+    probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)
+    with torch.no_grad():
+        call(torch.compile(probe_model, backend="dlo"), inputs)
+    minimum, sizes = the_plan(probe_model).minimum, the_plan(probe_model).block_bytes
+    torch._dynamo.reset()
+    reset_runtimes()
+    capacity = GIB + 5000 + minimum + 2 * max(sizes)
+    ref, model, _ = _offloaded_dit(capacity)
+    runtime_of(model).activation_peak_of = lambda key: 5000
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        for _ in range(2):
+            call(compiled, inputs)
+    plan = the_plan(model)
+    report = dlo_fx.memory_report(model)
+    assert report.device_capacity_bytes == capacity
+    assert report.activation_peak_bytes == 5000 and len(report.activation_peaks) == 1
+    assert report.weights_budget_bytes == capacity - 5000 - GIB == plan.device_budget
+    text = str(report)
+    assert "activation_peak" in text and "weights budget" in text
+    assert f"device capacity {capacity:,} B - activation peak 5,000 B (measured)" in text
+    for g in plan.resident:
+        assert f"resident block {g} ({plan.labels[g]}): {plan.block_bytes[g]:,} B" in text
+    assert "ms per call with" in text and "measured" in text
+    from dlo_fx.apps.dump.record import GraphDump
+
+    dump = GraphDump(index=0, folder=None, mode="rank_local", dp=1, rank=0, num_slots=2,
+                     budget=0, blocks=(), resident=(), program=(), budget_plan=plan)
+    md = blocks_markdown(dump)
+    assert "device_budget='auto': device capacity" in md
+    assert all(f"| {g} | {plan.labels[g]} |" in md for g in plan.resident)
+
+
+# -- several ranks gathering: the compile's plan, agreed ------------------------------------
+def _two_ranks():
+    import auto_budget_cases
+    from distributed import spawn
+
+    return spawn(2, auto_budget_cases.allgather_keeps_the_compile_plan, timeout=300)
+
+
+@pytest.mark.spawned.with_args(_two_ranks)
+def test_two_ranks_gathering_keep_one_agreed_plan(spawned):
+    results = spawned
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["mode"] == "allgather" and r["equal"] == [True] * 4, r
+        assert r["agreed"] == 800_000 - 800_000 // 4 == r["budget"]
+        assert r["records"] == 0  # no per-call re-plan: no memory record
+        assert r["resident"][0] and all(x == r["resident"][0] for x in r["resident"]), r
+    assert results[0] == results[1]
