@@ -4,12 +4,7 @@ import os
 import time
 
 import pytest
-
-# Inductor compiles in this process, not in a pool of compile workers: on 2 cores a pool
-# (a Python process importing torch, in pytest and again in every rank that compiles)
-# costs more than the tiny graphs' kernels it would compile. Before torch reads it.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-import torch  # noqa: E402
+import torch
 
 from distributed import OUTPUT, background, start_fork_server
 from dlo_fx.runtime.owners import reset_runtimes
