@@ -17,7 +17,7 @@ from dlo_fx.apps.models import example_inputs
 from dlo_fx.planning.budget import predict_call_s
 from dlo_fx.planning.device_memory import (GIB, ActivationPeaks, DeviceMemory, margin_bytes,
                                            replan, weights_budget)
-from dlo_fx.runtime import probes
+from dlo_fx.runtime import platform, probes
 from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
 from models import call, tiny_dit, tiny_wan
@@ -267,6 +267,81 @@ def test_out_of_memory_moves_blocks_back_and_the_next_call_is_exact():
         assert after.minimum + after.resident_bytes <= memory.floor
     report = dlo_fx.memory_report(model)
     assert any("out of memory with" in line for line in report.budget_lines)
+
+
+class FakeAllocator:
+    """The allocator's counters of a simulated device, read by `platform` (the CPU has
+    none): what a pipeline's VAE decode between two calls of the transformer does to them,
+    as ``other_work`` (a new peak) or ``failed_allocation`` (an out-of-memory error raised
+    to the pipeline)."""
+
+    def __init__(self, monkeypatch):
+        self.allocated, self.peak, self.ooms = 0, 0, 0
+        monkeypatch.setattr(platform, "memory_allocated", lambda device: self.allocated)
+        monkeypatch.setattr(platform, "max_memory_allocated", lambda device: self.peak)
+        monkeypatch.setattr(platform, "reset_peak_memory",
+                            lambda device: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(platform, "oom_count", lambda device: self.ooms)
+
+    def other_work(self, nbytes: int) -> None:
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+    def failed_allocation(self) -> None:
+        self.ooms += 1
+
+
+def test_work_between_calls_enters_the_next_plan(monkeypatch):
+    """A VAE decode between two calls needs two blocks' worth of memory while the
+    transformer's resident blocks stay: the next call keeps fewer resident, says why, and
+    is exact."""
+    fake = FakeAllocator(monkeypatch)
+    minimum, sizes, inputs = _probed_plan()
+    capacity = GIB + minimum + 3 * max(sizes)
+    ref, model, _ = _offloaded_dit(capacity)
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+        before = the_plan(model)
+        fake.other_work(2 * max(sizes))
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+    after = the_plan(model)
+    assert before.device_budget == capacity - GIB  # nothing measured: activations 0
+    assert after.device_budget == capacity - GIB - 2 * max(sizes)
+    assert after.minimum + after.resident_bytes <= after.device_budget
+    assert after.resident_bytes < before.resident_bytes, (before.resident, after.resident)
+    (memory,) = runtime_of(model).device_memory.values()
+    assert memory.between == 2 * max(sizes)
+    assert "the work between two calls" in after.budget_lines[0]
+
+
+def test_out_of_memory_between_calls_moves_blocks_back_with_a_warning(monkeypatch):
+    """An allocation that failed between two calls (raised to the pipeline, not to dlo):
+    the next call streams the blocks that were resident, warns naming what it did, stays
+    under the OOM floor and is exact."""
+    fake = FakeAllocator(monkeypatch)
+    minimum, sizes, inputs = _probed_plan()
+    ref, model, _ = _offloaded_dit(GIB + minimum + 3 * max(sizes))
+    runtime = runtime_of(model)
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+        plan = the_plan(model)
+        assert plan.resident
+        fake.failed_allocation()
+        with pytest.warns(RuntimeWarning, match=rf"out-of-memory between two calls.*"
+                                                rf"{len(plan.resident)} of its blocks "
+                                                r"resident.*back to streaming"):
+            assert torch.equal(call(compiled, inputs), want)
+        assert torch.equal(call(compiled, inputs), want)
+    (memory,) = runtime.device_memory.values()
+    assert memory.floor == plan.device_budget - plan.resident_bytes
+    assert the_plan(model).minimum + the_plan(model).resident_bytes <= memory.floor
+    assert any("between two calls" in line for line in dlo_fx.memory_report(model).budget_lines)
 
 
 def test_graph_breaks_plan_each_graph_within_what_the_others_keep():

@@ -19,6 +19,9 @@ Each call then (see [Note: the auto device budget] in dlo_fx/planning/device_mem
    ``max_memory_allocated`` across it sees the peak since then;
 4. on ``torch.OutOfMemoryError`` moves every resident block back to streaming, lowers the
    OOM floor and raises `DeviceMemoryError` (no retry: the call's hooks may hold state).
+5. at its end and at the next call's start reads the allocator's counters (no reset): the
+   work in between (a pipeline's VAE, other graphs, user code) enters the next plan, and
+   an out-of-memory error in between moves the resident blocks back, with a warning.
 
 Several ranks gathering keep the compile's plan (no `AutoResidency`): every rank must run
 the same blocks, and a per-call agreement would be a collective a call on one rank alone
@@ -31,6 +34,7 @@ import copy
 import logging
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -41,6 +45,7 @@ from ..planning.budget import BudgetPlan
 from ..planning.device_memory import DeviceMemory, replan
 from ..runtime import platform
 from ..runtime.owners import owner_of
+from ..runtime.stored import _caller_level
 from .errors import DeviceMemoryError
 
 log = logging.getLogger(__name__)
@@ -117,8 +122,9 @@ class AutoResidency:
         runtime, key, memory = bound
         shapes, elements = shape_key(args)
         mine = (runtime.token, key)
-        other = sum(b for k, b in runtime.shared.auto_resident.items() if k != mine)
         with self._lock:  # calls of one graph from several threads plan one at a time
+            self._between(runtime, key, memory, args)
+            other = sum(b for k, b in runtime.shared.auto_resident.items() if k != mine)
             found = memory.budget_for(shapes, elements, other)
             plan = self.base if found is None else self._plan(found.weights, found.lines())
             run = self._switch(plan, runtime, key, args)
@@ -134,6 +140,7 @@ class AutoResidency:
         plan.measured_s = time.perf_counter() - start
         if measure:
             memory.peaks.record(shapes, elements, self._peak(runtime, shapes, before))
+        self._ended(runtime, memory)
         return out
 
     # -- planning and variants ----------------------------------------------------------
@@ -186,6 +193,41 @@ class AutoResidency:
             hook = runtime.activation_peak_of
             return int(hook(shapes)) if hook is not None else 0
         return max(peak - allocated - (runtime.resident_copy_bytes - copies), 0)
+
+    # -- the work between two calls -------------------------------------------------------
+    def _ended(self, runtime: Any, memory: DeviceMemory) -> None:
+        allocated = platform.memory_allocated(runtime.device)
+        if allocated is not None:
+            memory.ended(allocated, platform.max_memory_allocated(runtime.device) or 0,
+                         platform.oom_count(runtime.device))
+
+    def _between(self, runtime: Any, key: tuple, memory: DeviceMemory,
+                 args: Sequence[Any]) -> None:
+        """Record what the work since the graph's last call allocated (see [Note: the auto
+        device budget]); where an allocation failed with out-of-memory in between while
+        blocks were resident, move them back to streaming under the OOM floor and warn.
+        The caller holds ``self._lock``."""
+        if memory.mark is None:
+            return
+        peak = platform.max_memory_allocated(runtime.device)
+        if peak is None or not memory.started(peak, platform.oom_count(runtime.device)):
+            return
+        plan = runtime.budget_plans.get(key)
+        if plan is None or not plan.resident:
+            return
+        moved, moved_bytes = list(plan.resident), plan.resident_bytes
+        floor = memory.after_oom(plan.device_budget, moved_bytes,
+                                 f"out of memory between two calls with {len(moved)} "
+                                 f"blocks resident ({moved_bytes:,} B)")
+        self._switch(self.base, runtime, key, args)
+        warnings.warn(
+            f"dlo: an allocation on {runtime.device} failed with out-of-memory between two "
+            f"calls of this model (in code dlo does not run: a pipeline's VAE or text "
+            f"encoder, say) while dlo kept {len(moved)} of its blocks resident "
+            f"({moved_bytes:,} B). dlo moved them back to streaming and keeps this graph's "
+            f"weights within {floor:,} B from now on, so that work fits when run again "
+            "(device_budget='auto'; device_budget=None streams every block from the start)",
+            RuntimeWarning, stacklevel=_caller_level())
 
     # -- out of memory --------------------------------------------------------------------
     def _out_of_memory(self, exc: BaseException, plan: BudgetPlan, runtime: Any, key: tuple,

@@ -25,6 +25,16 @@ For one graph (one set of parameters) and one input shape:
   element count only where it materialises scores; SDPA's fused kernels do not), so the
   first call at a 4x larger resolution re-plans *before* it runs. Its own peak replaces
   the prediction afterwards. ``activation_reserve_bytes`` replaces every peak.
+- work between calls: what the rest of the process allocates between two calls of the
+  graph while its resident blocks stay on the device (a pipeline's VAE decode and text
+  encoders, the other graphs of a model cut by graph breaks, the user's own code). The
+  graph reads the allocator's counters at the end of each call and at the start of the
+  next, without resetting them: the peak reached in between minus what was allocated when
+  the call ended (``DeviceMemory.between``, the largest seen) stands in for the activation
+  peak wherever it is larger, so the next plan leaves it room. An allocation that failed
+  in between (the allocator's count of out-of-memory errors grew) is handled as one of the
+  graph's own: its resident blocks go back to streaming under the OOM floor, with a
+  warning, since the error was raised to code dlo does not run.
 - ``margin`` = max(1 GiB, 10% of the peak). The invariant it keeps: *the planned bytes
   (weights budget + peak) never exceed capacity - margin*, so what the measurement cannot
   see still fits: the caching allocator's fragmentation and rounding (blocks of 2 MiB,
@@ -145,6 +155,8 @@ class DeviceMemory:
     peaks: ActivationPeaks = field(default_factory=ActivationPeaks)
     floor: Optional[int] = None
     ooms: list = field(default_factory=list)  # one line per out-of-memory error
+    between: int = 0  # the largest excursion of the work between two calls (bytes)
+    mark: Optional[tuple] = None  # (allocated, peak, OOM count) when the last call ended
 
     def budget_for(self, key: ShapeKey, elements: int,
                    other_resident: int = 0) -> Optional[AutoBudget]:
@@ -157,9 +169,26 @@ class DeviceMemory:
             if found is None:
                 return None
             peak, how = found
+        if self.between > peak:
+            peak, how = self.between, "what the work between two calls allocated"
         return AutoBudget(self.capacity, peak, how, margin_bytes(peak), other_resident,
                           self.floor, weights_budget(self.capacity, peak, other_resident,
                                                      self.floor))
+
+    def ended(self, allocated: int, peak: int, ooms: Optional[int]) -> None:
+        """The allocator's counters as a call of the graph ends."""
+        self.mark = (allocated, peak, ooms)
+
+    def started(self, peak: int, ooms: Optional[int]) -> bool:
+        """The counters as the next call starts: records the work between the two calls
+        (`between`); True where an allocation failed with out-of-memory in between."""
+        if self.mark is None:
+            return False
+        allocated, peak_then, ooms_then = self.mark
+        self.mark = None
+        if peak != peak_then:  # a new peak in between, or the counters were reset
+            self.between = max(self.between, peak - allocated)
+        return ooms is not None and ooms_then is not None and ooms > ooms_then
 
     def after_oom(self, failed_budget: int, moved_bytes: int, line: str) -> int:
         """Lower the floor after an out-of-memory error: never again more than the budget

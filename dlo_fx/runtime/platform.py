@@ -249,6 +249,22 @@ def max_memory_allocated(device: torch.device) -> Optional[int]:
     return None if value is None else int(value)
 
 
+def oom_count(device: torch.device) -> Optional[int]:
+    """How many allocations on ``device`` have failed with an out-of-memory error in this
+    process (the caching allocator's ``num_ooms``); None on CPU / meta. The device module's
+    nested statistics where it has them (no flattening: read at every call under the auto
+    budget), else ``torch.accelerator.memory_stats``."""
+    if not has_streams(device):
+        return None
+    nested = getattr(torch.get_device_module(device), "memory_stats_as_nested_dict", None)
+    try:
+        stats = nested(device) if nested is not None else _memory_call("memory_stats", device)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    value = stats.get("num_ooms") if isinstance(stats, dict) else None
+    return None if value is None else int(value)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak for `max_memory_allocated` (nothing on CPU / meta)."""
     _memory_call("reset_peak_memory_stats", device)
