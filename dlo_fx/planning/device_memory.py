@@ -6,7 +6,8 @@ backend (`dlo_fx.dynamo.auto_budget`) measures and hands the figures in; the res
 blocks are then chosen by `dlo_fx.planning.budget` within what this module leaves.
 
 [Note: the auto device budget]
-``device_budget="auto"`` keeps whole blocks resident within what the device really has.
+``device_budget="auto"`` keeps whole blocks resident within what the device really has:
+*the planned bytes (weights budget + activation peak) never exceed capacity - margin*.
 For one graph (one set of parameters) and one input shape:
 
     weights budget = capacity - activation peak - margin - resident bytes of the other
@@ -25,14 +26,12 @@ For one graph (one set of parameters) and one input shape:
   element count only where it materialises scores; SDPA's fused kernels do not), so the
   first call at a 4x larger resolution re-plans *before* it runs. Its own peak replaces
   the prediction afterwards. ``activation_reserve_bytes`` replaces every peak.
-- ``margin`` = max(1 GiB, 10% of the peak). The invariant it keeps: *the planned bytes
-  (weights budget + peak) never exceed capacity - margin*, so what the measurement cannot
-  see still fits: the caching allocator's fragmentation and rounding (blocks of 2 MiB,
-  a few hundred MiB on a large model), cuBLAS/cuDNN workspaces created lazily (tens of
-  MiB per stream), the CUDA context's own growth, and run-to-run variation of the peak
-  itself (a different attention kernel at another sequence length). 1 GiB covers the
-  fixed part on today's accelerators; 10% covers the part that grows with the
-  activations.
+- ``margin`` = max(1 GiB, 10% of the peak): what the measurement cannot see still fits:
+  the caching allocator's fragmentation and rounding (blocks of 2 MiB, a few hundred MiB
+  on a large model), cuBLAS/cuDNN workspaces created lazily (tens of MiB per stream), the
+  CUDA context's own growth, and run-to-run variation of the peak itself (a different
+  attention kernel at another sequence length). 1 GiB covers the fixed part; 10% covers
+  the part that grows with the activations.
 - resident bytes of the other graphs on the device (a graph break in the model, another
   model or pipeline component on the same device: `SharedSlots.auto_resident`): they stay
   on the device while this graph runs.
