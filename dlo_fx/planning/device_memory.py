@@ -40,15 +40,14 @@ For one graph (one set of parameters) and one input shape:
   that failed minus the bytes moved (`DeviceMemory.after_oom`): a budget that failed
   once is not tried again at any shape.
 
-Where no plan is re-made per call:
-
-- Several ranks gathering (allgather mode, dp > 1) must stream the same blocks, or their
-  gathers would not pair; agreeing per call would be a collective that a call on one rank
-  alone (a new resolution there) could not pair. They keep the compile's plan: budget =
-  capacity - ``activation_reserve_bytes`` (a quarter of the capacity by default), the
-  smallest over the ranks, agreed once with the probes at the first compile and kept for
-  every later compile. The ranks' agreement on the resident parameters when blocks are
-  stored and the collective clock before every graph call refuse a plan that differs.
+No plan is re-made per call where several ranks gather (allgather mode, dp > 1): they
+must stream the same blocks, or their gathers would not pair, and agreeing per call would
+be a collective that a call on one rank alone (a new resolution there) could not pair.
+They keep the compile's plan: budget = capacity - ``activation_reserve_bytes`` (a quarter
+of the capacity by default), the smallest over the ranks, agreed once with the probes at
+the first compile and kept for every later compile. The ranks' agreement on the resident
+parameters when blocks are stored and the collective clock before every graph call refuse
+a plan that differs.
 
 A graph Dynamo reuses for other parameters (the next layer's, after a graph break in the
 blocks; another model of the class) is planned for each set of parameters on its own:

@@ -30,11 +30,8 @@ use by a view of a device slot. Outside a graph every operation goes through
   the module (``module.to(...)``, ``.half()``) would replace its parameters: it is refused
   for the whole module before anything changes (`dlo_fx.model.guard`), and the
   parameter's ``data`` setter refuses it where no guard is;
-- ``torch.save`` and pickling store the real weights; ``.numpy()``, ``__array__`` and
-  ``__dlpack__`` (``torch.from_dlpack``) return copies; what would hand out the address of
-  its bytes (``data_ptr()``, ``untyped_storage()``, ``storage()``,
-  ``__cuda_array_interface__``) raises ``ValueError`` naming it: see [Note: no pointer to a
-  stored weight].
+- ``torch.save`` and pickling store the real weights; a way out that would hand out an
+  address copies or raises: see [Note: no pointer to a stored weight].
 
 While Dynamo traces (its fake mode is active on the inner tensor) an op computes fake
 outputs of the right metadata, so tracing reads nothing.
