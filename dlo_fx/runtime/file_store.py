@@ -11,9 +11,8 @@ every read returns the bytes seen at load, or raises naming the file.
 
 * **Reads.** A prefetch reads the runs straight into the slot (CPU) or into one of
   ``num_slots`` pinned staging buffers that the copy stream then copies to the slot
-  (devices), in pieces that several threads read at once, through the page cache or
-  around it (``O_DIRECT``, when the page cache cannot hold the served bytes): see [Note:
-  reading at the disk's rate] in file_reads.py. Runs adjacent both in the file and in the
+  (devices), in pieces that several threads read at once (see [Note: reading at the disk's
+  rate] in file_reads.py). Runs adjacent both in the file and in the
   block are merged, so a block of a pre-sharded file is one read; a block whose tensors are
   not laid out in the file as in the block (alignment padding, another order, several
   files) is read tensor by tensor, and a tensor whose dtype or strides differ from the
