@@ -206,14 +206,12 @@ def profiler_enabled() -> bool:
 # constant with the elements that are Python constants only, and installs no guard. An
 # element Dynamo made dynamic (automatic dynamic: an int argument that changed between
 # calls becomes a SymInt) is skipped, so ``0 in [s0, 2]`` is False whatever ``s0`` is, and
-# the compiled code takes the wrong branch with no error. diffusers'
-# ``SD3Transformer2DModel(..., skip_layers=[...])`` (skip-layer guidance) is such a model:
-# after ``skip_layers=[1]`` and then ``[0, 2]``, block 0 runs though it is skipped
-# (``backend="eager"`` too). Upstream fixed ``iter_contains`` in pytorch#184765 ("Fix
-# Dynamo ordered contains semantics", May 2026, after 2.13: torch 2.13.0 still
-# reproduces it), so the correction is installed on torch older than `CONTAINS_FIXED_IN`
-# only. The suite's skip-layers test runs on every torch, so a torch at or past that
-# version without the fix fails it.
+# the compiled code takes the wrong branch with no error (diffusers'
+# ``SD3Transformer2DModel(..., skip_layers=[...])``: after ``skip_layers=[1]`` and then
+# ``[0, 2]``, block 0 runs, with ``backend="eager"`` too). Upstream fixed ``iter_contains``
+# in pytorch#184765 (after 2.13), so the correction is installed on torch older than
+# `CONTAINS_FIXED_IN` only. The suite's skip-layers test runs on every torch, so a torch at
+# or past that version without the fix fails it.
 #
 # `install_contains_fix` wraps ``iter_contains`` where Dynamo binds it
 # (``torch._dynamo.utils``, and ``torch._dynamo.variables.lists``, which imported it by
@@ -340,22 +338,23 @@ def inductor_compile(gm: fx.GraphModule, inputs: list) -> Callable:
 
 
 # [Note: tensorified floats]
-# With ``dynamic=True`` (and ``torch._dynamo.config.specialize_float=False``, the default),
-# Dynamo passes Python floats, a module's float attributes (``LayerNorm.eps``) and float
-# arguments of ``forward`` alike, as 0-d float64 tensors and reads each with ``.item()``,
-# a backed ``SymFloat``. ``backend="inductor"`` compiles the whole graph: it turns the
-# float arithmetic it can into tensor arithmetic, and the rest (LayerNorm's eps, on which
-# Dynamo already guarded) it specializes, restarting Dynamo's analysis of the frame with
-# the float a constant checked by a guard (``tensorify_python_scalars``). A piece cannot
-# do either: Inductor traces it from its own inputs, where the ``.item()`` of such a tensor
-# is a data-dependent number, and the compile fails (``GuardOnDataDependentSymNode`` for
-# the eps, ``DataDependentOutputException`` for a float argument). So
-# `restart_with_floats_specialized` specializes every such float before anything is
-# compiled or stored, and Dynamo traces the frame again. Values are unchanged (the graph
-# reads the same float, as a constant); what differs from ``backend="inductor"`` is that a
-# float argument Inductor would keep symbolic is guarded on, so each new value compiles
-# the frame again, up to Dynamo's recompile limit (past it the frame runs eagerly, still
-# exact).
+# Every float Dynamo passes as a tensor is specialized before anything is compiled or
+# stored: a piece cannot take one as an input. With ``dynamic=True`` (and
+# ``torch._dynamo.config.specialize_float=False``, the default), Dynamo passes Python
+# floats, a module's float attributes (``LayerNorm.eps``) and float arguments of ``forward``
+# alike, as 0-d float64 tensors and reads each with ``.item()``, a backed ``SymFloat``.
+# ``backend="inductor"`` compiles the whole graph: it turns the float arithmetic it can into
+# tensor arithmetic, and the rest (LayerNorm's eps, on which Dynamo already guarded) it
+# specializes, restarting Dynamo's analysis of the frame with the float a constant checked
+# by a guard (``tensorify_python_scalars``). A piece can do neither: Inductor traces it
+# from its own inputs, where the ``.item()`` of such a tensor is a data-dependent number,
+# and the compile fails (``GuardOnDataDependentSymNode`` for the eps,
+# ``DataDependentOutputException`` for a float argument). So
+# `restart_with_floats_specialized` specializes every such float and Dynamo traces the
+# frame again. Values are unchanged (the graph reads the same float, as a constant); what
+# differs from ``backend="inductor"`` is that a float argument Inductor would keep symbolic
+# is guarded on, so each new value compiles the frame again, up to Dynamo's recompile limit
+# (past it the frame runs eagerly, still exact).
 def restart_with_floats_specialized(gm: fx.GraphModule) -> None:
     """Have Dynamo trace the frame again with ``gm``'s tensorified float inputs
     specialized, if any is not yet. See [Note: tensorified floats]."""

@@ -199,16 +199,16 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, first: Callable,
 
 
 # [Note: a graph compiled again for stored weights]
-# The parameters a compile stores become `StoredWeight`s at the graph's first call (see
-# [Note: when a parameter becomes a StoredWeight] in runtime/host_store.py), and Dynamo's
-# guards check each parameter's type: the model's next call fails them and Dynamo traces
-# the frame again, once (every later model of the class passes one of the two entries:
-# its first call the plain one, then the converted one). That trace gives the same graph
-# over inputs of the same metadata, all stored already, so the backend hands back the
-# scheduled graph it made the first time (its passes, Inductor's kernels and dump are
-# not made twice). The key is the graph's code, every input's metadata (not its type) and
-# the options; a graph none of whose parameters is a `StoredWeight` of the model's
-# runtime always compiles.
+# A frame Dynamo traces again only because its parameters became `StoredWeight`s gets back
+# the scheduled graph made the first time: its passes, Inductor's kernels and dump are not
+# made twice. The parameters a compile stores become `StoredWeight`s at the graph's first
+# call (see [Note: when a parameter becomes a StoredWeight] in runtime/host_store.py), and
+# Dynamo's guards check each parameter's type, so the model's next call fails them and
+# Dynamo traces the frame again, once (every later model of the class passes one of the two
+# entries: its first call the plain one, then the converted one). That trace gives the same
+# graph over inputs of the same metadata, all stored already. The key is the graph's code,
+# every input's metadata (not its type) and the options; a graph none of whose parameters
+# is a `StoredWeight` of the model's runtime always compiles.
 _SCHEDULED: "weakref.WeakValueDictionary[tuple, Callable]" = weakref.WeakValueDictionary()
 
 
@@ -228,18 +228,18 @@ def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DLOCon
 
 
 # [Note: the modules a graph's parameters belong to]
-# Stored weights read correctly anywhere (`runtime/stored.py`), but a module holding them
-# needs its guards (model/guard.py: ``state_dict`` returns the real weights, ``.to()`` and
-# ``load_state_dict`` are refused before anything changes), and the graph sees parameters,
-# not modules. The compile finds them on Dynamo's frame (`frame_modules`,
+# Every module that holds stored parameters is guarded (model/guard.py: ``state_dict``
+# returns the real weights, ``.to()`` and ``load_state_dict`` are refused before anything
+# changes) from the call that stores them; unguarded, ``model.state_dict()`` would return
+# `StoredWeight`s that safetensors cannot serialise. The graph sees parameters, not
+# modules: the compile finds the modules on Dynamo's frame (`frame_modules`,
 # `compiled_roots`). A graph Dynamo reuses meets parameters no compile saw: the next
-# layer's (a graph break inside the blocks makes one graph per layer) or another model's
-# of the same class. Their blocks are stored on that call, and left unguarded,
-# ``model.state_dict()`` returned `StoredWeight`s that safetensors cannot serialise. So
-# the first call of a graph for a runtime, and any call that stored new blocks, adopts
-# the modules on the call stack that hold its parameters (`adopt_callers`: the modules
-# being called, and the module locals of frames Dynamo compiled), as the compile adopts
-# those on its frame. Both adopt under the runtime's lock.
+# layer's (a graph break inside the blocks makes one graph per layer) or another model's of
+# the same class, whose blocks are stored on that call. So the first call of a graph for a
+# runtime, and any call that stored new blocks, adopts the modules on the call stack that
+# hold its parameters (`adopt_callers`: the modules being called, and the module locals of
+# frames Dynamo compiled), as the compile adopts those on its frame. Both adopt under the
+# runtime's lock.
 
 
 def adopt(runtime: Runtime, modules: Sequence[torch.nn.Module],
@@ -284,14 +284,15 @@ def adopt_callers(runtime: Runtime, params: Sequence[torch.Tensor],
 
 
 # [Note: parameters no graph reaches]
-# Only the parameters a graph reads are streamed. Code Dynamo does not trace runs eagerly
-# on the parameters as they are: a hook installed before the first call that runs the
-# blocks itself (diffusers' MagCache ran 98 of a Flux's 108 parameters that way), a
-# forward Dynamo skips. Those stay resident on the device, which on a real model is the
-# whole model and an out-of-memory error. So at the second call of a model's first graph
-# (its first forward is complete then) the parameters of the modules it compiled that no
-# graph stored or read are counted, and one RuntimeWarning names them and their bytes.
-# Parameters below ``resident_bytes`` are left out: a graph would have kept them anyway.
+# A large parameter of a compiled model that no graph streams is reported, once. Only the
+# parameters a graph reads are streamed; code Dynamo does not trace runs eagerly on the
+# parameters as they are (a hook installed before the first call that runs the blocks
+# itself, such as diffusers' MagCache; a forward Dynamo skips), and those stay resident on
+# the device: on a real model, an out-of-memory error. So at the second call of a model's
+# first graph (its first forward is complete then) the parameters of the modules it
+# compiled that no graph stored or read are counted, and one RuntimeWarning names them and
+# their bytes. Parameters below ``resident_bytes`` are left out: a graph would have kept
+# them anyway.
 def warn_unreached(runtime: Runtime) -> None:
     """Warn once per runtime about large parameters of its modules that no graph reached:
     see [Note: parameters no graph reaches]."""
@@ -512,15 +513,16 @@ def frame_modules() -> list[torch.nn.Module]:
 
 
 # [Note: models a frame reaches without a local]
-# ``torch.compile(step)`` of a ``step(x)`` that calls a global model (or ``pipe.transformer``
-# of a global pipeline) has no local naming the model: `frame_modules` misses it, and the
-# model was never guarded: its ``state_dict()`` held `StoredWeight`s, and ``.to()`` was
-# refused only at the first stored parameter, the module half converted. Dynamo's tracker
-# of every module it traced holds the module and the source it came from (``G['model']``,
-# ``G['pipe'].transformer``; `torch_private.traced_modules`): `reached_modules`
-# takes the outermost ones holding the graph's parameters. When Dynamo reuses the graph
-# for another model behind the same name (the global reassigned), `adopt_callers`
-# evaluates those sources in the graph's frame on the new model's first call.
+# A model the compiled frame reaches only through a global is guarded too.
+# ``torch.compile(step)`` of a ``step(x)`` that calls a global model (or
+# ``pipe.transformer`` of a global pipeline) has no local naming the model, so
+# `frame_modules` misses it; unguarded, its ``state_dict()`` would hold `StoredWeight`s and
+# ``.to()`` would be refused only at the first stored parameter, the module half converted.
+# Dynamo's tracker of every module it traced holds the module and the source it came from
+# (``G['model']``, ``G['pipe'].transformer``; `torch_private.traced_modules`):
+# `reached_modules` takes the outermost ones holding the graph's parameters. When Dynamo
+# reuses the graph for another model behind the same name (the global reassigned),
+# `adopt_callers` evaluates those sources in the graph's frame on the new model's first call.
 def reached_modules(params: Sequence[torch.Tensor], found: Sequence[torch.nn.Module]
                     ) -> list[tuple[torch.nn.Module, str]]:
     """``(module, source)`` of the outermost modules, not under ``found``, holding any of

@@ -11,13 +11,11 @@ its VAE through ``vae.decode(...)`` and ``vae.encode(...)``, never ``vae(...)``,
 attributes of the module, or a VAE named in ``components=`` ran eagerly and kept its
 weights, with no error.
 
-[Note: one set of slots for a pipeline]
-Every component is compiled with the same options, so its graphs go to the runtime those
-options select; they run one after the other within a pipeline call (text encoders, then
-the denoising loop, then the VAE), never at the same time, so one set of ``num_slots``
-device slots, sized for the largest block of any of them, serves them all. Where a runtime
-belongs to one model, each component gets its own host store; the slots are then shared
-as far as the runtime shares them per device.
+The components run one after the other within a pipeline call (text encoders, then the
+denoising loop, then the VAE), never at the same time, and are compiled with the same
+options: each keeps its own host store, and they share one set of ``num_slots`` device
+slots, sized for the largest block of any of them (see [Note: what a model owns and what a
+device shares] in runtime/shared_slots.py).
 """
 
 from __future__ import annotations
@@ -72,9 +70,10 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
             encoder). Name ``"vae"`` here to stream it too.
         compile_kwargs: further ``torch.compile`` arguments (``dynamic=``, ``fullgraph=``).
 
-    Returns ``pipe``, its modules compiled in place (see [Note: one set of slots for a
-    pipeline]). Outputs are bit-identical to the resident pipeline's. A component with
-    diffusers' layerwise casting enabled streams its weights in the storage dtype and casts
+    Returns ``pipe``, its modules compiled in place, sharing one set of slots (see [Note:
+    what a model owns and what a device shares] in runtime/shared_slots.py). Outputs are
+    bit-identical to the resident pipeline's. A component with diffusers' layerwise casting
+    enabled streams its weights in the storage dtype and casts
     them in the graph (`dlo_fx.model.storage_dtype.take_over_layerwise_casting`). Each streamed
     component is offloaded (`dlo_fx.offload`: its weights move into the dlo host store)
     before anything traces, and the other torch modules move to the compute device

@@ -1,14 +1,15 @@
 """Split a scheduled graph into compute pieces and an outer graph that keeps the schedule.
 
 [Note: pieces]
-A *piece* is a maximal run of compute nodes between two nodes that must stay in the outer
-graph: the schedule nodes (``node.meta["dlo"]``: prefetch, allgather, wait, slot_view,
-swap_slot, resident), grad-mode switches, and nodes a user pass inserted that Dynamo never
-traced (a plain Python function with no ``example_value``: it must run on every call, not
-once while Inductor traces). Placeholders and ``get_attr`` are inputs of the outer graph
-and cut nothing. Cutting only there keeps every compute node on the same side of every
-schedule node as in the scheduled graph, so the program order the schedule relies on
-(``wait`` before the first read of a slot, ``swap_slot`` after the last) is unchanged::
+A piece never moves a compute node across a schedule node. A *piece* is a maximal run of
+compute nodes between two nodes that must stay in the outer graph: the schedule nodes
+(``node.meta["dlo"]``: prefetch, allgather, wait, slot_view, swap_slot, resident),
+grad-mode switches, and nodes a user pass inserted that Dynamo never traced (a plain Python
+function with no ``example_value``: it must run on every call, not once while Inductor
+traces). Placeholders and ``get_attr`` are inputs of the outer graph and cut nothing.
+Cutting only there keeps every compute node on the same side of every schedule node as in
+the scheduled graph, so the program order the schedule relies on (``wait`` before the
+first read of a slot, ``swap_slot`` after the last) is unchanged::
 
     prefetch_b1 = prefetch(_dlo, 1, ...)          prefetch_b1 = prefetch(_dlo, 1, ...)
     wait_b1 = wait(_dlo, 1)                        wait_b1 = wait(_dlo, 1)

@@ -1,23 +1,23 @@
 """Compile one piece with Inductor, and reuse a compiled piece for every identical piece.
 
 [Note: what a compiled piece may assume]
-A piece is compiled by ``torch._inductor.compile_fx.compile_fx`` (AOTAutograd, then
-Inductor), exactly as ``backend="inductor"`` compiles a whole graph, from fake example
-inputs built here:
+A compiled piece assumes nothing of a weight but its size, strides and dtype: it reads
+whatever tensor it is given on each call. A piece is compiled by
+``torch._inductor.compile_fx.compile_fx`` (AOTAutograd, then Inductor), exactly as
+``backend="inductor"`` compiles a whole graph, from fake example inputs built here:
 
 - Weights (``slot_view`` / ``resident`` outputs) are fresh fake tensors with the
   parameter's shape, strides and dtype, storage offset 0, not ``requires_grad`` and not
   aliasing anything. They are graph *inputs*, never constants: pieces compile with
   ``freezing`` and ``triton.cudagraphs`` off, so nothing is folded or prepacked from their
-  values and no address is recorded, and the compiled code reads whatever
-  tensor it is given on each call (the runtime re-creates and caches slot views per
+  values and no address is recorded (the runtime re-creates and caches slot views per
   (slot, parameter), and one graph serves every layer of the same shape).
-- What Inductor does rely on about a weight is its size, strides and dtype (checked on
-  every call by the generated ``assert_size_stride``), and, on GPUs, 16-byte alignment of
-  its data pointer, which a storage offset of 0 lets it assume. It checks that at run time
-  and copies a misaligned input, so correctness never depends on it; speed does. Slot
-  views start at a multiple of ``alignment`` (>= 16, default 256) bytes inside a slot
-  buffer that the allocator aligns, so no weight is ever copied.
+- Inductor checks size, strides and dtype on every call (the generated
+  ``assert_size_stride``), and, on GPUs, assumes 16-byte alignment of the data pointer,
+  which a storage offset of 0 lets it; it checks that at run time and copies a misaligned
+  input, so correctness never depends on it, speed does. Slot views start at a multiple of
+  ``alignment`` (>= 16, default 256) bytes inside a slot buffer that the allocator aligns,
+  so no weight is ever copied.
 - Other inputs keep Dynamo's fake values, so aliasing between them (views of one tensor)
   and their symbolic sizes are what AOTAutograd sees; an input given twice is passed as an
   alias, never deduplicated.
@@ -25,10 +25,9 @@ inputs built here:
 Identical pieces (every transformer layer's, every slot count's and every mode's) share
 one compiled callable: the key is the piece's code with node names replaced by positions,
 its inputs' metadata, grad mode, the intra-op thread count and the Inductor/AOTAutograd
-configuration. A piece
-without symbolic sizes is kept in a process-wide LRU; a piece with symbolic sizes is
-reused only within the graph being compiled (its symbols belong to that graph's shape
-environment).
+configuration. A piece without symbolic sizes is kept in a process-wide LRU; a piece with
+symbolic sizes is reused only within the graph being compiled (its symbols belong to that
+graph's shape environment).
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ config=...)`` streams the quantized bytes of the file, exactly as diffusers'
 computes with them.
 
 [Note: a GGUF file is a checkpoint like any other]
-The file's header (read with the ``gguf`` package's ``GGUFReader``, which maps the file and
-touches only the header) gives every tensor's name, GGML type, shape and absolute offset.
-Each becomes a `TensorInfo` pointing into the .gguf file, as a safetensors header's do:
+A .gguf file goes through the loader's ordinary path; only the header reading and the
+model's quantized layers are GGUF's own. The header (read with the ``gguf`` package's
+``GGUFReader``, which maps the file and touches only the header) gives every tensor's name,
+GGML type, shape and absolute offset. Each becomes a `TensorInfo` pointing into the .gguf
+file, as a safetensors header's do:
 
 - F32 and F16 tensors are plain tensors of their dtype (torch's dim order: GGUF stores the
   dims reversed), cast to the model's dtype while they are copied, as diffusers casts them to
@@ -16,15 +18,15 @@ Each becomes a `TensorInfo` pointing into the .gguf file, as a safetensors heade
   ``gguf.quants.quant_shape_to_byte_shape``, the shape diffusers' ``GGUFParameter`` has),
   carrying its ``quant_type``.
 
-Everything after the header is the loader's ordinary path: plan and shape checks, block
-extents into the file, both host stores, fingerprints and the ranks' agreement read the
-file's own bytes. What GGUF adds is `quantize_module`, run on the meta-built model before
-the plan: diffusers' own ``_replace_with_gguf_linear`` swaps each ``nn.Linear`` whose
-weight the file quantizes for a ``GGUFLinear`` (with ``compute_dtype``), and that weight
-becomes a meta ``GGUFParameter`` of the byte shape the model's layer needs in the file's
-type, so a file made for another config is a shape mismatch that `plan_load` reports with
-the others. The stored parameter keeps ``quant_type`` (see [Note: a stored weight is a
-tensor]), and ``GGUFLinear`` dequantizes the slot view in the graph.
+After the header: plan and shape checks, block extents into the file, both host stores,
+fingerprints and the ranks' agreement read the file's own bytes. `quantize_module` runs on
+the meta-built model before the plan: diffusers' own ``_replace_with_gguf_linear`` swaps
+each ``nn.Linear`` whose weight the file quantizes for a ``GGUFLinear`` (with
+``compute_dtype``), and that weight becomes a meta ``GGUFParameter`` of the byte shape the
+model's layer needs in the file's type, so a file made for another config is a shape
+mismatch that `plan_load` reports with the others. The stored parameter keeps
+``quant_type`` (see [Note: a stored weight is a tensor]), and ``GGUFLinear`` dequantizes the
+slot view in the graph.
 
 Tensor names must be the model's FQNs (the diffusers layout), or be renamed to them with
 ``key_map=``. A file in a model's original layout (BFL's Flux keys) is converted by

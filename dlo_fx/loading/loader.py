@@ -2,8 +2,8 @@
 straight from a safetensors checkpoint.
 
 [Note: loading without a memory spike]
-If every rank materialises the checkpoint privately, host memory peaks at dp x model
-before a single step runs. `load` never holds a private copy of the model:
+`load` never holds a private copy of the model: host memory peaks at about this rank's
+shards plus one block of mapped pages, not dp x model. In order:
 
 1. The module is constructed with its parameters moved to the meta device as they are
    registered (so ``reset_parameters`` initialises nothing), while buffers are built for
@@ -28,21 +28,20 @@ before a single step runs. `load` never holds a private copy of the model:
    its runtime]): compiling maps the graph's parameters onto the stored blocks and
    inherits the options given here.
 
-Peak host memory is then about this rank's shards plus one block of mapped pages. With
-``host_store="mmap"`` step 4 records where each block's bytes are in the files instead of
-copying them (see [Note: file-backed host store]); a folder written by ``dlo-fx shard``
+With ``host_store="mmap"`` step 4 records where each block's bytes are in the files instead
+of copying them (see [Note: file-backed host store]); a folder written by ``dlo-fx shard``
 is read through its manifest (see [Note: pre-sharded checkpoints]).
 
 [Note: the dtype rule]
-As diffusers' ``from_pretrained``: the model's dtype wins. Without ``dtype=`` every
-floating-point parameter keeps the dtype the constructor gave it (float32 for a diffusers or
-transformers model built from its config); with ``dtype=`` they get that one, except
-diffusers' ``_keep_in_fp32_modules``. A checkpoint tensor of another floating-point dtype
-is cast while it is copied into the host store (one temporary of that tensor), and one log
-line counts the casts, so a bfloat16 checkpoint loads without ``dtype=`` (into a float32
-model: pass ``dtype=torch.bfloat16`` to keep half the host memory). A checkpoint is never
-refused for its floating-point dtype; an integer or bool tensor of another dtype is an
-error, since casting it would change its values.
+The model's dtype wins, as in diffusers' ``from_pretrained``; a checkpoint is never refused
+for its floating-point dtype. Without ``dtype=`` every floating-point parameter keeps the
+dtype the constructor gave it (float32 for a diffusers or transformers model built from its
+config); with ``dtype=`` they get that one, except diffusers' ``_keep_in_fp32_modules``. A
+checkpoint tensor of another floating-point dtype is cast while it is copied into the host
+store (one temporary of that tensor), and one log line counts the casts, so a bfloat16
+checkpoint loads without ``dtype=`` (into a float32 model: pass ``dtype=torch.bfloat16`` to
+keep half the host memory). An integer or bool tensor of another dtype is an error, since
+casting it would change its values.
 """
 
 from __future__ import annotations

@@ -2,19 +2,19 @@
 traces it, the in-memory counterpart of `dlo_fx.load`.
 
 [Note: a streamed model exists before Dynamo traces it]
-Dynamo traces a model's parameters with the devices they have. A model whose parameters
-are host tensors, called with device inputs, fails inside Dynamo's fake-tensor
-propagation (two devices in one matmul) before any backend is called, and a model called
-with host inputs computes on the host. So the model must already be what dlo runs when
-Dynamo first sees it: its streamed parameters `StoredWeight`s on the *compute device*
-(their bytes in the host store), its other parameters and buffers on that device. That
-is what FSDP2's ``fully_shard``, diffusers' ``enable_group_offload`` and accelerate's
-``cpu_offload`` do before ``torch.compile`` too, and what `dlo_fx.load` always did for a
-checkpoint. `offload` does it for a model in memory (on the host or on the device), in
-the loader's order: plan the blocks from the module alone (`loading.plan.split_params`,
-the rules the loader and the passes share), store them through `Runtime.store_blocks`
-(one agreement between the ranks, here), convert, move the rest, attach. A compile then
-maps the graph's parameters onto the stored blocks, as it does for a loaded model.
+When Dynamo first sees a model, it is already what dlo runs: its streamed parameters
+`StoredWeight`s on the *compute device* (their bytes in the host store), its other
+parameters and buffers on that device. Dynamo traces parameters with the devices they have:
+a model whose parameters are host tensors, called with device inputs, fails inside Dynamo's
+fake-tensor propagation (two devices in one matmul) before any backend is called, and one
+called with host inputs computes on the host. FSDP2's ``fully_shard``, diffusers'
+``enable_group_offload`` and accelerate's ``cpu_offload`` also prepare the model before
+``torch.compile``, and `dlo_fx.load` does for a checkpoint. `offload` does it for a model
+in memory (on the host or on the device), in the loader's order: plan the blocks from the
+module alone (`loading.plan.split_params`, the rules the loader and the passes share),
+store them through `Runtime.store_blocks` (one agreement between the ranks, here),
+convert, move the rest, attach. A compile then maps the graph's parameters onto the stored
+blocks, as it does for a loaded model.
 
 The compute device is ``options["device"]``, else the accelerator ``torch.accelerator``
 reports, else the CPU. ``"meta"`` is a compute device too: the model traces, plans,

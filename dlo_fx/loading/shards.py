@@ -1,8 +1,9 @@
 """Pre-sharded checkpoints (``dlo-fx shard``) and where a block's bytes are in files.
 
 [Note: pre-sharded checkpoints]
-``dlo-fx shard CKPT --dp N --out DIR`` plans the load once (the same blocks `dlo_fx.load`
-makes for the same options) and writes:
+A shard folder serves exactly the blocks `dlo_fx.load` would make for the same options,
+and a rank serves only bytes verified to be what was written for it. ``dlo-fx shard CKPT
+--dp N --out DIR`` plans the load once and writes:
 
 * ``rank-RRRRR-of-NNNNN.safetensors``: one uint8 tensor ``block.B`` per block holding rank
   R's host shard of block B, already in the block's layout (dtype cast, strides, alignment
@@ -26,12 +27,12 @@ registered. The rank's file is checked against the manifest first: missing, of a
 ``dlo-fx shard`` run, of another size, written for another rank (its metadata's ``rank``), a
 header whose ``block.B`` is not exactly ``block_shard_bytes[B]`` uint8 bytes inside the
 file, or bytes that differ from what was written (the sampled digests, then the CRC-32 of
-every block, read once at load), each an error naming the file (and the block). The
-sampled digest alone let a byte changed between its windows (a bad copy to another node)
-through: the load then served other weights, with no error. Ranks loading folders of two runs
-are refused by the ranks' agreement (the run id and the fingerprints; see [Note: one
-agreement before the first gather] in runtime/agreement.py). With ``host_store="mmap"`` the
-blocks are then served from the rank file; with ``"memory"`` each rank reads its file once.
+every block, read once at load: the sampled digest alone misses a byte changed between its
+windows, as a bad copy to another node may), each an error naming the file (and the
+block). Ranks loading folders of two runs are refused by the ranks' agreement (the run id
+and the fingerprints; see [Note: one agreement before the first gather] in
+runtime/agreement.py). With ``host_store="mmap"`` the blocks are then served from the rank
+file; with ``"memory"`` each rank reads its file once.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """What keeps a module with stored weights whole outside the graph, and `release`.
 
 [Note: a module with stored weights]
-Each stored parameter is a `StoredWeight` (`runtime/stored.py`): every read of it is
-exact and every write to it is refused, one tensor at a time. What a tensor cannot see is
-the module around it, so the modules that hold stored parameters get these guards:
+A module holding stored parameters refuses, before anything changes, every operation that
+would change them; a refusal never leaves it half changed. Each stored parameter is a
+`StoredWeight` (`runtime/stored.py`): every read of it is exact and every write to it is
+refused, one tensor at a time. What a tensor cannot see is the module around it, so the
+modules that hold stored parameters get these guards:
 
 - ``module.to(...)``, ``.cpu()``, ``.half()`` and every other ``nn.Module._apply``: the
   conversion function is first tried on an empty tensor of each stored parameter's dtype
@@ -13,7 +15,7 @@ the module around it, so the modules that hold stored parameters get these guard
   module (buffers, resident parameters) is converted as usual. Where it would change any,
   ``ValueError`` names the parameter and the way out (`release` first, or load with
   ``dtype=``) before anything is converted: ``_apply`` converts parameter by parameter,
-  and the refusal of the first stored one alone (in the dispatch) left the module half
+  so a refusal of the first stored one alone (in the dispatch) would leave the module half
   converted;
 - ``state_dict()`` returns the stored weights (new host tensors) in place of the
   `StoredWeight`s, so ``safetensors.torch.save_file`` and ``save_pretrained`` work;
@@ -27,10 +29,10 @@ the module around it, so the modules that hold stored parameters get these guard
   ``load_lora_adapter(..., hotswap=True)``, diffusers' ``enable_layerwise_casting`` and
   ``enable_group_offload``; a compiled pipeline's ``fuse_lora``/``unfuse_lora``
   (`guard_pipeline`) refuse while a component's weights are stored. Refused one weight at
-  a time, each would have changed the small resident weights (LoRA's adapters, norms)
-  before the first stored one refused. A plain ``load_lora_adapter`` runs: the next call
-  stores the new adapter like any new parameter; ``fuse_qkv_projections`` runs too (it
-  reads the q, k and v weights and builds new ones, which the next call stores).
+  a time, each would change the small resident weights (LoRA's adapters, norms) before the
+  first stored one refused. A plain ``load_lora_adapter`` runs: the next call stores the
+  new adapter like any new parameter; ``fuse_qkv_projections`` runs too (it reads the q, k
+  and v weights and builds new ones, which the next call stores).
 
 `release` puts the weights back into the parameters and closes the runtime: the module
 is an ordinary module again.
@@ -368,18 +370,18 @@ def release(model: nn.Module) -> nn.Module:
 
 # -- what a compile left on a module ------------------------------------------------------------
 # [Note: a released module is as on the first day]
-# Besides the weights, a compile leaves on the module what would make it compile or run
-# with dlo's options again: ``module.compile(backend="dlo", options=...)`` keeps a compiled
-# ``_compiled_call_impl`` holding those options (a call after release stored the weights
-# again with them, and a compile with other options was then refused as differing from
-# that runtime), `compile_pipeline` compiled methods as instance attributes (a VAE's
-# ``encode``/``decode``) and guarded the pipeline's LoRA fusing, and ``storage_dtype``
-# marked the parameters to store. `restore` removes them; a model compiled again takes any
-# options. Not undone: ``eval()`` and ``requires_grad_(False)`` (`compile_pipeline` sets
-# them, and the module's earlier modes are not kept), a ``torch.compile`` wrapper the
-# caller holds (its next call stores the weights again, with its own options), and the
-# values of weights stored in a lower-precision dtype (they are the values that dtype
-# holds).
+# After `release`, nothing on the module makes it compile or run with dlo's options
+# again: a model compiled again takes any options. Besides the weights, a compile leaves:
+# ``module.compile(backend="dlo", options=...)``'s compiled ``_compiled_call_impl`` holding
+# those options (kept, a call after release would store the weights again with them, and a
+# compile with other options would be refused as differing from that runtime);
+# `compile_pipeline`'s compiled methods as instance attributes (a VAE's
+# ``encode``/``decode``) and its guard on the pipeline's LoRA fusing; and ``storage_dtype``'s
+# marks on the parameters. `restore` removes them. Not undone: ``eval()`` and
+# ``requires_grad_(False)`` (`compile_pipeline` sets them, and the module's earlier modes
+# are not kept), a ``torch.compile`` wrapper the caller holds (its next call stores the
+# weights again, with its own options), and the values of weights stored in a
+# lower-precision dtype (they are the values that dtype holds).
 DLO_BACKENDS = ("dlo", "dlo_backend")
 """The names a ``torch.compile`` wrapper gives dlo's backend: the registered one, or the
 function's name when the function itself was passed as ``backend=``."""

@@ -1,30 +1,31 @@
 """Which parameters are stored in a low-precision dtype, and diffusers' layerwise casting.
 
 [Note: storing weights in another dtype]
-``options={"storage_dtype": torch.float8_e4m3fn}`` stores the weights of a model's linear
-and convolution layers as fp8 bytes: the host store, the files `dlo-fx shard` writes, the
-transfers and the slots hold those bytes, and the graph casts each weight to the
-parameter's own dtype on the device right after its slot view (see [Note: a storage dtype]
-in `runtime/layout.py`). The layers are the ones diffusers' ``enable_layerwise_casting``
-picks (`layerwise_layers`): its default skip patterns, the model's
-``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``, and peft's adapter
-layers; the casts are the same (``fp8 -> compute dtype`` before the layer runs), so the
-output is bit-identical to the model with layerwise casting run resident.
+With ``options={"storage_dtype": torch.float8_e4m3fn}`` the output is bit-identical to the
+model run resident with diffusers' layerwise casting, while only fp8 bytes are stored and
+moved. The weights of a model's linear and convolution layers are stored as fp8 bytes: the
+host store, the files `dlo-fx shard` writes, the transfers and the slots hold those bytes,
+and the graph casts each weight to the parameter's own dtype on the device right after its
+slot view (see [Note: a storage dtype] in `runtime/layout.py`). The layers are the ones
+diffusers' ``enable_layerwise_casting`` picks (`layerwise_layers`): its default skip
+patterns, the model's ``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``,
+and peft's adapter layers; the casts are the same (``fp8 -> compute dtype`` before the
+layer runs).
 
-The choice is a mark on each parameter (`mark_storage`, read by `storage_dtype_of`), made on the
-whole model before its first graph is scheduled, so a graph Dynamo reuses for the next
-layer stores that layer's weights the same way. A stored parameter keeps its own dtype (a
-bf16 `StoredWeight` whose bytes are fp8): that is what Dynamo traces with, what
+The choice is a mark on each parameter (`mark_storage`, read by `storage_dtype_of`), made
+on the whole model before its first graph is scheduled, so a graph Dynamo reuses for the
+next layer stores that layer's weights the same way. A stored parameter keeps its own dtype
+(a bf16 `StoredWeight` whose bytes are fp8): that is what Dynamo traces with, what
 ``model.dtype`` reports (diffusers reports the compute dtype of a layerwise-cast model too),
 and what a read outside the graph returns.
 
 diffusers' own hooks cannot run on a compiled model: each one casts its module's
 parameters with ``module.to()`` around every call, which breaks Dynamo's graph at every
-layer (a resident model compiled with any backend does, and hits the recompile limit) and
-would rewrite the stored weights. `take_over_layerwise_casting` replaces them before the
-model is compiled (`dlo_fx.compile_pipeline` calls it): it removes each layer's hook, puts
-the parameter back in the compute dtype (the fp8 values, exactly) and marks it to be stored
-in the hook's storage dtype.
+layer (with any backend, up to the recompile limit) and would rewrite the stored weights.
+`take_over_layerwise_casting` replaces them before the model is compiled
+(`dlo_fx.compile_pipeline` calls it): it removes each layer's hook, puts the parameter back
+in the compute dtype (the fp8 values, exactly) and marks it to be stored in the hook's
+storage dtype.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ hands in anything but names and byte counts, and both get back `Cut`s: slices of
 units they gave, each with the reason it ends where it does.
 
 [Note: blocks by footprint]
-A block is the unit of streaming, and the slots are as large as the largest block, so
-blocks should follow the model's layers: a DiT of N similar layers should get about N
-blocks whatever its modules are called.
+Blocks follow the model's layers, whatever its modules are called: a DiT of N similar
+layers gets about N blocks. A block is the unit of streaming, and the slots are as large as
+the largest block.
 
 1. *Natural layers.* A parameter's layer is its prefix up to the outermost numeric
    component (``blocks.3.attn.qkv.weight`` -> ``blocks.3``, a ``ModuleList`` or

@@ -9,6 +9,8 @@ of the nodes a block spans, `dlo_fx.planning.flops`, over the matmul rate) and h
 `dlo_fx.planning.residency.decide_residency`, the one residency decision.
 
 [Note: resident blocks spread through the stack]
+The blocks kept resident are those that lower the predicted time of a steady call most;
+among equal choices, those farthest from each other and from the ends of the stack.
 A streamed block costs its copy (H2D, plus the AllGather of the other ranks' shards in
 allgather mode); a resident block costs nothing per call but its bytes stay on the device.
 The predicted time per call is the schedule simulator's (`dlo_fx.planning.simulate`,

@@ -6,7 +6,8 @@ backend (`dlo_fx.dynamo.auto_budget`) measures and hands the figures in; the res
 blocks are then chosen by `dlo_fx.planning.budget` within what this module leaves.
 
 [Note: the auto device budget]
-``device_budget="auto"`` keeps whole blocks resident within what the device really has.
+``device_budget="auto"`` keeps whole blocks resident within what the device really has:
+*the planned bytes (weights budget + activation peak) never exceed capacity - margin*.
 For one graph (one set of parameters) and one input shape:
 
     weights budget = capacity - activation peak - margin - resident bytes of the other
@@ -35,14 +36,12 @@ For one graph (one set of parameters) and one input shape:
   in between (the allocator's count of out-of-memory errors grew) is handled as one of the
   graph's own: its resident blocks go back to streaming under the OOM floor, with a
   warning, since the error was raised to code dlo does not run.
-- ``margin`` = max(1 GiB, 10% of the peak). The invariant it keeps: *the planned bytes
-  (weights budget + peak) never exceed capacity - margin*, so what the measurement cannot
-  see still fits: the caching allocator's fragmentation and rounding (blocks of 2 MiB,
-  a few hundred MiB on a large model), cuBLAS/cuDNN workspaces created lazily (tens of
-  MiB per stream), the CUDA context's own growth, and run-to-run variation of the peak
-  itself (a different attention kernel at another sequence length). 1 GiB covers the
-  fixed part on today's accelerators; 10% covers the part that grows with the
-  activations.
+- ``margin`` = max(1 GiB, 10% of the peak): what the measurement cannot see still fits:
+  the caching allocator's fragmentation and rounding (blocks of 2 MiB, a few hundred MiB
+  on a large model), cuBLAS/cuDNN workspaces created lazily (tens of MiB per stream), the
+  CUDA context's own growth, and run-to-run variation of the peak itself (a different
+  attention kernel at another sequence length). 1 GiB covers the fixed part; 10% covers
+  the part that grows with the activations.
 - resident bytes of the other graphs on the device (a graph break in the model, another
   model or pipeline component on the same device: `SharedSlots.auto_resident`): they stay
   on the device while this graph runs.
@@ -51,15 +50,14 @@ For one graph (one set of parameters) and one input shape:
   that failed minus the bytes moved (`DeviceMemory.after_oom`): a budget that failed
   once is not tried again at any shape.
 
-Where no plan is re-made per call:
-
-- Several ranks gathering (allgather mode, dp > 1) must stream the same blocks, or their
-  gathers would not pair; agreeing per call would be a collective that a call on one rank
-  alone (a new resolution there) could not pair. They keep the compile's plan: budget =
-  capacity - ``activation_reserve_bytes`` (a quarter of the capacity by default), the
-  smallest over the ranks, agreed once with the probes at the first compile and kept for
-  every later compile. The ranks' agreement on the resident parameters when blocks are
-  stored and the collective clock before every graph call refuse a plan that differs.
+No plan is re-made per call where several ranks gather (allgather mode, dp > 1): they
+must stream the same blocks, or their gathers would not pair, and agreeing per call would
+be a collective that a call on one rank alone (a new resolution there) could not pair.
+They keep the compile's plan: budget = capacity - ``activation_reserve_bytes`` (a quarter
+of the capacity by default), the smallest over the ranks, agreed once with the probes at
+the first compile and kept for every later compile. The ranks' agreement on the resident
+parameters when blocks are stored and the collective clock before every graph call refuse
+a plan that differs.
 
 A graph Dynamo reuses for other parameters (the next layer's, after a graph break in the
 blocks; another model of the class) is planned for each set of parameters on its own:

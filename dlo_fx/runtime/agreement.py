@@ -3,34 +3,33 @@ collectives, once, and any difference raises `ValueError` on every rank.
 
 [Note: one agreement before the first gather]
 In allgather mode every rank must issue the same gathers, of the same sizes, into the same
-places, of the same weights. Each of these facts used to be checked apart, or not at all,
-and each gap was a wrong output or an abort: a shard group given as ``[1, 0]`` (positions
-taken from the list, members ordered by global rank: NaN), ``num_slots`` 2 on one rank and
-3 on another (the wrap-around gathers differ in count: SIGABRT inside gloo), weights served
-from files that no rank fingerprinted (a silent mix of two checkpoints), per-rank shard
-folders of two ``dlo-fx shard`` runs. Now the facts are gathered in one place and compared
-in one exchange, before any gather of the blocks they describe:
+places, of the same weights; otherwise a gather pairs with the wrong one (wrong outputs,
+or an abort inside gloo). So, before any gather of the blocks they describe, the facts
+that shape the gathers are compared in one exchange:
 
 * the runtime's: the sorted shard group and each rank's position in it (checked against
-  the order the exchange itself gathers in), the mode, ``num_slots``, ``alignment``;
+  the order the exchange itself gathers in; a group given as ``[1, 0]`` takes positions
+  from the list but orders members by global rank), the mode, ``num_slots`` (a different
+  count gives a different number of wrap-around gathers), ``alignment``;
 * the blocks': their layouts (every parameter's FQN, dtype, shape, strides and offset),
   the resident parameters, a sampled fingerprint of every block's weights whatever the
-  store (`fingerprint.py`), and the ``dlo-fx shard`` run the files come from.
+  store, files included (`fingerprint.py`), and the ``dlo-fx shard`` run the files come
+  from (per-rank folders of two runs differ there).
 
 The settings that pick a runtime's weight group (``num_slots``, the timeout, the shard
-group), and ``fault_delay_s``, are compared once more, earlier, when the runtime is made and
+group) and ``fault_delay_s`` are compared once more, earlier, when the runtime is made and
 before it takes that group (`agree_on_settings`, on a control group of the same ranks):
-the group is made per setting by ``dist.new_group``, which pairs the ranks' calls by count,
-so a group made on one rank only would leave every later exchange paired with something
-else. The same comparison and messages serve both exchanges.
+``dist.new_group`` pairs the ranks' calls by count, so a group made on one rank only would
+pair every later exchange with something else. Both exchanges share the comparison and
+its messages.
 
 Every store of new blocks -- `dlo_fx.load`'s, a compile's, a reused graph's bound to a new
-layer -- agrees once its blocks are added (`Runtime.store_blocks`, [Note: storing blocks] in runtime.py):
-a rank whose store failed joins the exchange with its error, so every rank raises together
-instead of waiting out the timeout. A model whose blocks are all stored already issues no
-agreement (see [Note: a compile on one
-rank only] in graph_call.py): its blocks were agreed when they were stored. The exchange
-runs on the copy worker behind a clock word, in the order of every other collective.
+layer -- agrees once its blocks are added (`Runtime.store_blocks`, [Note: storing blocks] in
+runtime.py): a rank whose store failed joins the exchange with its error, so every rank
+raises together instead of waiting out the timeout. A model whose blocks are all stored
+already issues no agreement (see [Note: a compile on one rank only] in graph_call.py): its
+blocks were agreed when they were stored. The exchange runs on the copy worker behind a
+clock word, in the order of every other collective.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ an eager fetch, a read to the host or a compile, so every rank issues the same
 collectives in the same order, or every rank raises `ClockMismatch` before any of them.
 
 [Note: the collective clock of a shard group]
-In allgather mode every rank must issue the same gathers in the same order. Three things
-could break that, and each has its guard:
+In allgather mode every rank issues the same gathers in the same order, whatever fails.
+Each way to break that has its guard:
 
 - a call that raises (or is interrupted) part-way through a graph: the rank completes the
   rest of that graph's schedule without computing (`graph_call.complete`: the remaining
@@ -21,9 +21,9 @@ could break that, and each has its guard:
 - reads of a stored weight outside a graph (`runtime/stored.py`: `Runtime.eager_block`)
   exchange clock words the same way, in the same worker task as their gather, and so do
   reads of the stored weights to the host (``state_dict()``, `release`:
-  `Runtime.host_tensor`) and a compile before it
-  compares plans and weight fingerprints (`graph_call.compile_clock`). The last word says
-  which kind of step each rank is at, and a mismatch names them.
+  `Runtime.host_tensor`) and a compile before it compares plans and weight fingerprints
+  (`graph_call.compile_clock`). The last word says which kind of step each rank is at, and
+  a mismatch names them.
 
 A collective that fails (a rank died, the timeout passed) closes the runtime: the group is
 unusable afterwards.

@@ -3,32 +3,30 @@ around it (``O_DIRECT``), from `ServedFile`s (one open file each, its size and m
 checked); `FileChangedError` where a file changed under them.
 
 [Note: reading at the disk's rate]
-One ``preadv`` at a time through the page cache reads far below the disk's rate: the
-kernel's read-ahead keeps a single window in flight, every page is copied once more out of
-the cache, and when the checkpoint is larger than host RAM the cache is refilled and
-evicted on every call (reclaim takes CPU from compute). So a block read is cut into
-*pieces* of at most ``chunk`` bytes, and ``threads`` reader threads keep that many
-requests in flight (docs/benchmarks.md, "Real-size models", measures the rates):
+A block read keeps ``threads`` requests of at most ``chunk`` bytes in flight, so it runs at
+the disk's rate: one ``preadv`` at a time through the page cache does not (the kernel's
+read-ahead keeps one window in flight, every page is copied once more out of the cache, and
+a checkpoint larger than host RAM refills and evicts the cache on every call, taking CPU
+from compute; docs/benchmarks.md, "Real-size models", measures the rates). Two ways:
 
 * **buffered** (``file_reads="buffered"``, or ``"auto"`` when the served bytes fit in the
   memory available to the page cache): each piece is read straight into its place in the
   destination; the page cache keeps what it can for the next call, and the read-ahead thread
   of `FileStore` asks for the next blocks (``POSIX_FADV_WILLNEED``).
 * **direct** (``file_reads="direct"``, or ``"auto"`` when the served bytes do not fit):
-  ``O_DIRECT`` reads need the file offset, the length and the buffer aligned to the
-  device's block size, which safetensors offsets are not. The block's runs (tensors, or the
-  one run of a pre-sharded file) are sorted by file offset, widened to ``ALIGN`` bytes and
-  merged into *windows* of at most ``chunk`` bytes (runs of one block that sit close in a
-  file, say its tensors in alphabetical order, become a few large reads); a thread reads a
-  window into its own aligned staging buffer and copies each run's bytes to their place in
-  the block. Nothing goes through the page cache, so nothing is evicted, and there is no
-  read-ahead to ask for.
+  ``O_DIRECT`` needs the file offset, the length and the buffer aligned to the device's
+  block size, which safetensors offsets are not. The block's runs (tensors, or the one run
+  of a pre-sharded file) are sorted by file offset, widened to ``ALIGN`` bytes and merged
+  into *windows* of at most ``chunk`` bytes (runs that sit close in a file become a few
+  large reads); a thread reads a window into its own aligned staging buffer and copies each
+  run's bytes to their place in the block. Nothing goes through the page cache, so nothing
+  is evicted, and there is no read-ahead to ask for.
 
 A file system that refuses ``O_DIRECT`` (its open or its first read fails with ``EINVAL``)
 is read through the page cache instead, with a warning naming the file, once per file.
-A read that returns short (a file that shrank during the read) raises `FileChangedError`
-naming the file, exactly as a buffered read does; the caller's size, mtime and sampled-byte
-checks still run on every read (see [Note: file-backed host store] in file_store.py).
+A short read (a file that shrank during the read) raises `FileChangedError` naming the
+file, as a buffered read does; the size, mtime and sampled-byte checks still run on every
+read (see [Note: file-backed host store] in file_store.py).
 """
 
 from __future__ import annotations

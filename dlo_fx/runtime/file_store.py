@@ -1,29 +1,28 @@
 """`FileStore`: host shards served from files (``host_store="mmap"``), not process memory.
 
 [Note: file-backed host store]
-With ``host_store="memory"`` every rank copies its shard of every block into anonymous
-memory at load: a model larger than host RAM, or many ranks per node, does not fit. With
-``host_store="mmap"`` a block's host shard is a list of *runs*: byte ranges of the
-checkpoint files (the safetensors files `dlo_fx.load` read, or the per-rank files written
-by ``dlo-fx shard``) and where they go in the rank's slice of the block. The OS page cache
-is the host store: it is shared by every rank on the host, evictable, and costs no
-anonymous memory.
+With ``host_store="mmap"`` the OS page cache is the host store: a block's host shard is a
+list of *runs*, byte ranges of the checkpoint files (the safetensors files `dlo_fx.load`
+read, or the per-rank files written by ``dlo-fx shard``) and where they go in the rank's
+slice of the block. The cache is shared by every rank on the host, evictable, and costs no
+anonymous memory, so a model larger than host RAM, or many ranks per node, fits where
+``host_store="memory"`` (a private copy of every shard per rank) does not. What must hold:
+every read returns the bytes seen at load, or raises naming the file.
 
 * **Reads.** A prefetch reads the runs straight into the slot (CPU) or into one of
   ``num_slots`` pinned staging buffers that the copy stream then copies to the slot
-  (devices), in pieces that several threads read at once, through the page cache or
-  around it (``O_DIRECT``, when the page cache cannot hold the served bytes): see [Note:
-  reading at the disk's rate] in file_reads.py. Runs that are adjacent both in the file and in the block are merged, so a
-  block of a pre-sharded file is one read; a block whose tensors are not laid out in the
-  file as in the block (alignment padding, another order, several files) is read tensor by
-  tensor, and a tensor whose dtype or strides differ from the parameter's (a dtype cast, a
-  transposed weight) is read into a reused scratch buffer (`_Scratch`) and copied into place. `FileStore.stats` counts
-  and times those copies.
-* **Why pread, not the mapping.** Touching a mapped page of a file that was truncated
-  meanwhile raises SIGBUS, which kills the process; a read past the end of a file returns
-  short, which is an exception naming the file. So nothing here touches a mapped page.
-* **A file that changed.** Every read first compares the file's size and mtime with those
-  seen at load, and again after the read (a rewrite racing the read): a difference raises
+  (devices), in pieces that several threads read at once (see [Note: reading at the disk's
+  rate] in file_reads.py). Runs adjacent both in the file and in the
+  block are merged, so a block of a pre-sharded file is one read; a block whose tensors are
+  not laid out in the file as in the block (alignment padding, another order, several
+  files) is read tensor by tensor, and a tensor whose dtype or strides differ from the
+  parameter's (a dtype cast, a transposed weight) is read into a reused scratch buffer
+  (`_Scratch`) and copied into place. `FileStore.stats` counts and times those copies.
+* **Why pread, not the mapping.** Touching a mapped page of a file truncated meanwhile
+  raises SIGBUS, which kills the process; a read past the end of a file returns short,
+  which is an exception naming the file. So nothing here touches a mapped page.
+* **A file that changed.** Every read compares the file's size and mtime with those seen
+  at load, before and after the read (a rewrite racing the read): a difference raises
   `FileChangedError` naming the file, the block and the rank, never a wrong output. A
   rewrite that keeps both (``cp -p``, ``tar x``, ``touch -r`` over another checkpoint of
   the same shapes) is caught by sampled bytes: at load, `FileStore.shard` reads
@@ -35,11 +34,12 @@ anonymous memory.
 * **Extents inside their files.** `FileStore.shard` refuses a run that ends past the end of
   its file as it was opened, naming the file and the block, so a header that promises more
   bytes than the file holds is a load error, not a short read at the first call.
-* **Read-ahead** (buffered reads only; a direct read has no cache to fill). A daemon thread, woken by every block read, asks the OS for the next
-  ``depth`` blocks' ranges (``posix_fadvise(WILLNEED)``, asynchronous) and, when free
-  memory (host or cgroup) is below twice the read-ahead window, lets go of the block just
-  read (``POSIX_FADV_DONTNEED``): under pressure the pages given up are the ones used
-  longest ago in the ring, not the ones about to be read.
+* **Read-ahead** (buffered reads only; a direct read has no cache to fill). A daemon
+  thread, woken by every block read, asks the OS for the next ``depth`` blocks' ranges
+  (``posix_fadvise(WILLNEED)``, asynchronous) and, when free memory (host or cgroup) is
+  below twice the read-ahead window, lets go of the block just read
+  (``POSIX_FADV_DONTNEED``): under pressure the pages given up are the ones used longest
+  ago in the ring, not the ones about to be read.
 """
 
 from __future__ import annotations

@@ -3,26 +3,27 @@ without computing: the runtime notes each step, with the function that replays i
 `ForwardLog` of the calling thread (the engine's `ForwardClock` keeps one per forward).
 
 [Note: gather-only forwards]
-The engine keeps the ranks of a wave in step by padding (see [Note: the forward clock of a
-wave] in apps/engine/clock.py): a rank runs more forwards until its peers' longest request
-ends. A padding forward needs the collectives of a forward, not its compute. So while a
-forward runs under `logging_to(log)`, every step that issues collectives is noted to
-``log`` in order, with a function that issues them again: each scheduled graph
-(`graph_call.note_graph`: its schedule, the parameters it was bound with, the arguments
-its schedule nodes read; replayed by `graph_call.gather_only`: the same clock words, then
-its schedule nodes -- copies into the slots, gathers, waits, swaps -- in graph order) and
-each clocked eager read of a stored weight's block (`Runtime.fetch_block`; replayed as the
-same fetch, its bytes dropped). Steps that issue no collective (rank-local mode) replay
-as nothing. The ranks therefore issue the same collectives in the same order as a real
-forward of the recorded shapes would, at the cost of the copies alone. Weights do not
-depend on activation shapes: a replay pairs with a peer's real forward at other shapes
-exactly as a real padding forward did. Only a steady-state forward may be replayed: one
-during which the backend compiled (`note_compile`) may not, since a first call differs
-from later ones (it compares plans; its parameters are not converted yet).
-Replayed schedule nodes act on the slot state as a real call's would, so a resident
-block gathered once stays gathered once. For the same reason a resident copy (made once
-per runtime, then cached) is not noted as an eager fetch: a replay would gather it again
-where a peer's real forward reads its cache.
+A replayed forward issues exactly the collectives, in the same order, that a real forward
+of the recorded shapes would, and computes nothing. The engine pads ranks with extra
+forwards until its peers' longest request ends (see [Note: the forward clock of a wave] in
+apps/engine/clock.py), and a padding forward needs the collectives, not the compute. So
+while a forward runs under `logging_to(log)`, every step that issues collectives is noted
+to ``log`` in order, with a function that issues them again: each scheduled graph
+(`graph_call.note_graph`: its schedule, the parameters it was bound with, the arguments its
+schedule nodes read; replayed by `graph_call.gather_only`: the same clock words, then its
+schedule nodes -- copies into the slots, gathers, waits, swaps -- in graph order) and each
+clocked eager read of a stored weight's block (`Runtime.fetch_block`; replayed as the same
+fetch, its bytes dropped). Steps that issue no collective (rank-local mode) replay as
+nothing. Weights do not depend on activation shapes, so a replay pairs with a peer's real
+forward at other shapes. Conditions:
+
+- Only a steady-state forward may be replayed: one during which the backend compiled
+  (`note_compile`) may not, since a first call differs from later ones (it compares plans;
+  its parameters are not converted yet).
+- Replayed schedule nodes act on the slot state as a real call's would, so a resident
+  block gathered once stays gathered once. For the same reason a resident copy (made once
+  per runtime, then cached) is not noted as an eager fetch: a replay would gather it again
+  where a peer's real forward reads its cache.
 """
 
 from __future__ import annotations

@@ -3,35 +3,35 @@
 schedule alone (a gather-only forward, forward_log.py).
 
 [Note: one call at a time]
-A runtime has one slot state machine (which block each slot holds, what is pending) and,
-in allgather mode, one order of collectives shared with the other ranks. Every scheduled
-graph therefore runs under the runtime's lock (`run_graph`): calls from several threads
-into one model are serialised graph by graph. Each graph is self-contained -- a ``wait``
-on a slot that does not hold its block copies it -- so another thread's graph running
-between two graphs of a call never changes a result. With several ranks the threads must
-run their graphs in the same order on every rank (one calling thread per rank, as the
-engine does); a different interleaving is caught by the collective clock and raises.
-A graph Dynamo shares between models of a class holds one call's binding (its runtime,
-the host blocks bound, the step reached), and the runtimes it serves may hold different
-locks (another slot count), so each call also holds the graph's own ``call_lock`` from
-its bind to its end: two models of a class called on two threads read each other's
-stores without it.
+At most one scheduled graph of a runtime runs at a time: a runtime has one slot state
+machine (which block each slot holds, what is pending) and, in allgather mode, one order of
+collectives shared with the other ranks. Every scheduled graph runs under the runtime's
+lock (`run_graph`), so calls from several threads into one model are serialised graph by
+graph. Each graph is self-contained -- a ``wait`` on a slot that does not hold its block
+copies it -- so another thread's graph running between two graphs of a call never changes
+a result. With several ranks the threads must run their graphs in the same order on every
+rank (one calling thread per rank, as the engine does); a different interleaving is caught
+by the collective clock and raises. A graph Dynamo shares between models of a class holds
+one call's binding (its runtime, the host blocks bound, the step reached), and the
+runtimes it serves may hold different locks (another slot count), so each call also holds
+the graph's own ``call_lock`` from its bind to its end; without it, two models of a class
+called on two threads would read each other's stores.
 
 [Note: a compile on one rank only]
-Dynamo recompiles a frame on one rank alone when only that rank's call fails a guard: a
-new input shape (two ranks serving different resolutions, or a batch doubled by guidance
-on one of them), grad mode, autocast. A compile that brings new parameters into the host
-store compares plans and fingerprints with the other ranks, and they must compile the
-same graph at the same time. A compile whose blocks are all stored already (the model's
-second resolution, or any graph of a model from `dlo_fx.load`) issues no collective at
-all: its gathers are those of host blocks the ranks agreed on when they stored them, and
-the clock before each graph call still proves that every rank runs a graph of the same
-blocks. Had such a compile exchanged its plan, the ranks that did not recompile (they run
-their cached graph and exchange a clock word) would have raised `ClockMismatch` at every
-call until they all happened to recompile together. The device budget's probes run once
-per runtime at its first compile, every dtype's matmul rate with them, so a later compile
-never needs them (`dlo_fx.dynamo.probes.probe_runtime`), and a recompile keeps the resident blocks
-its parameters' first plan chose, so every rank streams the same blocks.
+A compile issues collectives only when it brings new parameters into the host store;
+then it compares plans and fingerprints with the other ranks, which must compile the same
+graph at the same time. Dynamo recompiles a frame on one rank alone whenever only that
+rank's call fails a guard: a new input shape (ranks serving different resolutions, a batch
+doubled by guidance on one of them), grad mode, autocast. So a compile whose blocks are
+all stored already (the model's second resolution, or any graph of a model from
+`dlo_fx.load`) issues no collective: its gathers are of host blocks the ranks agreed on
+when they stored them, and the clock before each graph call still proves that every rank
+runs a graph of the same blocks. If it exchanged its plan, the ranks that did not
+recompile (they run their cached graph and exchange a clock word) would raise
+`ClockMismatch` at every call until they all recompiled together. For the same reason the
+device budget's probes run once per runtime at its first compile, every dtype's matmul
+rate with them (`dlo_fx.dynamo.probes.probe_runtime`), and a recompile keeps the resident
+blocks its parameters' first plan chose, so every rank streams the same blocks.
 """
 
 from __future__ import annotations

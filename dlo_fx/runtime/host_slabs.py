@@ -2,21 +2,21 @@
 
 [Note: pinned slabs]
 Page-locked memory cannot be swapped or reclaimed, so every pinned byte that holds nothing
-is lost to the host. The invariant, in what `memory_report` prints (``pinned_requested_bytes``,
-the bytes shards and staging buffers use; ``pinned_allocated_bytes``, what their slabs hold;
-`HostSlabs` counts both as it allocates slabs and takes from them):
+is lost to the host. What must hold, in what `memory_report` prints
+(``pinned_requested_bytes``, the bytes shards and staging buffers use;
+``pinned_allocated_bytes``, what their slabs hold; `HostSlabs` counts both as it allocates
+slabs and takes from them):
 
 - where the platform registers host memory in place (CUDA, ROCm: ``cudaHostRegister``),
   allocated = requested, plus each shard rounded up to ``alignment``, each slab to a page,
   and the free tail of the one small slab being filled (below ``SMALL_SHARD``, at most the
-  small shards' own bytes): FLUX.1-dev's shards pin 1.000001x what they use;
+  small shards' own bytes);
 - elsewhere (`pin_memory`), at most one slab's worth (``SLAB_MAX``) plus first fit's gaps
-  more: FLUX.1-dev's shards pin 1.09x what they use, and the policy can pin up to 2x.
+  more; the policy can pin up to 2x.
 
 ``pin_memory()`` goes through PyTorch's caching host allocator, which rounds every request
-up to a power of two and keeps the rounding: a 680 MB host shard holds 1 GiB of page-locked
-memory, and a store of such shards pins 1.5x what it uses (1.78x to 1.9x measured in
-serving stacks). So slabs are allocated that way only where there is no choice:
+up to a power of two and keeps the rounding (a 680 MB host shard holds 1 GiB of
+page-locked memory). So slabs are allocated that way only where there is no choice:
 
 - Registered (`platform.registered_slab`, where `platform.can_register`): a slab is an
   anonymous private mapping of exactly the bytes it is to hold (page rounded), page-locked

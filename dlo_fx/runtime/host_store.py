@@ -10,32 +10,33 @@ a graph are served from this store and whose writes are refused. See [Note: a st
 is a tensor] there, and [Note: when a parameter becomes a StoredWeight] below.
 
 [Note: when a parameter becomes a StoredWeight]
-A block the loader stores is made of `StoredWeight`s from the start. A block a compile
-stores (`backend.commit`) keeps its parameters real until a graph of its runtime is next
-called (`convert_pending`, under the runtime's lock): Dynamo builds a frame's guards after
-the backend returns, from the parameters as they are then, and a parameter already
-converted made those guards expect a `StoredWeight`; every further model of the class,
-whose parameters were still plain, failed them and compiled an entry of its own (the ninth
-model hit Dynamo's recompile limit). Converted at the first call, the guards expect what
+A parameter a compile stores stays a plain tensor until a graph of its runtime is next
+called; the loader's are `StoredWeight`s from the start. Dynamo builds a frame's guards
+after the backend returns, from the parameters as they are then: a parameter converted
+inside the backend would make those guards expect a `StoredWeight`, so every further model
+of the class (its parameters still plain) would fail them and compile an entry of its own,
+until Dynamo's recompile limit. So a block a compile stores (`backend.commit`) is converted
+at the next call (`convert_pending`, under the runtime's lock): the guards expect what
 every fresh model has, and the converted model's own later calls pass them (Dynamo skips
 the tensor checks of a module whose dict did not change; where it does check, it compiles
-once more, for `StoredWeight`s, which maps them onto the blocks they are stored in). The
-pending parameters are held weakly: a model compiled and never called is collected with its
-runtime. A parameter converted in place keeps the memory it had until then only as long as
-something else holds it (its old tensor is let go).
+once more, for `StoredWeight`s, see [Note: a graph compiled again for stored weights] in
+dynamo/backend.py). The pending parameters are held weakly: a model compiled and never
+called is collected with its runtime. A parameter converted in place keeps the memory it
+had until then only as long as something else holds it (its old tensor is let go).
 
 [Note: a stored parameter that dies]
-The store keys its entries by ``id(parameter)`` and holds no parameter: the model owns
-them. A model can drop some while it lives on: ``delete_adapters``, ``unload_lora`` and a
-replaced submodule free their parameters, and the next call stores the new ones as new
-blocks. Kept, the dead ones' entries grew the host store by every adapter ever loaded, and
-CPython gives a new parameter the id of a freed one: the store took it for the dead one
-(its entry, its block) and refused the call as ``param.data = ...``. So each stored
-parameter carries a finalizer that forgets its entry, storage and version the moment it
-dies, before its id can be reused, and a block none of whose parameters lives has its host
-bytes freed (a memory store; a file-backed one reads nothing more from it). The block keeps
-its index (schedules name blocks by index) and an empty shard; a copy already queued for it
-holds the old `HostBlock` and its bytes until it ran.
+An entry lives exactly as long as its parameter. The store keys its entries by
+``id(parameter)`` and holds no parameter: the model owns them, and may drop some while it
+lives on (``delete_adapters``, ``unload_lora``, a replaced submodule; the next call stores
+the new ones as new blocks). A dead parameter's entry kept would grow the host store by
+every adapter ever loaded, and CPython gives a new parameter the id of a freed one, which
+the store would take for the dead one (its entry, its block) and refuse as
+``param.data = ...``. So each stored parameter carries a finalizer that forgets its entry,
+storage and version the moment it dies, before its id can be reused, and a block none of
+whose parameters lives has its host bytes freed (a memory store; a file-backed one reads
+nothing more from it). The block keeps its index (schedules name blocks by index) and an
+empty shard; a copy already queued for it holds the old `HostBlock` and its bytes until it
+ran.
 """
 
 from __future__ import annotations

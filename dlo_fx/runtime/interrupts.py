@@ -1,13 +1,14 @@
 """Deferring ``KeyboardInterrupt`` across the runtime's critical sections.
 
 [Note: interrupts and slot state]
-A ``KeyboardInterrupt`` is raised in the main thread between any two bytecodes. The slot
-state machine (`Runtime`) records what it issued in a few assignments next to the call that
-issues it; an interrupt between the two would leave a slot marked as filled with no copy
-behind it, or a gather issued that the state does not know about (and so issued again
-later on this rank only). So every step that issues work and records it runs inside
-`deferred()`: the ``SIGINT`` handler installed by `install()` only notes the interrupt
-while a section is open, and the section raises it on exit, once the state is whole.
+The slot state always matches the work issued, even under Ctrl-C. A ``KeyboardInterrupt``
+is raised in the main thread between any two bytecodes, and the slot state machine
+(`Runtime`) records what it issued in a few assignments next to the call that issues it;
+an interrupt between the two would leave a slot marked as filled with no copy behind it,
+or a gather issued that the state does not know about (and so issued again later on this
+rank only). So every step that issues work and records it runs inside `deferred()`: the
+``SIGINT`` handler installed by `install()` only notes the interrupt while a section is
+open, and the section raises it on exit, once the state is whole.
 
 Blocking waits stay outside these sections: Ctrl-C while a call waits on a copy or a
 gather interrupts the wait at once, and the runtime keeps the pending handle, so the next

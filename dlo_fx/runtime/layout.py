@@ -1,20 +1,23 @@
 """Byte layout of a block: tensors flattened in storage order, each aligned, then sharded.
 
 [Note: block layout]
-A block is the flat byte image of its parameters. Each parameter contributes the span of
-its storage that its view covers (``storage_offset`` to the last element it can reach), so
-a non-contiguous parameter (a transposed weight) keeps its strides: it is rebuilt in the
-slot with ``as_strided`` over the same bytes, never re-ordered by element. Every tensor
-starts at a multiple of ``alignment`` bytes, so dtype views are legal and kernels see the
-same pointer alignment as on a resident tensor. A block may mix dtypes.
+A block is the flat byte image of its parameters, each at its own strides and aligned.
+Each parameter contributes the span of its storage that its view covers (``storage_offset``
+to the last element it can reach), so a non-contiguous parameter (a transposed weight)
+keeps its strides: it is rebuilt in the slot with ``as_strided`` over the same bytes, never
+re-ordered by element. Every tensor starts at a multiple of ``alignment`` bytes, so dtype
+views are legal and kernels see the same pointer alignment as on a resident tensor. A block
+may mix dtypes.
 
 [Note: a storage dtype]
-A parameter may be stored in another dtype than its own (``storage_dtype``: fp8 bytes of a
-bf16 layer). Its entry's ``dtype`` is then the stored one and ``compute_dtype`` the
-parameter's: the block, the shards, the files and the slots hold the stored bytes, and the
-parameter's value is ``view_of(...).to(compute_dtype)``, cast on the device: in the graph
-by a node right after the slot view, elsewhere by `Entry.value_of`. The parameter itself
-(a `StoredWeight`) keeps its own dtype, which is what Dynamo traced the graph with.
+Bytes are stored in the storage dtype; the parameter and every value read from it keep
+the parameter's own dtype. A parameter may be stored in another dtype than its own
+(``storage_dtype``: fp8 bytes of a bf16 layer): its entry's ``dtype`` is then the stored
+one and ``compute_dtype`` the parameter's. The block, the shards, the files and the slots
+hold the stored bytes, and the parameter's value is ``view_of(...).to(compute_dtype)``,
+cast on the device: in the graph by a node right after the slot view, elsewhere by
+`Entry.value_of`. The parameter itself (a `StoredWeight`) keeps its own dtype, which is
+what Dynamo traced the graph with.
 
 [Note: a quantized weight is its inner tensors]
 A parameter that is a traceable tensor subclass (torchao's ``Int8Tensor``, ``Float8Tensor``,

@@ -7,31 +7,28 @@ never from options; see [Note: the model owns its runtime] in owners.py. Every b
 model stores comes in through `Runtime.store_blocks`.
 
 [Note: storing blocks]
-Storing a block is always the same five steps, whoever asks: lay the parameters out,
-take the block's sampled fingerprint (of the parameters' bytes, or of the checkpoint's
-where the loader reads files), add it to the host store (which copies or reads this
-rank's shard), have the ranks agree on everything that shapes their gathers and on the
-fingerprints (`agreement.agree`), and only then claim the parameters for the runtime
-(`owners.claim`) and turn them into `StoredWeight`s. A failure anywhere -- a truncated
-file, a failed pinning, the ranks disagreeing -- drops the blocks this call added,
-claims nothing, and raises on every rank (a rank that failed joins the agreement with
-its error, so its peers raise with it instead of waiting out the timeout); a parameter
-that was real stays real, so a compile that fails leaves the model as it was. With one
-rank, or in rank-local mode, nothing is exchanged and no fingerprint is taken.
-
-Before this path existed the fingerprint was checked in three places (the compile, the
-reused graph, the loader), each with its own order of storing and agreeing; a compile
-stored after agreeing, so a rank whose store failed left its peers to time out in their
-next call.
+Every block enters the host store through one path (`Runtime.store_blocks`), whoever asks
+(the loader, a compile, a reused graph), and it is all or nothing on every rank. Its steps,
+in order: lay the parameters out, take the block's sampled fingerprint (of the parameters'
+bytes, or of the checkpoint's where the loader reads files), add it to the host store
+(which copies or reads this rank's shard), have the ranks agree on everything that shapes
+their gathers and on the fingerprints (`agreement.agree`), and only then claim the
+parameters for the runtime (`owners.claim`) and turn them into `StoredWeight`s. A failure
+anywhere -- a truncated file, a failed pinning, the ranks disagreeing -- drops the blocks
+this call added, claims nothing, and raises on every rank: storing comes before agreeing,
+so a rank whose store failed joins the agreement with its error and its peers raise with it
+instead of waiting out the timeout. A parameter that was real stays real, so a compile that
+fails leaves the model as it was. With one rank, or in rank-local mode, nothing is
+exchanged and no fingerprint is taken.
 
 [Note: a forked process]
-``os.fork`` (multiprocessing's default start method on Linux) copies a runtime into the
-child without what runs it: the executor's worker thread, a copy the parent had in
-flight, the device streams and the process group stay with the parent, and a thread of
-the parent may have held the slots' lock. A call in the child waited forever on a copy
-no thread runs. So a runtime runs only in the process that made it: `Runtime.lock`, which
-every graph call, eager fetch, compile and release takes, compares the pid (a syscall
-per graph call) and raises in any other. `shared_slots` gives a forked child its
+A runtime runs only in the process that made it. ``os.fork`` (multiprocessing's default
+start method on Linux) copies a runtime into the child without what runs it: the
+executor's worker thread, a copy the parent had in flight, the device streams and the
+process group stay with the parent, and a thread of the parent may have held the slots'
+lock, so a call in the child would wait forever on a copy no thread runs. `Runtime.lock`,
+which every graph call, eager fetch, compile and release takes, compares the pid (a syscall
+per graph call) and raises in any other process. `shared_slots` gives a forked child its
 own slots, so a model loaded or compiled in the child runs there.
 """
 

@@ -2,36 +2,35 @@
 fills it, and which model's block each slot holds.
 
 [Note: what a model owns and what a device shares]
-A model's `Runtime` owns its host store, its mode and its resident copies: host blocks
-are never shared. Slot memory may be: a pipeline's text encoder and transformer run one
-after the other, so they can stream through the same ``num_slots`` buffers, which is
-the largest device cost dlo adds; the weight-gather group is made once per device
-setting and default process group, and kept. Every runtime on one device with the same
-``num_slots`` gets the same `SharedSlots`, held weakly here and
-strongly by the runtimes: when the last of them is gone, the slots are freed and the
-executor's worker thread stops.
+Host blocks are never shared between models; slot memory is, and a model never reads
+another model's bytes from a shared slot. A model's `Runtime` owns its host store, its
+mode and its resident copies. A pipeline's text encoder and transformer run one after the
+other, so they can stream through the same ``num_slots`` buffers, the largest device cost
+dlo adds; the weight-gather group is made once per device setting and default process
+group, and kept. Every runtime on one device with the same ``num_slots`` gets the same
+`SharedSlots`, held weakly here and strongly by the runtimes: when the last of them is
+gone, the slots are freed and the executor's worker thread stops.
 
 Sharing the buffers means sharing what they hold. ``holder[slot]`` is the
 ``(runtime token, host block)`` whose bytes the slot holds or is receiving; a runtime
 reads it through `Runtime.slot_block`, which shows ``None`` for a slot another runtime
-filled since, so its next ``wait`` copies its own block again instead of reading
-another model's bytes. One executor per device keeps one issue order for copies and
-gathers, and (on a device) orders a slot's next copy after the last read of whichever
-model used it. The last task issued into each slot (``pending``) is shared too, so a copy
-for one model is ordered after another model's never-waited gather into that slot, and
-every graph of every model using the slots runs under one ``lock``: calls from several
-threads are serialised graph by graph.
+filled since, so its next ``wait`` copies its own block again. One executor per device
+keeps one issue order for copies and gathers, and (on a device) orders a slot's next copy
+after the last read of whichever model used it. The last task issued into each slot
+(``pending``) is shared too, so a copy for one model is ordered after another model's
+never-waited gather into that slot, and every graph of every model using the slots runs
+under one ``lock``: calls from several threads are serialised graph by graph.
 
 [Note: a failure stays with its model]
 A copy or gather that fails (a file truncated under a model served from it, a rank that
-died) fails its own model: that runtime's ``wait`` raises, marks it broken (it raises on
-every later call) and drops the failed task from ``pending``, with the slot's holder.
-Every other model on the slots goes on exactly: a copy issued after a failed task only
-orders after it (``executor.settle``), and a drain (a compile, slots growing for a load)
-drops a failed task it meets instead of raising it, so a model that was never waited on
-copies its block again at its next ``wait`` and raises its own error there. Once the slot
-kept the failed task, and every model that used it raised the first model's error on
-every call, even an unrelated model compiled later.
+died) fails its own model only. That runtime's ``wait`` raises, marks it broken (it raises
+on every later call) and drops the failed task from ``pending``, with the slot's holder.
+Every other model on the slots goes on: a copy issued after a failed task only orders
+after it (``executor.settle``), and a drain (a compile, slots growing for a load) drops a
+failed task it meets instead of raising it, so a model that was never waited on copies its
+block again at its next ``wait`` and raises its own error there. A slot that kept the
+failed task would raise the first model's error in every model that used it, on every
+call, even in an unrelated model compiled later.
 """
 
 from __future__ import annotations

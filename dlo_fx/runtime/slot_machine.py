@@ -2,20 +2,21 @@
 wait, swap_slot, and the views of a slot), one half of a `Runtime` (runtime.py).
 
 [Note: slot reuse and stream ordering]
-Graph block ``g`` lives in slot ``g % num_slots``. The schedule guarantees, in program
-order, ``swap_slot(g)`` before ``prefetch(g + num_slots)`` (which reuses the slot) and
-``prefetch(g)`` before ``wait(g)`` before any read of the slot. On CPU the compute thread
-reads synchronously, so once ``swap_slot(g)`` has run no read of the slot is pending; the
-copy is handed to one worker thread and ``wait`` blocks on it. Each slot remembers which
-store block it holds (``slot_block``): a prefetch of the block a slot already holds is
-skipped, which is what makes the wrap-around prefetch of block 0 a warm start and lets a
-model of at most ``num_slots`` blocks stop copying after its first call. ``wait`` on a
-slot that does not hold its block (another graph used the slot in between) issues the copy
-itself, so a stale slot is never read. A prefetch issues its copy after the slot's last
-task (``_pending``, kept until a ``wait`` on it succeeds): the wrap-around prefetch and
-gather of a slot that the next graph refills is never waited on, and an inline copy must
-not be overwritten by that gather landing later (the cause of wrong outputs in allgather
-mode with graph breaks; docs/architecture.md).
+No read of a slot sees bytes other than its block's, and no copy overwrites a slot still
+being read. Graph block ``g`` lives in slot ``g % num_slots``. The schedule guarantees, in
+program order, ``swap_slot(g)`` before ``prefetch(g + num_slots)`` (which reuses the slot)
+and ``prefetch(g)`` before ``wait(g)`` before any read of the slot. On CPU the compute
+thread reads synchronously, so once ``swap_slot(g)`` has run no read of the slot is
+pending; the copy is handed to one worker thread and ``wait`` blocks on it. Each slot
+remembers which store block it holds (``slot_block``): a prefetch of the block a slot
+already holds is skipped, which is what makes the wrap-around prefetch of block 0 a warm
+start and lets a model of at most ``num_slots`` blocks stop copying after its first call.
+``wait`` on a slot that does not hold its block (another graph used the slot in between)
+issues the copy itself, so a stale slot is never read. A prefetch issues its copy after
+the slot's last task (``_pending``, kept until a ``wait`` on it succeeds): the wrap-around
+prefetch and gather of a slot that the next graph refills is never waited on, and a gather
+landing later would overwrite an inline copy (wrong outputs in allgather mode with graph
+breaks).
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ Slots are allocated once per size: a block larger than any seen grows every slot
 happens while a graph is compiled or a block is first registered, never in steady state.
 
 [Note: slot views keep requires_grad]
-A slot view stands in for its parameter, and must make every kernel choose what it chose
-for the parameter. One choice reads ``requires_grad`` even under ``torch.no_grad()``:
-``aten::matmul`` folds a batched input into one ``mm`` when either operand requires grad,
-and otherwise, when the input's leading dimensions cannot be flattened without a copy
-(a transposed activation, as ``F.linear`` gets after Sana's linear attention), runs a
-``bmm`` against the expanded weight. The two sum in a different order and differ in
-the last bit (3e-7 on Sana). So a view of a parameter that requires grad is a leaf that
-requires grad too (grad mode is off whenever a streamed parameter requires grad: the
+A slot view makes every kernel choose what it chose for the parameter it stands in for,
+so it keeps the parameter's ``requires_grad``. One choice reads ``requires_grad`` even
+under ``torch.no_grad()``: ``aten::matmul`` folds a batched input into one ``mm`` when
+either operand requires grad, and otherwise, when the input's leading dimensions cannot be
+flattened without a copy (a transposed activation, as ``F.linear`` gets after Sana's
+linear attention), runs a ``bmm`` against the expanded weight; the two sum in a different
+order and differ in the last bit. So a view of a parameter that requires grad is a leaf
+that requires grad too (grad mode is off whenever a streamed parameter requires grad: the
 backend refuses it otherwise), and views are cached per (slot, parameter, flag).
 """
 

@@ -1,13 +1,14 @@
 """`StoredWeight`: a parameter whose weights are in a dlo host store.
 
 [Note: a stored weight is a tensor]
-A parameter whose bytes dlo moved into the host store becomes a `StoredWeight` in place:
-a wrapper tensor subclass (``torch.Tensor._make_wrapper_subclass``, as FSDP2's DTensor
+A parameter whose bytes dlo moved into the host store stays the same Python object and
+still behaves as that tensor: every read is exact, every write is refused, and nothing
+hands out the address of bytes it does not have. It becomes a `StoredWeight` in place: a
+wrapper tensor subclass (``torch.Tensor._make_wrapper_subclass``, as FSDP2's DTensor
 parameters and torchao's quantized weights are) with the parameter's shape, strides,
-dtype, device and ``requires_grad``, and no storage of its own. The Python object stays
-the same one (`become_stored` swaps its contents, as ``torch.utils.swap_tensors`` does),
-so the model, the host store (keyed by ``id``) and every reference the user holds keep
-pointing at it.
+dtype, device and ``requires_grad``, and no storage of its own. `become_stored` swaps its
+contents, as ``torch.utils.swap_tensors`` does, so the model, the host store (keyed by
+``id``) and every reference the user holds keep pointing at it.
 
 Inside a compiled graph nothing ever computes on it: Dynamo traces the subclass (it is
 traceable: `__tensor_flatten__` names one empty device tensor, which Dynamo fakes), the
@@ -18,8 +19,8 @@ use by a view of a device slot. Outside a graph every operation goes through
 - a read (``p.sum()``, ``print(p)``, an eager module call, ``torch.func.functional_call``,
   ``model.apply(fn)``) fetches the block from the host store onto the device (gathered in
   allgather mode, behind a collective clock word, as a graph's gathers are) and runs the op
-  on the real bytes: exact. The first such read of a module's weights warns once, naming
-  the module (every eager read copies the block again: correct, but slow);
+  on the real bytes. The first such read of a module's weights warns once, naming the
+  module (every eager read copies the block again: correct, but slow);
 - a view (``p.t()``, ``p[0]``, ``p.view(...)``, ``p.as_strided(...)``) is another
   `StoredWeight`: see [Note: a view of a stored weight]. A write through it is refused too;
 - a write (an in-place op or an ``out=`` into it, ``p.data = ...``, ``copy_`` from
@@ -29,11 +30,8 @@ use by a view of a device slot. Outside a graph every operation goes through
   the module (``module.to(...)``, ``.half()``) would replace its parameters: it is refused
   for the whole module before anything changes (`dlo_fx.model.guard`), and the
   parameter's ``data`` setter refuses it where no guard is;
-- ``torch.save`` and pickling store the real weights; ``.numpy()``, ``__array__`` and
-  ``__dlpack__`` (``torch.from_dlpack``) return copies; what would hand out the address of
-  its bytes (``data_ptr()``, ``untyped_storage()``, ``storage()``,
-  ``__cuda_array_interface__``) raises ``ValueError`` naming it: see [Note: no pointer to a
-  stored weight].
+- ``torch.save`` and pickling store the real weights; a way out that would hand out an
+  address copies or raises: see [Note: no pointer to a stored weight].
 
 While Dynamo traces (its fake mode is active on the inner tensor) an op computes fake
 outputs of the right metadata, so tracing reads nothing.
@@ -387,19 +385,20 @@ def _caller_level() -> int:
 
 # -- views ----------------------------------------------------------------------------------
 # [Note: a view of a stored weight]
-# A view of a stored parameter is a `StoredWeight` whose metadata (shape, strides, storage
-# offset, dtype, conjugate and negative bits) is what the op computes on a meta tensor of
-# the parameter's own metadata: for any view op, the one torch defines, since a view is
-# metadata over the same storage. Its bytes are then found by construction: the storage
-# offset is rebased on the parameter's own place (`_rebased`: byte ``k`` of the
+# A view of a stored parameter reads exactly the bytes the same view of the resident
+# parameter would, or raises when it is made. It is a `StoredWeight` whose metadata (shape,
+# strides, storage offset, dtype, conjugate and negative bits) is what the op computes on a
+# meta tensor of the parameter's own metadata: for any view op, the one torch defines,
+# since a view is metadata over the same storage. Its bytes are then found by construction:
+# the storage offset is rebased on the parameter's own place (`_rebased`: byte ``k`` of the
 # parameter's storage, counted from its storage offset, is byte ``k`` of its span in the
-# fetched block), never replayed against the block's buffer, where ``as_strided`` with an
-# explicit offset read another parameter's bytes. A view that reaches bytes outside the
-# parameter's own storage span (the resident parameter's storage may hold other tensors
-# there, or end) raises ValueError naming it, when it is made. A quantized weight (a tensor
-# subclass stored as its inner tensors) has no one span: its views are replayed through
-# the subclass's own ops, and a view op that takes an explicit layout (``as_strided``,
-# ``_reshape_alias``) or another tensor is refused for it by name.
+# fetched block). Replaying the view against the block's buffer instead would let
+# ``as_strided`` with an explicit offset read another parameter's bytes. A view that
+# reaches bytes outside the parameter's own storage span (the resident parameter's storage
+# may hold other tensors there, or end) raises ValueError naming it, when it is made. A
+# quantized weight (a tensor subclass stored as its inner tensors) has no one span: its
+# views are replayed through the subclass's own ops, and a view op that takes an explicit
+# layout (``as_strided``, ``_reshape_alias``) or another tensor is refused for it by name.
 class StoredViewError(ValueError, RuntimeError):
     """A view op that fails on the stored parameter's metadata, raised naming it: one
     torch refuses for the resident parameter too (a ``view`` of an incompatible shape),
@@ -553,16 +552,16 @@ def _takes_layout(func: Any) -> bool:
 
 # -- no pointer to a stored weight --------------------------------------------------------
 # [Note: no pointer to a stored weight]
-# A `StoredWeight` has no bytes in this process that are its weights: its storage is the
-# wrapper's, with no data, and the bytes it reads are a block fetched for each read. So
-# every zero-copy way out either hands out a copy of the real values (``numpy()``,
-# ``__array__``, ``__dlpack__`` and so ``torch.from_dlpack``, pickling) or raises
-# ValueError naming the parameter (``data_ptr()``, ``const_data_ptr()``,
-# ``untyped_storage()``, ``storage()`` and what is built on it: ``share_memory_()``,
-# ``is_shared()``, a tensor ``set_`` over it; ``__cuda_array_interface__``, whose consumer
-# keeps only the address; a ``set_`` with a stored source). A pointer would read memory
-# that is not the weight (address 0 or a freed block: a crash, or another tensor's bytes).
-# Below Python, the wrapper's storage refuses its mutable data pointer
+# Nothing hands out an address for a `StoredWeight`'s bytes: it has no bytes in this
+# process that are its weights (its storage is the wrapper's, with no data; the bytes it
+# reads are a block fetched for each read), and a pointer would read memory that is not the
+# weight (address 0 or a freed block: a crash, or another tensor's bytes). So every
+# zero-copy way out either hands out a copy of the real values (``numpy()``, ``__array__``,
+# ``__dlpack__`` and so ``torch.from_dlpack``, pickling) or raises ValueError naming the
+# parameter (``data_ptr()``, ``const_data_ptr()``, ``untyped_storage()``, ``storage()`` and
+# what is built on it: ``share_memory_()``, ``is_shared()``, a tensor ``set_`` over it;
+# ``__cuda_array_interface__``, whose consumer keeps only the address; a ``set_`` with a
+# stored source). Below Python, the wrapper's storage refuses its mutable data pointer
 # (`torch_private.refuse_data_pointer`), so ``torch.utils.dlpack.to_dlpack`` raises
 # torch's RuntimeError instead of exporting address 0. Torch's compiler stack reads the
 # storage object for identity and size only (fake tensors are made from it), and gets it.

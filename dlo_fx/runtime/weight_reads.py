@@ -3,15 +3,16 @@
 for an eager read, and the weights gathered to the host (``state_dict()``, `release`).
 
 [Note: a graph compiled for another model of the class]
+A graph reads each weight the way the runtime it is bound to for this call stores it.
 Dynamo reuses one graph for every model of a class whose calls pass its guards, and the
 guards see a parameter's shape, not its storage. A model built in memory and one from
 ``dlo_fx.load`` differ in what is stored: the built one's small parameters stay resident
 and its graph reads them itself; the loaded one's are `StoredWeight`s and its graph reads
 them through ``resident`` ops; a released model stores nothing until its next call. So
-each read adapts to the runtime the call is bound to: `direct_reads` gives a graph the
-resident device copy of each `StoredWeight` it reads itself (a graph without a schedule
-too: `backend.unscheduled_call`), and `resident_tensor` reads a parameter this runtime
-does not store as it is.
+each read adapts to the bound runtime: `direct_reads` gives a graph the resident device
+copy of each `StoredWeight` it reads itself (a graph without a schedule too:
+`backend.unscheduled_call`), and `resident_tensor` reads a parameter this runtime does not
+store as it is.
 """
 
 from __future__ import annotations

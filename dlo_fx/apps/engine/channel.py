@@ -2,9 +2,9 @@
 loopback transport of a local engine.
 
 [Note: the wave protocol]
-The front end and the workers exchange messages, never collectives, so a dead or hung
-rank cannot block the front end: it polls its channel, worker liveness and the clock. A
-message is a JSON header and optional bytes (a request list, or an output as
+A dead or hung rank never blocks the front end: the front end and the workers exchange
+messages, never collectives, and the front end polls its channel, worker liveness and the
+clock. A message is a JSON header and optional bytes (a request list, or an output as
 safetensors): nothing is unpickled. Front end to every worker: ``wave`` (sequence number,
 engine wave number, the requests, which replica runs which) and ``stop``. Worker to
 front end: ``ready`` (its rank and what its pipeline declares: limits, forward clock),

@@ -1,10 +1,10 @@
 """`ForwardClock`: the count of model forwards that keeps the ranks of a wave in lock-step.
 
 [Note: the forward clock of a wave]
-In AllGather mode every forward of the compiled model issues one weight AllGather per
-block on the DP group, and a compile issues a plan check on it. The ranks of a wave must
-therefore issue the same number of forwards, and compile at the same moments, whatever
-requests they run. A pipeline that keeps a forward clock lets any requests share a wave:
+Every rank of a wave issues the same number of forwards, and compiles at the same moments,
+whatever requests it runs. In AllGather mode every forward of the compiled model issues one
+weight AllGather per block on the DP group, and a compile issues a plan check on it. A
+pipeline that keeps a forward clock lets any requests share a wave:
 
 - ``pipeline.clock`` is a `ForwardClock` around the compiled model; the pipeline calls
   the model only through it.
@@ -24,17 +24,15 @@ Each wave then runs in three steps on every rank (worker.py):
    largest ``forwards`` of the wave's requests, so a rank with a shorter, failed or no
    request keeps serving its peers' gathers until the longest request ends.
 
-A padding forward is gather-only: every forward through the clock is logged (a
-`_Forward`, the `runtime.forward_log.ForwardLog` the runtime notes each collective step
-to), and a padding forward replays the collectives of the latest steady-state forward (one
-during which nothing compiled) -- each graph's clock words, copies and weight gathers in
-the same order -- without computing anything (see [Note: gather-only forwards] in
-runtime/forward_log.py). Its cost is the copies alone;
-with nothing to gather (rank-local mode, dp=1) it costs nothing. Until such a forward
-exists (a rank that only ran warm-ups), or for a model whose forwards dlo does not
-schedule, the padding forward is a real one on the smallest input already run (kept by
-reference, so a pipeline must not change its model inputs in place afterwards), its
-output dropped; it is recorded, so the next padding forward is gather-only.
+A padding forward is gather-only: every forward through the clock is logged (a `_Forward`,
+the `runtime.forward_log.ForwardLog` the runtime notes each collective step to), and a
+padding forward replays the collectives of the latest steady-state forward without
+computing (see [Note: gather-only forwards] in runtime/forward_log.py): it costs the
+copies alone, nothing in rank-local mode or with dp=1. Until such a forward exists (a rank
+that only ran warm-ups), or for a model whose forwards dlo does not schedule, the padding
+forward is a real one on the smallest input already run (kept by reference, so a pipeline
+must not change its model inputs in place afterwards), its output dropped; it is recorded,
+so the next padding forward is gather-only.
 
 A request that raises inside a forward (the clock started a forward it did not finish),
 or runs more forwards than declared, leaves its rank's collectives out of step: the

@@ -42,19 +42,19 @@ any forward, so such a request fails alone and its rank runs a peer's request in
 place (see [Note: refused requests fail alone] in worker.py).
 
 [Note: sizes that cannot fit]
-A size the memory cannot hold failed in a worker, after the model loaded (minutes at real
-size): ``height=10**30`` overflowed a shape, ``height=width=2**20`` asked for 4 TiB.
+A request whose size the memory cannot hold is refused before any worker computes it,
+never after the model loaded (minutes at real size), and no request that fits is refused.
 `memory_limits` bounds a request's pixels by what it certainly allocates, lower bounds
-only, so no request that fits is refused: the decoded RGB images as float32 on the host
-(``output_type="pt"``, copied to the CPU by `to_uint8`: 12 bytes a pixel, whatever the
-device), the same in at least 2 bytes a channel on the device (6 bytes a pixel), and,
-where the denoiser's config gives its width (``num_attention_heads *
-attention_head_dim``), its hidden states: one token of at least 2 bytes a channel per
-``(spatial factor x patch)**2`` pixels (and per ``vae_scale_factor_temporal`` frames).
-``dlo-fx generate --diffusers`` checks the first two against the host's RAM and the
-device's memory before any worker starts (`check_up_front`); each worker's `Limits`
-(from the pipeline it loaded, on its device) adds the third before any wave. The check
-computes in Python integers: a number that would overflow a shape is refused, not wrapped.
+only: the decoded RGB images as float32 on the host (``output_type="pt"``, copied to the
+CPU by `to_uint8`: 12 bytes a pixel, whatever the device), the same in at least 2 bytes a
+channel on the device (6 bytes a pixel), and, where the denoiser's config gives its width
+(``num_attention_heads * attention_head_dim``), its hidden states: one token of at least 2
+bytes a channel per ``(spatial factor x patch)**2`` pixels (and per
+``vae_scale_factor_temporal`` frames). ``dlo-fx generate --diffusers`` checks the first two
+against the host's RAM and the device's memory before any worker starts
+(`check_up_front`); each worker's `Limits` (from the pipeline it loaded, on its device)
+adds the third before any wave. The check computes in Python integers: a number that would
+overflow a shape (``height=10**30``) is refused, not wrapped.
 """
 
 from __future__ import annotations

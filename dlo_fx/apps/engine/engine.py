@@ -10,14 +10,14 @@ requests (see [Note: the wave protocol] in channel.py). A request that raises in
 worker gets its own error `Result`; the others of its wave complete on the same workers.
 
 [Note: failing closed]
-A rank that dies, hangs, or leaves its collectives out of step (an error inside a
-forward; any error in a pipeline without a forward clock) leaves its peers blocked
-inside a weight AllGather, and the process group is unusable afterwards. So that ends
-the wave: every request of it that has no reply yet gets an error `Result` (none is
-lost, none is answered twice, the replies that did arrive are kept), all workers of the
-generation are killed, and the next wave starts a fresh generation. Worker processes and
-their connections are polled every few milliseconds, so a dead worker is noticed at
-once, not at the timeout.
+A wave whose collectives may be out of step ends: none of its requests is lost or answered
+twice, and the next wave starts on fresh workers. A rank that dies, hangs, or leaves its
+collectives out of step (an error inside a forward; any error in a pipeline without a
+forward clock) leaves its peers blocked inside a weight AllGather, and the process group is
+unusable afterwards. So every request of the wave that has no reply yet gets an error
+`Result` (the replies that did arrive are kept), all workers of the generation are killed,
+and the next wave starts a fresh generation. Worker processes and their connections are
+polled every few milliseconds, so a dead worker is noticed at once, not at the timeout.
 """
 
 from __future__ import annotations

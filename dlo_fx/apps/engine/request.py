@@ -2,20 +2,18 @@
 
 [Note: the wave key]
 The ranks of a wave gather the same weights in lock-step, one AllGather per block per
-forward. A request field that changes how many forwards run, or their shapes, or which
-weights they read, would make one rank issue a different sequence of collectives than
-its peers and hang them. A pipeline that keeps a forward clock (see [Note: the forward
-clock of a wave] in clock.py) pads every rank to the same forwards and compiles every shape
-on every rank at once, so any requests may share a wave. For any other pipeline those fields form
+forward, so a request field that changes how many forwards run, or their shapes, or which
+weights they read, would make one rank issue a different sequence of collectives than its
+peers and hang them. A pipeline that keeps a forward clock (see [Note: the forward clock of
+a wave] in clock.py) pads every rank to the same forwards and compiles every shape on every
+rank at once, so any requests may share a wave. For any other pipeline those fields form
 the *wave key*: every request of a wave must agree on all of them. ``extra_args`` is
 pipeline-specific and may change the forward schedule, so it is part of the key, compared
 as canonical JSON. The request-local fields (prompt, negative prompt, seed) only change
 values, never the schedule, and may differ, with one exception: with ``true_cfg_scale >
 1`` a pipeline runs its negative pass only when given a negative prompt (diffusers' Flux,
 QwenImage and HunyuanVideo do), so whether the negative prompt is empty is in the key
-there, and its text is not. Without it, a wave of a Flux request with a negative prompt
-and one without ran twice the forwards on one rank as on the other, and failed closed at
-the collective timeout.
+there (a request with one runs twice the forwards of one without), and its text is not.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 keys of the job's store. See [Note: the control plane's trust model] in channel.py.
 
 [Note: messages bound to their job]
-Keys restart at ``wave/0`` and ``msg/R/0`` in every job, and another local user can read
-and write the store, so a signature over key and value alone lets a value recorded in one
-job pass in the next one with the same secret. Each job therefore agrees on a fresh nonce
-first, and every later value is ``HMAC-SHA256(secret, job nonce, key, body) + body``:
+A value is taken only by the reader of its own key in its own job. Keys restart at
+``wave/0`` and ``msg/R/0`` in every job, and another local user can read and write the
+store, so a signature over key and value alone lets a value recorded in one job pass in
+the next one with the same secret. Each job therefore agrees on a fresh nonce first, and
+every later value is ``HMAC-SHA256(secret, job nonce, key, body) + body``:
 
 - ``hello/{rank}``: worker ``rank``'s own fresh nonce, written when it starts.
 - ``job/{rank}``: the front end's answer, its fresh job nonce with an HMAC over the

@@ -129,15 +129,16 @@ def describe(pipeline: Any) -> dict:
 
 
 # [Note: refused requests fail alone]
-# A pipeline without a forward clock cannot let a request fail alone once its forwards
-# began: its rank's collectives would fall out of step (see [Note: failing closed] in
-# engine.py). But a request its pipeline refuses before any forward can: a pipeline may
-# provide ``check(request)``, which raises for such a request (a diffusers pipeline's own
-# ``check_inputs``). Every rank checks every request of the wave, deterministically, so all
-# agree on the refused set without a message: the first rank assigned a refused request
-# replies with its error, and every rank whose request was refused runs one of the kept
-# requests in its place (same wave key, so the same forwards as its peers), its reply not
-# sent, as a spare replica does. A wave whose every request is refused runs no forward.
+# A request its pipeline refuses before any forward fails alone, and every rank still runs
+# the same forwards as its peers. Once its forwards began, a request of a pipeline without
+# a forward clock cannot fail alone: its rank's collectives would fall out of step (see
+# [Note: failing closed] in engine.py). A pipeline may provide ``check(request)``, which
+# raises for such a request (a diffusers pipeline's own ``check_inputs``). Every rank
+# checks every request of the wave, deterministically, so all agree on the refused set
+# without a message: the first rank assigned a refused request replies with its error, and
+# every rank whose request was refused runs one of the kept requests in its place (same
+# wave key, so the same forwards as its peers), its reply not sent, as a spare replica
+# does. A wave whose every request is refused runs no forward.
 class WaveServer:
     """One rank's pipeline and what it remembers between waves."""
 

@@ -221,17 +221,16 @@ class WorkerSet:
 
 
 # [Note: workers fork from a fork server]
-# Local workers start through multiprocessing's ``forkserver``: a process started once per
-# front end (the first engine's workers start it) imports torch, Dynamo and dlo_fx (and
-# diffusers for the diffusers factory) and then forks every worker. A worker therefore
-# costs a fork, not a fresh interpreter importing torch (3 s of CPU a worker on a 2-core
-# machine, 5.5 s with diffusers), which is also what the engine pays again for every wave
-# that fails closed, since it then starts fresh workers. The rest is what ``spawn`` gives:
-# the server is single-threaded and never touches a device, so forking it is safe; each
-# worker receives the front end's ``sys.path``, working folder and main module from
-# multiprocessing, and its environment from `spawned_worker` (the server's is that of
-# the first start). A user's factory module is never imported in the server (its import
-# may touch a device or start threads): each worker imports it, as with ``spawn``.
+# A local worker costs a fork, not a fresh interpreter importing torch, and starts as
+# ``spawn`` would start it. Workers start through multiprocessing's ``forkserver``: a
+# process started once per front end (the first engine's workers start it) imports torch,
+# Dynamo and dlo_fx (and diffusers for the diffusers factory) and then forks every worker;
+# the engine pays a start again for every wave that fails closed, since it then starts
+# fresh workers. The server is single-threaded and never touches a device, so forking it
+# is safe; each worker receives the front end's ``sys.path``, working folder and main
+# module from multiprocessing, and its environment from `spawned_worker` (the server's is
+# that of the first start). A user's factory module is never imported in the server (its
+# import may touch a device or start threads): each worker imports it, as with ``spawn``.
 # A worker's parent is the server, not the front end, so the worker watches the front
 # end's pid itself (`worker.watch_front_end`).
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "dlo_fx.dynamo.backend",
