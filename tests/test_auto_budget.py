@@ -176,17 +176,24 @@ def _offloaded_dit(device_memory: int):
     return ref, model, inputs
 
 
+def _probed_plan():
+    """(minimum, block sizes, the probe's inputs) of the offloaded tiny DiT's plan on a
+    device with room to spare: what the tests size their declared capacities from."""
+    _, probe_model, own = _offloaded_dit(GIB + 10**9)
+    with torch.no_grad():
+        call(torch.compile(probe_model, backend="dlo"), own)
+    plan = the_plan(probe_model)
+    torch._dynamo.reset()
+    reset_runtimes()
+    return plan.minimum, plan.block_bytes, own
+
+
 def test_a_4x_larger_input_replans_before_it_runs_and_is_exact():
     """A device that holds the weights at the small size but not at 4x its pixels: the
     large call is planned from the small call's peak, per element, before it runs, keeps
     fewer blocks resident, fits, and returns the resident model's output exactly."""
-    probe_ref, probe_model, small = _offloaded_dit(GIB + 10**9)
-    large = example_inputs(probe_ref.config, batch=2, height=16, width=16, seed=2)
-    with torch.no_grad():
-        call(torch.compile(probe_model, backend="dlo"), small)
-    sizes, minimum = the_plan(probe_model).block_bytes, the_plan(probe_model).minimum
-    torch._dynamo.reset()
-    reset_runtimes()
+    minimum, sizes, small = _probed_plan()
+    large = example_inputs(tiny_dit(depth=6)[0].config, batch=2, height=16, width=16, seed=2)
     per_element = 3 * max(sizes) // (elements(large) - elements(small)) + 1
     capacity = GIB + per_element * elements(large) + minimum + 2 * max(sizes)
     ref, model, _ = _offloaded_dit(capacity)
@@ -227,12 +234,7 @@ class InjectedOutOfMemory:
 
 
 def test_out_of_memory_moves_blocks_back_and_the_next_call_is_exact():
-    probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)
-    with torch.no_grad():
-        call(torch.compile(probe_model, backend="dlo"), inputs)
-    minimum, sizes = the_plan(probe_model).minimum, the_plan(probe_model).block_bytes
-    torch._dynamo.reset()
-    reset_runtimes()
+    minimum, sizes, inputs = _probed_plan()
     ref, model, _ = _offloaded_dit(GIB + 1000 + minimum + 3 * max(sizes))
     runtime = runtime_of(model)
     runtime.activation_peak_of = lambda key: 1000
@@ -352,12 +354,7 @@ def test_out_of_memory_in_the_middle_of_the_graph_leaves_the_slots_exact():
     """The error raised by a compute op between two blocks, with later blocks' copies
     queued: the rest of the schedule completes without compute, and the next calls (a
     smaller plan) are exact."""
-    probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)
-    with torch.no_grad():
-        call(torch.compile(probe_model, backend="dlo"), inputs)
-    minimum, sizes = the_plan(probe_model).minimum, the_plan(probe_model).block_bytes
-    torch._dynamo.reset()
-    reset_runtimes()
+    minimum, sizes, inputs = _probed_plan()
     ref, model, _ = _offloaded_dit(GIB + 1000 + minimum + 2 * max(sizes))
     model.blocks[2].register_forward_hook(lambda module, args, out: maybe_oom(out))
     runtime_of(model).activation_peak_of = lambda key: 1000
@@ -378,12 +375,7 @@ def test_out_of_memory_in_the_middle_of_the_graph_leaves_the_slots_exact():
 
 # -- reports --------------------------------------------------------------------------------
 def test_memory_report_and_blocks_md_show_the_auto_budget():
-    probe_ref, probe_model, inputs = _offloaded_dit(GIB + 10**9)
-    with torch.no_grad():
-        call(torch.compile(probe_model, backend="dlo"), inputs)
-    minimum, sizes = the_plan(probe_model).minimum, the_plan(probe_model).block_bytes
-    torch._dynamo.reset()
-    reset_runtimes()
+    minimum, sizes, inputs = _probed_plan()
     capacity = GIB + 5000 + minimum + 2 * max(sizes)
     ref, model, _ = _offloaded_dit(capacity)
     runtime_of(model).activation_peak_of = lambda key: 5000
