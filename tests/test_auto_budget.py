@@ -22,7 +22,7 @@ from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
 from models import call, tiny_dit, tiny_wan
 
-resident_set = importlib.import_module("dlo_fx.passes.resident_set")
+resident_set = importlib.import_module("dlo_fx.planning.stages.resident_set")
 
 
 @pytest.fixture(autouse=True)
@@ -70,14 +70,13 @@ def test_auto_is_the_default_and_device_memory_is_validated():
 
 
 def test_auto_without_a_declared_capacity_streams_every_block_on_cpu_and_meta():
-    from dlo_fx.passes import PassContext
+    from dlo_fx.dynamo.probes import resolve_budget
 
     for device in ("cpu", "meta"):
         model, inputs = tiny_dit(depth=2)
         dlo_fx.offload(model, options={"device": device})
-        ctx = PassContext(config=DLOConfig(device=device), example_inputs=(),
-                          runtime=runtime_of(model))
-        assert resident_set.resolve_budget(ctx) == (None, None)
+        budget = resolve_budget(DLOConfig(device=device), runtime_of(model))
+        assert (budget.device_budget, budget.auto_capacity) == (None, None)
 
 
 def test_margin_budget_prediction_and_oom_floor():
