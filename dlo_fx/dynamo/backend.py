@@ -27,7 +27,7 @@ from ..config import DLOConfig
 from ..passes import run_passes, schedule_of
 from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
 from .auto_budget import AutoResidency, copy_graph
-from .probes import plan_view, probe_for_budget, resolve_budget, settle_mode
+from .probes import probe_for_budget, resolve_budget, settle_mode
 from ..runtime.agreement import compile_facts
 from ..model.guard import attach
 from ..runtime.layout import is_composite
@@ -36,6 +36,7 @@ from ..runtime.graph_call import compile_clock, gathers, note_graph, run_graph
 from ..runtime.ops import GraphSchedule, conflict_message
 from ..runtime.owners import claim, owner_of
 from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
+from ..runtime.store_view import store_view
 from ..runtime.weight_reads import read_unstored
 from .. import torch_private
 from ..runtime.stored import _caller_level, is_stored
@@ -109,7 +110,7 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     device_budget = probe_for_budget(runtime, budget.device_budget if auto_capacity is None
                                      else auto_capacity, bool(params))
     ctx = PassContext(config=config, example_inputs=example_inputs,
-                      view=plan_view(runtime, graph_params(gm, example_inputs)))
+                      view=store_view(runtime, graph_params(gm, example_inputs)))
     ctx.device_budget = None if auto_capacity is not None else device_budget  # auto: per call
     ctx.auto_capacity = auto_capacity
     pristine = copy_graph(gm) if auto_capacity is not None and params else None
@@ -133,7 +134,8 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 
 
 def graph_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[torch.Tensor]:
-    """The parameters the planning stages will meet in ``gm`` (its `StoreView`'s)."""
+    """The parameters the planning stages will meet in ``gm``: those its `StoreView` (made
+    after the probes, so it carries their figures) describes."""
     return [value for _, value in param_placeholders(gm, example_inputs)]
 
 
@@ -190,7 +192,7 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime, 
             raise RuntimeError("dlo: the model this graph was compiled for is gone")
         gm = copy_graph(pristine)
         ctx = PassContext(config=config, example_inputs=example_inputs,
-                          view=plan_view(runtime, graph_params(gm, example_inputs)))
+                          view=store_view(runtime, graph_params(gm, example_inputs)))
         ctx.forced_plan = forced
         plan = with_schedule(plan_graph(gm, ctx).with_mode(runtime.mode), runtime)
         gm, compiled = schedule_graph(gm, plan, example_inputs)

@@ -7,14 +7,12 @@ the backend in this order: `resolve_budget` (the device budget, settled by
 probes, once per runtime), planning, `settle_mode` (``mode="auto"``: probe the bandwidths
 on the shard group and simulate both modes, `dlo_fx.planning.settle`), the schedule,
 `commit` (the plan digest and fingerprints agreed across ranks). Planning sees the
-runtime through its frozen `StoreView` (`plan_view`), made after the probes.
+runtime through its frozen `StoreView` (`runtime.store_view`), made after the probes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
-
-import torch
+from typing import Any, Optional
 
 from ..config import DLOConfig
 from ..planning.settle import Budget, settle_budget
@@ -25,7 +23,6 @@ from ..runtime import probes
 from ..runtime.graph_call import compile_clock, gathers
 from ..runtime.probes import machine_figures
 from ..runtime.store_view import store_view
-from ..runtime.view import StoreView
 
 
 def resolve_budget(config: DLOConfig, runtime: Any) -> Budget:
@@ -35,12 +32,6 @@ def resolve_budget(config: DLOConfig, runtime: Any) -> Budget:
         return settle_budget(config, None)
     measure = config.device_budget == "auto" and config.device_memory is None
     return settle_budget(config, store_view(runtime, free_memory=measure))
-
-
-def plan_view(runtime: Any, params: Iterable[torch.Tensor]) -> Optional[StoreView]:
-    """The frozen `StoreView` planning takes of ``runtime`` for ``params`` (after the
-    probes: it carries their figures); a view with no runtime where there is none."""
-    return store_view(runtime, params)
 
 
 def probe_runtime(runtime: Any, auto_budget: Optional[int] = None) -> None:
@@ -101,4 +92,4 @@ def settle_mode(plan: GraphPlan, runtime: Any) -> GraphPlan:
     return plan.with_mode(runtime.mode)
 
 
-__all__ = ["plan_view", "probe_runtime", "probe_for_budget", "resolve_budget", "settle_mode"]
+__all__ = ["probe_runtime", "probe_for_budget", "resolve_budget", "settle_mode"]
