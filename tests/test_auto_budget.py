@@ -22,7 +22,7 @@ from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
 
 from models import call, tiny_dit, tiny_wan
 
-resident_set = importlib.import_module("dlo_fx.passes.resident_set")
+resident_set = importlib.import_module("dlo_fx.planning.stages.resident_set")
 
 
 @pytest.fixture(autouse=True)
@@ -70,14 +70,41 @@ def test_auto_is_the_default_and_device_memory_is_validated():
 
 
 def test_auto_without_a_declared_capacity_streams_every_block_on_cpu_and_meta():
-    from dlo_fx.passes import PassContext
+    from dlo_fx.dynamo.probes import resolve_budget
 
     for device in ("cpu", "meta"):
         model, inputs = tiny_dit(depth=2)
         dlo_fx.offload(model, options={"device": device})
-        ctx = PassContext(config=DLOConfig(device=device), example_inputs=(),
-                          runtime=runtime_of(model))
-        assert resident_set.resolve_budget(ctx) == (None, None)
+        budget = resolve_budget(DLOConfig(device=device), runtime_of(model))
+        assert (budget.device_budget, budget.auto_capacity) == (None, None)
+
+
+def test_settle_budget_and_mode_read_a_frozen_store_view_only():
+    """`planning.settle` decides from a `StoreView` and figures it is given: no runtime."""
+    from dlo_fx.planning.settle import settle_budget, settle_mode
+    from dlo_fx.runtime.view import StoreView
+
+    def view(**kw):
+        return StoreView(**{"device": torch.device("cuda"), "mode": None, "dp": 1,
+                            "num_slots": 2, "params": {}, "slot_bytes": GIB,
+                            "auto_resident_bytes": GIB, "free_bytes": 6 * GIB, **kw})
+
+    auto = DLOConfig(device_budget="auto")
+    assert settle_budget(auto, view()).auto_capacity == 8 * GIB  # free + slots + resident
+    assert settle_budget(auto, view()).device_budget is None
+    gathered = settle_budget(auto, view(dp=2))  # one plan for every rank: a quarter reserved
+    assert (gathered.device_budget, gathered.auto_capacity) == (6 * GIB, None)
+    assert settle_budget(auto, view(dp=2, mode="rank_local")).auto_capacity == 8 * GIB
+    declared = DLOConfig(device_budget="auto", device_memory=4 * GIB)
+    assert settle_budget(declared, view(free_bytes=None)).auto_capacity == 4 * GIB
+    assert settle_budget(auto, view(free_bytes=None)).auto_capacity is None
+    assert settle_budget(DLOConfig(device_budget=7), None).device_budget == 7
+
+    def never():
+        raise AssertionError("a settled mode measures nothing")
+
+    assert settle_mode(view(mode="allgather", dp=2), [GIB], never) is None
+    assert settle_mode(view(), [GIB], never)[0] == "rank_local"  # one rank: nothing to gather
 
 
 def test_margin_budget_prediction_and_oom_floor():

@@ -179,13 +179,10 @@ def test_device_budget_options_are_validated():
 
 
 def test_auto_on_cpu_streams_every_block():
-    from dlo_fx.passes import PassContext
-    from dlo_fx.passes.resident_set import device_budget_bytes
+    from dlo_fx.dynamo.probes import resolve_budget
 
-    ctx = PassContext(config=DLOConfig(device_budget="auto"), example_inputs=())
-    assert device_budget_bytes(ctx) is None
-    assert device_budget_bytes(PassContext(config=DLOConfig(device_budget=7),
-                                           example_inputs=())) == 7
+    assert resolve_budget(DLOConfig(device_budget="auto"), None).device_budget is None
+    assert resolve_budget(DLOConfig(device_budget=7), None).device_budget == 7
 
 
 def _two_ranks():
@@ -256,7 +253,7 @@ def test_second_resolution_never_stores_what_the_first_reads_directly(monkeypatc
     from dlo_fx.apps.models import example_inputs
     from dlo_fx.runtime import probes
 
-    resident_set = importlib.import_module("dlo_fx.passes.resident_set")
+    resident_set = importlib.import_module("dlo_fx.planning.stages.resident_set")
 
     monkeypatch.setattr(resident_set, "probed_flops", lambda runtime, dtype: 1e10)
     monkeypatch.setattr(probes, "probe_bandwidths", lambda device, group, nbytes=0: (1.0, 1e9))

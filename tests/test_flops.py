@@ -1,5 +1,5 @@
 """FLOPs of a Dynamo graph's matrix products (dlo_fx/planning/flops.py), and the per-block compute
-time the device budget builds from them (dlo_fx/passes/resident_set.py)."""
+time the device budget builds from them (dlo_fx/planning/stages/resident_set.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dlo_fx.planning.flops import graph_flops, node_flops
-from dlo_fx.passes.resident_set import block_compute_seconds, block_spans
+from dlo_fx.planning.stages.resident_set import block_compute_seconds, block_spans
 
 
 class Products(torch.nn.Module):

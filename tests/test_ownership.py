@@ -692,3 +692,22 @@ def test_runtime_imports_nothing_from_planning():
         bad += [f"{path.relative_to(ROOT)}: {m}" for m in _imported_modules(path, package)
                 if m == "dlo_fx.planning" or m.startswith("dlo_fx.planning.")]
     assert bad == [], bad
+
+
+def test_planning_and_passes_see_the_runtime_through_its_frozen_view_only():
+    """No module of `dlo_fx.passes` or `dlo_fx.planning` imports `dlo_fx.runtime`, except
+    the `StoreView` type's module (dlo_fx/runtime/view.py), which imports nothing of the
+    runtime itself."""
+    allowed = "dlo_fx.runtime.view"
+    bad = []
+    for folder in ("passes", "planning"):
+        for path in sorted((ROOT / "dlo_fx" / folder).rglob("*.py")):
+            package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+            modules = set(_imported_modules(path, package))
+            bad += [f"{path.relative_to(ROOT)}: {m}" for m in sorted(modules)
+                    if (m == "dlo_fx.runtime" or m.startswith("dlo_fx.runtime."))
+                    and m != allowed and not m.startswith(allowed + ".")]
+    view = ROOT / "dlo_fx" / "runtime" / "view.py"
+    bad += [f"dlo_fx/runtime/view.py: {m}" for m in _imported_modules(view, "dlo_fx.runtime")
+            if m.startswith("dlo_fx.")]
+    assert bad == [], bad

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import dlo_fx.dynamo.backend as backend
-from dlo_fx.passes import PIPELINE, PLANNING, PassContext
+from dlo_fx.passes import PIPELINE
+from dlo_fx.planning.stages import PLANNING, PassContext
 from dlo_fx.planning.blocks import layer_key
 from dlo_fx.runtime.stored import is_stored
 

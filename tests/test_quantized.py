@@ -49,7 +49,7 @@ def test_a_quantized_weight_read_outside_the_graph_is_a_dlo_error_or_exact():
 def test_subclasses_dlo_cannot_lay_out_are_refused_naming_parameter_and_type():
     # Dynamo itself fails earlier on a subclass it cannot fake; the pass's own check is what
     # a subclass Dynamo traces but dlo cannot flatten meets.
-    from dlo_fx.passes.identify_params import check_streamable
+    from dlo_fx.runtime.store_view import check_streamable
 
     class Opaque(torch.Tensor):  # no storage, no __tensor_flatten__
         @staticmethod

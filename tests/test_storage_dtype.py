@@ -52,7 +52,7 @@ def test_compiled_from_memory_streams_fp8_bytes_exactly():
 
 
 def test_the_graph_casts_right_after_the_slot_view(tmp_path):
-    from dlo_fx.passes.identify_params import identify_params  # noqa: F401 (the pass)
+    from dlo_fx.planning.stages.identify_params import identify_params  # noqa: F401 (the stage)
 
     graphs = []
 

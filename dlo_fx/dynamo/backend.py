@@ -24,18 +24,19 @@ from torch import fx
 
 from .errors import CompileOptionsError
 from ..config import DLOConfig
-from ..passes import GraphPlan, PassContext, plan_graph, run_passes, schedule_of
-from ..passes.resident_set import resolve_budget
+from ..passes import run_passes, schedule_of
+from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
 from .auto_budget import AutoResidency, copy_graph
-from .probes import probe_for_budget, settle_mode
+from .probes import probe_for_budget, resolve_budget, settle_mode
 from ..runtime.agreement import compile_facts
 from ..model.guard import attach
 from ..runtime.layout import is_composite
 from ..runtime.forward_log import note_compile
 from ..runtime.graph_call import compile_clock, gathers, note_graph, run_graph
-from ..runtime.ops import conflict_message
+from ..runtime.ops import GraphSchedule, conflict_message
 from ..runtime.owners import claim, owner_of
 from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
+from ..runtime.store_view import store_view
 from ..runtime.weight_reads import read_unstored
 from .. import torch_private
 from ..runtime.stored import _caller_level, is_stored
@@ -104,14 +105,16 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     # that rank sees, could not pair.
     # Plan (no collective), settle mode="auto", then write the schedule: the probes and
     # the mode choice are collectives, run here and not in a pass (dynamo/probes.py).
-    ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
-    budget, auto_capacity = resolve_budget(ctx)
-    ctx.device_budget = probe_for_budget(runtime, budget if auto_capacity is None
-                                         else auto_capacity, bool(params))
-    if auto_capacity is not None:
-        ctx.device_budget = None  # planned at each call (auto_budget.py)
+    budget = resolve_budget(config, runtime)
+    auto_capacity = budget.auto_capacity
+    device_budget = probe_for_budget(runtime, budget.device_budget if auto_capacity is None
+                                     else auto_capacity, bool(params))
+    ctx = PassContext(config=config, example_inputs=example_inputs,
+                      view=store_view(runtime, graph_params(gm, example_inputs)))
+    ctx.device_budget = None if auto_capacity is not None else device_budget  # auto: per call
+    ctx.auto_capacity = auto_capacity
     pristine = copy_graph(gm) if auto_capacity is not None and params else None
-    plan = settle_mode(plan_graph(gm, ctx))
+    plan = with_schedule(settle_mode(plan_graph(gm, ctx), runtime), runtime)
     reached_names = [n for _, n in reached]
     gm, compiled = schedule_graph(gm, plan, example_inputs)
     if runtime is not None:
@@ -124,10 +127,27 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         observe(gm, plan, runtime, config)
     run = scheduled_call(gm, plan, given, example_inputs, compiled, reached_names)
     if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
-        run = auto_residency(pristine, plan, run, given, reached_names)
+        run = auto_residency(pristine, plan, runtime, run, given, reached_names)
     if params:
         _SCHEDULED[key] = run
     return run
+
+
+def graph_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """The parameters the planning stages will meet in ``gm``: those its `StoreView` (made
+    after the probes, so it carries their figures) describes."""
+    return [value for _, value in param_placeholders(gm, example_inputs)]
+
+
+def with_schedule(plan: GraphPlan, runtime: Optional[Runtime]) -> GraphPlan:
+    """``plan`` with the runtime's `GraphSchedule` for it (its mode settled), which
+    `insert_schedule` writes into the graph; a plan without a runtime schedules nothing."""
+    if runtime is None:
+        return plan
+    k = plan.config.num_slots
+    return plan.with_schedule(GraphSchedule(
+        runtime=runtime, slot_of=[b.index % k for b in plan.blocks],
+        fqns=[[p.fqn for p in b.params] for b in plan.blocks]))
 
 
 def schedule_graph(gm: fx.GraphModule, plan: GraphPlan,
@@ -141,13 +161,13 @@ def schedule_graph(gm: fx.GraphModule, plan: GraphPlan,
     if plan.config.compiler == "inductor":
         from ..inductor import compile_pieces
 
-        check_no_subclass_weights(plan)
+        check_no_subclass_weights(plan, plan.schedule.runtime if plan.schedule else None)
 
         compiled = compile_pieces(gm, example_inputs, plan)
     return gm, compiled
 
 
-def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, first: Callable,
+def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime, first: Callable,
                    given: Mapping[str, Any], reached: Sequence[str]) -> Callable:
     """``first`` (every block streamed) wrapped in the auto device budget's re-plans: each
     resident set is scheduled from a copy of ``pristine`` (the graph before the passes),
@@ -157,7 +177,7 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, first: Callable,
     Dynamo may keep a compiled graph's callable after the model is gone, and a scheduled
     graph holds no parameter either (each call binds the ones it is called with)."""
     config = plan.config
-    runtime_ref = weakref.ref(plan.runtime)
+    runtime_ref = weakref.ref(runtime)
     # Parameters weakly; the other tensors as Dynamo traced them (their fake values: the
     # planning stages read their metadata only), so no call's inputs are kept either.
     holders = pristine.graph.find_nodes(op="placeholder")
@@ -171,9 +191,10 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, first: Callable,
         if runtime is None or any(v is None for v in example_inputs):
             raise RuntimeError("dlo: the model this graph was compiled for is gone")
         gm = copy_graph(pristine)
-        ctx = PassContext(config=config, example_inputs=example_inputs, runtime=runtime)
+        ctx = PassContext(config=config, example_inputs=example_inputs,
+                          view=store_view(runtime, graph_params(gm, example_inputs)))
         ctx.forced_plan = forced
-        plan = plan_graph(gm, ctx).with_mode(runtime.mode)
+        plan = with_schedule(plan_graph(gm, ctx).with_mode(runtime.mode), runtime)
         gm, compiled = schedule_graph(gm, plan, example_inputs)
         with runtime.lock:
             runtime.drain()
@@ -186,7 +207,7 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, first: Callable,
              if isinstance(v, torch.nn.Parameter)}
     positions = {p.fqn: where[id(p.param)] for p in plan.params if id(p.param) in where}
     first_param = plan.example_inputs[min(positions.values())] if positions else None
-    controller = AutoResidency(plan.runtime, plan.budget_plan,
+    controller = AutoResidency(runtime, plan.budget_plan,
                                tuple(p.fqn for p in plan.params), first, build, positions,
                                first_param)
 
@@ -436,12 +457,12 @@ def check_inference_only(gm: fx.GraphModule, ctx: GraphPlan) -> None:
                 "model.requires_grad_(False) and pass inputs that do not require grad")
 
 
-def check_no_subclass_weights(ctx: GraphPlan) -> None:
+def check_no_subclass_weights(ctx: GraphPlan, runtime: Optional[Runtime]) -> None:
     """ValueError for ``compiler="inductor"`` over quantized tensor-subclass weights: the
     pieces Inductor compiles take plain tensors, and a subclass rebuilt from slot views
     reached them unallocated (a raw RuntimeError)."""
     for p in ctx.params:
-        entry = ctx.runtime.store.entry(p.param) if ctx.runtime is not None else None
+        entry = runtime.store.entry(p.param) if runtime is not None else None
         if is_composite(p.param) or (entry is not None and entry.parts):
             kind = type(p.param).__qualname__ if entry is None else entry.wrapper[0].__qualname__
             raise ValueError(
@@ -470,7 +491,7 @@ def commit(ctx: GraphPlan, runtime: Runtime) -> None:
                     "the model this graph belongs to (a graph that mixes the parameters of "
                     "models stored by dlo separately); compile each model on its own")
     for p in ctx.resident:
-        if p.first >= 0 and not ctx.in_store(p.param) and p.param.device != runtime.device:
+        if p.first >= 0 and p.param not in runtime.store and p.param.device != runtime.device:
             raise ValueError(
                 f"resident parameter {p.fqn!r} ({p.reason}) is on {p.param.device} but dlo "
                 f"computes on {runtime.device}; load the model with dlo_fx.load(...) so resident "
@@ -486,7 +507,7 @@ def commit(ctx: GraphPlan, runtime: Runtime) -> None:
                              compile_facts(rows, [p.fqn for p in ctx.resident if p.first >= 0]),
                              what, convert=False)
     for p in ctx.resident:  # this graph reads them from the module: never stored later
-        if p.first >= 0 and not ctx.in_store(p.param):
+        if p.first >= 0 and p.param not in runtime.store:
             runtime.kept_resident.setdefault(p.param, READ_DIRECTLY)
     plan = ctx.budget_plan
     if plan is not None:

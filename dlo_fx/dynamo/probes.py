@@ -1,23 +1,37 @@
 """The measurements and collectives a compile runs around planning, outside the passes.
 
-Planning (`dlo_fx.passes.plan_graph`) and the schedule (`insert_schedule`) only compute:
-every collective a compile issues is here or in `commit` (backend.py), called by the
-backend in this order: `probe_for_budget` (the device budget's bandwidth and matmul
+Planning (`dlo_fx.planning.stages.plan_graph`) and the schedule (`insert_schedule`) only
+compute: every collective a compile issues is here or in `commit` (backend.py), called by
+the backend in this order: `resolve_budget` (the device budget, settled by
+`dlo_fx.planning.settle`), `probe_for_budget` (the device budget's bandwidth and matmul
 probes, once per runtime), planning, `settle_mode` (``mode="auto"``: probe the bandwidths
-on the shard group and simulate both modes), the schedule, `commit` (the plan digest
-and fingerprints agreed across ranks).
+on the shard group and simulate both modes, `dlo_fx.planning.settle`), the schedule,
+`commit` (the plan digest and fingerprints agreed across ranks). Planning sees the
+runtime through its frozen `StoreView` (`runtime.store_view`), made after the probes.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..passes import GraphPlan
-from ..passes.resident_set import RATE_DTYPES
-from ..planning.modes import choose_mode
+from ..config import DLOConfig
+from ..planning.settle import Budget, settle_budget
+from ..planning.settle import settle_mode as choose_open_mode
+from ..planning.stages import GraphPlan
+from ..planning.stages.resident_set import RATE_DTYPES
 from ..runtime import probes
 from ..runtime.graph_call import compile_clock, gathers
 from ..runtime.probes import machine_figures
+from ..runtime.store_view import store_view
+
+
+def resolve_budget(config: DLOConfig, runtime: Any) -> Budget:
+    """The device budget this compile plans with (`dlo_fx.planning.settle.settle_budget`),
+    the device's free memory measured where ``"auto"`` needs it."""
+    if runtime is None:
+        return settle_budget(config, None)
+    measure = config.device_budget == "auto" and config.device_memory is None
+    return settle_budget(config, store_view(runtime, free_memory=measure))
 
 
 def probe_runtime(runtime: Any, auto_budget: Optional[int] = None) -> None:
@@ -60,21 +74,22 @@ def probe_for_budget(runtime: Any, device_budget: Optional[int], has_params: boo
     return device_budget
 
 
-def settle_mode(plan: GraphPlan) -> GraphPlan:
+def settle_mode(plan: GraphPlan, runtime: Any) -> GraphPlan:
     """With ``mode="auto"`` (a runtime whose mode is not settled yet), measure H2D and
     AllGather bandwidth on the shard group and simulate both modes on the plan's blocks
-    (`dlo_fx.planning.modes.choose_mode`), before anything is stored; set the choice on
-    the runtime. Every other mode was fixed when the runtime was made (or by the loader,
-    which decides ``"auto"`` the same way). The choice decides whether `insert_schedule`
-    writes ``allgather`` nodes; the runtime never decides it."""
-    runtime = plan.runtime
-    if runtime is None or runtime.mode is not None:
+    (`dlo_fx.planning.settle.settle_mode`, as the loader does), before anything is stored;
+    set the choice on the runtime. Every other mode was fixed when the runtime was made (or
+    by the loader). The choice decides whether `insert_schedule` writes ``allgather``
+    nodes; the runtime never decides it."""
+    if runtime is None or plan.view is None:
         return plan
     group = runtime.group  # a collective probe on every rank
-    runtime.set_mode(*choose_mode([b.nbytes for b in plan.blocks], group.dp,
-                                  runtime.slots.num_slots,
-                                  lambda: machine_figures(runtime.device, group)))
+    choice = choose_open_mode(plan.view, [b.nbytes for b in plan.blocks],
+                              lambda: machine_figures(runtime.device, group))
+    if choice is None:
+        return plan
+    runtime.set_mode(*choice)
     return plan.with_mode(runtime.mode)
 
 
-__all__ = ["probe_runtime", "probe_for_budget", "settle_mode"]
+__all__ = ["probe_runtime", "probe_for_budget", "resolve_budget", "settle_mode"]

@@ -94,16 +94,19 @@ def block_rows(blocks: Sequence[Sequence[Target]]) -> list[tuple]:
 
 def settle_mode(runtime: Any, blocks: Sequence[Sequence[Target]]) -> None:
     """``mode="auto"``, still undecided: choose it from the blocks' bytes and the machine's
-    measured figures (a collective probe, as at compile), before anything is stored."""
-    if runtime.mode is not None or not blocks:
+    measured figures (a collective probe), before anything is stored: the choice a compile
+    makes (`dlo_fx.planning.settle.settle_mode`)."""
+    if not blocks:
         return
-    from ..planning.modes import choose_mode
+    from ..planning.settle import settle_mode as choose_open_mode
     from ..runtime.probes import machine_figures
+    from ..runtime.store_view import store_view
 
     group, device = runtime.group, runtime.device
-    runtime.set_mode(*choose_mode([sum(t.nbytes for t in b) for b in blocks], group.dp,
-                                  runtime.slots.num_slots,
-                                  lambda: machine_figures(device, group)))
+    choice = choose_open_mode(store_view(runtime), [sum(t.nbytes for t in b) for b in blocks],
+                              lambda: machine_figures(device, group))
+    if choice is not None:
+        runtime.set_mode(*choice)
 
 
 def resident_fact(resident: Sequence[Target]) -> Fact:

@@ -16,9 +16,11 @@ every slot warm. Stored parameters this graph keeps resident read
 ``resident(_dlo, param)``. Every inserted node carries ``node.meta["dlo"]``.
 
 The one graph transform of the backend: it takes the frozen `GraphPlan` (`plan_graph`)
-and, once the nodes are written, records on the `GraphSchedule` what the runtime needs
-(`_record`: each schedule node's target and where its arguments come from, in graph
-order, and the graph's clock key), so nothing reads the graph back later. A streamed
+with the `GraphSchedule` the backend made for it (``plan.schedule``: the runtime's object,
+whose ``OPS`` are the targets written here) and, once the nodes are written, records on
+it what the runtime needs (`_record`: each schedule node's target and where its arguments
+come from, in graph order; `GraphSchedule.record` derives the graph's clock key), so
+nothing reads the graph back later. A streamed
 GGUF weight's ``as_tensor()`` call becomes the tensor read in its place. User passes run
 after it: they may add nodes (a probe after each wait), not move or drop schedule nodes.
 
@@ -32,14 +34,12 @@ Before/after: the graph reads every streamed parameter through its slot::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 from torch import fx
 
-from ..runtime import ops
-from ..runtime.clock import word
-from ..runtime.ops import SCHEDULE_OPS, GraphSchedule
-from .context import GraphBlock, GraphPlan
+from ..planning.stages import GraphBlock, GraphPlan
 
 SCHEDULE_ATTR = "_dlo"
 
@@ -53,23 +53,23 @@ def _name(fqn: str) -> str:
     return fqn.replace(".", "_")
 
 
-def schedule_of(gm: fx.GraphModule) -> Optional[GraphSchedule]:
+def schedule_of(gm: fx.GraphModule) -> Optional[Any]:
     """The `GraphSchedule` `insert_schedule` attached to ``gm``, or None (nothing to
     schedule)."""
     sched = getattr(gm, SCHEDULE_ATTR, None)
-    return sched if isinstance(sched, GraphSchedule) else None
+    return sched if isinstance(sched, torch.nn.Module) and hasattr(sched, "OPS") else None
 
 
-def _record(graph: fx.Graph, sched: GraphSchedule, written: set[fx.Node]) -> None:
+def _record(graph: fx.Graph, sched: Any, written: set[fx.Node]) -> None:
     """What the runtime needs of the nodes just written: every schedule node's target and
     where each argument comes from (a placeholder's position, a constant, or a node the
     runtime does without), in graph order, so that `graph_call.complete` can run the rest
-    of a failed call's schedule; the placeholders they read (what a recorded graph call
-    keeps); and the graph's clock key."""
+    of a failed call's schedule (`GraphSchedule.record` takes it)."""
     placeholders = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    targets = set(sched.OPS.values())
     replay = []
     for node in graph.nodes:
-        if node not in written or node.target not in SCHEDULE_OPS:
+        if node not in written or node.target not in targets:
             continue
         spec = []
         for a in node.args[1:]:  # args[0] is the schedule itself
@@ -78,9 +78,7 @@ def _record(graph: fx.Graph, sched: GraphSchedule, written: set[fx.Node]) -> Non
             else:
                 spec.append(("const", a))
         replay.append((node.target, tuple(spec)))
-    sched.replay = replay
-    sched.arg_positions = frozenset(v for _, spec in replay for kind, v in spec if kind == "arg")
-    sched.key = word(repr([[len(f), f[0] if f else ""] for f in sched.fqns]))
+    sched.record(replay)
 
 
 def insert_schedule(gm: fx.GraphModule, plan: GraphPlan) -> fx.GraphModule:
@@ -88,10 +86,13 @@ def insert_schedule(gm: fx.GraphModule, plan: GraphPlan) -> fx.GraphModule:
     nodes = list(graph.nodes)
     k = plan.config.num_slots
     blocks = plan.blocks
-    if plan.runtime is None and not blocks:  # no parameters, no model: nothing to schedule
+    sched = plan.schedule
+    if sched is None:  # no parameters, no model: nothing to schedule
+        if blocks:
+            raise RuntimeError("dlo: internal error: a plan with blocks and no GraphSchedule "
+                               "(the backend makes one for every plan of a runtime)")
         return gm
-    sched = GraphSchedule(runtime=plan.runtime, slot_of=[b.index % k for b in blocks],
-                          fqns=[[p.fqn for p in b.params] for b in blocks])
+    ops = sched.OPS
     gm.add_submodule(SCHEDULE_ATTR, sched)
     dlo_nodes: set[fx.Node] = set()
     stored_resident = [p for p in plan.resident if plan.in_store(p.param) and p.first >= 0]
@@ -113,17 +114,17 @@ def insert_schedule(gm: fx.GraphModule, plan: GraphPlan) -> fx.GraphModule:
         sched_node = graph.get_attr(SCHEDULE_ATTR)
     cursor = sched_node
 
-    gather = plan.runtime is not None and plan.mode == "allgather"
+    gather = plan.mode == "allgather"
 
     def prefetch(block: GraphBlock, after: fx.Node, name: str) -> fx.Node:
         """prefetch (and, when sharded, allgather) of ``block``; returns the last node."""
         slot = block.index % k
         with graph.inserting_after(after):
-            node = make(ops.prefetch, (sched_node, block.index, *[p.node for p in block.params]),
+            node = make(ops["prefetch"], (sched_node, block.index, *[p.node for p in block.params]),
                         name, _meta("prefetch", block, slot))
         if gather:
             with graph.inserting_after(node):
-                node = make(ops.allgather, (sched_node, block.index),
+                node = make(ops["allgather"], (sched_node, block.index),
                             name.replace("prefetch", "allgather"), _meta("allgather", block, slot))
         return node
 
@@ -132,7 +133,7 @@ def insert_schedule(gm: fx.GraphModule, plan: GraphPlan) -> fx.GraphModule:
 
     for info in stored_resident:
         with graph.inserting_before(nodes[info.first]):
-            node = make(ops.resident, (sched_node, info.node), _name(info.fqn),
+            node = make(ops["resident"], (sched_node, info.node), _name(info.fqn),
                         {"kind": "resident", "fqn": info.fqn, "bytes": info.nbytes})
         redirect(info, node)
 
@@ -140,17 +141,17 @@ def insert_schedule(gm: fx.GraphModule, plan: GraphPlan) -> fx.GraphModule:
     for block in blocks:
         slot = block.index % k
         with graph.inserting_before(nodes[block.first]):
-            token = make(ops.wait, (sched_node, block.index), f"wait_b{block.index}",
+            token = make(ops["wait"], (sched_node, block.index), f"wait_b{block.index}",
                          _meta("wait", block, slot))
             for info in block.params:
                 args = (sched_node, block.index, token, info.node)
                 meta = {"kind": "slot_view", "block": block.index, "slot": slot,
                         "fqn": info.fqn, "bytes": info.nbytes}
                 if info.stored_as is None:
-                    view = make(ops.slot_view, args, _name(info.fqn), meta)
+                    view = make(ops["slot_view"], args, _name(info.fqn), meta)
                 else:  # stored in another dtype: cast on the device, right after the view
                     dtype = info.param.dtype
-                    stored = make(ops.slot_view, (*args, dtype), _name(info.fqn) + "_stored",
+                    stored = make(ops["slot_view"], (*args, dtype), _name(info.fqn) + "_stored",
                                   {**meta, "stored_as": str(info.stored_as)})
                     view = graph.create_node("call_method", "to", (stored, dtype),
                                              name=_name(info.fqn))
@@ -159,7 +160,7 @@ def insert_schedule(gm: fx.GraphModule, plan: GraphPlan) -> fx.GraphModule:
                     dlo_nodes.add(view)
                 redirect(info, view)
         with graph.inserting_after(nodes[block.last]):
-            swap = make(ops.swap_slot, (sched_node, block.index), f"swap_slot_b{block.index}",
+            swap = make(ops["swap_slot"], (sched_node, block.index), f"swap_slot_b{block.index}",
                         _meta("swap_slot", block, slot))
         after = swap
         if block.index + k < len(blocks):

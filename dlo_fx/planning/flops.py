@@ -2,7 +2,7 @@
 
 The device budget (`dlo_fx.planning.budget`) needs each block's compute time before the first
 call; this counts the floating-point operations of the nodes of the graph Dynamo hands
-the backend and `dlo_fx.passes.resident_set` divides them by a measured matmul rate.
+the backend and `dlo_fx.planning.stages.resident_set` divides them by a measured matmul rate.
 
 What is counted, 2 FLOPs per multiply-add: linear layers (``torch._C._nn.linear``,
 ``F.linear``), matrix products (``torch.matmul``, ``@``, ``mm``, ``bmm``, ``addmm``,

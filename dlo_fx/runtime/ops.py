@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch.fx.node import has_side_effect
 
+from .clock import word
 from .owners import claim, owner_of
 from .runtime import Runtime
 from .stored import release_advice
@@ -61,7 +62,16 @@ class GraphSchedule(torch.nn.Module):
         self.replay: list = []  # (target, argument sources) of every schedule op, in order
         self.arg_positions: frozenset = frozenset()  # placeholders the schedule ops read
         self.direct: tuple = ()  # parameter placeholders the graph reads itself
-        self.key = 0  # clock word naming this graph (see passes/insert_schedule.py)
+        self.key = 0  # clock word naming this graph (`record`)
+
+    def record(self, replay: list) -> None:
+        """What `dlo_fx.passes.insert_schedule` wrote: ``replay``, every schedule node's
+        target and argument sources in graph order (what `graph_call.complete` runs of a
+        failed call); from it, the placeholders they read, and the graph's clock key."""
+        self.replay = replay
+        self.arg_positions = frozenset(v for _, spec in replay for kind, v in spec
+                                       if kind == "arg")
+        self.key = word(repr([[len(f), f[0] if f else ""] for f in self.fqns]))
 
     def enter(self) -> Runtime:
         """The runtime, its tracer told that this graph's nodes run now."""
@@ -205,3 +215,7 @@ for _fn in (prefetch, allgather, wait, swap_slot):
 
 SCHEDULE_OPS = {prefetch: "prefetch", allgather: "allgather", wait: "wait", swap_slot: "swap_slot",
                 slot_view: "slot_view", resident: "resident"}
+
+#: The schedule ops by name: the targets `dlo_fx.passes.insert_schedule` writes, reached
+#: through the `GraphSchedule` it is given (the passes import nothing of the runtime).
+GraphSchedule.OPS = {name: fn for fn, name in SCHEDULE_OPS.items()}

@@ -59,14 +59,12 @@ from .layout import Entry, ShardSpec, leaf_entries
 from .owners import claim, register, unclaim
 from .slot_machine import SlotMachine
 from .trace import Tracer
+from .view import KEPT_RESIDENT, NAMED_RESIDENT, READ_DIRECTLY  # noqa: F401 (re-exported)
 from .weight_reads import WeightReads
 
 log = logging.getLogger(__name__)
 
-#: Why a parameter is in `Runtime.kept_resident` (the first is the reason residency.py reports).
-READ_DIRECTLY = "read directly by an earlier graph"
-NAMED_RESIDENT = "named in resident="
-KEPT_RESIDENT = (READ_DIRECTLY, NAMED_RESIDENT)
+#: Why a parameter is in `Runtime.kept_resident`: `KEPT_RESIDENT` (view.py).
 
 _TOKENS = itertools.count()  # tells the runtimes sharing slots apart (`SlotBlocks`)
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 from torch import fx
 
-from ...passes.context import GraphBlock, PassContext
+from ...planning.stages import GraphBlock, PassContext
 from ...planning.budget import BudgetPlan
 from ...runtime.runtime import Runtime
 from ...runtime.trace import Tracer

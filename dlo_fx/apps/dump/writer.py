@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import fx
 
-from ...passes.context import PassContext
+from ...planning.stages import PassContext
 from ...runtime.owners import runtimes_holding
 from ...runtime.runtime import Runtime
 from ...runtime.trace import Span

@@ -8,8 +8,9 @@ forms them (`PassContext.form_blocks`) as often as it takes; `partition_blocks` 
 forms them once more from the final streamed set. Also fixes the block budget
 (``block_bytes`` or the largest layer) and how FQNs map to layers.
 
-With ``device_budget`` (in bytes, ``ctx.device_budget``: the backend resolves the option
-and measures the bandwidths and matmul rates before planning, `dlo_fx.dynamo.probes`),
+With ``device_budget`` (in bytes, ``ctx.device_budget``: settled by
+`dlo_fx.planning.settle.settle_budget`; the backend measures the bandwidths and matmul
+rates before planning, `dlo_fx.dynamo.probes`, and the plan reads them in its `StoreView`),
 the settled blocks are handed to the budget planner
 (`dlo_fx.planning.budget`): each block's copy time from the measured H2D and AllGather bandwidths,
 its compute time from the FLOPs of the nodes it spans (`dlo_fx.planning.flops`) over the measured
@@ -25,23 +26,23 @@ from __future__ import annotations
 
 from torch import fx
 
-import logging
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..planning.budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resident_blocks
-from ..planning.flops import graph_flops
-from ..planning.blocks import Layering
-from ..planning.residency import Candidate, ChooseBlocks, decide_residency
-from ..runtime.runtime import NAMED_RESIDENT, READ_DIRECTLY
+from ...runtime.view import NAMED_RESIDENT, READ_DIRECTLY, StoreView
+from ..blocks import Layering
+from ..budget import BudgetPlan, copy_seconds, minimum_bytes, plan_resident_blocks
+from ..flops import graph_flops
+from ..residency import Candidate, ChooseBlocks, decide_residency
+from ..settle import gathers
 from .context import PassContext
 
 
 def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     params = ctx.params
-    kept = ctx.runtime.kept_resident if ctx.runtime is not None else {}
-    why = [kept.get(p.param) for p in params]
+    facts = [ctx.view.facts(p.param) if ctx.view is not None else None for p in params]
+    why = [f.kept if f is not None else None for f in facts]
     cands = [Candidate(p.fqn, p.nbytes, first=p.first, last=p.last,
                        escapes=p.node in ctx.escaping, named=w == NAMED_RESIDENT,
                        pinned=w if w == READ_DIRECTLY else None)
@@ -63,58 +64,6 @@ def resident_set(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.resident = [p for p in params if p.reason is not None]
     return gm
 
-
-log = logging.getLogger(__name__)
-
-
-def device_budget_bytes(ctx: PassContext) -> Optional[int]:
-    """The ``device_budget`` option in bytes for a plan made once, at compile: explicit
-    bytes, or ``"auto"`` where it is not re-planned per call (several ranks gathering:
-    the capacity minus ``activation_reserve_bytes``, a quarter of it by default); None
-    otherwise (no budget, or one the auto budget plans per call: `resolve_budget`)."""
-    budget, _ = resolve_budget(ctx)
-    return budget
-
-
-def resolve_budget(ctx: PassContext) -> tuple[Optional[int], Optional[int]]:
-    """``(device_budget, auto_capacity)`` for this compile, also set on ``ctx``.
-
-    ``device_budget``: bytes planned once, here (explicit bytes; ``"auto"`` with several
-    ranks gathering, which must agree on one plan: see [Note: the auto device budget] in
-    dlo_fx/planning/device_memory.py). ``auto_capacity``: the device's capacity for the
-    auto budget planned from measured memory at each call (`dlo_fx.dynamo.auto_budget`);
-    this compile then plans every block streamed. Both None: every block streams (no
-    budget; ``"auto"`` on the CPU or the meta device without ``device_memory``)."""
-    cfg = ctx.config
-    ctx.device_budget = ctx.auto_capacity = None
-    if cfg.device_budget != "auto":
-        ctx.device_budget = cfg.device_budget
-        return ctx.device_budget, None
-    runtime = ctx.runtime
-    device = runtime.device if runtime is not None else torch.device("cpu")
-    capacity = cfg.device_memory
-    if capacity is None:
-        from ..runtime.platform import free_and_total
-
-        figures = free_and_total(device)
-        if figures is None:
-            log.info("dlo: device_budget='auto' on %s without device_memory: every block "
-                     "streams", device.type)
-            return None, None
-        free, _ = figures
-        # The slots and the blocks the auto budget keeps resident (of every model on the
-        # device) are the weights' own: part of the budget, which leaves the others out.
-        capacity = free + (runtime.slots.total_bytes + sum(runtime.shared.auto_resident.values())
-                           if runtime is not None else 0)
-    if runtime is None:
-        return None, None
-    dp = runtime.group.dp
-    if dp > 1 and (runtime.mode or cfg.mode or "allgather") != "rank_local":
-        reserve = cfg.activation_reserve_bytes
-        ctx.device_budget = max(capacity - (capacity // 4 if reserve is None else reserve), 0)
-        return ctx.device_budget, None
-    ctx.auto_capacity = capacity
-    return None, capacity
 
 
 def block_spans(starts: Sequence[int], num_nodes: int) -> list[range]:
@@ -145,12 +94,12 @@ def block_compute_seconds(costs: Sequence[tuple[int, Optional[torch.dtype]]],
 RATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def probed_flops(runtime, dtype: Optional[torch.dtype]) -> float:
+def probed_flops(view: StoreView, dtype: Optional[torch.dtype]) -> float:
     """The runtime's measured matmul rate for ``dtype`` (FLOP/s; the backend measured it
     before planning, `dlo_fx.dynamo.probes.probe_runtime`)."""
     if dtype not in RATE_DTYPES:
         dtype = torch.float32  # integer or float8 products: no torch.mm to time, take fp32's
-    return runtime.probed_flops[dtype]
+    return view.flops[dtype]
 
 
 def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
@@ -185,33 +134,33 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
                 "block), or lower num_slots / block_bytes")
         else:
             budget_now, capacity = budget, budget - minimum
-        runtime = ctx.runtime
+        view = ctx.view
         # A recompile of the same parameters (a new resolution, autocast; perhaps on one
         # rank only) keeps the blocks the first compile chose: re-planned from other FLOPs,
         # one rank would stream other blocks than the rest (ClockMismatch at every call),
         # and both plans' resident copies would stay on the device, past the budget. A
         # model compiled from the device has the earlier resident blocks pinned already
         # (read directly, not stored): its blocks are the earlier streamed ones, none added.
-        earlier = (runtime.budget_plans.get(tuple(p.fqn for p in ctx.params))
-                   if runtime is not None and auto is None else None)
+        earlier = (view.budget_plans.get(tuple(p.fqn for p in ctx.params))
+                   if view is not None and auto is None else None)
         if earlier is not None:
             if earlier.fqns == names:
                 ctx.budget_plan = earlier
                 return {g: earlier.reasons[g] for g in earlier.resident}
             if [f for g, f in enumerate(earlier.fqns) if g not in earlier.resident] == names:
                 capacity = 0
-        dp = runtime.group.dp if runtime is not None else 1
-        allgather = dp > 1 and (runtime.mode or ctx.config.mode or "allgather") != "rank_local"
+        dp = view.dp if view is not None else 1
+        allgather = view is not None and gathers(ctx.config, view)
         nodes = list(gm.graph.nodes)
         costs = graph_flops(nodes)
         spans = block_spans([max(min(cands[i].first for i in b), 0) for b in blocks], len(nodes))
         dtypes = sorted({d for n, d in costs if n}, key=str)  # the same order on every rank
         h2d = gather = 1.0
         rates = {d: float("inf") for d in dtypes}  # no runtime to measure on: transfer-bound
-        if runtime is not None and blocks and runtime.probed_bandwidths is not None:
+        if view is not None and blocks and view.bandwidths is not None:
             # measured by the backend before planning (dlo_fx.dynamo.probes)
-            rates = {d: probed_flops(runtime, d) for d in dtypes}
-            h2d, gather = runtime.probed_bandwidths
+            rates = {d: probed_flops(view, d) for d in dtypes}
+            h2d, gather = view.bandwidths
         flops, compute_s = block_compute_seconds(costs, spans, rates.__getitem__)
         copy_s = [copy_seconds(n, dp=dp, allgather=allgather, h2d_gbps=h2d,
                                gather_gbps=min(gather, 1e6)) for n in sizes]

@@ -21,7 +21,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from .. import torch_private
+from ... import torch_private
 from .context import ParamInfo, PassContext
 
 _VIEW_NAMES = {

@@ -1,8 +1,9 @@
 """`PassContext`: what the planning stages fill; `GraphPlan`: the frozen plan they give.
 
 Every stage has the signature ``(gm: GraphModule, ctx: PassContext) -> GraphModule`` and
-reads the fields earlier stages filled; `plan_graph` (passes/__init__.py) runs them and
-freezes the result into a `GraphPlan`, which `insert_schedule` and user passes take.
+reads the fields earlier stages filled; `plan_graph` (planning/stages/__init__.py) runs
+them and freezes the result into a `GraphPlan`, which `insert_schedule` and user passes
+take. Both hold the runtime's frozen `StoreView` (``view``), never the runtime.
 `PassContext.form_blocks` turns a streamed set into graph blocks; the `resident_set`
 stage (its slot check) and the `partition_blocks` stage (the final blocks) both call it.
 """
@@ -16,8 +17,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import fx
 
-from ..config import DLOConfig
-from ..planning.blocks import Layering, Unit, partition
+from ...config import DLOConfig
+from ...runtime.view import StoreView
+from ..blocks import Layering, Unit, partition
 
 
 @dataclass(eq=False)
@@ -60,7 +62,7 @@ class GraphBlock:
 class PassContext:
     config: DLOConfig
     example_inputs: Sequence[Any]
-    runtime: Any = None  # dlo_fx.runtime.runtime.Runtime, when compiling for real
+    view: Optional[StoreView] = None  # the runtime's, when compiling for a model
     params: list[ParamInfo] = field(default_factory=list)
     order: dict[fx.Node, int] = field(default_factory=dict)
     resident: list[ParamInfo] = field(default_factory=list)
@@ -71,12 +73,12 @@ class PassContext:
     budget_plan: Any = None  # dlo_fx.planning.budget.BudgetPlan, with device_budget
     escaping: set = field(default_factory=set)  # param nodes whose views reach the output
     ran: list[str] = field(default_factory=list)
-    device_budget: Optional[int] = None  # the device_budget option in bytes (the backend's)
+    device_budget: Optional[int] = None  # bytes planned at this compile (`planning.settle`)
     auto_capacity: Optional[int] = None  # device_budget="auto", re-planned per call: capacity
     forced_plan: Any = None  # a BudgetPlan the auto budget re-plans this graph with
 
     def in_store(self, param: torch.Tensor) -> bool:
-        return self.runtime is not None and param in self.runtime.store
+        return self.view is not None and self.view.in_store(param)
 
     def form_blocks(self, streamed: list[ParamInfo], budget: int,
                     layers: Layering) -> list[GraphBlock]:
@@ -90,7 +92,7 @@ class PassContext:
         stored: dict[int, list[ParamInfo]] = {}
         for p in streamed:
             if self.in_store(p.param):
-                stored.setdefault(self.runtime.store.entry(p.param).block, []).append(p)
+                stored.setdefault(self.view.facts(p.param).block, []).append(p)
         cuts = partition([Unit(p.fqn, p.nbytes) for p in fresh], budget, layers)
         groups = [(None, fresh[c.start:c.stop], c.reason) for c in cuts]
         groups += [(hb, ps, f"host block {hb}: stored together (by dlo_fx.load or an "
@@ -109,7 +111,7 @@ class GraphPlan:
 
     config: DLOConfig
     example_inputs: Sequence[Any]
-    runtime: Any  # dlo_fx.runtime.runtime.Runtime, when compiling for real
+    view: Optional[StoreView]  # the runtime's when the graph was planned (None: no runtime)
     params: tuple[ParamInfo, ...]
     resident: tuple[ParamInfo, ...]
     streamed: tuple[ParamInfo, ...]
@@ -120,20 +122,26 @@ class GraphPlan:
     escaping: frozenset
     mode: Optional[str]  # the runtime's mode when the plan was frozen (None: not settled)
     ran: tuple[str, ...]  # the planning stages, in order
+    schedule: Any = None  # the runtime's GraphSchedule insert_schedule attaches (the backend's)
 
     @classmethod
     def freeze(cls, ctx: PassContext) -> "GraphPlan":
-        rt = ctx.runtime
-        return cls(config=ctx.config, example_inputs=ctx.example_inputs, runtime=rt,
+        view = ctx.view
+        return cls(config=ctx.config, example_inputs=ctx.example_inputs, view=view,
                    params=tuple(ctx.params), resident=tuple(ctx.resident),
                    streamed=tuple(ctx.streamed), blocks=tuple(ctx.blocks), budget=ctx.budget,
                    layers=ctx.layers, budget_plan=ctx.budget_plan,
                    escaping=frozenset(ctx.escaping),
-                   mode=rt.mode if rt is not None else None, ran=tuple(ctx.ran))
+                   mode=view.mode if view is not None else None, ran=tuple(ctx.ran))
 
     def with_mode(self, mode: Optional[str]) -> "GraphPlan":
         """The plan once ``mode="auto"`` is settled."""
         return dataclasses.replace(self, mode=mode)
 
+    def with_schedule(self, schedule: Any) -> "GraphPlan":
+        """The plan with the `GraphSchedule` (dlo_fx/runtime/ops.py) `insert_schedule`
+        attaches to the graph: made by the backend, which holds the runtime."""
+        return dataclasses.replace(self, schedule=schedule)
+
     def in_store(self, param: torch.Tensor) -> bool:
-        return self.runtime is not None and param in self.runtime.store
+        return self.view is not None and self.view.in_store(param)
