@@ -215,6 +215,27 @@ def _probed_plan():
     return plan.minimum, plan.block_bytes, own
 
 
+def _planned_dit(blocks: int, peak: int = 0, before_compile=None):
+    """The offloaded tiny DiT on a device with room for ``blocks`` of its largest block
+    above the minimum (plus ``peak`` bytes of activations, which ``activation_peak_of``
+    gives where nonzero), compiled and called twice, exact both times, some blocks
+    resident: (model, compiled, inputs, the resident output, the plan of those calls)."""
+    minimum, sizes, inputs = _probed_plan()
+    ref, model, _ = _offloaded_dit(GIB + peak + minimum + blocks * max(sizes))
+    if peak:
+        runtime_of(model).activation_peak_of = lambda key: peak
+    if before_compile is not None:
+        before_compile(model)
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+    plan = the_plan(model)
+    assert plan.resident
+    return model, compiled, inputs, want, plan
+
+
 def test_a_4x_larger_input_replans_before_it_runs_and_is_exact():
     """A device that holds the weights at the small size but not at 4x its pixels: the
     large call is planned from the small call's peak, per element, before it runs, keeps
@@ -349,16 +370,9 @@ def test_out_of_memory_between_calls_moves_blocks_back_with_a_warning(monkeypatc
     the next call streams the blocks that were resident, warns naming what it did, stays
     under the OOM floor and is exact."""
     fake = FakeAllocator(monkeypatch)
-    minimum, sizes, inputs = _probed_plan()
-    ref, model, _ = _offloaded_dit(GIB + minimum + 3 * max(sizes))
+    model, compiled, inputs, want, plan = _planned_dit(3)
     runtime = runtime_of(model)
-    compiled = torch.compile(model, backend="dlo")
     with torch.no_grad():
-        want = call(ref, inputs)
-        for _ in range(2):
-            assert torch.equal(call(compiled, inputs), want)
-        plan = the_plan(model)
-        assert plan.resident
         fake.failed_allocation()
         with pytest.warns(RuntimeWarning, match=rf"out-of-memory between two calls.*"
                                                 rf"{len(plan.resident)} of its blocks "
@@ -456,17 +470,10 @@ def test_out_of_memory_in_the_middle_of_the_graph_leaves_the_slots_exact():
     """The error raised by a compute op between two blocks, with later blocks' copies
     queued: the rest of the schedule completes without compute, and the next calls (a
     smaller plan) are exact."""
-    minimum, sizes, inputs = _probed_plan()
-    ref, model, _ = _offloaded_dit(GIB + 1000 + minimum + 2 * max(sizes))
-    model.blocks[2].register_forward_hook(lambda module, args, out: maybe_oom(out))
-    runtime_of(model).activation_peak_of = lambda key: 1000
-    compiled = torch.compile(model, backend="dlo")
+    model, compiled, inputs, want, plan = _planned_dit(
+        2, peak=1000, before_compile=lambda model: model.blocks[2].register_forward_hook(
+            lambda module, args, out: maybe_oom(out)))
     with torch.no_grad():
-        want = call(ref, inputs)
-        for _ in range(2):
-            assert torch.equal(call(compiled, inputs), want)
-        plan = the_plan(model)
-        assert plan.resident
         _ARMED.append(True)
         with pytest.raises(DeviceMemoryError) as info:
             call(compiled, inputs)
