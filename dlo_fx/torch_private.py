@@ -5,7 +5,8 @@ that lacks one fails here with a message naming it, or answers "nothing found" w
 fallback is safe, not somewhere inside a call. No other module of dlo_fx names a
 ``torch._`` module or attribute. The groups: what the stored-weight representation needs
 (`fake_mode_of`, `swap_in_place`, `refuse_data_pointer`, `storage_key`,
-`DISABLED_TORCH_FUNCTION`); what the backend reads of the frame Dynamo is compiling
+`DISABLED_TORCH_FUNCTION`, `is_traceable_wrapper_subclass`, the pytree helpers
+`tree_flatten`, `tree_leaves`, `tree_map`); what the backend reads of the frame Dynamo is compiling
 (`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`, `compiled_module_of`), and
 of a compiled function `dlo_fx.release` undoes (`compile_backend_name`); a correction to
 Dynamo (`install_contains_fix`); what ``compiler="inductor"`` uses (`graph_fake_mode`,
@@ -27,6 +28,10 @@ from typing import Any, Callable, Optional, Sequence
 import sympy
 import torch
 from torch import fx
+# Tensor-subclass and pytree helpers torch keeps in private modules (the stored weight's
+# dispatch flattens its arguments; layout and planning recognise a wrapper subclass).
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 #: ``__torch_function__`` of a tensor subclass that opts out of torch-function dispatch.
 DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl

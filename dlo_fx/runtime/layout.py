@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..torch_private import is_traceable_wrapper_subclass
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -11,8 +11,8 @@ from types import MappingProxyType
 from typing import Any, Iterable, Optional
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..torch_private import is_traceable_wrapper_subclass
 from . import platform
 from .layout import leaf_tensors, param_bytes, span_bytes, storage_dtype_of
 from .stored import is_stored

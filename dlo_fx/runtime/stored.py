@@ -50,10 +50,9 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import torch_private
+from ..torch_private import is_traceable_wrapper_subclass, tree_flatten, tree_map
 from .layout import own_wrapper, storage_span
 from .owners import owner_of
 

@@ -19,9 +19,9 @@ from typing import Iterator
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
 from ... import torch_private
+from ...torch_private import tree_leaves
 from .context import ParamInfo, PassContext
 
 _VIEW_NAMES = {
