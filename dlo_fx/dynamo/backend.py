@@ -116,16 +116,13 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     pristine = copy_graph(gm) if auto_capacity is not None and params else None
     plan = with_schedule(settle_mode(plan_graph(gm, ctx), runtime), runtime)
     reached_names = [n for _, n in reached]
-    gm, compiled = schedule_graph(gm, plan, example_inputs)
-    if runtime is not None:
-        with runtime.lock:  # no graph of another thread gathers while this one compares plans
-            runtime.drain()
-            commit(plan, runtime)
-            claim(params, runtime)
-            adopt(runtime, modules, roots)
-    for observe in SCHEDULED_OBSERVERS:  # the dump writer (dlo_fx/__init__.py registers it)
-        observe(gm, plan, runtime, config)
-    run = scheduled_call(gm, plan, given, example_inputs, compiled, reached_names)
+
+    def attach_model() -> None:
+        claim(params, runtime)
+        adopt(runtime, modules, roots)
+
+    gm, run = schedule_and_commit(gm, plan, runtime, example_inputs, given, reached_names,
+                                  attach_model)
     if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
         run = auto_residency(pristine, plan, runtime, run, given, reached_names)
     if params:
@@ -148,6 +145,28 @@ def with_schedule(plan: GraphPlan, runtime: Optional[Runtime]) -> GraphPlan:
     return plan.with_schedule(GraphSchedule(
         runtime=runtime, slot_of=[b.index % k for b in plan.blocks],
         fqns=[[p.fqn for p in b.params] for b in plan.blocks]))
+
+
+def schedule_and_commit(gm: fx.GraphModule, plan: GraphPlan, runtime: Optional[Runtime],
+                        example_inputs: Sequence[Any], given: Mapping[str, Any],
+                        reached: Sequence[str],
+                        then: Optional[Callable[[], None]] = None
+                        ) -> tuple[fx.GraphModule, Callable]:
+    """Write ``plan`` into ``gm`` (`schedule_graph`), commit its blocks to ``runtime`` and
+    run ``then`` under the runtime's lock (no graph of another thread gathers while this
+    one compares plans), tell the observers (the dump writer, registered by the package
+    root), and return the scheduled graph and its call. The compile and the auto budget's
+    re-plans (`auto_residency`) both end here."""
+    gm, compiled = schedule_graph(gm, plan, example_inputs)
+    if runtime is not None:
+        with runtime.lock:
+            runtime.drain()
+            commit(plan, runtime)
+            if then is not None:
+                then()
+    for observe in SCHEDULED_OBSERVERS:
+        observe(gm, plan, runtime, plan.config)
+    return gm, scheduled_call(gm, plan, given, example_inputs, compiled, reached)
 
 
 def schedule_graph(gm: fx.GraphModule, plan: GraphPlan,
@@ -195,13 +214,8 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime, 
                           view=store_view(runtime, graph_params(gm, example_inputs)))
         ctx.forced_plan = forced
         plan = with_schedule(plan_graph(gm, ctx).with_mode(runtime.mode), runtime)
-        gm, compiled = schedule_graph(gm, plan, example_inputs)
-        with runtime.lock:
-            runtime.drain()
-            commit(plan, runtime)  # every block is stored already: no collective
-        for observe in SCHEDULED_OBSERVERS:
-            observe(gm, plan, runtime, config)
-        return scheduled_call(gm, plan, given, example_inputs, compiled, reached)
+        # every block is stored already: the commit runs no collective
+        return schedule_and_commit(gm, plan, runtime, example_inputs, given, reached)[1]
 
     where = {id(v): i for i, v in enumerate(plan.example_inputs)
              if isinstance(v, torch.nn.Parameter)}
