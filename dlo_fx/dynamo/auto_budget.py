@@ -198,8 +198,7 @@ class AutoResidency:
     def _ended(self, runtime: Any, memory: DeviceMemory) -> None:
         allocated = platform.memory_allocated(runtime.device)
         if allocated is not None:
-            memory.ended(allocated, platform.max_memory_allocated(runtime.device) or 0,
-                         platform.oom_count(runtime.device))
+            memory.ended(allocated, platform.max_memory_allocated(runtime.device) or 0)
 
     def _between(self, runtime: Any, key: tuple, memory: DeviceMemory,
                  args: Sequence[Any]) -> None:
@@ -207,8 +206,6 @@ class AutoResidency:
         device budget]); where an allocation failed with out-of-memory in between while
         blocks were resident, move them back to streaming under the OOM floor and warn.
         The caller holds ``self._lock``."""
-        if memory.mark is None:
-            return
         peak = platform.max_memory_allocated(runtime.device)
         if peak is None or not memory.started(peak, platform.oom_count(runtime.device)):
             return

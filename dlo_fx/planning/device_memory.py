@@ -154,7 +154,8 @@ class DeviceMemory:
     floor: Optional[int] = None
     ooms: list = field(default_factory=list)  # one line per out-of-memory error
     between: int = 0  # the largest excursion of the work between two calls (bytes)
-    mark: Optional[tuple] = None  # (allocated, peak, OOM count) when the last call ended
+    mark: Optional[tuple] = None  # (allocated, peak) when the last call ended
+    ooms_seen: Optional[int] = None  # the allocator's OOM count when the last call started
 
     def budget_for(self, key: ShapeKey, elements: int,
                    other_resident: int = 0) -> Optional[AutoBudget]:
@@ -173,20 +174,23 @@ class DeviceMemory:
                           self.floor, weights_budget(self.capacity, peak, other_resident,
                                                      self.floor))
 
-    def ended(self, allocated: int, peak: int, ooms: Optional[int]) -> None:
+    def ended(self, allocated: int, peak: int) -> None:
         """The allocator's counters as a call of the graph ends."""
-        self.mark = (allocated, peak, ooms)
+        self.mark = (allocated, peak)
 
     def started(self, peak: int, ooms: Optional[int]) -> bool:
-        """The counters as the next call starts: records the work between the two calls
-        (`between`); True where an allocation failed with out-of-memory in between."""
-        if self.mark is None:
-            return False
-        allocated, peak_then, ooms_then = self.mark
-        self.mark = None
-        if peak != peak_then:  # a new peak in between, or the counters were reset
-            self.between = max(self.between, peak - allocated)
-        return ooms is not None and ooms_then is not None and ooms > ooms_then
+        """The counters as the next call starts: records the work since the last call
+        ended (`between`); True where an allocation failed with out-of-memory since the
+        last call started (one of the graph's own was handled there: it left nothing
+        resident to move)."""
+        grew = ooms is not None and self.ooms_seen is not None and ooms > self.ooms_seen
+        self.ooms_seen = ooms
+        if self.mark is not None:
+            allocated, peak_then = self.mark
+            self.mark = None
+            if peak != peak_then:  # a new peak in between, or the counters were reset
+                self.between = max(self.between, peak - allocated)
+        return grew
 
     def after_oom(self, failed_budget: int, moved_bytes: int, line: str) -> int:
         """Lower the floor after an out-of-memory error: never again more than the budget
