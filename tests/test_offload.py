@@ -195,3 +195,35 @@ def test_an_offloaded_model_that_moved_buffers_is_collected():
     dlo_fx.offload(model, options={"device": "meta"})  # buffers move: undo steps kept
     with torch.inference_mode():
         torch.compile(model, backend="dlo")(*_on(example_inputs(model.config), "meta"))
+
+
+class _ViewReadLate(nn.Module):
+    """A view of ``a.weight`` read after two later layers ran: on two slots, the third
+    layer's copy goes to ``a``'s slot, so the view must keep it until its last read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        wt = self.a.weight.t()
+        return self.c(self.b(x @ wt)) @ wt
+
+
+@pytest.mark.parametrize("how", ["offload", "compile"])
+def test_a_view_of_a_stored_weight_keeps_its_slot_until_its_last_read(how):
+    """The planning stages follow a weight's views by their storage; a stored weight's
+    traced views share one (runtime/stored.py, `FAKE_STAND_IN`)."""
+    torch.manual_seed(0)
+    model = _ViewReadLate().requires_grad_(False)
+    x = torch.randn(2, 16)
+    want = model(x)
+    options = {"num_slots": 2, "block_bytes": 1, "resident_bytes": 0}
+    if how == "offload":
+        dlo_fx.offload(model, options=options)
+        options = None
+    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), want)
+        assert torch.equal(compiled(x), want)
+    dlo_fx.release(model)

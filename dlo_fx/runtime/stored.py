@@ -229,9 +229,23 @@ class StoredWeight(torch.Tensor):
 
 
 def _fake_like(x: Any) -> Any:
+    """What a fake op reads in place of a fake `StoredWeight`: one fake tensor of its layout
+    per fake parameter (`FAKE_STAND_IN`), so that every view made while Dynamo traces
+    shares one storage, as views of a plain parameter do (the planning stages follow
+    aliases by storage: a slot refilled while a view of its weight is still read would be
+    a wrong result)."""
     if isinstance(x, StoredWeight):
-        return _empty_like_layout(x, x.device)
+        stand_in = x.__dict__.get(FAKE_STAND_IN)
+        if stand_in is None:
+            stand_in = x.__dict__[FAKE_STAND_IN] = _empty_like_layout(x, x.device)
+        return stand_in
     return x
+
+
+FAKE_STAND_IN = "_dlo_fake_stand_in"
+"""The attribute of a fake `StoredWeight` (Dynamo's, while it traces) holding the one fake
+tensor every fake op reads in its place (`_fake_like`): its storage is the one the views
+made while tracing share, which the planning stages read (use_intervals.py)."""
 
 
 def _empty_like_layout(x: torch.Tensor, device: Any) -> torch.Tensor:
