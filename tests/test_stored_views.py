@@ -341,8 +341,10 @@ def test_storage_and_set_are_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match=match), torch.no_grad():
             attempt()
             pytest.fail(f"{what} was not refused")
-    # below Python, the wrapper's storage has no bytes and refuses its data pointer
-    assert torch.Tensor.untyped_storage(p).nbytes() == 0
+    # below Python, the wrapper's storage has no bytes, cannot be resized and refuses its
+    # data pointer
+    storage = torch.Tensor.untyped_storage(p)
+    assert storage.nbytes() == 0 and not storage.resizable()
     with pytest.raises(RuntimeError, match="Cannot access data pointer"):
         torch.utils.dlpack.to_dlpack(p)
 
