@@ -1,19 +1,19 @@
 """Every private torch API dlo uses, in one place: the seam to torch's internals.
 
-Each is checked against the torch versions the project supports (2.11 to 2.13); a torch
-that lacks one fails here with a message naming it, or answers "nothing found" where a
-fallback is safe, not somewhere inside a call. No other module of dlo_fx names a
-``torch._`` module or attribute. The groups: what the stored-weight representation needs
-(`fake_mode_of`, `swap_in_place`, `refuse_data_pointer`, `storage_key`,
+Each is checked against the torch versions the project supports (2.11 to 2.13); a torch that
+lacks one fails here with a message naming it, or answers "nothing found" where a fallback
+is safe, not somewhere inside a call. No other module of dlo_fx names a ``torch._`` module
+or attribute. The groups: what the stored-weight representation needs (`fake_mode_of`,
+`swap_in_place`, `refuse_data_pointer`, `refuse_storage_resize`, `storage_key`,
 `DISABLED_TORCH_FUNCTION`, `is_traceable_wrapper_subclass`, the pytree helpers
-`tree_flatten`, `tree_leaves`, `tree_map`); what the backend reads of the frame Dynamo is compiling
-(`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`, `compiled_module_of`), and
-of a compiled function `dlo_fx.release` undoes (`compile_backend_name`); a correction to
-Dynamo (`install_contains_fix`); what ``compiler="inductor"`` uses (`graph_fake_mode`,
-`restart_with_floats_specialized`, `inductor_compile`, `inductor_config_key`,
-`storage_key`, `GRAD_MODE_TARGETS`); what the passes use to find a parameter's aliases
-(`storage_key`); the op targets FLOPs are counted on (`NN_LINEAR`);
-errors, compile callbacks and profiler state.
+`tree_flatten`, `tree_leaves`, `tree_map`); what the backend reads of the frame Dynamo is
+compiling (`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`,
+`compiled_module_of`), and of a compiled function `dlo_fx.release` undoes
+(`compile_backend_name`); a correction to Dynamo (`install_contains_fix`); what
+``compiler="inductor"`` uses (`graph_fake_mode`, `restart_with_floats_specialized`,
+`inductor_compile`, `inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); what the
+passes use to find a parameter's aliases (`storage_key`); the op targets FLOPs are counted
+on (`NN_LINEAR`); errors, compile callbacks and profiler state.
 Torch itself imports none of its Dynamo or Inductor modules here until a function needs
 them, so the runtime, which uses the first group, never loads Dynamo.
 """
@@ -83,6 +83,40 @@ def refuse_data_pointer(t: torch.Tensor) -> None:
     flag = getattr(torch._C, "_set_throw_on_mutable_data_ptr", None)
     if callable(flag):
         flag(t)
+
+
+def refuse_storage_resize(t: torch.Tensor) -> None:
+    """Give wrapper tensor ``t`` a storage of no bytes that cannot be resized, in place of
+    the one ``_make_wrapper_subclass`` gives it (no bytes, resizable, and its allocator's
+    every block is address 0), ``t``'s layout kept. A ``set_`` that puts the storage under
+    a tensor that has elements must resize it: it raises torch's RuntimeError ("Trying to
+    resize storage that is not resizable") instead of growing it to a null pointer that
+    tensor reads. Torch checks this below any dispatch, where
+    ``t2.set_(t, offset, size, stride)`` takes ``t``'s storage. Nothing on a torch without
+    the two functions used, for a ``t`` of symbolic sizes (one Dynamo builds while
+    tracing: the storage is not read there), or where torch cannot copy a plain tensor's
+    storage onto ``t`` (``.data =`` refuses: on the meta device, whose bytes nothing
+    reads, and on an out-of-tree device)."""
+    reinterpret = _reinterpret_tensor()
+    make_storage = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if reinterpret is None or not callable(make_storage) or t._has_symbolic_sizes_strides:
+        return
+    # A storage with no allocator is not resizable. Inductor's _reinterpret_tensor lays
+    # out a view over its no bytes (it checks no bounds: it views storages that FSDP and
+    # CUDA graphs emptied), and ``.data =`` copies that storage and layout onto ``t``.
+    storage = make_storage(0, t.device, 0)
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        empty = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+        layout = reinterpret(empty, t.shape, t.stride(), t.storage_offset())
+        if torch._has_compatible_shallow_copy_type(t, layout):
+            torch._C.TensorBase.data.__set__(t, layout)
+
+
+@functools.cache
+def _reinterpret_tensor() -> Optional[Callable]:
+    """``torch.ops.inductor._reinterpret_tensor`` (a view of a tensor's storage with any
+    layout, bounds unchecked; a C++ op, it loads no Inductor module), or None."""
+    return getattr(torch.ops.inductor, "_reinterpret_tensor", None)
 
 
 # -- the frame Dynamo is compiling (backend.py) ------------------------------------------

@@ -5,11 +5,13 @@ the parameter. Never another parameter's bytes, never an address that is not the
 
 The view ops are every overload in ``torch.ops.aten`` whose first output aliases a tensor
 argument (its schema says ``Tensor(a)``), each with the arguments of `SAMPLES`; an op torch
-adds shows up as missing from it. One stored model for the whole file, in process."""
+adds shows up as missing from it. One stored model for the whole file, in process (the
+``set_`` spellings of tests/stored_set_cases.py: each in a forked child)."""
 
 from __future__ import annotations
 
 import ctypes
+import tempfile
 import warnings
 
 import numpy as np
@@ -17,6 +19,8 @@ import pytest
 import torch
 
 import dlo_fx
+import stored_set_cases
+from distributed import in_child, spawn
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime.owners import owner_of
 from dlo_fx.runtime.stored import StoredWeight, is_stored
@@ -341,10 +345,52 @@ def test_storage_and_set_are_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match=match), torch.no_grad():
             attempt()
             pytest.fail(f"{what} was not refused")
-    # below Python, the wrapper's storage has no bytes and refuses its data pointer
-    assert torch.Tensor.untyped_storage(p).nbytes() == 0
+    # below Python, the wrapper's storage has no bytes, cannot be resized and refuses its
+    # data pointer
+    storage = torch.Tensor.untyped_storage(p)
+    assert storage.nbytes() == 0 and not storage.resizable()
     with pytest.raises(RuntimeError, match="Cannot access data pointer"):
         torch.utils.dlpack.to_dlpack(p)
+
+
+RESIZE = "RuntimeError: Trying to resize storage that is not resizable"
+#: how a spelling may fail besides RESIZE and dlo's ValueError naming the parameter: a meta
+#: tensor cannot take a storage on the parameter's device; a view of a parameter taken in
+#: inference mode (torch cannot give an inference tensor the version counter of its base)
+TORCH_REFUSALS = ('RuntimeError: Attempted to set the storage of a tensor on device "meta" '
+                  'to a storage on different device',
+                  "RuntimeError: Cannot set version_counter for inference tensor")
+
+
+def _sets():
+    with tempfile.TemporaryDirectory() as folder:
+        path, config = spawn(1, in_child, save_dit, folder)[0]
+        return stored_set_cases.all_sets(path, config)
+
+
+@pytest.mark.spawned.with_args(_sets)
+def test_no_set_of_a_stored_weight_crashes(spawned):
+    """``t.set_(p, offset, size, stride)`` (CompositeImplicitAutograd) puts the stored
+    weight's storage under ``t`` below any dispatch dlo sees; that storage has no bytes and
+    cannot be resized, so torch raises where it grew it to address 0 (reading ``t`` killed
+    the process). Every spelling of `stored_set_cases.SETS`, on a parameter stored by
+    `dlo_fx.offload` and by `dlo_fx.load`, plain, under ``no_grad`` and in inference mode,
+    each in a forked child: exact, or a Python exception; the parameter reads its own
+    weights after."""
+    results = spawned
+    sets, contexts = stored_set_cases.SETS, stored_set_cases.CONTEXTS
+    assert len(results) == 2 * len(sets) * len(contexts)
+    for (how, spelling, context), (outcome, exact_after, name) in results.items():
+        where = (how, spelling, context, outcome)
+        assert exact_after, where
+        assert outcome is True or outcome.startswith((RESIZE, *TORCH_REFUSALS)) or (
+            outcome.startswith("ValueError: dlo: ") and repr(name) in outcome), where
+    for how in ("offload", "load"):
+        for spelling in ("set_ with an offset", "Tensor.set_ with an offset", "set_ of a row",
+                         "set_ of the storage", "resize_ of the storage"):
+            assert results[(how, spelling, "plain")][0].startswith(RESIZE), (how, spelling)
+        assert results[(how, "no elements", "plain")][0] is True
+        assert results[(how, "set_ of the parameter", "plain")][0].startswith("ValueError")
 
 
 def test_zero_copy_ways_out_are_copies_of_the_real_bytes(tmp_path):

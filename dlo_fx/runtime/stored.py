@@ -100,8 +100,12 @@ class StoredWeight(torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(
             cls, tuple(shape), strides=tuple(stride), storage_offset=storage_offset,
             dtype=dtype, device=device, requires_grad=requires_grad, storage_size=0)
-        # No bytes behind it (see [Note: no pointer to a stored weight]): a storage of none,
-        # whose mutable data pointer C++ readers are refused
+        # No bytes behind it (see [Note: no pointer to a stored weight]): a storage of none
+        # whose mutable data pointer C++ readers are refused, and which cannot be resized;
+        # but for the fake copies Dynamo makes (their inner tensor is not a plain one),
+        # whose storage torch's meta converter resizes to none
+        if token is None or type(token) is torch.Tensor:
+            torch_private.refuse_storage_resize(t)
         torch_private.refuse_data_pointer(t)
         t._dlo_token = token if token is not None else torch.empty(0, dtype=torch.uint8,
                                                                    device=device)
@@ -576,8 +580,18 @@ def _takes_layout(func: Any) -> bool:
 # ``__cuda_array_interface__``, whose consumer keeps only the address; a ``set_`` with a
 # stored source). Below Python, the wrapper's storage refuses its mutable data pointer
 # (`torch_private.refuse_data_pointer`), so ``torch.utils.dlpack.to_dlpack`` raises
-# torch's RuntimeError instead of exporting address 0. Torch's compiler stack reads the
-# storage object for identity and size only (fake tensors are made from it), and gets it.
+# torch's RuntimeError instead of exporting address 0; and it has no bytes and cannot be
+# resized (`torch_private.refuse_storage_resize`), so every ``set_`` that would put a
+# tensor with elements over it raises torch's RuntimeError ("Trying to resize storage that
+# is not resizable") where torch would grow it to address 0: ``t.set_(p, offset, size,
+# stride)``, which torch decomposes into a ``set_`` over ``p``'s storage below any
+# dispatch (in inference mode it reaches the dispatch and is refused by name), and a
+# ``set_`` or ``resize_`` of the storage torch's own ``untyped_storage`` hands out. As for
+# any storage that cannot grow, torch has given ``t`` its new layout when it raises: a
+# tensor whose ``set_`` failed must not be read. Torch's compiler stack reads the storage
+# object for identity and size only (fake tensors are made from it), and gets it; the fake
+# copies it makes (their inner tensor is not a plain one) keep a resizable storage of no
+# bytes, which it resizes to none.
 _COMPILER_MODULES = ("torch._subclasses.", "torch._dynamo.", "torch._functorch.",
                      "torch._inductor.", "torch.fx.", "torch._guards", "torch._export.",
                      "torch.export.", "dlo_fx.")
