@@ -157,7 +157,15 @@ def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240.0,
             except queue.Empty:
                 pass
             if all(r in results or not procs[r].is_alive() for r in range(world)):
-                break  # the rest died without answering
+                # The rest exited: an answer written just before the exit may have reached
+                # the pipe after the get above gave up (seen once: "exit code 0", no answer)
+                try:
+                    while len(results) < world:
+                        rank, result = out.get(timeout=1.0)
+                        results[rank] = pickle.loads(result)
+                except queue.Empty:
+                    pass
+                break
         hung: dict[int, str] = {}
         for r, p in enumerate(procs):
             p.join(timeout=max(0.0, deadline - time.monotonic()) if len(results) == world else 1)
