@@ -416,6 +416,20 @@ def restart_with_floats_specialized(gm: fx.GraphModule) -> None:
         raise TensorifyScalarRestartAnalysis
 
 
+def trace_again(reason: str) -> None:
+    """Have Dynamo trace the frame it is compiling again, from its first instruction (the
+    one restart a backend may raise past Dynamo's wrapping: its tensorified-float restart,
+    raised with nothing newly specialized). See [Note: a model compiled without offload]
+    in dynamo/first_trace.py."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    tx = _current_tx()
+    log = getattr(tx, "speculation_log", None)
+    if log is not None:  # the next trace takes other branches (stored weights): none replayed
+        log.clear()
+    raise TensorifyScalarRestartAnalysis(restart_reason=reason)
+
+
 def graph_break() -> None:
     """``torch._dynamo.graph_break()``: end the graph here (the reference DiT's option)."""
     torch._dynamo.graph_break()

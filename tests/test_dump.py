@@ -56,7 +56,7 @@ class GoldenDumps(TestCase):
 # Graph 0: blocks and resident set
 
 - mode: rank_local (why: one rank in the shard group: nothing to gather)
-- slots: 2 x 33,024 B = 66,048 B on the device (block b lives in slot b % slots)
+- slots: 2 x 38,400 B = 76,800 B on the device (block b lives in slot b % slots)
 - block budget: 32,896 B
 
 ## Blocks
@@ -67,15 +67,18 @@ memory and copies to the device.
 
 | block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |
 | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |
-| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 1,280 | next layer `time_embed.0` does not fit (1,088 + 32,896 > 32,896 B) |
-| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 33,024 | next layer `time_embed.2` does not fit (32,896 + 4,224 > 32,896 B) |
-| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 0 | 22,016 | next layer `blocks.0` does not fit (21,440 + 25,152 > 32,896 B) |
-| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 1 | 31,232 | last streamed parameter |
-| total | | | 23 | 85,856 | | 87,552 | |
+| 0 | patch_embed.weight | time_embed.0.bias | 4 | 33,984 | 0 | 34,816 | next layer `time_embed.2` does not fit (34,368 + 4,224 > 37,824 B) |
+| 1 | time_embed.2.weight | text_proj.bias | 4 | 8,384 | 1 | 8,704 | next layer `blocks.0` does not fit (8,384 + 37,824 > 37,824 B) |
+| 2 | blocks.0.adaLN.weight | blocks.0.fc2_bias | 10 | 37,824 | 0 | 38,400 | next layer `final_adaLN` does not fit (37,824 + 4,224 > 37,824 B) |
+| 3 | final_adaLN.weight | proj_out.bias | 4 | 5,280 | 1 | 5,632 | last streamed parameter |
+| total | | | 22 | 85,472 | | 87,552 | |
 
 ## Resident set
 
-Every parameter of this graph is streamed.
+| FQN | bytes | reason |
+| --- | ---: | --- |
+| modulation_table | 384 | read while 2 later blocks are live (num_slots=2) |
+| total (1) | 384 | |
 
 ## Measured stalls
 
@@ -91,32 +94,32 @@ then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 def forward(
     self,
     L_latents_ : torch.Tensor,
-    L_self_modules_patch_embed_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_patch_embed_parameters_bias_ : torch.nn.parameter.Parameter,
+    L_self_modules_patch_embed_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_patch_embed_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
     L_timestep_ : torch.Tensor,
-    L_self_modules_time_embed_modules_0_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_time_embed_modules_0_parameters_bias_ : torch.nn.parameter.Parameter,
-    L_self_modules_time_embed_modules_2_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_time_embed_modules_2_parameters_bias_ : torch.nn.parameter.Parameter,
+    L_self_modules_time_embed_modules_0_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_time_embed_modules_0_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_time_embed_modules_2_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_time_embed_modules_2_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
     L_text_ : torch.Tensor,
-    L_self_modules_text_proj_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_text_proj_parameters_bias_ : torch.nn.parameter.Parameter,
-    L_self_parameters_modulation_table_ : torch.nn.parameter.Parameter,
+    L_self_modules_text_proj_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_text_proj_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_parameters_modulation_table_ : dlo_fx_runtime_stored_StoredWeight,
     L_self_buffers_rope_freqs_ : torch.Tensor,
-    L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_modules_proj_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_modules_proj_parameters_bias_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_parameters_fc2_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_blocks_modules_0_parameters_fc2_bias_ : torch.nn.parameter.Parameter,
-    L_self_modules_final_adaLN_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_final_adaLN_parameters_bias_ : torch.nn.parameter.Parameter,
-    L_self_modules_proj_out_parameters_weight_ : torch.nn.parameter.Parameter,
-    L_self_modules_proj_out_parameters_bias_ : torch.nn.parameter.Parameter,
+    L_self_modules_blocks_modules_0_modules_adaLN_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_modules_adaLN_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_modules_qkv_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_modules_proj_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_modules_proj_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_modules_fc1_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_modules_fc1_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_parameters_fc2_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_blocks_modules_0_parameters_fc2_bias_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_final_adaLN_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_final_adaLN_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_proj_out_parameters_weight_ : dlo_fx_runtime_stored_StoredWeight,
+    L_self_modules_proj_out_parameters_bias_ : dlo_fx_runtime_stored_StoredWeight,
 ):
     l_latents_ = L_latents_
     l_self_modules_patch_embed_parameters_weight_ = L_self_modules_patch_embed_parameters_weight_
@@ -146,18 +149,18 @@ def forward(
     l_self_modules_proj_out_parameters_weight_ = L_self_modules_proj_out_parameters_weight_
     l_self_modules_proj_out_parameters_bias_ = L_self_modules_proj_out_parameters_bias_
     _dlo = self._dlo
-    prefetch_b0 = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=1088
-    prefetch_b1 = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=32896
+    prefetch_b0 = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=33984
+    prefetch_b1 = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=8384
     to = l_latents_.to(torch.bfloat16)
     x = to.reshape(1, 4, 2, 2, 2, 2)
     permute = x.permute(0, 2, 4, 3, 5, 1)
     reshape_1 = permute.reshape(1, 4, 16)
-    wait_b0 = dlo_fx_runtime_ops_wait(_dlo, 0)  # dlo: wait block=0 slot=0 bytes=1088 covers patch_embed.weight, patch_embed.bias
+    wait_b0 = dlo_fx_runtime_ops_wait(_dlo, 0)  # dlo: wait block=0 slot=0 bytes=33984 covers patch_embed.weight, patch_embed.bias, time_embed.0.weight, time_embed.0.bias
     patch_embed_weight = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_weight_)  # dlo: slot_view patch_embed.weight (1024 B)
     patch_embed_bias = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_bias_)  # dlo: slot_view patch_embed.bias (64 B)
+    time_embed_0_weight = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: slot_view time_embed.0.weight (32768 B)
+    time_embed_0_bias = dlo_fx_runtime_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: slot_view time_embed.0.bias (128 B)
     image = torch._C._nn.linear(reshape_1, patch_embed_weight, patch_embed_bias)
-    swap_slot_b0 = dlo_fx_runtime_ops_swap_slot(_dlo, 0)  # dlo: swap_slot block=0 slot=0 bytes=1088
-    prefetch_b2 = dlo_fx_runtime_ops_prefetch(_dlo, 2, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_, l_self_parameters_modulation_table_)  # dlo: prefetch block=2 slot=0 bytes=21440
     steps = torch.arange(128, dtype = torch.float32, device = device(type='cpu'))
     mul = -9.210340371976184 * steps
     truediv = mul / 128
@@ -169,32 +172,38 @@ def forward(
     cos = torch.cos(args)
     sin = torch.sin(args)
     cat = torch.cat((cos, sin), dim = -1)
-    wait_b1 = dlo_fx_runtime_ops_wait(_dlo, 1)  # dlo: wait block=1 slot=1 bytes=32896 covers time_embed.0.weight, time_embed.0.bias
-    time_embed_0_weight = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: slot_view time_embed.0.weight (32768 B)
-    time_embed_0_bias = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: slot_view time_embed.0.bias (128 B)
     input_1 = torch._C._nn.linear(cat, time_embed_0_weight, time_embed_0_bias)
-    swap_slot_b1 = dlo_fx_runtime_ops_swap_slot(_dlo, 1)  # dlo: swap_slot block=1 slot=1 bytes=32896
-    prefetch_b3 = dlo_fx_runtime_ops_prefetch(_dlo, 3, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_, l_self_modules_blocks_modules_0_parameters_fc2_weight_, l_self_modules_blocks_modules_0_parameters_fc2_bias_, l_self_modules_final_ada_ln_parameters_weight_, l_self_modules_final_ada_ln_parameters_bias_, l_self_modules_proj_out_parameters_weight_, l_self_modules_proj_out_parameters_bias_)  # dlo: prefetch block=3 slot=1 bytes=30432
+    swap_slot_b0 = dlo_fx_runtime_ops_swap_slot(_dlo, 0)  # dlo: swap_slot block=0 slot=0 bytes=33984
+    prefetch_b2 = dlo_fx_runtime_ops_prefetch(_dlo, 2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_, l_self_modules_blocks_modules_0_parameters_fc2_weight_, l_self_modules_blocks_modules_0_parameters_fc2_bias_)  # dlo: prefetch block=2 slot=0 bytes=37824
     input_2 = torch.nn.functional.silu(input_1, inplace = False)
-    wait_b2 = dlo_fx_runtime_ops_wait(_dlo, 2)  # dlo: wait block=2 slot=0 bytes=21440 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias, blocks.0.adaLN.weight, blocks.0.adaLN.bias, modulation_table
-    time_embed_2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_time_embed_modules_2_parameters_weight_)  # dlo: slot_view time_embed.2.weight (4096 B)
-    time_embed_2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_time_embed_modules_2_parameters_bias_)  # dlo: slot_view time_embed.2.bias (128 B)
-    text_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_text_proj_parameters_weight_)  # dlo: slot_view text_proj.weight (4096 B)
-    text_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_text_proj_parameters_bias_)  # dlo: slot_view text_proj.bias (64 B)
-    blocks_0_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_)  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
-    blocks_0_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_)  # dlo: slot_view blocks.0.adaLN.bias (384 B)
-    modulation_table = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_parameters_modulation_table_)  # dlo: slot_view modulation_table (384 B)
+    wait_b1 = dlo_fx_runtime_ops_wait(_dlo, 1)  # dlo: wait block=1 slot=1 bytes=8384 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias
+    time_embed_2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_2_parameters_weight_)  # dlo: slot_view time_embed.2.weight (4096 B)
+    time_embed_2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_2_parameters_bias_)  # dlo: slot_view time_embed.2.bias (128 B)
+    text_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_text_proj_parameters_weight_)  # dlo: slot_view text_proj.weight (4096 B)
+    text_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_text_proj_parameters_bias_)  # dlo: slot_view text_proj.bias (64 B)
     input_3 = torch._C._nn.linear(input_2, time_embed_2_weight, time_embed_2_bias)
     temb = input_3.to(torch.bfloat16)
     to_2 = l_text_.to(torch.bfloat16)
     text_tokens = torch._C._nn.linear(to_2, text_proj_weight, text_proj_bias)
+    swap_slot_b1 = dlo_fx_runtime_ops_swap_slot(_dlo, 1)  # dlo: swap_slot block=1 slot=1 bytes=8384
+    prefetch_b3 = dlo_fx_runtime_ops_prefetch(_dlo, 3, l_self_modules_final_ada_ln_parameters_weight_, l_self_modules_final_ada_ln_parameters_bias_, l_self_modules_proj_out_parameters_weight_, l_self_modules_proj_out_parameters_bias_)  # dlo: prefetch block=3 slot=1 bytes=5280
     cond = torch.nn.functional.silu(temb)
     x_1 = torch.cat((text_tokens, image), dim = 1)
+    wait_b2 = dlo_fx_runtime_ops_wait(_dlo, 2)  # dlo: wait block=2 slot=0 bytes=37824 covers blocks.0.adaLN.weight, blocks.0.adaLN.bias, blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias
+    blocks_0_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_)  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
+    blocks_0_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_)  # dlo: slot_view blocks.0.adaLN.bias (384 B)
+    blocks_0_qkv_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_)  # dlo: slot_view blocks.0.qkv.weight (6144 B)
+    blocks_0_qkv_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_)  # dlo: slot_view blocks.0.qkv.bias (192 B)
+    blocks_0_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_)  # dlo: slot_view blocks.0.proj.weight (2048 B)
+    blocks_0_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_)  # dlo: slot_view blocks.0.proj.bias (64 B)
+    blocks_0_fc1_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_)  # dlo: slot_view blocks.0.fc1.weight (8192 B)
+    blocks_0_fc1_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_)  # dlo: slot_view blocks.0.fc1.bias (256 B)
+    blocks_0_fc2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: slot_view blocks.0.fc2_weight (8192 B)
+    blocks_0_fc2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_parameters_fc2_bias_)  # dlo: slot_view blocks.0.fc2_bias (64 B)
     linear_4 = torch._C._nn.linear(cond, blocks_0_adaLN_weight, blocks_0_adaLN_bias)
     view = linear_4.view(1, 6, 32)
+    modulation_table = dlo_fx_runtime_ops_resident(_dlo, l_self_parameters_modulation_table_)  # dlo: resident modulation_table (384 B)
     mod = view + modulation_table
-    swap_slot_b2 = dlo_fx_runtime_ops_swap_slot(_dlo, 2)  # dlo: swap_slot block=2 slot=0 bytes=21440
-    prefetch_b0_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=1088 wrap-around
     unbind = mod.unbind(1)
     shift1 = unbind[0]
     scale1 = unbind[1]
@@ -209,19 +218,6 @@ def forward(
     mul_2 = layer_norm * add_1
     getitem_10 = shift1[(slice(None, None, None), None, slice(None, None, None))]
     add_2 = mul_2 + getitem_10
-    wait_b3 = dlo_fx_runtime_ops_wait(_dlo, 3)  # dlo: wait block=3 slot=1 bytes=30432 covers blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias, final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
-    blocks_0_qkv_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_)  # dlo: slot_view blocks.0.qkv.weight (6144 B)
-    blocks_0_qkv_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_)  # dlo: slot_view blocks.0.qkv.bias (192 B)
-    blocks_0_proj_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_)  # dlo: slot_view blocks.0.proj.weight (2048 B)
-    blocks_0_proj_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_)  # dlo: slot_view blocks.0.proj.bias (64 B)
-    blocks_0_fc1_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_)  # dlo: slot_view blocks.0.fc1.weight (8192 B)
-    blocks_0_fc1_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_)  # dlo: slot_view blocks.0.fc1.bias (256 B)
-    blocks_0_fc2_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: slot_view blocks.0.fc2_weight (8192 B)
-    blocks_0_fc2_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_blocks_modules_0_parameters_fc2_bias_)  # dlo: slot_view blocks.0.fc2_bias (64 B)
-    final_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_weight_)  # dlo: slot_view final_adaLN.weight (4096 B)
-    final_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_bias_)  # dlo: slot_view final_adaLN.bias (128 B)
-    proj_out_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_weight_)  # dlo: slot_view proj_out.weight (1024 B)
-    proj_out_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_bias_)  # dlo: slot_view proj_out.bias (32 B)
     linear_5 = torch._C._nn.linear(add_2, blocks_0_qkv_weight, blocks_0_qkv_bias)
     qkv = linear_5.view(1, 12, 3, 2, 16)
     permute_1 = qkv.permute(2, 0, 3, 1, 4)
@@ -273,9 +269,16 @@ def forward(
     h = torch._C._nn.gelu(linear_7, approximate = 'tanh')
     getitem_22 = gate2[(slice(None, None, None), None, slice(None, None, None))]
     linear_8 = torch._C._nn.linear(h, blocks_0_fc2_weight, blocks_0_fc2_bias)
+    swap_slot_b2 = dlo_fx_runtime_ops_swap_slot(_dlo, 2)  # dlo: swap_slot block=2 slot=0 bytes=37824
+    prefetch_b0_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=33984 wrap-around
     mul_14 = getitem_22 * linear_8
     x_3 = x_2 + mul_14
     x_4 = x_3[(slice(None, None, None), slice(8, None, None))]
+    wait_b3 = dlo_fx_runtime_ops_wait(_dlo, 3)  # dlo: wait block=3 slot=1 bytes=5280 covers final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
+    final_adaLN_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_weight_)  # dlo: slot_view final_adaLN.weight (4096 B)
+    final_adaLN_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_bias_)  # dlo: slot_view final_adaLN.bias (128 B)
+    proj_out_weight = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_weight_)  # dlo: slot_view proj_out.weight (1024 B)
+    proj_out_bias = dlo_fx_runtime_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_bias_)  # dlo: slot_view proj_out.bias (32 B)
     linear_9 = torch._C._nn.linear(cond, final_adaLN_weight, final_adaLN_bias)
     chunk_2 = linear_9.chunk(2, dim = -1)
     shift = chunk_2[0]
@@ -287,8 +290,8 @@ def forward(
     getitem_27 = shift[(slice(None, None, None), None, slice(None, None, None))]
     add_10 = mul_15 + getitem_27
     x_5 = torch._C._nn.linear(add_10, proj_out_weight, proj_out_bias)
-    swap_slot_b3 = dlo_fx_runtime_ops_swap_slot(_dlo, 3)  # dlo: swap_slot block=3 slot=1 bytes=30432
-    prefetch_b1_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=32896 wrap-around
+    swap_slot_b3 = dlo_fx_runtime_ops_swap_slot(_dlo, 3)  # dlo: swap_slot block=3 slot=1 bytes=5280
+    prefetch_b1_wrap = dlo_fx_runtime_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=8384 wrap-around
     x_6 = x_5.reshape(1, 2, 2, 2, 2, 4)
     permute_2 = x_6.permute(0, 5, 1, 3, 2, 4)
     reshape_4 = permute_2.reshape(1, 4, 4, 4)
@@ -382,7 +385,7 @@ prefetch_b0_wrap  # dlo: prefetch block=0 slot=0 bytes=33792 wrap-around
 # Graph 0: blocks and resident set
 
 - mode: allgather, rank 0 of a 2-rank shard group (why: mode='allgather' option)
-- slots: 2 x 33,280 B = 66,560 B on the device (block b lives in slot b % slots)
+- slots: 2 x 38,400 B = 76,800 B on the device (block b lives in slot b % slots)
 - block budget: 32,896 B
 
 ## Blocks
@@ -393,15 +396,18 @@ memory and copies to the device (the AllGather completes the rest).
 
 | block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |
 | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |
-| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 768 | next layer `time_embed.0` does not fit (1,088 + 32,896 > 32,896 B) |
-| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 16,640 | next layer `time_embed.2` does not fit (32,896 + 4,224 > 32,896 B) |
-| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 0 | 11,008 | next layer `blocks.0` does not fit (21,440 + 25,152 > 32,896 B) |
-| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 1 | 15,616 | last streamed parameter |
-| total | | | 23 | 85,856 | | 44,032 | |
+| 0 | patch_embed.weight | time_embed.0.bias | 4 | 33,984 | 0 | 17,408 | next layer `time_embed.2` does not fit (34,368 + 4,224 > 37,824 B) |
+| 1 | time_embed.2.weight | text_proj.bias | 4 | 8,384 | 1 | 4,352 | next layer `blocks.0` does not fit (8,384 + 37,824 > 37,824 B) |
+| 2 | blocks.0.adaLN.weight | blocks.0.fc2_bias | 10 | 37,824 | 0 | 19,200 | next layer `final_adaLN` does not fit (37,824 + 4,224 > 37,824 B) |
+| 3 | final_adaLN.weight | proj_out.bias | 4 | 5,280 | 1 | 2,816 | last streamed parameter |
+| total | | | 22 | 85,472 | | 43,776 | |
 
 ## Resident set
 
-Every parameter of this graph is streamed.
+| FQN | bytes | reason |
+| --- | ---: | --- |
+| modulation_table | 384 | read while 2 later blocks are live (num_slots=2) |
+| total (1) | 384 | |
 
 ## Measured stalls
 
@@ -414,34 +420,29 @@ then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 # a wait also lists the parameters it covers. dlo_fx_runtime_ops_<kind> is
 # dlo_fx.runtime.ops.<kind>; _dlo is the graph's schedule. Statements that only free
 # values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
-prefetch_b0  # dlo: prefetch block=0 slot=0 bytes=1088
-allgather_b0  # dlo: allgather block=0 slot=0 bytes=1088
-prefetch_b1  # dlo: prefetch block=1 slot=1 bytes=32896
-allgather_b1  # dlo: allgather block=1 slot=1 bytes=32896
-wait_b0  # dlo: wait block=0 slot=0 bytes=1088 covers patch_embed.weight, patch_embed.bias
+prefetch_b0  # dlo: prefetch block=0 slot=0 bytes=33984
+allgather_b0  # dlo: allgather block=0 slot=0 bytes=33984
+prefetch_b1  # dlo: prefetch block=1 slot=1 bytes=8384
+allgather_b1  # dlo: allgather block=1 slot=1 bytes=8384
+wait_b0  # dlo: wait block=0 slot=0 bytes=33984 covers patch_embed.weight, patch_embed.bias, time_embed.0.weight, time_embed.0.bias
 patch_embed_weight  # dlo: slot_view patch_embed.weight (1024 B)
 patch_embed_bias  # dlo: slot_view patch_embed.bias (64 B)
-swap_slot_b0  # dlo: swap_slot block=0 slot=0 bytes=1088
-prefetch_b2  # dlo: prefetch block=2 slot=0 bytes=21440
-allgather_b2  # dlo: allgather block=2 slot=0 bytes=21440
-wait_b1  # dlo: wait block=1 slot=1 bytes=32896 covers time_embed.0.weight, time_embed.0.bias
 time_embed_0_weight  # dlo: slot_view time_embed.0.weight (32768 B)
 time_embed_0_bias  # dlo: slot_view time_embed.0.bias (128 B)
-swap_slot_b1  # dlo: swap_slot block=1 slot=1 bytes=32896
-prefetch_b3  # dlo: prefetch block=3 slot=1 bytes=30432
-allgather_b3  # dlo: allgather block=3 slot=1 bytes=30432
-wait_b2  # dlo: wait block=2 slot=0 bytes=21440 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias, blocks.0.adaLN.weight, blocks.0.adaLN.bias, modulation_table
+swap_slot_b0  # dlo: swap_slot block=0 slot=0 bytes=33984
+prefetch_b2  # dlo: prefetch block=2 slot=0 bytes=37824
+allgather_b2  # dlo: allgather block=2 slot=0 bytes=37824
+wait_b1  # dlo: wait block=1 slot=1 bytes=8384 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias
 time_embed_2_weight  # dlo: slot_view time_embed.2.weight (4096 B)
 time_embed_2_bias  # dlo: slot_view time_embed.2.bias (128 B)
 text_proj_weight  # dlo: slot_view text_proj.weight (4096 B)
 text_proj_bias  # dlo: slot_view text_proj.bias (64 B)
+swap_slot_b1  # dlo: swap_slot block=1 slot=1 bytes=8384
+prefetch_b3  # dlo: prefetch block=3 slot=1 bytes=5280
+allgather_b3  # dlo: allgather block=3 slot=1 bytes=5280
+wait_b2  # dlo: wait block=2 slot=0 bytes=37824 covers blocks.0.adaLN.weight, blocks.0.adaLN.bias, blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias
 blocks_0_adaLN_weight  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
 blocks_0_adaLN_bias  # dlo: slot_view blocks.0.adaLN.bias (384 B)
-modulation_table  # dlo: slot_view modulation_table (384 B)
-swap_slot_b2  # dlo: swap_slot block=2 slot=0 bytes=21440
-prefetch_b0_wrap  # dlo: prefetch block=0 slot=0 bytes=1088 wrap-around
-allgather_b0_wrap  # dlo: allgather block=0 slot=0 bytes=1088 wrap-around
-wait_b3  # dlo: wait block=3 slot=1 bytes=30432 covers blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias, final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
 blocks_0_qkv_weight  # dlo: slot_view blocks.0.qkv.weight (6144 B)
 blocks_0_qkv_bias  # dlo: slot_view blocks.0.qkv.bias (192 B)
 blocks_0_proj_weight  # dlo: slot_view blocks.0.proj.weight (2048 B)
@@ -450,13 +451,18 @@ blocks_0_fc1_weight  # dlo: slot_view blocks.0.fc1.weight (8192 B)
 blocks_0_fc1_bias  # dlo: slot_view blocks.0.fc1.bias (256 B)
 blocks_0_fc2_weight  # dlo: slot_view blocks.0.fc2_weight (8192 B)
 blocks_0_fc2_bias  # dlo: slot_view blocks.0.fc2_bias (64 B)
+modulation_table  # dlo: resident modulation_table (384 B)
+swap_slot_b2  # dlo: swap_slot block=2 slot=0 bytes=37824
+prefetch_b0_wrap  # dlo: prefetch block=0 slot=0 bytes=33984 wrap-around
+allgather_b0_wrap  # dlo: allgather block=0 slot=0 bytes=33984 wrap-around
+wait_b3  # dlo: wait block=3 slot=1 bytes=5280 covers final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
 final_adaLN_weight  # dlo: slot_view final_adaLN.weight (4096 B)
 final_adaLN_bias  # dlo: slot_view final_adaLN.bias (128 B)
 proj_out_weight  # dlo: slot_view proj_out.weight (1024 B)
 proj_out_bias  # dlo: slot_view proj_out.bias (32 B)
-swap_slot_b3  # dlo: swap_slot block=3 slot=1 bytes=30432
-prefetch_b1_wrap  # dlo: prefetch block=1 slot=1 bytes=32896 wrap-around
-allgather_b1_wrap  # dlo: allgather block=1 slot=1 bytes=32896 wrap-around
+swap_slot_b3  # dlo: swap_slot block=3 slot=1 bytes=5280
+prefetch_b1_wrap  # dlo: prefetch block=1 slot=1 bytes=8384 wrap-around
+allgather_b1_wrap  # dlo: allgather block=1 slot=1 bytes=8384 wrap-around
 """)
 
     def test_allgather_three_slots(self):
@@ -465,7 +471,7 @@ allgather_b1_wrap  # dlo: allgather block=1 slot=1 bytes=32896 wrap-around
 # Graph 0: blocks and resident set
 
 - mode: allgather, rank 0 of a 2-rank shard group (why: mode='allgather' option)
-- slots: 3 x 33,280 B = 99,840 B on the device (block b lives in slot b % slots)
+- slots: 3 x 38,400 B = 115,200 B on the device (block b lives in slot b % slots)
 - block budget: 32,896 B
 
 ## Blocks
@@ -476,11 +482,11 @@ memory and copies to the device (the AllGather completes the rest).
 
 | block | first FQN | last FQN | params | bytes | slot | shard bytes | ends because |
 | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |
-| 0 | patch_embed.weight | patch_embed.bias | 2 | 1,088 | 0 | 768 | next layer `time_embed.0` does not fit (1,088 + 32,896 > 32,896 B) |
-| 1 | time_embed.0.weight | time_embed.0.bias | 2 | 32,896 | 1 | 16,640 | next layer `time_embed.2` does not fit (32,896 + 4,224 > 32,896 B) |
-| 2 | time_embed.2.weight | modulation_table | 7 | 21,440 | 2 | 11,008 | next layer `blocks.0` does not fit (21,440 + 25,152 > 32,896 B) |
-| 3 | blocks.0.qkv.weight | proj_out.bias | 12 | 30,432 | 0 | 15,616 | last streamed parameter |
-| total | | | 23 | 85,856 | | 44,032 | |
+| 0 | patch_embed.weight | modulation_table | 5 | 34,368 | 0 | 17,408 | next layer `time_embed.2` does not fit (34,368 + 4,224 > 37,824 B) |
+| 1 | time_embed.2.weight | text_proj.bias | 4 | 8,384 | 1 | 4,352 | next layer `blocks.0` does not fit (8,384 + 37,824 > 37,824 B) |
+| 2 | blocks.0.adaLN.weight | blocks.0.fc2_bias | 10 | 37,824 | 2 | 19,200 | next layer `final_adaLN` does not fit (37,824 + 4,224 > 37,824 B) |
+| 3 | final_adaLN.weight | proj_out.bias | 4 | 5,280 | 0 | 2,816 | last streamed parameter |
+| total | | | 23 | 85,856 | | 43,776 | |
 
 ## Resident set
 
@@ -497,36 +503,29 @@ then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 # a wait also lists the parameters it covers. dlo_fx_runtime_ops_<kind> is
 # dlo_fx.runtime.ops.<kind>; _dlo is the graph's schedule. Statements that only free
 # values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
-prefetch_b0  # dlo: prefetch block=0 slot=0 bytes=1088
-allgather_b0  # dlo: allgather block=0 slot=0 bytes=1088
-prefetch_b1  # dlo: prefetch block=1 slot=1 bytes=32896
-allgather_b1  # dlo: allgather block=1 slot=1 bytes=32896
-prefetch_b2  # dlo: prefetch block=2 slot=2 bytes=21440
-allgather_b2  # dlo: allgather block=2 slot=2 bytes=21440
-wait_b0  # dlo: wait block=0 slot=0 bytes=1088 covers patch_embed.weight, patch_embed.bias
+prefetch_b0  # dlo: prefetch block=0 slot=0 bytes=34368
+allgather_b0  # dlo: allgather block=0 slot=0 bytes=34368
+prefetch_b1  # dlo: prefetch block=1 slot=1 bytes=8384
+allgather_b1  # dlo: allgather block=1 slot=1 bytes=8384
+prefetch_b2  # dlo: prefetch block=2 slot=2 bytes=37824
+allgather_b2  # dlo: allgather block=2 slot=2 bytes=37824
+wait_b0  # dlo: wait block=0 slot=0 bytes=34368 covers patch_embed.weight, patch_embed.bias, time_embed.0.weight, time_embed.0.bias, modulation_table
 patch_embed_weight  # dlo: slot_view patch_embed.weight (1024 B)
 patch_embed_bias  # dlo: slot_view patch_embed.bias (64 B)
-swap_slot_b0  # dlo: swap_slot block=0 slot=0 bytes=1088
-prefetch_b3  # dlo: prefetch block=3 slot=0 bytes=30432
-allgather_b3  # dlo: allgather block=3 slot=0 bytes=30432
-wait_b1  # dlo: wait block=1 slot=1 bytes=32896 covers time_embed.0.weight, time_embed.0.bias
 time_embed_0_weight  # dlo: slot_view time_embed.0.weight (32768 B)
 time_embed_0_bias  # dlo: slot_view time_embed.0.bias (128 B)
-swap_slot_b1  # dlo: swap_slot block=1 slot=1 bytes=32896
-prefetch_b1_wrap  # dlo: prefetch block=1 slot=1 bytes=32896 wrap-around
-allgather_b1_wrap  # dlo: allgather block=1 slot=1 bytes=32896 wrap-around
-wait_b2  # dlo: wait block=2 slot=2 bytes=21440 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias, blocks.0.adaLN.weight, blocks.0.adaLN.bias, modulation_table
+modulation_table  # dlo: slot_view modulation_table (384 B)
+wait_b1  # dlo: wait block=1 slot=1 bytes=8384 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias
 time_embed_2_weight  # dlo: slot_view time_embed.2.weight (4096 B)
 time_embed_2_bias  # dlo: slot_view time_embed.2.bias (128 B)
 text_proj_weight  # dlo: slot_view text_proj.weight (4096 B)
 text_proj_bias  # dlo: slot_view text_proj.bias (64 B)
+swap_slot_b1  # dlo: swap_slot block=1 slot=1 bytes=8384
+prefetch_b1_wrap  # dlo: prefetch block=1 slot=1 bytes=8384 wrap-around
+allgather_b1_wrap  # dlo: allgather block=1 slot=1 bytes=8384 wrap-around
+wait_b2  # dlo: wait block=2 slot=2 bytes=37824 covers blocks.0.adaLN.weight, blocks.0.adaLN.bias, blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias
 blocks_0_adaLN_weight  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
 blocks_0_adaLN_bias  # dlo: slot_view blocks.0.adaLN.bias (384 B)
-modulation_table  # dlo: slot_view modulation_table (384 B)
-swap_slot_b2  # dlo: swap_slot block=2 slot=2 bytes=21440
-prefetch_b2_wrap  # dlo: prefetch block=2 slot=2 bytes=21440 wrap-around
-allgather_b2_wrap  # dlo: allgather block=2 slot=2 bytes=21440 wrap-around
-wait_b3  # dlo: wait block=3 slot=0 bytes=30432 covers blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias, final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
 blocks_0_qkv_weight  # dlo: slot_view blocks.0.qkv.weight (6144 B)
 blocks_0_qkv_bias  # dlo: slot_view blocks.0.qkv.bias (192 B)
 blocks_0_proj_weight  # dlo: slot_view blocks.0.proj.weight (2048 B)
@@ -535,13 +534,20 @@ blocks_0_fc1_weight  # dlo: slot_view blocks.0.fc1.weight (8192 B)
 blocks_0_fc1_bias  # dlo: slot_view blocks.0.fc1.bias (256 B)
 blocks_0_fc2_weight  # dlo: slot_view blocks.0.fc2_weight (8192 B)
 blocks_0_fc2_bias  # dlo: slot_view blocks.0.fc2_bias (64 B)
+swap_slot_b0  # dlo: swap_slot block=0 slot=0 bytes=34368
+prefetch_b3  # dlo: prefetch block=3 slot=0 bytes=5280
+allgather_b3  # dlo: allgather block=3 slot=0 bytes=5280
+swap_slot_b2  # dlo: swap_slot block=2 slot=2 bytes=37824
+prefetch_b2_wrap  # dlo: prefetch block=2 slot=2 bytes=37824 wrap-around
+allgather_b2_wrap  # dlo: allgather block=2 slot=2 bytes=37824 wrap-around
+wait_b3  # dlo: wait block=3 slot=0 bytes=5280 covers final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
 final_adaLN_weight  # dlo: slot_view final_adaLN.weight (4096 B)
 final_adaLN_bias  # dlo: slot_view final_adaLN.bias (128 B)
 proj_out_weight  # dlo: slot_view proj_out.weight (1024 B)
 proj_out_bias  # dlo: slot_view proj_out.bias (32 B)
-swap_slot_b3  # dlo: swap_slot block=3 slot=0 bytes=30432
-prefetch_b0_wrap  # dlo: prefetch block=0 slot=0 bytes=1088 wrap-around
-allgather_b0_wrap  # dlo: allgather block=0 slot=0 bytes=1088 wrap-around
+swap_slot_b3  # dlo: swap_slot block=3 slot=0 bytes=5280
+prefetch_b0_wrap  # dlo: prefetch block=0 slot=0 bytes=34368 wrap-around
+allgather_b0_wrap  # dlo: allgather block=0 slot=0 bytes=34368 wrap-around
 """)
 
 

@@ -86,7 +86,8 @@ blocks_0_fc2_weight = slot_view(blocks.0.fc2_weight)
 blocks_0_fc2_bias = slot_view(blocks.0.fc2_bias)
 linear_4 = linear(cond, blocks_0_adaLN_weight, blocks_0_adaLN_bias)
 view = .view(linear_4)
-mod = add(view, l_self_parameters_modulation_table_)
+modulation_table  # resident modulation_table (384 B)
+mod = add(view, modulation_table)
 unbind = .unbind(mod)
 shift1 = getitem(unbind)
 scale1 = getitem(unbind)
@@ -169,7 +170,7 @@ blocks_1_fc2_weight = slot_view(blocks.1.fc2_weight)
 blocks_1_fc2_bias = slot_view(blocks.1.fc2_bias)
 linear_9 = linear(cond, blocks_1_adaLN_weight, blocks_1_adaLN_bias)
 view_2 = .view(linear_9)
-mod_1 = add(view_2, l_self_parameters_modulation_table_)
+mod_1 = add(view_2, modulation_table)
 unbind_2 = .unbind(mod_1)
 shift1_1 = getitem(unbind_2)
 scale1_1 = getitem(unbind_2)
@@ -266,8 +267,8 @@ return (reshape_5)""")
     def test_three_slots(self):
         self.assertExpectedInline(schedule_nodes(scheduled(3)), """\
 prefetch_b0  # prefetch block=0 slot=0 bytes=33984
-prefetch_b1  # prefetch block=1 slot=1 bytes=21440
-prefetch_b2  # prefetch block=2 slot=2 bytes=25152
+prefetch_b1  # prefetch block=1 slot=1 bytes=8384
+prefetch_b2  # prefetch block=2 slot=2 bytes=37824
 wait_b0  # wait block=0 slot=0 bytes=33984 covers patch_embed.weight, patch_embed.bias, time_embed.0.weight, time_embed.0.bias
 patch_embed_weight = slot_view(patch_embed.weight)
 patch_embed_bias = slot_view(patch_embed.bias)
@@ -275,15 +276,16 @@ time_embed_0_weight = slot_view(time_embed.0.weight)
 time_embed_0_bias = slot_view(time_embed.0.bias)
 swap_slot_b0  # swap_slot block=0 slot=0 bytes=33984
 prefetch_b3  # prefetch block=3 slot=0 bytes=37824
-wait_b1  # wait block=1 slot=1 bytes=21440 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias, blocks.0.adaLN.weight, blocks.0.adaLN.bias, modulation_table
+wait_b1  # wait block=1 slot=1 bytes=8384 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias
 time_embed_2_weight = slot_view(time_embed.2.weight)
 time_embed_2_bias = slot_view(time_embed.2.bias)
 text_proj_weight = slot_view(text_proj.weight)
 text_proj_bias = slot_view(text_proj.bias)
+swap_slot_b1  # swap_slot block=1 slot=1 bytes=8384
+prefetch_b4  # prefetch block=4 slot=1 bytes=5280
+wait_b2  # wait block=2 slot=2 bytes=37824 covers blocks.0.adaLN.weight, blocks.0.adaLN.bias, blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias
 blocks_0_adaLN_weight = slot_view(blocks.0.adaLN.weight)
 blocks_0_adaLN_bias = slot_view(blocks.0.adaLN.bias)
-modulation_table = slot_view(modulation_table)
-wait_b2  # wait block=2 slot=2 bytes=25152 covers blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias
 blocks_0_qkv_weight = slot_view(blocks.0.qkv.weight)
 blocks_0_qkv_bias = slot_view(blocks.0.qkv.bias)
 blocks_0_proj_weight = slot_view(blocks.0.proj.weight)
@@ -292,8 +294,8 @@ blocks_0_fc1_weight = slot_view(blocks.0.fc1.weight)
 blocks_0_fc1_bias = slot_view(blocks.0.fc1.bias)
 blocks_0_fc2_weight = slot_view(blocks.0.fc2_weight)
 blocks_0_fc2_bias = slot_view(blocks.0.fc2_bias)
-swap_slot_b2  # swap_slot block=2 slot=2 bytes=25152
-prefetch_b2_wrap  # prefetch block=2 slot=2 bytes=25152 wrap-around
+swap_slot_b2  # swap_slot block=2 slot=2 bytes=37824
+prefetch_b2_wrap  # prefetch block=2 slot=2 bytes=37824 wrap-around
 wait_b3  # wait block=3 slot=0 bytes=37824 covers blocks.1.adaLN.weight, blocks.1.adaLN.bias, blocks.1.qkv.weight, blocks.1.qkv.bias, blocks.1.proj.weight, blocks.1.proj.bias, blocks.1.fc1.weight, blocks.1.fc1.bias, blocks.1.fc2_weight, blocks.1.fc2_bias
 blocks_1_adaLN_weight = slot_view(blocks.1.adaLN.weight)
 blocks_1_adaLN_bias = slot_view(blocks.1.adaLN.bias)
@@ -305,8 +307,6 @@ blocks_1_fc1_weight = slot_view(blocks.1.fc1.weight)
 blocks_1_fc1_bias = slot_view(blocks.1.fc1.bias)
 blocks_1_fc2_weight = slot_view(blocks.1.fc2_weight)
 blocks_1_fc2_bias = slot_view(blocks.1.fc2_bias)
-swap_slot_b1  # swap_slot block=1 slot=1 bytes=21440
-prefetch_b4  # prefetch block=4 slot=1 bytes=5280
 swap_slot_b3  # swap_slot block=3 slot=0 bytes=37824
 prefetch_b0_wrap  # prefetch block=0 slot=0 bytes=33984 wrap-around
 wait_b4  # wait block=4 slot=1 bytes=5280 covers final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
@@ -315,4 +315,4 @@ final_adaLN_bias = slot_view(final_adaLN.bias)
 proj_out_weight = slot_view(proj_out.weight)
 proj_out_bias = slot_view(proj_out.bias)
 swap_slot_b4  # swap_slot block=4 slot=1 bytes=5280
-prefetch_b1_wrap  # prefetch block=1 slot=1 bytes=21440 wrap-around""")
+prefetch_b1_wrap  # prefetch block=1 slot=1 bytes=8384 wrap-around""")

@@ -197,6 +197,57 @@ def test_an_offloaded_model_that_moved_buffers_is_collected():
         torch.compile(model, backend="dlo")(*_on(example_inputs(model.config), "meta"))
 
 
+def test_a_model_compiled_without_offload_is_offloaded_by_its_first_graph():
+    """See [Note: a model compiled without offload]: the first graph offloads the whole
+    model (every layer, though a graph break in each block makes the first graph read one
+    layer), so the graph Dynamo reuses for the next layers binds stored weights and stores
+    nothing at call time; another model of the class never offloaded gets its own."""
+    def fresh():
+        return reference_dit(width=32, depth=3, heads=2,
+                             graph_break_in_blocks=True).eval().requires_grad_(False)
+
+    model = fresh()
+    inputs = example_inputs(model.config)
+    with torch.inference_mode():
+        want = model(*inputs)
+    snap = _snapshot(model)
+    compiled = torch.compile(model, backend="dlo", options={"num_slots": 2})
+    with torch.inference_mode():
+        assert torch.equal(compiled(*inputs), want)
+        for block in model.blocks:  # every layer stored by the first graph
+            assert is_stored(block.qkv.weight)
+        assert torch.equal(compiled(*inputs), want)
+    other = fresh()
+    other.load_state_dict(model.state_dict())  # the real weights (model/guard.py)
+    with torch.inference_mode():
+        assert torch.equal(torch.compile(other, backend="dlo")(*inputs), want)
+        assert is_stored(other.blocks[2].qkv.weight)
+        assert torch.equal(compiled(*inputs), want)
+    dlo_fx.release(other)
+    dlo_fx.release(model)
+    assert _same_as(model, snap)
+
+
+def test_a_graph_over_two_models_never_offloaded_is_refused_before_anything_changes():
+    """One graph streams one model: the models are found on Dynamo's frame, neither is
+    touched."""
+    from errors import BackendCompilerFailed, original
+
+    first, second = _model(2), _model(2)
+    inputs = example_inputs(first.config)
+    snaps = _snapshot(first), _snapshot(second)
+
+    def both(*args):
+        return first(*args) + second(*args)
+
+    with torch.inference_mode(), pytest.raises(BackendCompilerFailed) as caught:
+        torch.compile(both, backend="dlo")(*inputs)
+    err = original(caught.value)
+    assert isinstance(err, ValueError)
+    assert "ReferenceDiT and ReferenceDiT" in str(err) and "each model on its own" in str(err)
+    assert _same_as(first, snaps[0]) and _same_as(second, snaps[1])
+
+
 class _ViewReadLate(nn.Module):
     """A view of ``a.weight`` read after two later layers ran: on two slots, the third
     layer's copy goes to ``a``'s slot, so the view must keep it until its last read."""

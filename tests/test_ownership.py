@@ -245,18 +245,27 @@ def test_a_model_a_compiled_function_reaches_through_an_argument_that_is_no_modu
 
 def test_regional_compile_of_the_blocks():
     """diffusers' ``compile_repeated_blocks`` (``nn.Module.compile`` on each block, the
-    model's own ``forward`` eager): every call is exact. The blocks' graphs store their
-    weights; the model's eager forward reads only its own resident parameters (the second
-    call was refused as an eager call of a stored model)."""
+    model's own ``forward`` eager): every call is exact. Without ``offload`` each compiled
+    block is the model its graph offloads (the model itself was not compiled); offloaded
+    first, one runtime holds the whole model and the eager forward reads its stored
+    weights from the host store."""
     ref, inputs = tiny_flux()
-    model, _ = tiny_flux()
     with torch.no_grad():
         expected = ref(**inputs)[0]
-        model.compile_repeated_blocks(backend="dlo")
-        assert all(torch.equal(model(**inputs)[0], expected) for _ in range(3))
-    runtime, = runtimes_holding(list(model.parameters()))
-    assert all(p in runtime.store for p in model.transformer_blocks.parameters())
-    assert not any(p in runtime.store for p in model.x_embedder.parameters())
+    for offload_first in (False, True):
+        torch._dynamo.reset()
+        model, _ = tiny_flux()
+        if offload_first:
+            dlo_fx.offload(model)
+        with torch.no_grad():
+            model.compile_repeated_blocks(backend="dlo")
+            assert all(torch.equal(model(**inputs)[0], expected) for _ in range(3))
+        runtimes = runtimes_holding(list(model.parameters()))
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+        assert len(runtimes) == (1 if offload_first else len(blocks))
+        assert all(any(p in r.store for r in runtimes) for p in model.transformer_blocks.parameters())
+        assert offload_first == any(p in runtimes[0].store for p in model.x_embedder.parameters())
+        dlo_fx.release(model)
 
 
 def test_regional_compile_of_a_loaded_model_names_what_it_reads_eagerly(dit):
@@ -326,7 +335,11 @@ def test_twenty_rounds_give_memory_back():
         if inputs is None:
             inputs = example_inputs(model.config, batch=1, height=8, width=8, seed=1)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        compiled = torch.compile(model, backend="dlo", options={"num_slots": 2})
+        # Offloaded first: every model of the class shares one Dynamo entry (compiled
+        # without offload, each would trace its own, and past Dynamo's recompile limit run
+        # eagerly; see [Note: a model compiled without offload])
+        dlo_fx.offload(model, options={"num_slots": 2})
+        compiled = torch.compile(model, backend="dlo")
         run(compiled, inputs)
         assert runtimes_holding(list(model.parameters()))[0].store.host_bytes > 0
         assert _copy_threads() >= 1  # blocks over 256 KiB: copies run on the worker
@@ -389,7 +402,8 @@ def test_new_weights_are_used_where_resident_and_refused_where_stored():
     key loads nothing."""
     ref, inputs = tiny_dit()
     model, _ = tiny_dit()
-    compiled = torch.compile(model, backend="dlo")
+    # The biases stay resident (below resident_bytes): the graph reads them from the module
+    compiled = torch.compile(model, backend="dlo", options={"resident_bytes": 1024})
     stored = "blocks.1.fc2_weight"
     with torch.no_grad():
         assert torch.equal(run(compiled, inputs), run(ref, inputs))

@@ -214,7 +214,10 @@ def test_release_on_another_thread_waits_for_the_running_graph():
     thread = threading.Thread(target=worker)
     thread.start()
     try:
-        for _ in range(15):
+        # Each release's next call offloads the model again (Dynamo traces it again: its
+        # weights are plain tensors), one Dynamo entry per round: rounds stay below
+        # Dynamo's recompile limit (8), past which the frame runs eagerly
+        for _ in range(6):
             stored_again = results.count(True)  # the last release's next call stores again
             deadline = time.monotonic() + 60
             while results.count(True) == stored_again:
@@ -226,7 +229,7 @@ def test_release_on_another_thread_waits_for_the_running_graph():
         stop.set()
         thread.join(timeout=120)
     released = "dlo: this model's weights were released (dlo_fx.release) on another thread"
-    assert results.count(True) >= 15, results
+    assert results.count(True) >= 6, results
     assert all(r is True or r.startswith(released) for r in results), set(map(str, results))
     with torch.no_grad():
         assert torch.equal(call(compiled, inputs), ref)

@@ -63,11 +63,11 @@ def test_a_torchao_quantized_reference_dit_streams_exactly():
         assert all(torch.equal(call(compiled, inputs), want) for _ in range(2))
 
 
-def test_magcache_before_the_first_call_warns_about_what_stays_resident():
+def test_magcache_before_the_first_call_reads_the_blocks_from_the_host_store():
     """diffusers' MagCache enabled before the first call runs the blocks from its own hook,
-    which Dynamo does not trace: their parameters reach no graph and stay resident (98 of
-    a tiny Flux's 108 parameters), which used to pass with no word. The outputs are exact,
-    and one warning names what is not streamed and why."""
+    which Dynamo does not trace. The model is offloaded whole (by its first graph), so
+    those blocks read their stored weights from the host store at each eager read: exact,
+    nothing left resident, and one warning per model says the reads are eager."""
     import warnings
 
     import torch
@@ -87,12 +87,9 @@ def test_magcache_before_the_first_call_warns_about_what_stays_resident():
     with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert all(torch.equal(compiled(**inputs)[0], ref(**inputs)[0]) for _ in range(3))
-    unreached = [w for w in seen if "read by no compiled graph" in str(w.message)]
-    assert len(unreached) == 1, [str(w.message) for w in seen]
-    text = str(unreached[0].message)
-    resident = [n for n, p in model.named_parameters() if not is_stored(p)]
-    assert f"{len(resident)} parameters" in text and repr(resident[0]) in text, text
-    assert "MagCache" in text and "after the first call" in text
+    eager = [w for w in seen if "read outside a scheduled graph" in str(w.message)]
+    assert len(eager) == 1, [str(w.message) for w in seen]
+    assert all(is_stored(p) for p in model.transformer_blocks.parameters())
 
 
 def test_a_stored_model_compiled_again_by_another_backend():

@@ -247,6 +247,7 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
                                        f"loading {plan.ckpt.source}", ahead=ahead,
                                        error_of=load_error)
         plan.host_bytes += sum(store.blocks[i].shard.numel() for i in indices)
+        runtime.block_ends.update(zip(indices, plan.ends))
     finally:
         progress.close()
     named = {id(t) for t in plan.named}

@@ -44,7 +44,7 @@ from .plan import (agree_on_plan, block_rows, model_targets, resident_fact, sett
 
 log = logging.getLogger(__name__)
 
-__all__ = ["compute_device", "offload"]
+__all__ = ["check_model", "compute_device", "offload", "offload_module"]
 
 
 def compute_device(config: DLOConfig) -> torch.device:
@@ -78,17 +78,28 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
     Returns ``model``, in eval mode with ``requires_grad=False`` parameters. Raises
     ValueError, naming the parameter and the way out, before anything changes.
     """
-    start = time.perf_counter()
     config = DLOConfig.from_options(options)
-    _check_model(model)
-    device = compute_device(config)
+    check_model(model)
+    offload_module(model, config, compute_device(config), resident=resident, inference=True)
+    return model
+
+
+def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
+                   resident: Sequence[str] = (), inference: bool = False,
+                   at_start: bool = True) -> Runtime:
+    """`offload` without its checks: store ``model``'s blocks for a runtime of ``config``
+    computing on ``device`` and return that runtime; with ``inference``, put the model in
+    eval mode without grads first (`offload` does; the backend, offloading a model compiled
+    without `offload` (dynamo/first_trace.py), keeps the modes Dynamo traced). ``at_start``
+    false: some of the model ran before (see `mark_model`)."""
+    start = time.perf_counter()
     home = _home_device(model)
     runtime = Runtime(config, device)
     split: Optional[dict[str, Any]] = None
     try:
         # See [Note: storing weights in another dtype]: marked, checked and rounded at
         # once, before the blocks are sized in their storage dtype
-        mark_model([model], config.storage_dtype, device)
+        mark_model([model], config.storage_dtype, device, at_start)
         params, _ = model_targets(model, None)
         split = split_params(params, config, resident, "dlo_fx.offload")
         error: Optional[BaseException] = None
@@ -98,10 +109,12 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
                   "dlo_fx.offload")
     assert split is not None  # agree_on_plan raised every planning error
     settle_mode(runtime, split["blocks"])
-    model.eval().requires_grad_(False)
+    if inference:
+        model.eval().requires_grad_(False)
     blocks = [NewBlock([t.tensor for t in b], [t.fqn for t in b]) for b in split["blocks"]]
-    runtime.store_blocks(blocks, [resident_fact(split["resident"])],
-                         f"offloading {type(model).__name__}")
+    indices = runtime.store_blocks(blocks, [resident_fact(split["resident"])],
+                                   f"offloading {type(model).__name__}")
+    runtime.block_ends.update(zip(indices, split["ends"]))
     runtime.home = home
     _move_rest(model, runtime, device)
     for target in split["named"]:  # no graph streams (and so stores) them either
@@ -111,10 +124,10 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
              "resident parameters, on %s, in %.2f s", type(model).__name__, len(blocks),
              sum(b.shard.numel() for b in runtime.store.blocks), len(split["resident"]),
              device, time.perf_counter() - start)
-    return model
+    return runtime
 
 
-def _check_model(model: Any) -> None:
+def check_model(model: Any) -> None:
     """ValueError, before anything changes, for what `offload` cannot take."""
     from .. import torch_private
 

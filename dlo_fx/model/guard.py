@@ -44,7 +44,7 @@ import contextlib
 import functools
 import inspect
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ from ..runtime.stored import (become_real, is_stored, mark_released, real_parame
 from .state import guarded_modules, peek, state_of
 from .storage_dtype import forget_storage_marks
 
-__all__ = ["attach", "guard_module", "guard_pipeline", "release", "restore", "unguard_pipeline"]
+__all__ = ["attach", "give_back", "guard_module", "guard_pipeline", "release", "restore",
+           "unguard_pipeline"]
 
 
 def _in_store(t: torch.Tensor) -> bool:
@@ -329,14 +330,27 @@ def release(model: nn.Module) -> nn.Module:
     ``model``. Raises ValueError when nothing of ``model`` is dlo's: no parameter stored
     by dlo, no ``backend="dlo"`` compile to undo.
     """
-    params = list(dict.fromkeys(model.parameters()))
-    runtimes = runtimes_holding(params)
-    if not runtimes:
+    modules = give_back(model)
+    if modules is None:
         if restore(model):
             return model
         raise ValueError(f"dlo_fx.release: no parameter of {type(model).__name__} is in a dlo "
                          "host store (was it loaded with dlo_fx.load or compiled with "
                          "backend='dlo' and called?)")
+    for module in modules:
+        restore(module)
+    return model
+
+
+def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
+    """The weights of `release`, without undoing what a compile left on the modules: put
+    the stored weights back, close the runtimes, unguard the modules, and return them;
+    None where no parameter of ``model`` is stored. The backend calls it to undo the
+    offload of a model compiled without `offload` whose first graph failed to compile."""
+    params = list(dict.fromkeys(model.parameters()))
+    runtimes = runtimes_holding(params)
+    if not runtimes:
+        return None
     with contextlib.ExitStack() as locks:
         for runtime in runtimes:  # a graph another thread is running finishes first
             locks.enter_context(runtime.lock)
@@ -364,8 +378,7 @@ def release(model: nn.Module) -> nn.Module:
             runtime.close()
     for module in modules:
         unguard_module(module)
-        restore(module)
-    return model
+    return modules
 
 
 # -- what a compile left on a module ------------------------------------------------------------

@@ -7,22 +7,14 @@ there at every prefetch (`FileShard`; see [Note: file-backed host store] in
 A parameter handed to the store becomes a `StoredWeight` (`runtime/stored.py`): the same
 Python object, with its shape, strides, dtype and device and no storage, whose reads outside
 a graph are served from this store and whose writes are refused. See [Note: a stored weight
-is a tensor] there, and [Note: when a parameter becomes a StoredWeight] below.
-
-[Note: when a parameter becomes a StoredWeight]
-A parameter a compile stores stays a plain tensor until a graph of its runtime is next
-called; the loader's are `StoredWeight`s from the start. Dynamo builds a frame's guards
-after the backend returns, from the parameters as they are then: a parameter converted
-inside the backend would make those guards expect a `StoredWeight`, so every further model
-of the class (its parameters still plain) would fail them and compile an entry of its own,
-until Dynamo's recompile limit. So a block a compile stores (`backend.commit`) is converted
-at the next call (`convert_pending`, under the runtime's lock): the guards expect what
-every fresh model has, and the converted model's own later calls pass them (Dynamo skips
-the tensor checks of a module whose dict did not change; where it does check, it compiles
-once more, for `StoredWeight`s, see [Note: a graph compiled again for stored weights] in
-dynamo/backend.py). The pending parameters are held weakly: a model compiled and never
-called is collected with its runtime. A parameter converted in place keeps the memory it
-had until then only as long as something else holds it (its old tensor is let go).
+is a tensor] there, and [Note: when a parameter becomes a StoredWeight]
+A parameter becomes a `StoredWeight` once every rank has agreed to the block that holds it
+(`Runtime.store_blocks` calls `HostStore.convert` after the agreement), never later: the
+model Dynamo traces, and every guard it builds, already has the `StoredWeight`s (see
+[Note: a streamed model exists before Dynamo traces it] in loading/offload.py). A block
+laid out and then refused (a rank failed) leaves its parameters as they were. A parameter
+converted in place keeps the memory it had until then only as long as something else
+holds it (its old tensor is let go).
 
 [Note: a stored parameter that dies]
 An entry lives exactly as long as its parameter. The store keys its entries by
@@ -125,9 +117,6 @@ class HostStore:
         self.slabs: Optional[HostSlabs] = HostSlabs(alignment, device=device) if pin else None
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
-        # Stored parameters not converted yet: see [Note: when a parameter becomes a
-        # StoredWeight]
-        self._pending: list[weakref.ReferenceType] = []
         # block index -> how many of its parameters live: see [Note: a stored parameter
         # that dies]. The finalizers run on whichever thread frees a parameter.
         self._live: dict[int, int] = {}
@@ -190,14 +179,14 @@ class HostStore:
 
     def add_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
                   sources: Optional[Sequence[torch.Tensor]] = None,
-                  extents: Optional[Sequence[Extent]] = None, defer: bool = False) -> HostBlock:
+                  extents: Optional[Sequence[Extent]] = None) -> HostBlock:
         """Lay ``params`` out as a new block and copy this rank's shard of their bytes.
 
         ``sources`` are flat uint8 images of each parameter's storage span; by default
         the parameters' own bytes are read. ``extents`` (what the loader passes)
         say instead where the block's bytes are in files: a file-backed store keeps them
-        (nothing is copied), a memory store reads them once. The parameters become
-        `StoredWeight`s afterwards, or, with ``defer``, at `convert_pending`.
+        (nothing is copied), a memory store reads them once. The parameters stay as they
+        are until `convert` (see [Note: when a parameter becomes a StoredWeight]).
         """
         for p, fqn in zip(params, fqns):
             if id(p) in self._entries:
@@ -225,18 +214,12 @@ class HostStore:
                 sources = self.sources(params, entries)
             copy_into_shard(shard, leaf_entries(entries), sources, start)
         block = HostBlock(index=index, entries=entries, spec=spec, shard=shard, source=source)
-        real = [p for p in params if p.numel() and not is_stored(p)]
-        if not defer:
-            for p in real:
-                become_stored(p)
         with self._forget_lock:
             self.blocks.append(block)
             self._live[index] = len(params)
             for p, e in zip(params, entries):
                 self._entries[id(p)] = e
                 weakref.finalize(p, _forget, weakref.ref(self), id(p)).atexit = False
-            if defer:
-                self._pending += [weakref.ref(p) for p in real]
         self._next_uid += len(entries)
         return block
 
@@ -256,29 +239,12 @@ class HostStore:
                     self.blocks[entry.block] = dataclasses.replace(
                         block, shard=torch.empty(0, dtype=torch.uint8))
 
-    @property
-    def pending(self) -> bool:
-        """Whether parameters a compile stored wait to become `StoredWeight`s. A graph call
-        asks on every call without the lock (a stale answer only leaves the conversion to
-        the next call), so a steady call takes no extra lock."""
-        return bool(self._pending)
-
-    def convert_pending(self, params: Optional[Sequence[torch.Tensor]] = None,
-                        device: Optional[torch.device] = None) -> None:
-        """Turn the parameters a compile stored (or just ``params`` of them) into
-        `StoredWeight`s: see [Note: when a parameter becomes a StoredWeight]. The caller
-        holds the runtime's lock."""
-        with self._forget_lock:
-            if params is None:
-                pending, self._pending = self._pending, []
-            else:
-                ids = {id(p) for p in params}
-                pending = [r for r in self._pending if id(r()) in ids]
-                self._pending = [r for r in self._pending if id(r()) not in ids]
+    def convert(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
+        """Turn the stored ``params`` into `StoredWeight`s on ``device``: see [Note: when a
+        parameter becomes a StoredWeight]. The caller holds the runtime's lock."""
         kept = []
-        for ref in pending:
-            p = ref()
-            if p is not None and id(p) in self._entries:
+        for p in params:
+            if p.numel() and not is_stored(p) and id(p) in self._entries:
                 try:
                     become_stored(p, device)
                 except RuntimeError:  # something outside Python holds its tensor
@@ -291,9 +257,8 @@ class HostStore:
                 "graphs stream them all the same", RuntimeWarning, stacklevel=2)
 
     def drop_blocks(self, first: int) -> None:
-        """Forget blocks ``first`` onwards (undoing a failed store, `Runtime.store_blocks`);
-        those of their parameters that became `StoredWeight`s have no weights and must not be
-        used again."""
+        """Forget blocks ``first`` onwards (undoing a failed store, `Runtime.store_blocks`,
+        before any of their parameters became a `StoredWeight`)."""
         with self._forget_lock:
             self._entries = {k: e for k, e in self._entries.items() if e.block < first}
             self._live = {k: n for k, n in self._live.items() if k < first}

@@ -23,7 +23,7 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .clock import word
-from .owners import claim, owner_of
+from .owners import owner_of
 from .runtime import Runtime
 from .stored import release_advice
 from ..torch_private import profiler_enabled
@@ -49,8 +49,6 @@ class GraphSchedule(torch.nn.Module):
         self.slot_of = slot_of
         self.fqns = fqns
         self.bound = [-1] * len(slot_of)
-        # Runtimes whose models' modules a call of this graph adopted (backend.adopt_callers)
-        self.adopted: "weakref.WeakSet" = weakref.WeakSet()
         self.graph = next(_GRAPH_IDS)
         """A process-wide id; the tracer tags this graph's spans with it."""
         self.step = 0  # schedule ops done in the current call
@@ -98,21 +96,23 @@ class GraphSchedule(torch.nn.Module):
         """Bind this call to the runtime of the model whose ``params`` it is called with.
 
         Dynamo reuses one graph for every model of the same class compiled with the same
-        options, so the runtime is found from the parameters on every call. A model no
-        runtime owns yet gets its own (the graph's options, and the mode settled when the
-        graph was compiled). Options the compile call gave that differ from the owning
-        runtime's are refused before anything runs.
+        options, so the runtime is found from the parameters on every call. No runtime is
+        made here: parameters no live runtime stores (a model released and called through
+        a graph Dynamo kept) raise. Options the compile call gave that differ from the
+        owning runtime's are refused before anything runs.
         """
         runtime = self._runtime_ref()
         if runtime is not None and params and owner_of(params[:1]) is runtime:
             return runtime
         runtime = owner_of(params)
         if runtime is None or runtime.closed:
-            runtime = Runtime(self.config, self._device)
-            if runtime.mode is None:
-                runtime.set_mode(self.mode, "the mode settled when the graph was compiled")
-            claim(params, runtime)
-        elif self.given:
+            first = next((f[0] for f in self.fqns if f), "its weights")
+            raise RuntimeError(
+                f"dlo: this graph streams {first!r} and the blocks after it, but it is called with parameters no dlo runtime stores (the "
+                "model was released with dlo_fx.release, or is another model of the class "
+                "never offloaded); offload the model again (dlo_fx.offload(model, options)) "
+                "or compile it again after torch._dynamo.reset()")
+        if self.given:
             differing = runtime.config.differing(self.given)
             if differing:
                 raise ValueError(conflict_message(differing))

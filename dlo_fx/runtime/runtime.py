@@ -8,7 +8,8 @@ model stores comes in through `Runtime.store_blocks`.
 
 [Note: storing blocks]
 Every block enters the host store through one path (`Runtime.store_blocks`), whoever asks
-(the loader, a compile, a reused graph), and it is all or nothing on every rank. Its steps,
+(the loader, `dlo_fx.offload`, a compile meeting parameters the model gained after it was
+stored), and it is all or nothing on every rank. Its steps,
 in order: lay the parameters out, take the block's sampled fingerprint (of the parameters'
 bytes, or of the checkpoint's where the loader reads files), add it to the host store
 (which copies or reads this rank's shard), have the ranks agree on everything that shapes
@@ -131,13 +132,15 @@ class Runtime(SlotMachine, WeightReads):
         # resident=)`` (code Dynamo runs eagerly reads it, as does a model whose blocks alone
         # are compiled). Keyed by identity, weakly: the model owns its parameters.
         self.kept_resident: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-        # The modules the model's graphs compiled, and whether their parameters no graph
-        # reached were counted (backend.warn_unreached)
-        self.watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-        self.reach_checked = False
         # Where `dlo_fx.offload` found the model's parameters, and how to put back what it
         # moved to the compute device: `dlo_fx.release` returns the weights there.
         self.home: Optional[torch.device] = None
+        # The model the backend offloaded at its first graph (dynamo/first_trace.py),
+        # weakly, until a graph of it compiles: a failed compile gives its weights back
+        self.offloaded_by_trace: Optional[weakref.ReferenceType] = None
+        # Why each host block the loader or `offload` planned ends where it does (the
+        # blocks.md dump's "ends because"), by host block index
+        self.block_ends: dict[int, str] = {}
         self.undo_moves: list[Callable[[], None]] = []
         install_interrupt_handler()
 
@@ -199,14 +202,14 @@ class Runtime(SlotMachine, WeightReads):
 
     # -- storing blocks (compile, load, first call of a reused graph) -----------------------
     def store_blocks(self, blocks: Iterable[NewBlock], facts: Sequence[Fact], what: str,
-                     *, convert: bool = True, ahead: Optional[Sequence[NewBlock]] = None,
+                     *, ahead: Optional[Sequence[NewBlock]] = None,
                      error_of: Callable[[BaseException], BaseException] = lambda e: e) -> list[int]:
         """Store ``blocks`` (see [Note: storing blocks]) and return their host block indices.
 
         ``facts``: what else the ranks must share (the compile's block plan, the loader's
         shard run), compared in the same exchange as the runtime's facts, the new blocks'
-        layouts and fingerprints. ``convert=False`` leaves real parameters real until the
-        runtime's next graph call ([Note: when a parameter becomes a StoredWeight]).
+        layouts and fingerprints. Once they agree, the parameters become `StoredWeight`s
+        ([Note: when a parameter becomes a StoredWeight]).
         ``blocks`` may be a generator: each is stored before the next is asked for (the
         loader reads block by block); ``ahead`` then announces them (their parameters
         and names), so that a pinned store sizes its slabs for all of them at once ([Note:
@@ -260,14 +263,13 @@ class Runtime(SlotMachine, WeightReads):
             raise
         params = [p for b in added for p in b.params]
         claim(params, self)  # only now: a failed store leaves no owner on any rank
-        if convert:
-            store.convert_pending(params, self.device)  # a model offloaded from the host
+        store.convert(params, self.device)
         return indices
 
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
                        extents: Optional[Sequence] = None) -> int:
         """Add ``params`` to the host store as a new block (this rank's shard of it); they
-        stay real until `HostStore.convert_pending`. Only `store_blocks`
+        stay as they are until `HostStore.convert`. Only `store_blocks`
         calls this: see [Note: storing blocks]. ``extents``: where the block's bytes are
         in files (the loader's blocks, `HostStore.add_block`)."""
         if self.mode is None:
@@ -276,23 +278,27 @@ class Runtime(SlotMachine, WeightReads):
                                "compile and the loader alike)")
         if self.closed:
             raise RuntimeError("dlo: this runtime was released; compile the model again")
-        block = self.store.add_block(params, fqns, extents=extents, defer=True)
+        block = self.store.add_block(params, fqns, extents=extents)
         self.fit_slots(block.slot_bytes)
         return block.index
 
     def resolve(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str]) -> int:
         """Host block a graph block is bound to for this call.
 
-        Parameters never seen are registered as a new block (a graph Dynamo reuses for
-        the next layer passes that layer's parameters). Otherwise the host block holding
-        most of ``params`` wins; a parameter held elsewhere (a table shared by every
-        layer and passed in as an argument) is read from a resident copy by ``view``.
+        Every parameter is stored already (a graph Dynamo reuses for the next layer passes
+        that layer's parameters, stored when the model was): the host block holding most of
+        ``params`` wins; a parameter held elsewhere (a table shared by every layer and
+        passed in as an argument) is read from a resident copy by ``view``. Nothing is
+        stored at call time: a parameter this runtime does not store raises.
         """
         entries = [self.store.entry(p) for p in params]
         if None in entries:
-            fresh = [(p, f) for p, f, e in zip(params, fqns, entries) if e is None]
-            new = NewBlock([p for p, _ in fresh], [f for _, f in fresh])
-            return self.store_blocks([new], [], f"the layer of {new.fqns[0]!r}")[0]
+            fqn = fqns[entries.index(None)]
+            raise RuntimeError(
+                f"dlo: parameter {fqn!r} reaches a streamed graph but is not stored with the "
+                "model it is called with (a parameter set on the model after it was "
+                "offloaded, outside any compile); call dlo_fx.release(model), then offload "
+                "and compile it again")
         first = entries[0].block
         if all(e.block == first for e in entries):
             return first

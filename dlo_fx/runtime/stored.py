@@ -36,9 +36,8 @@ use by a view of a device slot. Outside a graph every operation goes through
 While Dynamo traces (its fake mode is active on the inner tensor) an op computes fake
 outputs of the right metadata, so tracing reads nothing.
 
-The loader makes stored parameters `StoredWeight`s from the start; a compile turns the
-parameters it stored into them at the graph's first call (see [Note: when a parameter
-becomes a StoredWeight] in `runtime/host_store.py`).
+A parameter becomes a `StoredWeight` when its block is stored, before Dynamo traces the
+model (see [Note: when a parameter becomes a StoredWeight] in `runtime/host_store.py`).
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ class StoreView:
     budget_plans: Mapping[tuple[str, ...], Any] = field(default_factory=dict)  # earlier graphs'
     agreed_auto_budget: Optional[int] = None  # several ranks' one auto budget
     free_bytes: Optional[int] = None  # free device memory (measured where asked), or None
+    block_ends: Mapping[int, str] = field(default_factory=dict)  # why each host block ends
 
     def facts(self, param: torch.Tensor) -> Optional[ParamFacts]:
         return self.params.get(id(param))

@@ -95,8 +95,9 @@ class PassContext:
                 stored.setdefault(self.view.facts(p.param).block, []).append(p)
         cuts = partition([Unit(p.fqn, p.nbytes) for p in fresh], budget, layers)
         groups = [(None, fresh[c.start:c.stop], c.reason) for c in cuts]
-        groups += [(hb, ps, f"host block {hb}: stored together (by dlo_fx.load or an "
-                            "earlier graph)") for hb, ps in stored.items()]
+        groups += [(hb, ps, self.view.block_ends.get(hb) or f"host block {hb}: stored "
+                            "together (whole layers up to block_bytes)")
+                   for hb, ps in stored.items()]
         groups.sort(key=lambda item: min(p.first for p in item[1]))
         return [GraphBlock(index=i, params=ps, host_block=hb, reason=why)
                 for i, (hb, ps, why) in enumerate(groups)]
