@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import dlo_fx
 import stored_set_cases
@@ -355,11 +356,9 @@ def test_storage_and_set_are_refused_by_name(tmp_path):
 
 RESIZE = "RuntimeError: Trying to resize storage that is not resizable"
 #: how a spelling may fail besides RESIZE and dlo's ValueError naming the parameter: a meta
-#: tensor cannot take a storage on the parameter's device; a view of a parameter taken in
-#: inference mode (torch cannot give an inference tensor the version counter of its base)
+#: tensor cannot take a storage on the parameter's device
 TORCH_REFUSALS = ('RuntimeError: Attempted to set the storage of a tensor on device "meta" '
-                  'to a storage on different device',
-                  "RuntimeError: Cannot set version_counter for inference tensor")
+                  'to a storage on different device',)
 
 
 def _sets():
@@ -448,3 +447,21 @@ def test_views_and_ways_out_on_a_gpu(tmp_path):
             with pytest.raises(ValueError, match=match):
                 attempt()
         assert hasattr(r, "__cuda_array_interface__")
+
+
+def test_views_and_state_dict_under_inference_mode_are_exact():
+    """A view of a stored parameter (a normal tensor) taken under ``torch.inference_mode()``
+    is a normal tensor, as for a resident parameter: it raised torch's "Cannot set
+    version_counter for inference tensor", and so did ``model.state_dict()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).requires_grad_(False)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    dlo_fx.offload(model, options={"block_bytes": 1, "resident_bytes": 0})
+    p = model[0].weight
+    with torch.inference_mode():
+        assert torch.equal(p.t() * 1, want["0.weight"].t())
+        assert torch.equal(p.view(-1)[3:7] * 1, want["0.weight"].view(-1)[3:7])
+        assert torch.equal(p.detach() * 1, want["0.weight"])
+        got = model.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    dlo_fx.release(model)

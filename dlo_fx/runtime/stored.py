@@ -42,6 +42,7 @@ model (see [Note: when a parameter becomes a StoredWeight] in `runtime/host_stor
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import warnings
@@ -262,8 +263,12 @@ def _alias(t: StoredWeight, steps: tuple, meta: Optional[torch.Tensor] = None) -
     """Another `StoredWeight` reading ``t``'s origin through ``t``'s steps and ``steps``,
     with the metadata of ``meta`` (the view computed on a meta tensor) or of ``t``."""
     m = meta if meta is not None else t
-    out = StoredWeight(m.shape, m.stride(), m.dtype, t.device, requires_grad=False,
-                       storage_offset=m.storage_offset(), token=t._dlo_token)
+    # A view of a parameter (a normal tensor) taken under inference_mode is a normal tensor
+    # too: torch gives it the parameter's version counter, which an inference tensor (what
+    # the wrapper would be, made in that mode) cannot take ("Cannot set version_counter")
+    with torch.inference_mode(False) if not t.is_inference() else contextlib.nullcontext():
+        out = StoredWeight(m.shape, m.stride(), m.dtype, t.device, requires_grad=False,
+                           storage_offset=m.storage_offset(), token=t._dlo_token)
     out._dlo_origin = t.origin
     out._dlo_steps = t._dlo_steps + steps
     out._dlo_bits = (m.is_conj(), m.is_neg()) if meta is not None else t._dlo_bits
