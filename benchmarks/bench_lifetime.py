@@ -21,7 +21,7 @@ import time
 import torch
 
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.owners import runtimes_holding
+from dlo_fx.runtime.weights.owners import runtimes_holding
 
 
 def rss_bytes() -> int:
@@ -54,7 +54,7 @@ def bind_cost(repeats: int) -> tuple[float, float]:
             compiled(*inputs)
     params = list(model.parameters())
     runtime = runtimes_holding(params)[0]
-    from dlo_fx.runtime.ops import GraphSchedule
+    from dlo_fx.runtime.graph.ops import GraphSchedule
 
     sched = GraphSchedule(runtime, [0], [[]])
     binds, calls = [], []

@@ -4,8 +4,9 @@
 A reference DiT checkpoint (about 3.1 GB of bfloat16, written once into a cache folder) is
 loaded by ``--ranks`` fresh processes joined by a gloo file rendezvous, each then compiling
 the model with ``backend="dlo"`` (``mode="allgather"``) and running one forward. The parent
-samples the PSS of every worker's process tree (`dlo_fx.runtime.procfs.tree_pss`) at ``--hz`` from
-process start until every rank's first forward finished, and reports the peak of the sum.
+samples the PSS of every worker's process tree (`dlo_fx.runtime.device.procfs.tree_pss`) at
+``--hz`` from process start until every rank's first forward finished, and reports the peak
+of the sum.
 
 Variants, each in fresh processes:
 
@@ -169,7 +170,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "idle":
         dist.barrier()
         time.sleep(0.5)
-        from dlo_fx.runtime.procfs import process_memory
+        from dlo_fx.runtime.device.procfs import process_memory
 
         result["pss"] = process_memory()["pss"]
         dist.barrier()  # every rank measured while all were alive
@@ -189,9 +190,9 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
     import dlo_fx
     from dlo_fx.loading.loader import load
     from dlo_fx.apps.models import example_inputs
-    from dlo_fx.runtime.owners import runtimes_holding
+    from dlo_fx.runtime.weights.owners import runtimes_holding
 
-    from dlo_fx.runtime.procfs import process_memory
+    from dlo_fx.runtime.device.procfs import process_memory
 
     config = dit_config(p)
     cls = model_class(p)
@@ -244,7 +245,7 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
 def run_variant(variant: str, ckpt: str, p: dict, ranks: int, hz: float,
                 timeout: float, thp: bool = True) -> dict:
     """Start ``ranks`` fresh workers and sample the sum of their process trees' PSS."""
-    from dlo_fx.runtime.procfs import tree_pss
+    from dlo_fx.runtime.device.procfs import tree_pss
 
     env = dict(os.environ)
     if thp:

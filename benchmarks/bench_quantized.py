@@ -168,7 +168,7 @@ def _peak_rss_of(cmd: list[str]) -> tuple[float, int]:
 def _forward_case(folder: str) -> None:
     """Run in a child: load the fp8 folder, two calls, print the figures as JSON."""
     import dlo_fx
-    from dlo_fx.runtime import procfs as _procfs
+    from dlo_fx.runtime.device import procfs as _procfs
     from diffusers import FluxTransformer2DModel
 
     warnings.simplefilter("ignore")

@@ -1,10 +1,10 @@
 """What the weight fingerprint and the sampled file checks cost against the work they guard.
 
 In allgather mode `dlo_fx.load` takes a sampled fingerprint of every block from the
-checkpoint's own bytes (`runtime/fingerprint.py`, read with ``os.pread`` whatever the
+checkpoint's own bytes (`runtime/host/fingerprint.py`, read with ``os.pread`` whatever the
 store), so ranks that loaded different weights of the same shapes raise instead of
 gathering a mix; with ``host_store="mmap"`` every block read also compares 16 sampled
-windows with the bytes seen at load (`runtime/file_store.py`), so a rewrite that keeps the
+windows with the bytes seen at load (`runtime/host/file_store.py`), so a rewrite that keeps the
 file's size and mtime raises. This script saves a reference DiT as one safetensors file,
 then per repetition (interleaved, page cache warm):
 
@@ -35,8 +35,8 @@ from safetensors.torch import save_file
 import dlo_fx
 from dlo_fx.loading.discover import resolve_checkpoint
 from dlo_fx.apps.models import ReferenceDiT, reference_dit
-from dlo_fx.runtime.fingerprint import file_fingerprint
-from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.host.fingerprint import file_fingerprint
+from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
 
 def main(argv=None) -> int:

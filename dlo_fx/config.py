@@ -132,7 +132,7 @@ class DLOConfig:
     checkpoint files themselves (the safetensors files `dlo_fx.load` read, or the per-rank
     files of ``dlo-fx shard``) through the OS page cache, with read-ahead and no copy in
     anonymous memory: for models larger than host RAM. Needs `dlo_fx.load`. See
-    `dlo_fx.runtime.file_store`. Default: ``"memory"``."""
+    `dlo_fx.runtime.host.file_store`. Default: ``"memory"``."""
 
     storage_dtype: Union[torch.dtype, str, None] = None
     """Store (and stream) the weights of the model's linear and convolution layers in this
@@ -150,7 +150,7 @@ class DLOConfig:
     the page cache (nothing evicted, no copy out of the cache; a file system that refuses it
     is read buffered, with a warning). ``"auto"``: direct when the bytes served on this
     host do not fit in the memory available to the page cache. See
-    `dlo_fx.runtime.file_reads`. Default: ``"auto"``."""
+    `dlo_fx.runtime.host.file_reads`. Default: ``"auto"``."""
 
     fault_delay_s: float = 0.0
     """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``

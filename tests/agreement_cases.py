@@ -14,8 +14,8 @@ import torch
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.loading.shards import write_shard_dir
-from dlo_fx.runtime.host_store import HostStore
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.host.host_store import HostStore
+from dlo_fx.runtime.weights.stored import is_stored
 from errors import error_text
 from loader_cases import SHARED, fresh, resident_dit, save_dit
 from models import call, tiny_dit
@@ -224,7 +224,7 @@ def failure_stays_with_its_model(rank: int, world: int, root: str, files: dict,
 def truncated_while_loading(rank: int, world: int, root: str, files: dict, store: str) -> str:
     """Item 8: the checkpoint is truncated while the load reads it (before its second
     block is stored; the first was read): a Python error naming the file, never a SIGBUS."""
-    from dlo_fx.runtime.host_store import HostStore
+    from dlo_fx.runtime.host.host_store import HostStore
 
     path = os.path.join(root, f"t-{store}.safetensors")
     shutil.copy(files["a"], path)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import OUTPUT, background, start_fork_server
-from dlo_fx.runtime.owners import reset_runtimes
+from dlo_fx.runtime.weights.owners import reset_runtimes
 from lifetime import Survivors
 
 

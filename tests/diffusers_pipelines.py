@@ -171,7 +171,7 @@ def check_bit_exact_with_cfg_two_resolutions(kind: str, reference, pipe, **kw) -
     """``pipe`` (compiled with `compile_pipeline`) equals ``reference`` bit for bit with CFG
     at both resolutions and back at the first; its transformer and text encoders are
     streamed, its VAE is not."""
-    from dlo_fx.runtime.stored import is_stored
+    from dlo_fx.runtime.weights.stored import is_stored
 
     sizes = SIZES[kind]
     for height, width in sizes + sizes[:1]:
@@ -214,7 +214,7 @@ def readme_quick_start_case(readme: str) -> None:
     import numpy as np
     from diffusers import FluxPipeline
 
-    from dlo_fx.runtime.owners import reset_runtimes
+    from dlo_fx.runtime.weights.owners import reset_runtimes
 
     text = Path(readme).read_text()
     section = text[text.index("## Diffusers quick start"):text.index("## Any DiT")]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.node import has_side_effect
 
-from dlo_fx.runtime.owners import reset_runtimes
+from dlo_fx.runtime.weights.owners import reset_runtimes
 
 from errors import described, error_text
 from models import MODELS, call, run_dlo, runtime_figures, tiny_dit

@@ -15,7 +15,7 @@ from torch.fx.node import has_side_effect
 
 import dlo_fx.apps.dump
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.owners import reset_runtimes
+from dlo_fx.runtime.weights.owners import reset_runtimes
 
 from models import call, tiny_wan
 

@@ -9,8 +9,8 @@ import torch
 
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.runtime.file_reads import FileChangedError
-from dlo_fx.runtime.owners import runtimes_holding
+from dlo_fx.runtime.host.file_reads import FileChangedError
+from dlo_fx.runtime.weights.owners import runtimes_holding
 
 from dlo_fx.loading.shards import write_shard_dir
 from loader_cases import (SHARED, compare, fresh, resident_dit, resident_wan, save_dit,

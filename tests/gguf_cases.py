@@ -85,7 +85,7 @@ def ranks_case(rank: int, world: int, folder: str) -> dict:
     compiled calls against diffusers' load of the file."""
     import dlo_fx
     from diffusers import FluxTransformer2DModel
-    from dlo_fx.runtime.owners import reset_runtimes
+    from dlo_fx.runtime.weights.owners import reset_runtimes
 
     root = os.path.join(folder, "flux")
     want = run(reference(os.path.join(root, "transformer", "model.gguf")))

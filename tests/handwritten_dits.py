@@ -185,7 +185,7 @@ def run(layout: str, options: dict, *, ckpt: str = "", calls: int = 2, **kw) -> 
     with the resident model; the figures of the blocks the runtime holds."""
     import dlo_fx
     from models import call
-    from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
+    from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
     torch._dynamo.reset()
     reset_runtimes()

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
 from models import MODELS, call
 

@@ -26,7 +26,8 @@ import types
 import weakref
 from typing import Any
 
-from dlo_fx.runtime import owners, shared_slots
+from dlo_fx.runtime.device import shared_slots
+from dlo_fx.runtime.weights import owners
 from dlo_fx.runtime.runtime import Runtime
 
 

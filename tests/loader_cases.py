@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.runtime.owners import live_runtimes, reset_runtimes, runtimes_holding
+from dlo_fx.runtime.weights.owners import live_runtimes, reset_runtimes, runtimes_holding
 
 from models import call, runtime_figures, tiny_dit, tiny_wan
 

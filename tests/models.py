@@ -8,7 +8,7 @@ import torch
 
 import dlo_fx
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.owners import runtimes_holding
+from dlo_fx.runtime.weights.owners import runtimes_holding
 
 
 def tiny_dit(depth: int = 3, graph_break: bool = False, seed: int = 0):

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 import dlo_fx
 from dlo_fx.apps.models import ReferenceDiT, example_inputs, reference_dit
-from dlo_fx.runtime.stored import is_stored
-from dlo_fx.runtime.owners import live_runtimes, runtimes_holding
+from dlo_fx.runtime.weights.stored import is_stored
+from dlo_fx.runtime.weights.owners import live_runtimes, runtimes_holding
 
 from errors import error_text
 from loader_cases import SHARED, resident_dit, resident_wan, save_dit, save_wan
@@ -325,7 +325,7 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
 def _shared_storages(out_dir: str) -> dict:
     """Parameters whose storage is not theirs alone (a parameter stored lets its old tensor
     go and frees no storage: see [Note: when a parameter becomes a StoredWeight] in
-    dlo_fx/runtime/host_store.py): a state dict loaded with
+    dlo_fx/runtime/host/host_store.py): a state dict loaded with
     ``assign=True`` into the compiled model and into a resident one (storing freed the
     resident model's weights and the caller's dict under them), and ``torch.load(...,
     mmap=True)``, whose storages cannot be resized (the compile raised)."""
@@ -435,7 +435,7 @@ def allgather_state_dict(rank: int, world: int, dit_path: str, config) -> dict:
     # Each rank asks for another layer's weights: the ranks would gather different blocks
     # of the same size into each other's, a state dict of mixed bytes with no error. The
     # clock before the gather makes both raise, and the runtime stays usable.
-    from dlo_fx.runtime.clock import ClockMismatch
+    from dlo_fx.runtime.ranks.clock import ClockMismatch
     try:
         model.blocks[rank].state_dict()
         out["other_layers"] = "no error"

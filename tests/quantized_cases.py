@@ -25,7 +25,7 @@ def quantized(name: str) -> torch.nn.Module:
 
 def compare(name: str, options: dict, calls: int = 2) -> dict:
     """Bit-identity of ``calls`` calls, and the host bytes against the bf16 model's."""
-    from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
+    from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
     torch._dynamo.reset()
     reset_runtimes()

@@ -18,7 +18,7 @@ import torch
 
 def _warm_up() -> None:
     from dlo_fx.apps.models import example_inputs, reference_dit
-    from dlo_fx.runtime.owners import reset_runtimes
+    from dlo_fx.runtime.weights.owners import reset_runtimes
 
     torch.set_num_threads(1)
     model = reference_dit(width=32, depth=3, heads=2, seed=0).eval().requires_grad_(False)

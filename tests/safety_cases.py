@@ -12,8 +12,8 @@ import time
 import torch
 
 from dlo_fx.apps.engine.clock import ForwardClock
-from dlo_fx.runtime.clock import ClockMismatch
-from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.ranks.clock import ClockMismatch
+from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
 from errors import described
 from models import call, run_dlo, tiny_dit

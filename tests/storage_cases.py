@@ -66,7 +66,7 @@ def ranks_case(rank: int, world: int, folder: str) -> dict:
     two calls each, against the resident layerwise-cast model; and the bytes stored."""
     import dlo_fx
     from diffusers import FluxTransformer2DModel
-    from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
+    from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
     root = os.path.join(folder, "flux")
     want = run(ref_model(FluxTransformer2DModel.from_pretrained(root, torch_dtype=BF16)))

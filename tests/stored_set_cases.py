@@ -16,7 +16,7 @@ import torch
 
 import dlo_fx
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.stored import is_stored
 
 from errors import error_text
 from loader_cases import resident_dit

@@ -9,9 +9,9 @@ import torch
 
 import dlo_fx
 from dlo_fx.planning.blocks import layer_key
-from dlo_fx.runtime.layout import span_bytes
-from dlo_fx.runtime.owners import runtimes_holding
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.host.layout import span_bytes
+from dlo_fx.runtime.weights.owners import runtimes_holding
+from dlo_fx.runtime.weights.stored import is_stored
 
 from errors import BackendCompilerFailed, original
 from models import MODELS, call, run_dlo, tiny_dit

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from dlo_fx.planning.budget import BudgetPlan, minimum_bytes, plan_resident_blocks, predict_call_s
 from dlo_fx.config import DLOConfig
 from dlo_fx.apps.dump.blocks_md import blocks_markdown
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.stored import is_stored
 
 import budget_cases
 from budget_cases import sweep
@@ -249,7 +249,7 @@ def test_second_resolution_keeps_no_more_resident_than_its_budget_allows(monkeyp
     import importlib
 
     from dlo_fx.apps.models import example_inputs
-    from dlo_fx.runtime import probes
+    from dlo_fx.runtime.device import probes
 
     resident_set = importlib.import_module("dlo_fx.planning.stages.resident_set")
 
@@ -261,7 +261,7 @@ def test_second_resolution_keeps_no_more_resident_than_its_budget_allows(monkeyp
     compiled = torch.compile(model, backend="dlo", options={"device_budget": 600_000})
     small, large = (example_inputs(model.config, batch=1, height=h, width=h, seed=1)
                     for h in (4, 32))
-    from dlo_fx.runtime.owners import runtimes_holding
+    from dlo_fx.runtime.weights.owners import runtimes_holding
 
     kept = []
     with torch.no_grad():

@@ -14,9 +14,9 @@ import torch
 import benchmark_cases
 from distributed import spawn
 
-from dlo_fx.runtime import platform
-from dlo_fx.runtime.executor import CpuExecutor, FaultDelay, make_executor
-from dlo_fx.runtime.host_store import HostStore
+from dlo_fx.runtime.device import platform
+from dlo_fx.runtime.device.executor import CpuExecutor, FaultDelay, make_executor
+from dlo_fx.runtime.host.host_store import HostStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -28,8 +28,8 @@ from dlo_fx import compile_pipeline, load
 from dlo_fx.loading.checkpoint import CheckpointError
 from dlo_fx.apps.cli import build_parser, main
 from dlo_fx.loading.plan import MAX_REPORT_LINES
-from dlo_fx.runtime.stored import is_stored
-from dlo_fx.runtime.owners import reset_runtimes
+from dlo_fx.runtime.weights.stored import is_stored
+from dlo_fx.runtime.weights.owners import reset_runtimes
 from loader_cases import same_state
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -8,7 +8,7 @@ import torch
 
 from dlo_fx.apps.dump import writer
 from dlo_fx.apps.models import example_inputs
-from dlo_fx.runtime.owners import reset_runtimes
+from dlo_fx.runtime.weights.owners import reset_runtimes
 from models import tiny_dit
 
 

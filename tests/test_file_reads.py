@@ -1,4 +1,4 @@
-"""Reads of a file-backed host store (`runtime/file_reads.py`): pieces and windows, direct
+"""Reads of a file-backed host store (`runtime/host/file_reads.py`): pieces and windows, direct
 (``O_DIRECT``) and buffered reads bit-identical to the resident model, and every bad input
 (a file that shrinks during a read, a file system that refuses ``O_DIRECT``) a clear error
 or a fallback that says so, never a wrong output."""
@@ -14,9 +14,9 @@ import torch
 
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.runtime import file_reads, file_store
-from dlo_fx.runtime.file_reads import ALIGN, plan_buffered, plan_direct
-from dlo_fx.runtime.file_reads import FileChangedError
+from dlo_fx.runtime.host import file_reads, file_store
+from dlo_fx.runtime.host.file_reads import ALIGN, plan_buffered, plan_direct
+from dlo_fx.runtime.host.file_reads import FileChangedError
 from dlo_fx.loading.shards import write_shard_dir
 from file_store_cases import served, store_of
 from loader_cases import SHARED, fresh, resident_dit, save_dit

@@ -54,8 +54,8 @@ def _compiled_exactly():
 
 
 def test_gguf_q8_weights_stream_exactly_compiled_and_eager():
-    from dlo_fx.runtime.owners import runtimes_holding
-    from dlo_fx.runtime.stored import is_stored
+    from dlo_fx.runtime.weights.owners import runtimes_holding
+    from dlo_fx.runtime.weights.stored import is_stored
 
     model, x, want = _compiled_exactly()
     with torch.no_grad():

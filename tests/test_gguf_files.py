@@ -14,8 +14,8 @@ import torch
 
 import dlo_fx
 from dlo_fx.loading.checkpoint import CheckpointError
-from dlo_fx.runtime.owners import runtimes_holding
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.owners import runtimes_holding
+from dlo_fx.runtime.weights.stored import is_stored
 
 import gguf_cases
 from distributed import spawn

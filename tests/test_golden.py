@@ -8,7 +8,7 @@ import torch
 from expecttest import TestCase
 
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.owners import reset_runtimes
+from dlo_fx.runtime.weights.owners import reset_runtimes
 from dlo_fx.apps.dump.schedule_text import format_schedule
 
 from test_passes import compile_capture

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import dlo_fx
-from dlo_fx.runtime import platform
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.device import platform
+from dlo_fx.runtime.weights.stored import is_stored
 
 ACCELERATOR = (torch.device(os.environ["DLO_FX_TEST_DEVICE"]) if os.environ.get("DLO_FX_TEST_DEVICE")
                else platform.accelerator())
@@ -182,7 +182,7 @@ def test_parameters_on_two_devices_are_refused():
 
 def test_steady_state_has_no_host_sync_and_the_store_is_pinned():
     from dlo_fx.apps.models import example_inputs, reference_dit
-    from dlo_fx.runtime.owners import owner_of
+    from dlo_fx.runtime.weights.owners import owner_of
 
     model = reference_dit(width=256, depth=4, heads=4)
     inputs = example_inputs(model.config)
@@ -210,13 +210,13 @@ def test_steady_state_has_no_host_sync_and_the_store_is_pinned():
 def test_the_store_pins_what_it_uses(caplog):
     """Every host shard page-locked, and the pinned slabs no more than what the shards use
     (exactly sized registered slabs where the platform registers host memory: [Note: pinned
-    slabs] in runtime/host_slabs.py); unregistered again at release."""
+    slabs] in runtime/host/host_slabs.py); unregistered again at release."""
     import gc
     import logging
 
     from dlo_fx import memory_report
     from dlo_fx.apps.models import example_inputs, reference_dit
-    from dlo_fx.runtime.owners import owner_of
+    from dlo_fx.runtime.weights.owners import owner_of
 
     if not platform.can_pin(ACCELERATOR):
         pytest.skip(f"{ACCELERATOR.type}: host shards are not page-locked for this device")

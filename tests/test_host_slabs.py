@@ -1,4 +1,4 @@
-"""Pinned host shards packed into power-of-two slabs (`runtime/host_slabs.py`), tested on
+"""Pinned host shards packed into power-of-two slabs (`runtime/host/host_slabs.py`), tested on
 CPU through the platform layer: `platform.pinned_slab` is replaced by an allocator that
 grants what PyTorch's caching host allocator grants (the next power of two)."""
 
@@ -10,8 +10,8 @@ import torch
 from dlo_fx import memory_report
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.runtime import platform
-from dlo_fx.runtime.host_slabs import SLAB_MAX, HostSlabs
+from dlo_fx.runtime.device import platform
+from dlo_fx.runtime.host.host_slabs import SLAB_MAX, HostSlabs
 from loader_cases import SHARED, fresh, resident_dit, save_dit
 from models import call, tiny_dit
 
@@ -102,7 +102,7 @@ def flux_block_shapes(kind: str) -> list[tuple[int, ...]]:
 def flux_shard_sizes(dp: int, alignment: int = 256) -> list[int]:
     """This rank's host shard sizes of FLUX.1-dev in bfloat16, as the host store lays the
     blocks out (19 double blocks, 38 single ones)."""
-    from dlo_fx.runtime.host_store import HostStore
+    from dlo_fx.runtime.host.host_store import HostStore
 
     store = HostStore(alignment=alignment, dp=dp)
     sizes = {}
@@ -328,7 +328,7 @@ def test_a_compiled_model_registers_what_it_uses(monkeypatch, graph_break):
     graph break in every block, Dynamo's graph for the next block stores one at a time)."""
     import gc
 
-    from dlo_fx.runtime.owners import owner_of
+    from dlo_fx.runtime.weights.owners import owner_of
 
     calls = Registrar(monkeypatch)
     monkeypatch.setattr(platform, "can_pin", lambda device: True)
@@ -355,7 +355,7 @@ def test_a_compiled_model_registers_what_it_uses(monkeypatch, graph_break):
 def test_slabs_reserved_for_blocks_a_failed_store_drops_are_let_go(monkeypatch):
     import gc
 
-    from dlo_fx.runtime.host_store import HostStore
+    from dlo_fx.runtime.host.host_store import HostStore
 
     calls = Registrar(monkeypatch)
     store = HostStore(alignment=256, pin=True)

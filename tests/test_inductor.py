@@ -29,7 +29,7 @@ import dlo_fx.inductor
 import inductor_cases as C
 from distributed import in_child, spawn
 from dlo_fx.inductor import CompiledPiece
-from dlo_fx.runtime.owners import runtimes_holding
+from dlo_fx.runtime.weights.owners import runtimes_holding
 
 
 @pytest.fixture(autouse=True)

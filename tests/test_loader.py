@@ -22,8 +22,8 @@ from dlo_fx.loading.discover import resolve_checkpoint
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.apps.models.reference_dit import DiTBlock
-from dlo_fx.runtime.stored import is_stored
-from dlo_fx.runtime.owners import live_runtimes
+from dlo_fx.runtime.weights.stored import is_stored
+from dlo_fx.runtime.weights.owners import live_runtimes
 from loader_cases import compare, resident_dit, resident_wan
 from models import tiny_dit, tiny_wan
 

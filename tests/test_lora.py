@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.stored import is_stored
 from models import tiny_flux
 
 

@@ -7,7 +7,7 @@ import torch
 import dlo_fx
 from dlo_fx.model.memory import MemoryReport
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.layout import span_bytes
+from dlo_fx.runtime.host.layout import span_bytes
 
 
 def compiled_report(depth: int, **options) -> tuple[MemoryReport, int]:
@@ -22,7 +22,7 @@ def compiled_report(depth: int, **options) -> tuple[MemoryReport, int]:
 def test_slot_bytes_do_not_grow_with_depth_and_match_the_policy_model():
     shallow, _ = compiled_report(3)
     torch._dynamo.reset()
-    from dlo_fx.runtime.owners import reset_runtimes
+    from dlo_fx.runtime.weights.owners import reset_runtimes
     reset_runtimes()
     deep, deep_weights = compiled_report(12)
     assert shallow.slot_bytes == deep.slot_bytes == 2 * deep.max_block_bytes

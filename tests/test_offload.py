@@ -14,7 +14,7 @@ from torch import nn
 import dlo_fx
 from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.config import canonical_device, same_device
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.stored import is_stored
 
 
 def _model(depth: int = 3):
@@ -264,7 +264,7 @@ class _ViewReadLate(nn.Module):
 @pytest.mark.parametrize("how", ["offload", "compile"])
 def test_a_view_of_a_stored_weight_keeps_its_slot_until_its_last_read(how):
     """The planning stages follow a weight's views by their storage; a stored weight's
-    traced views share one (runtime/stored.py, `FAKE_STAND_IN`)."""
+    traced views share one (runtime/weights/stored.py, `FAKE_STAND_IN`)."""
     torch.manual_seed(0)
     model = _ViewReadLate().requires_grad_(False)
     x = torch.randn(2, 16)

@@ -12,8 +12,8 @@ import torch
 import diffusers_pipelines as dp
 import dlo_fx
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.weights.stored import is_stored
 from loader_cases import resident_dit, save_dit
 from dlo_fx.apps.models import example_inputs
 

@@ -12,7 +12,7 @@ import dlo_fx.dynamo.backend as backend
 from dlo_fx.passes import PIPELINE
 from dlo_fx.planning.stages import PLANNING, PassContext
 from dlo_fx.planning.blocks import layer_key
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.stored import is_stored
 
 from errors import BackendCompilerFailed, described
 from models import call, tiny_dit

@@ -9,7 +9,7 @@ import copy
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dlo_fx.runtime.owners import reset_runtimes
+from dlo_fx.runtime.weights.owners import reset_runtimes
 from models import tiny_dit
 
 

@@ -1,5 +1,5 @@
 """torchao-quantized weights stream as their inner tensors (see [Note: a quantized weight
-is its inner tensors] in dlo_fx/runtime/layout.py): the host store and the slots hold the
+is its inner tensors] in dlo_fx/runtime/host/layout.py): the host store and the slots hold the
 int8 / fp8 data and scales, the graph rebuilds each weight from its slot views, and every
 call is bit-identical to the same quantized model run resident."""
 
@@ -23,7 +23,7 @@ def test_torchao_weights_stream_exactly_with_their_quantized_bytes(name):
     plain = flux()
     plain.compile(backend="dlo")
     run(plain)
-    from dlo_fx.runtime.owners import runtimes_holding
+    from dlo_fx.runtime.weights.owners import runtimes_holding
 
     bf16 = sum(b.nbytes for b in runtimes_holding(list(plain.parameters()))[0].store.blocks)
     assert got["block_bytes"] < 0.75 * bf16  # the quantized linears, beside bf16 norms

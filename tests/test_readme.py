@@ -49,7 +49,7 @@ def run_snippets(device: str = "") -> dict:
     values). The job of `test_readme_snippets_run` runs it in a forked child (`spawn(1,
     ...)`): the snippets build and compile a model, which a spawned job never does in the
     pytest process (tests/conftest.py)."""
-    from dlo_fx.runtime import platform
+    from dlo_fx.runtime.device import platform
 
     here = os.getcwd()
     namespace: dict = {"__name__": "__readme__"}
@@ -92,7 +92,7 @@ def test_readme_snippets_run(spawned):
             pytest.fail(result["failed"])
         assert result["out_finite"]
         assert "blocks" in result["printed"]  # memory_report was printed
-    from dlo_fx.runtime.platform import default_device
+    from dlo_fx.runtime.device.platform import default_device
 
     assert here["device"].startswith(default_device().type) and meta["device"] == "meta"
     assert here["shape"] == meta["shape"]

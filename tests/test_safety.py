@@ -1,9 +1,9 @@
 """Never silently wrong: failures, interrupts, threads, eager frames, different weights.
 
-See [Note: the collective clock of a shard group] in runtime/clock.py, [Note: one call at a
-time] in runtime/graph_call.py,
+See [Note: the collective clock of a shard group] in runtime/ranks/clock.py, [Note: one call at a
+time] in runtime/graph/graph_call.py,
 [Note: interrupts and slot state] in runtime/interrupts.py and [Note: a stored weight is a tensor]
-(its reads outside a graph) in runtime/stored.py.
+(its reads outside a graph) in runtime/weights/stored.py.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 import dlo_fx
 
 from dlo_fx.apps.models import example_inputs
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.stored import is_stored
 
-from dlo_fx.runtime.executor import CpuExecutor
-from dlo_fx.runtime.owners import runtimes_holding
+from dlo_fx.runtime.device.executor import CpuExecutor
+from dlo_fx.runtime.weights.owners import runtimes_holding
 
 from distributed import spawn
 from errors import error_text

@@ -9,8 +9,8 @@ import torch
 
 from dlo_fx import DLOConfig
 from dlo_fx.planning.modes import predicted_weight_bytes
-from dlo_fx.runtime.host_store import HostStore
-from dlo_fx.runtime.slot_pool import SlotPool
+from dlo_fx.runtime.host.host_store import HostStore
+from dlo_fx.runtime.device.slot_pool import SlotPool
 
 import dist_cases
 from distributed import spawn
@@ -69,7 +69,7 @@ def test_two_ranks_allgather_and_rank_local_and_plan_mismatch(spawned):
 
 
 def test_three_ranks_shard_geometry_without_processes():
-    """dp=3 is the 2-rank path with other numbers: the shard geometry (`runtime/layout.py`)
+    """dp=3 is the 2-rank path with other numbers: the shard geometry (`runtime/host/layout.py`)
     decides them, so it is checked here for every rank of a 3-rank group in one process.
     A block per module of the model (``blocks.3``, ``proj_out``): each rank's host store
     keeps its shard, and the three shards written into a slot rebuild every parameter."""
@@ -158,7 +158,7 @@ def test_dp_above_one_without_process_group_is_a_value_error():
 
 
 def test_shard_group_naming_another_rank_without_process_group_is_refused():
-    from dlo_fx.runtime.collectives import resolve_shard_group
+    from dlo_fx.runtime.ranks.collectives import resolve_shard_group
 
     assert resolve_shard_group((0,), 30.0).ranks == (0,)
     with pytest.raises(ValueError, match=r"'shard_group'=\[5\] names global rank 5"):

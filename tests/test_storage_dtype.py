@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import dlo_fx
-from dlo_fx.runtime.owners import runtimes_holding
-from dlo_fx.runtime.stored import is_stored
+from dlo_fx.runtime.weights.owners import runtimes_holding
+from dlo_fx.runtime.weights.stored import is_stored
 from dlo_fx.loading.shards import rank_file
 from dlo_fx.model.storage_dtype import layerwise_layers
 

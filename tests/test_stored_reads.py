@@ -1,6 +1,6 @@
 """Every ordinary read of a stored weight outside a graph is exact or a Python exception,
 each in a process of its own (a segfault, an abort or a hang shows as "no answer"): see
-[Note: a stored weight is a tensor] in dlo_fx/runtime/stored.py."""
+[Note: a stored weight is a tensor] in dlo_fx/runtime/weights/stored.py."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_magcache_before_the_first_call_reads_the_blocks_from_the_host_store():
     import torch
     from diffusers.hooks.mag_cache import MagCacheConfig
 
-    from dlo_fx.runtime.stored import is_stored
+    from dlo_fx.runtime.weights.stored import is_stored
     from models import tiny_flux
 
     def config():

@@ -1,6 +1,6 @@
 """Every view a stored weight can produce, and every zero-copy way out of one, against the
 resident parameter (see [Note: a view of a stored weight] and [Note: no pointer to a
-stored weight] in dlo_fx/runtime/stored.py): exact, or refused with a ValueError naming
+stored weight] in dlo_fx/runtime/weights/stored.py): exact, or refused with a ValueError naming
 the parameter. Never another parameter's bytes, never an address that is not the weight.
 
 The view ops are every overload in ``torch.ops.aten`` whose first output aliases a tensor
@@ -23,8 +23,8 @@ import dlo_fx
 import stored_set_cases
 from distributed import in_child, spawn
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.runtime.owners import owner_of
-from dlo_fx.runtime.stored import StoredWeight, is_stored
+from dlo_fx.runtime.weights.owners import owner_of
+from dlo_fx.runtime.weights.stored import StoredWeight, is_stored
 from loader_cases import resident_dit, save_dit
 from test_stored_weight import _stored_model
 

@@ -1,4 +1,4 @@
-"""`StoredWeight` (runtime/stored.py): a parameter whose weights are in the host store,
+"""`StoredWeight` (runtime/weights/stored.py): a parameter whose weights are in the host store,
 as a storage-less tensor subclass. Each read is exact and each write a ValueError naming
 the parameter; Dynamo traces a module holding one and hands the backend the parameters.
 
@@ -14,8 +14,8 @@ import io
 import pytest
 import torch
 
-from dlo_fx.runtime.owners import runtimes_holding
-from dlo_fx.runtime.stored import StoredWeight, become_stored, is_stored
+from dlo_fx.runtime.weights.owners import runtimes_holding
+from dlo_fx.runtime.weights.stored import StoredWeight, become_stored, is_stored
 
 from models import call, tiny_dit
 

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from dlo_fx.runtime.stored import is_stored
-from dlo_fx.runtime.owners import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.weights.stored import is_stored
+from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
 from errors import error_text
 from zoo_models import build, by_name, outputs

@@ -43,9 +43,9 @@ from torch import fx
 
 from ..planning.budget import BudgetPlan
 from ..planning.device_memory import DeviceMemory, replan
-from ..runtime import platform
-from ..runtime.owners import owner_of
-from ..runtime.stored import _caller_level
+from ..runtime.device import platform
+from ..runtime.weights.owners import owner_of
+from ..runtime.weights.stored import _caller_level
 from .errors import DeviceMemoryError
 
 log = logging.getLogger(__name__)

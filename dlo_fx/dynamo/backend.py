@@ -26,17 +26,17 @@ from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_g
 from .auto_budget import AutoResidency, copy_graph
 from .first_trace import offload_traced, undo_failed
 from .probes import probe_for_budget, resolve_budget, settle_mode
-from ..runtime.agreement import compile_facts
-from ..runtime.layout import is_composite
-from ..runtime.forward_log import note_compile
-from ..runtime.graph_call import compile_clock, gathers, note_graph, run_graph
-from ..runtime.ops import GraphSchedule, conflict_message
-from ..runtime.owners import claim, owner_of
+from ..runtime.ranks.agreement import compile_facts
+from ..runtime.host.layout import is_composite
+from ..runtime.graph.forward_log import note_compile
+from ..runtime.graph.graph_call import compile_clock, gathers, note_graph, run_graph
+from ..runtime.graph.ops import GraphSchedule, conflict_message
+from ..runtime.weights.owners import claim, owner_of
 from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
 from ..runtime.store_view import store_view
-from ..runtime.weight_reads import read_unstored
+from ..runtime.weights.weight_reads import read_unstored
 from .. import torch_private
-from ..runtime.stored import is_stored
+from ..runtime.weights.stored import is_stored
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, given: Mapping[str, Any]
 def unscheduled_call(compiled: Callable, positions: Sequence[int]) -> Callable:
     """``compiled``, a graph with parameters and no schedule, reading the resident copy of
     each `StoredWeight` it is called with: see [Note: a graph compiled for another model
-    of the class] in runtime/weight_reads.py."""
+    of the class] in runtime/weights/weight_reads.py."""
     def run(*args: Any) -> Any:
         stored = [args[i] for i in positions if is_stored(args[i])]
         if not stored:

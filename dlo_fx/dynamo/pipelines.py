@@ -15,7 +15,7 @@ The components run one after the other within a pipeline call (text encoders, th
 denoising loop, then the VAE), never at the same time, and are compiled with the same
 options: each keeps its own host store, and they share one set of ``num_slots`` device
 slots, sized for the largest block of any of them (see [Note: what a model owns and what a
-device shares] in runtime/shared_slots.py).
+device shares] in runtime/device/shared_slots.py).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from ..model.guard import guard_pipeline, restore, unguard_pipeline
 from ..model.guard import release as release_module
 from ..model.state import peek, state_of
 from ..model.storage_dtype import take_over_hooks
-from ..runtime.owners import owner_of, runtimes_holding
-from ..runtime.stored import release_advice
+from ..runtime.weights.owners import owner_of, runtimes_holding
+from ..runtime.weights.stored import release_advice
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         compile_kwargs: further ``torch.compile`` arguments (``dynamic=``, ``fullgraph=``).
 
     Returns ``pipe``, its modules compiled in place, sharing one set of slots (see [Note:
-    what a model owns and what a device shares] in runtime/shared_slots.py). Outputs are
+    what a model owns and what a device shares] in runtime/device/shared_slots.py). Outputs are
     bit-identical to the resident pipeline's. A component with diffusers' layerwise casting
     enabled streams its weights in the storage dtype and casts
     them in the graph (`dlo_fx.model.storage_dtype.take_over_layerwise_casting`). Each streamed

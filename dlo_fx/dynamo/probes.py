@@ -19,9 +19,9 @@ from ..planning.settle import Budget, settle_budget
 from ..planning.settle import settle_mode as choose_open_mode
 from ..planning.stages import GraphPlan
 from ..planning.stages.resident_set import RATE_DTYPES
-from ..runtime import probes
-from ..runtime.graph_call import compile_clock, gathers
-from ..runtime.probes import machine_figures
+from ..runtime.device import probes
+from ..runtime.graph.graph_call import compile_clock, gathers
+from ..runtime.device.probes import machine_figures
 from ..runtime.store_view import store_view
 
 

@@ -63,10 +63,10 @@ from .gguf import is_gguf, quantize_module
 from .plan import (KeyMap, LoadPlan, Target, agree_on_plan, load_facts, map_keys, plan_load,
                    settle_mode)
 from ..model.guard import attach
-from ..runtime.fingerprint import extent_sources, file_fingerprint
-from ..runtime.layout import STORAGE_MARK
+from ..runtime.host.fingerprint import extent_sources, file_fingerprint
+from ..runtime.host.layout import STORAGE_MARK
 from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
-from ..runtime.stored import carried_attributes, stored_parameter
+from ..runtime.weights.stored import carried_attributes, stored_parameter
 from .build import construct, materialised, meta_parameters
 from .shards import ShardDir, checkpoint_extents
 from ..model.storage_dtype import check_castable_pairs
@@ -175,7 +175,7 @@ def _stored_like(target: Target, device: torch.device) -> nn.Parameter:
     p = stored_parameter(t.shape, t.stride(), target.dtype, device)
     vars(p).update({k: v for k, v in carried_attributes(t).items()  # a GGUFParameter's
                     if k != STORAGE_MARK})  # quant_type, but never a storage dtype twice
-    if target.stored_as is not None:  # see [Note: a storage dtype] in runtime/layout.py
+    if target.stored_as is not None:  # see [Note: a storage dtype] in runtime/host/layout.py
         setattr(p, STORAGE_MARK, target.stored_as)
     return p
 
@@ -225,7 +225,7 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
         read_failure = None
 
     # Every block's parameters (no storage yet) before the first is read: the store sizes
-    # its pinned slabs for all of them ([Note: pinned slabs] in runtime/host_slabs.py)
+    # its pinned slabs for all of them ([Note: pinned slabs] in runtime/host/host_slabs.py)
     ahead: list[NewBlock] = []
     try:
         if read_failure is None:

@@ -36,8 +36,8 @@ from torch import nn
 from ..config import DLOConfig, canonical_device
 from ..model.guard import attach
 from ..model.storage_dtype import mark_model
-from ..runtime import platform
-from ..runtime.owners import owner_of
+from ..runtime.device import platform
+from ..runtime.weights.owners import owner_of
 from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
 from .plan import (agree_on_plan, block_rows, model_targets, resident_fact, settle_mode,
                    split_params)

@@ -21,8 +21,8 @@ from ..config import DLOConfig
 from .gguf import shape_text
 from ..planning.blocks import Unit, partition
 from ..planning.residency import Candidate, decide_residency
-from ..runtime.agreement import Fact
-from ..runtime.layout import STORAGE_MARK, storage_span
+from ..runtime.ranks.agreement import Fact
+from ..runtime.host.layout import STORAGE_MARK, storage_span
 from ..model.storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def settle_mode(runtime: Any, blocks: Sequence[Sequence[Target]]) -> None:
     if not blocks:
         return
     from ..planning.settle import settle_mode as choose_open_mode
-    from ..runtime.probes import machine_figures
+    from ..runtime.device.probes import machine_figures
     from ..runtime.store_view import store_view
 
     group, device = runtime.group, runtime.device
@@ -347,7 +347,7 @@ def agree_on_plan(runtime: Any, rows: Optional[list], error: Optional[BaseExcept
         if error is not None:
             raise error
         return
-    from ..runtime.collectives import exchange_json, plan_digest
+    from ..runtime.ranks.collectives import exchange_json, plan_digest
 
     mine = (f"{type(error).__name__}: {error}" if error is not None else None,
             plan_digest(rows) if rows is not None else None)

@@ -31,7 +31,7 @@ every block, read once at load: the sampled digest alone misses a byte changed b
 windows, as a bad copy to another node may), each an error naming the file (and the
 block). Ranks loading folders of two runs are refused by the ranks' agreement (the run id
 and the fingerprints; see [Note: one agreement before the first gather] in
-runtime/agreement.py). With ``host_store="mmap"`` the blocks are then served from the rank
+runtime/ranks/agreement.py). With ``host_store="mmap"`` the blocks are then served from the rank
 file; with ``"memory"`` each rank reads its file once.
 """
 
@@ -54,9 +54,9 @@ from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, header_json, r
                          read_tensor)
 from ..config import DLOConfig
 from .plan import LoadPlan, Target
-from ..runtime.file_store import CHECK_SAMPLES, CHECK_WINDOW, Convert, Extent, read_extents
-from ..runtime.fingerprint import extent_sources, file_fingerprint
-from ..runtime.layout import Entry, ShardSpec, plan_offsets
+from ..runtime.host.file_store import CHECK_SAMPLES, CHECK_WINDOW, Convert, Extent, read_extents
+from ..runtime.host.fingerprint import extent_sources, file_fingerprint
+from ..runtime.host.layout import Entry, ShardSpec, plan_offsets
 
 __all__ = ["MANIFEST", "ShardDir", "checkpoint_extents", "write_shard_dir"]
 
@@ -532,5 +532,5 @@ class ShardDir:
 
     def fingerprint(self, index: int) -> int:
         """Block ``index``'s fingerprint of the checkpoint, as `dlo_fx.load` takes it
-        (`runtime.fingerprint.file_fingerprint`), recorded when the folder was written."""
+        (`runtime.host.fingerprint.file_fingerprint`), recorded when the folder was written."""
         return int(self.manifest["fingerprints"][index])

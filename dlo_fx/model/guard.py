@@ -3,7 +3,7 @@
 [Note: a module with stored weights]
 A module holding stored parameters refuses, before anything changes, every operation that
 would change them; a refusal never leaves it half changed. Each stored parameter is a
-`StoredWeight` (`runtime/stored.py`): every read of it is exact and every write to it is
+`StoredWeight` (`runtime/weights/stored.py`): every read of it is exact and every write to it is
 refused, one tensor at a time. What a tensor cannot see is the module around it, so the
 modules that hold stored parameters get these guards:
 
@@ -51,8 +51,8 @@ from torch import nn
 
 from .. import torch_private
 from ..config import same_device
-from ..runtime.owners import Owner, claim, owned_by, owner_of, runtimes_holding
-from ..runtime.stored import (become_real, is_stored, mark_released, real_parameter,
+from ..runtime.weights.owners import Owner, claim, owned_by, owner_of, runtimes_holding
+from ..runtime.weights.stored import (become_real, is_stored, mark_released, real_parameter,
                               release_advice)
 from .state import guarded_modules, peek, state_of
 from .storage_dtype import forget_storage_marks

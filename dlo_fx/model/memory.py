@@ -7,12 +7,12 @@ from typing import Optional
 
 import torch
 
-from ..runtime.procfs import cgroup_memory, process_memory
-from ..runtime.stored import is_stored
-from ..runtime.host_slabs import pinned_figures
-from ..runtime.layout import span_bytes
-from ..runtime.platform import device_memory_bytes, max_memory_allocated
-from ..runtime.owners import runtimes_holding
+from ..runtime.device.procfs import cgroup_memory, process_memory
+from ..runtime.weights.stored import is_stored
+from ..runtime.host.host_slabs import pinned_figures
+from ..runtime.host.layout import span_bytes
+from ..runtime.device.platform import device_memory_bytes, max_memory_allocated
+from ..runtime.weights.owners import runtimes_holding
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class MemoryReport:
     pinned_allocated_bytes: int = 0
     """Page-locked host bytes held for them: the slabs they are packed into, exactly sized
     where the platform registers host memory, powers of two elsewhere (see [Note: pinned
-    slabs] in runtime/host_slabs.py)."""
+    slabs] in runtime/host/host_slabs.py)."""
     device_capacity_bytes: Optional[int] = None
     """The device's capacity the auto budget plans with (``device_memory``, else the free
     memory at compile plus the weights' own bytes); else the device's total memory."""

@@ -6,7 +6,7 @@ model run resident with diffusers' layerwise casting, while only fp8 bytes are s
 moved. The weights of a model's linear and convolution layers are stored as fp8 bytes: the
 host store, the files `dlo-fx shard` writes, the transfers and the slots hold those bytes,
 and the graph casts each weight to the parameter's own dtype on the device right after its
-slot view (see [Note: a storage dtype] in `runtime/layout.py`). The layers are the ones
+slot view (see [Note: a storage dtype] in `runtime/host/layout.py`). The layers are the ones
 diffusers' ``enable_layerwise_casting`` picks (`layerwise_layers`): its default skip
 patterns, the model's ``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``,
 and peft's adapter layers; the casts are the same (``fp8 -> compute dtype`` before the
@@ -37,9 +37,9 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ..runtime.layout import STORAGE_MARK as _MARK
-from ..runtime.layout import is_composite, storage_dtype_of
-from ..runtime.stored import is_stored
+from ..runtime.host.layout import STORAGE_MARK as _MARK
+from ..runtime.host.layout import is_composite, storage_dtype_of
+from ..runtime.weights.stored import is_stored
 from ..torch_private import swap_in_place
 
 __all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage_dtype_of",

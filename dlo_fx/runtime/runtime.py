@@ -1,9 +1,9 @@
 """`Runtime`: one model's host store, mode and configuration, the slots and executor it
-shares with the other models on its device (`shared_slots.py`), and its lock. Its two
+shares with the other models on its device (`device/shared_slots.py`), and its lock. Its two
 halves are mixed in: the slot state machine the schedule nodes drive (`SlotMachine`,
-slot_machine.py) and the reads of stored weights outside the schedule (`WeightReads`,
-weight_reads.py). A runtime is found from the parameters it stores (`owners.owner_of`),
-never from options; see [Note: the model owns its runtime] in owners.py. Every block a
+device/slot_machine.py) and the reads of stored weights outside the schedule (`WeightReads`,
+weights/weight_reads.py). A runtime is found from the parameters it stores (`owners.owner_of`),
+never from options; see [Note: the model owns its runtime] in weights/owners.py. Every block a
 model stores comes in through `Runtime.store_blocks`.
 
 [Note: storing blocks]
@@ -47,21 +47,22 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import DLOConfig, canonical_device
-from . import platform
-from .agreement import Fact, agree, agree_on_settings, layout_digest, runtime_facts, weights_fact
-from .collectives import ShardGroup, resolve_shard_group
-from .shared_slots import shared_slots
-from .executor import FaultDelay
-from .fingerprint import block_fingerprint
-from .file_store import FileStore
-from .host_store import HostStore
+from .device import platform
+from .ranks.agreement import (Fact, agree, agree_on_settings, layout_digest, runtime_facts,
+                              weights_fact)
+from .ranks.collectives import ShardGroup, resolve_shard_group
+from .device.shared_slots import shared_slots
+from .device.executor import FaultDelay
+from .host.fingerprint import block_fingerprint
+from .host.file_store import FileStore
+from .host.host_store import HostStore
 from .interrupts import install as install_interrupt_handler
-from .layout import Entry, ShardSpec, leaf_entries
-from .owners import claim, register, unclaim
-from .slot_machine import SlotMachine
-from .trace import Tracer
+from .host.layout import Entry, ShardSpec, leaf_entries
+from .weights.owners import claim, register, unclaim
+from .device.slot_machine import SlotMachine
+from .graph.trace import Tracer
 from .view import KEPT_RESIDENT, NAMED_RESIDENT, READ_DIRECTLY  # noqa: F401 (re-exported)
-from .weight_reads import WeightReads
+from .weights.weight_reads import WeightReads
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class Runtime(SlotMachine, WeightReads):
     @property
     def lock(self) -> threading.RLock:
         """Held around every graph call on these slots (the slot state machine and the
-        collective order; see [Note: one call at a time] in graph_call.py), eager fetch,
+        collective order; see [Note: one call at a time] in graph/graph_call.py), eager fetch,
         compile commit and release. Raises in a forked process (`check_process`)."""
         self.check_process()
         return self.shared.lock
@@ -213,7 +214,7 @@ class Runtime(SlotMachine, WeightReads):
         ``blocks`` may be a generator: each is stored before the next is asked for (the
         loader reads block by block); ``ahead`` then announces them (their parameters
         and names), so that a pinned store sizes its slabs for all of them at once ([Note:
-        pinned slabs] in host_slabs.py). ``error_of`` turns a failure into the error raised
+        pinned slabs] in host/host_slabs.py). ``error_of`` turns a failure into the error raised
         (the loader's, naming a file that changed)."""
         store = self.store
         first = len(store.blocks)

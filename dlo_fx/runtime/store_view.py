@@ -13,9 +13,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..torch_private import is_traceable_wrapper_subclass
-from . import platform
-from .layout import leaf_tensors, param_bytes, span_bytes, storage_dtype_of
-from .stored import is_stored
+from .device import platform
+from .host.layout import leaf_tensors, param_bytes, span_bytes, storage_dtype_of
+from .weights.stored import is_stored
 from .view import ParamFacts, StoreView
 
 
@@ -56,7 +56,7 @@ def param_facts(runtime: Any, param: torch.Tensor) -> ParamFacts:
         return ParamFacts(nbytes=0, kept=kept, unstreamable=why)
     entry = runtime.store.entry(param) if runtime is not None else None
     if entry is None:
-        stored_as = storage_dtype_of(param)  # see [Note: a storage dtype] in layout.py
+        stored_as = storage_dtype_of(param)  # see [Note: a storage dtype] in host/layout.py
         return ParamFacts(nbytes=param_bytes(param, stored_as), stored_as=stored_as, kept=kept)
     stored_as = entry.dtype if entry.compute_dtype is not None else None
     return ParamFacts(nbytes=param_bytes(param, stored_as), stored_as=stored_as,
@@ -76,7 +76,7 @@ def unstreamable(param: torch.Tensor) -> Optional[str]:
     does not flatten into plain tensors (``__tensor_flatten__``), or a DTensor (already
     sharded by another framework). A traceable subclass made of plain tensors (torchao's
     quantized weights) streams as those tensors: see [Note: a quantized weight is its inner
-    tensors] in runtime/layout.py."""
+    tensors] in runtime/host/layout.py."""
     if is_stored(param):
         return None
     kind = f"{type(param).__module__}.{type(param).__qualname__}"

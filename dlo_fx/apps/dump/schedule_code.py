@@ -29,8 +29,8 @@ def annotated_code(gm: fx.GraphModule, dump: GraphDump) -> str:
         f"{dump.num_slots} slots, mode {mode}.",
         "# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block "
         "bytes>';",
-        "# a wait also lists the parameters it covers. dlo_fx_runtime_ops_<kind> is",
-        "# dlo_fx.runtime.ops.<kind>; _dlo is the graph's schedule. Statements that only free",
+        "# a wait also lists the parameters it covers. dlo_fx_runtime_graph_ops_<kind> is",
+        "# dlo_fx.runtime.graph.ops.<kind>; _dlo is the graph's schedule. Statements that only free",
         "# values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.",
     ]
     for line in gm.code.strip("\n").splitlines():

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ...runtime.procfs import tree_pss
+from ...runtime.device.procfs import tree_pss
 from .cli import write_outputs
 from .engine import Engine
 from .reference_pipeline import CONFIG_FILE, WEIGHTS_FILE, resident, write_checkpoint

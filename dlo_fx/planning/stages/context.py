@@ -140,7 +140,7 @@ class GraphPlan:
         return dataclasses.replace(self, mode=mode)
 
     def with_schedule(self, schedule: Any) -> "GraphPlan":
-        """The plan with the `GraphSchedule` (dlo_fx/runtime/ops.py) `insert_schedule`
+        """The plan with the `GraphSchedule` (dlo_fx/runtime/graph/ops.py) `insert_schedule`
         attaches to the graph: made by the backend, which holds the runtime."""
         return dataclasses.replace(self, schedule=schedule)
 

@@ -35,7 +35,7 @@ _VIEW_NAMES = {
 def _storages(value: object) -> Iterator[int]:
     """The storage identities (`torch_private.storage_key`) of ``value``'s tensors. A fake
     stored weight stands for the fake tensor its traced ops read (``_dlo_fake_stand_in``,
-    runtime/stored.py), whose storage its views share; where its ops made none, its own."""
+    runtime/weights/stored.py), whose storage its views share; where its ops made none, its own."""
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             for t in (vars(leaf).get("_dlo_fake_stand_in"), leaf):

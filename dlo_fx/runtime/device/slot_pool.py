@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Entry
+from ..host.layout import Entry
 
 
 class SlotPool:

@@ -4,7 +4,7 @@ The plan digest compares shapes only; in allgather mode a rank that loaded anoth
 checkpoint of the same shapes would gather a silent mix of both. So every block also gets
 a fingerprint of ``SAMPLES`` windows of ``WINDOW`` bytes spread evenly over its flat layout
 (plus its size), taken from the full bytes before sharding, and the ranks compare them
-in their one agreement (`agreement.py`). `dlo_fx.load` reads them from the checkpoint's
+in their one agreement (`ranks/agreement.py`). `dlo_fx.load` reads them from the checkpoint's
 files with ``os.pread`` whatever the store (`file_fingerprint`), a compile from the
 parameters (`block_fingerprint`). A handful of reads per block: its cost is measured
 against load time in docs/benchmarks.md. A fingerprint cannot prove equality: two
@@ -79,7 +79,7 @@ def file_fingerprint(entries: Sequence[Entry],
     checkpoint tensor as stored, whatever dtype the block casts it to), or None.
 
     Every store and every rank computes it from the checkpoint the same way, so ranks that
-    read another checkpoint of the same shapes differ (`dlo_fx.runtime.agreement`)."""
+    read another checkpoint of the same shapes differ (`dlo_fx.runtime.ranks.agreement`)."""
     total, windows = _windows(entries)
     h = hashlib.sha256(str(total).encode())
     fds: dict[str, int] = {}

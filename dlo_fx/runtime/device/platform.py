@@ -66,7 +66,7 @@ def pinned_slab(nbytes: int) -> torch.Tensor:
     """Page-locked host bytes from PyTorch's caching host allocator (``pin_memory``; where
     `registered_slab` is unavailable or refused): ``pinned_held_bytes(nbytes)`` of them, all
     usable. Raises RuntimeError where the platform cannot pin that much. See [Note: pinned
-    slabs] in host_slabs.py."""
+    slabs] in host/host_slabs.py."""
     with torch.inference_mode(False):
         return torch.empty(pinned_held_bytes(nbytes), dtype=torch.uint8, pin_memory=True)
 
@@ -79,7 +79,7 @@ def can_register() -> bool:
     """Whether this build page-locks ordinary host memory in place: CUDA and ROCm
     (``cudaHostRegister`` / ``hipHostRegister``, which torch exposes through
     `torch.cuda.cudart`), on an OS with anonymous private mappings. See [Note: pinned
-    slabs] in host_slabs.py."""
+    slabs] in host/host_slabs.py."""
     acc = accelerator()
     if acc is None or acc.type != "cuda" or not hasattr(mmap, "MAP_PRIVATE"):
         return False
@@ -150,7 +150,7 @@ def registered_slab(nbytes: int, device: Optional[torch.device] = None) -> torch
     when the tensor's storage dies, that is when the last view of it does, once the copies
     ``device`` (the one the slab feeds, if known) has queued are done. Raises
     RuntimeError where the platform cannot register it. See [Note: pinned slabs] in
-    host_slabs.py."""
+    host/host_slabs.py."""
     size = -(-max(nbytes, 1) // PAGE) * PAGE
     try:
         mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,

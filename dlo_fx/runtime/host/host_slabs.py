@@ -51,7 +51,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import platform
+from ..device import platform
 
 __all__ = ["HostSlabs", "SLAB_MAX", "SLAB_MIN", "SMALL_SHARD"]
 

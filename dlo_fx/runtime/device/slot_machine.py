@@ -27,13 +27,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .collectives import ShardGroup, gather_in_place
+from ..ranks.collectives import ShardGroup, gather_in_place
 from .shared_slots import SharedSlots, SlotBlocks
 from .executor import Executor, FaultDelay
-from .host_store import HostStore
-from .interrupts import deferred
+from ..host.host_store import HostStore
+from ..interrupts import deferred
 from .slot_pool import SlotPool
-from .trace import Tracer
+from ..graph.trace import Tracer
 
 
 def fill_task(store: HostStore, flat: torch.Tensor, block: int) -> Callable[[], None]:
@@ -175,7 +175,7 @@ class SlotMachine:
              cast: Optional[torch.dtype] = None) -> torch.Tensor:
         """``param`` as a view of ``slot``, in the dtype it is stored in when the graph
         casts it (``cast``: the graph's node after the slot view does), else in its own
-        (see [Note: a storage dtype] in layout.py)."""
+        (see [Note: a storage dtype] in host/layout.py)."""
         entry = self.store.entry(param)
         if entry.block != block:  # held by another host block: see `Runtime.resolve`
             return self.resident_tensor(param)

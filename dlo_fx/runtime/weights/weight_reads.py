@@ -23,15 +23,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..config import same_device
-from .collectives import ShardGroup, gather_in_place
-from .executor import Executor
-from .clock import EAGER, HOST_READ, ClockMismatch, check_rows, exchange
-from .forward_log import note_step
-from .host_store import HostStore
-from .interrupts import deferred
-from .layout import Entry
-from .slot_machine import fill_task
+from ...config import same_device
+from ..ranks.collectives import ShardGroup, gather_in_place
+from ..device.executor import Executor
+from ..ranks.clock import EAGER, HOST_READ, ClockMismatch, check_rows, exchange
+from ..graph.forward_log import note_step
+from ..host.host_store import HostStore
+from ..interrupts import deferred
+from ..host.layout import Entry
+from ..device.slot_machine import fill_task
 from .stored import is_stored
 
 _EAGER_WORD = int.from_bytes(b"dlo-eager", "little") & (2**62 - 1)
@@ -52,7 +52,7 @@ class WeightReads:
     def _init_reads(self) -> None:
         self._host_cache: Optional[tuple[int, torch.Tensor]] = None  # last gathered block
         # id(parameter) -> (its entry, its resident copy); the entry tells a dead
-        # parameter's copy from a new one's of the same id (host_store.py)
+        # parameter's copy from a new one's of the same id (host/host_store.py)
         self._resident: dict[int, tuple[Entry, torch.Tensor]] = {}
         self._pruned_at = 0  # store.forgotten when _resident was last pruned
         self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
@@ -103,7 +103,7 @@ class WeightReads:
         allgather mode). Through the executor, behind every gather already queued:
         collectives keep one issue order on every rank. With ``clock``, the ranks first
         exchange clock words in the same task (``kind`` is their last word; see
-        [Note: the collective clock of a shard group] in clock.py), and a forward being recorded notes the fetch unless
+        [Note: the collective clock of a shard group] in ranks/clock.py), and a forward being recorded notes the fetch unless
         ``record`` is false (a resident copy, made once: a replay must not gather it
         again; a read outside any forward)."""
         host = self.store.blocks[block]
@@ -111,7 +111,7 @@ class WeightReads:
             flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
         group, device, store = self.group, self.device, self.store
         if clock and record:
-            # for gather-only forwards (see [Note: gather-only forwards] in forward_log.py)
+            # for gather-only forwards (see [Note: gather-only forwards] in graph/forward_log.py)
             note_step(functools.partial(self._fetch_gather_only, block, what))
 
         def fill_and_gather() -> None:
@@ -142,7 +142,7 @@ class WeightReads:
 
     def eager_block(self, block: int, fqn: str) -> torch.Tensor:
         """The whole of host block ``block`` on the device, for a read of a stored weight
-        outside a graph (`runtime/stored.py`; ``fqn`` names the weight read). Clocked and
+        outside a graph (`runtime/weights/stored.py`; ``fqn`` names the weight read). Clocked and
         gathered in allgather mode like any eager fetch; in rank-local mode the last block
         read is kept until the next graph call (no collective makes the ranks agree on
         what a cache holds, so with several ranks gathering none is kept)."""

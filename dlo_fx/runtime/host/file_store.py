@@ -55,8 +55,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import procfs
-from . import platform
+from ..device import procfs
+from ..device import platform
 from .file_reads import (FileChangedError, FileReader, Piece, ServedFile, plan_buffered,
                          plan_direct)
 from .host_slabs import HostSlabs

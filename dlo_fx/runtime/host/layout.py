@@ -40,7 +40,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..torch_private import is_traceable_wrapper_subclass
+from ...torch_private import is_traceable_wrapper_subclass
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -191,8 +191,8 @@ def copy_into_shard(
 
 
 _OWN_WRAPPERS: tuple[type, ...] = ()
-"""dlo's own wrapper subclass (`StoredWeight`), which stored.py registers when it defines
-it (`own_wrapper`): layout sits below stored.py and imports nothing from it."""
+"""dlo's own wrapper subclass (`StoredWeight`), which weights/stored.py registers when it defines
+it (`own_wrapper`): layout sits below weights/stored.py and imports nothing from it."""
 
 
 def own_wrapper(cls: type) -> type:

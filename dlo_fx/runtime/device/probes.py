@@ -16,7 +16,7 @@ import time
 import torch
 
 from . import platform, procfs
-from .collectives import ShardGroup, exchange_json, gather_in_place
+from ..ranks.collectives import ShardGroup, exchange_json, gather_in_place
 
 log = logging.getLogger(__name__)
 

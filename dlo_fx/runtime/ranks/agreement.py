@@ -13,7 +13,7 @@ that shape the gathers are compared in one exchange:
   count gives a different number of wrap-around gathers), ``alignment``;
 * the blocks': their layouts (every parameter's FQN, dtype, shape, strides and offset),
   the resident parameters, a sampled fingerprint of every block's weights whatever the
-  store, files included (`fingerprint.py`), and the ``dlo-fx shard`` run the files come
+  store, files included (`host/fingerprint.py`), and the ``dlo-fx shard`` run the files come
   from (per-rank folders of two runs differ there).
 
 The settings that pick a runtime's weight group (``num_slots``, the timeout, the shard
@@ -27,7 +27,7 @@ Every store of new blocks -- `dlo_fx.load`'s, a compile's, a reused graph's boun
 layer -- agrees once its blocks are added (`Runtime.store_blocks`, [Note: storing blocks] in
 runtime.py): a rank whose store failed joins the exchange with its error, so every rank
 raises together instead of waiting out the timeout. A model whose blocks are all stored
-already issues no agreement (see [Note: a compile on one rank only] in graph_call.py): its
+already issues no agreement (see [Note: a compile on one rank only] in graph/graph_call.py): its
 blocks were agreed when they were stored. The exchange runs on the copy worker behind a
 clock word, in the order of every other collective.
 """
@@ -42,10 +42,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from ..config import DLOConfig
+from ...config import DLOConfig
 from .collectives import ShardGroup, exchange_json
-from .executor import Executor
-from .slot_pool import SlotPool
+from ..device.executor import Executor
+from ..device.slot_pool import SlotPool
 
 __all__ = ["Agreeing", "Fact", "agree", "agree_on_settings", "compile_facts", "layout_digest",
            "runtime_facts", "weights_fact"]
@@ -189,7 +189,8 @@ def agree(runtime: Agreeing, facts: Sequence[Fact], what: str,
 
 
 def weights_fact(fingerprints: Sequence[int], names: Sequence[str]) -> Fact:
-    """The blocks' sampled fingerprints (`fingerprint.py`) as a fact of the ranks' agreement."""
+    """The blocks' sampled fingerprints (`host/fingerprint.py`) as a fact of the ranks'
+    agreement."""
     return Fact("weights", list(fingerprints), "Every rank of the shard group must load the "
                 "same checkpoint (same files, same dtype); this compares sampled fingerprints, "
                 "64 windows of 8 bytes per block", blocks=list(names))
@@ -236,7 +237,7 @@ def agree_on_settings(config: DLOConfig, device: torch.device) -> None:
         ranks = tuple(sorted(dist.get_process_group_ranks(spec)))
     if len(ranks) < 2 or dist.get_rank() not in ranks:
         return  # nothing to gather, or `resolve_shard_group` refuses it
-    from .shared_slots import control_group
+    from ..device.shared_slots import control_group
 
     group = control_group(ranks, config.collective_timeout_s)
     same = ("Give every rank the same options (at dlo_fx.load, or at the first "

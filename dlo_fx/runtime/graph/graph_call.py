@@ -1,5 +1,5 @@
 """Running one scheduled graph: one at a time per runtime, behind the ranks' collective clock
-(clock.py), completing the schedule of a graph whose call failed, and running a graph's
+(ranks/clock.py), completing the schedule of a graph whose call failed, and running a graph's
 schedule alone (a gather-only forward, forward_log.py).
 
 [Note: one call at a time]
@@ -41,11 +41,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .clock import COMPILE, GRAPH, Clock, ClockMismatch, word
+from ..ranks.clock import COMPILE, GRAPH, Clock, ClockMismatch, word
 from . import forward_log
-from .interrupts import deferred
+from ..interrupts import deferred
 from .ops import GraphSchedule
-from .runtime import Runtime
+from ..runtime import Runtime
 
 
 
@@ -85,7 +85,8 @@ def compile_clock(runtime: Runtime, blocks: int, what: str) -> None:
     a rank still compiling while another already runs graphs raises instead of pairing a
     plan exchange with a clock or a gather."""
     if runtime.group.dp > 1:
-        check_clock(runtime, _clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what))  # then: agreement.py
+        # the clock first, then the agreement (ranks/agreement.py)
+        check_clock(runtime, _clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what))
 
 
 def gathers(runtime: Runtime) -> bool:

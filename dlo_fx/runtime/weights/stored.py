@@ -37,7 +37,7 @@ While Dynamo traces (its fake mode is active on the inner tensor) an op computes
 outputs of the right metadata, so tracing reads nothing.
 
 A parameter becomes a `StoredWeight` when its block is stored, before Dynamo traces the
-model (see [Note: when a parameter becomes a StoredWeight] in `runtime/host_store.py`).
+model (see [Note: when a parameter becomes a StoredWeight] in `runtime/host/host_store.py`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from typing import Any, Optional
 
 import torch
 
-from .. import torch_private
-from ..torch_private import is_traceable_wrapper_subclass, tree_flatten, tree_map
-from .layout import own_wrapper, storage_span
+from ... import torch_private
+from ...torch_private import is_traceable_wrapper_subclass, tree_flatten, tree_map
+from ..host.layout import own_wrapper, storage_span
 from .owners import owner_of
 
 aten = torch.ops.aten

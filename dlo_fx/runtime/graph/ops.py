@@ -4,11 +4,11 @@ Each takes the graph's `GraphSchedule` (a ``get_attr`` node named ``_dlo``) and 
 block index. Blocks are bound to host blocks at run time from the parameters the graph is
 called with, never from those seen while compiling: Dynamo may reuse one graph for every
 layer of the same shape. They are registered as side-effecting so dead-code elimination
-keeps them. See [Note: slot reuse and stream ordering] in slot_machine.py.
+keeps them. See [Note: slot reuse and stream ordering] in device/slot_machine.py.
 
 Each op counts itself in ``sched.step`` once done, so a graph whose call fails can run the
-rest of its schedule (see [Note: the collective clock of a shard group] in clock.py); every op is
-idempotent on the slot state, so one interrupted half-way simply runs again.
+rest of its schedule (see [Note: the collective clock of a shard group] in ranks/clock.py);
+every op is idempotent on the slot state, so one interrupted half-way simply runs again.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch.fx.node import has_side_effect
 
-from .clock import word
-from .owners import owner_of
-from .runtime import Runtime
-from .stored import release_advice
-from ..torch_private import profiler_enabled
+from ..ranks.clock import word
+from ..weights.owners import owner_of
+from ..runtime import Runtime
+from ..weights.stored import release_advice
+from ...torch_private import profiler_enabled
 
 
 _GRAPH_IDS = itertools.count()
@@ -191,7 +191,7 @@ def slot_view(sched: GraphSchedule, block: int, token: None, param: torch.nn.Par
               cast: Optional[torch.dtype] = None) -> torch.Tensor:
     """``param`` as a view of its slot; ``token`` is the block's ``wait`` (ordering only).
     ``cast``: the parameter is stored in another dtype and the graph's next node casts
-    the view to ``cast`` (see [Note: a storage dtype] in layout.py)."""
+    the view to ``cast`` (see [Note: a storage dtype] in host/layout.py)."""
     view = sched.runtime.view(sched.slot_of[block], sched.bound[block], param, cast)
     sched.step += 1
     return view

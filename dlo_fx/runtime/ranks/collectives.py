@@ -104,7 +104,7 @@ def exchange_json(value: Any, group: ShardGroup, what: str) -> list[Any]:
     """
     if group.dp == 1:
         return [json.loads(json.dumps(value))]
-    from .platform import exchange_device
+    from ..device.platform import exchange_device
 
     device = exchange_device(group.pg)
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .collectives import ShardGroup
+from ..ranks.collectives import ShardGroup
 from .executor import make_executor
 from .slot_pool import SlotPool
 
@@ -59,7 +59,7 @@ class SharedSlots:
         # the slot is ordered after it (see [Note: slot reuse and stream ordering]).
         self.pending: list[Any] = [None] * num_slots
         # Held around every graph call of every runtime using these slots
-        # (see [Note: one call at a time] in graph_call.py).
+        # (see [Note: one call at a time] in graph/graph_call.py).
         self.lock = threading.RLock()
         # device_budget="auto": the bytes each graph of each runtime on this device keeps
         # resident now, by (runtime token, graph's parameters): every model's budget

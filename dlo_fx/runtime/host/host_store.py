@@ -4,7 +4,7 @@ With ``host_store="mmap"`` a block's bytes stay in the checkpoint files and are 
 there at every prefetch (`FileShard`; see [Note: file-backed host store] in
 `file_store.py`); ``shard`` is then empty.
 
-A parameter handed to the store becomes a `StoredWeight` (`runtime/stored.py`): the same
+A parameter handed to the store becomes a `StoredWeight` (`runtime/weights/stored.py`): the same
 Python object, with its shape, strides, dtype and device and no storage, whose reads outside
 a graph are served from this store and whose writes are refused. See [Note: a stored weight
 is a tensor] there, and [Note: when a parameter becomes a StoredWeight]
@@ -48,7 +48,7 @@ from .file_store import Extent, FileShard, FileStore, read_extents
 from .host_slabs import HostSlabs
 from .layout import (Entry, ShardSpec, copy_into_shard, lay_out, leaf_entries, leaf_tensors,
                      storage_dtype_of, stored_bytes)
-from .stored import become_stored, is_stored
+from ..weights.stored import become_stored, is_stored
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ Each way to break that has its guard:
   on every rank before any gather of that graph, so a gather never pairs with a different
   block (a silent mix of weights) or a different size (an abort inside gloo). Both ranks
   leave their state as it was; the next call starts in step.
-- reads of a stored weight outside a graph (`runtime/stored.py`: `Runtime.eager_block`)
+- reads of a stored weight outside a graph (`runtime/weights/stored.py`: `Runtime.eager_block`)
   exchange clock words the same way, in the same worker task as their gather, and so do
   reads of the stored weights to the host (``state_dict()``, `release`:
   `Runtime.host_tensor`) and a compile before it compares plans and weight fingerprints
@@ -37,8 +37,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .collectives import ShardGroup, _all_gather_single
-from .interrupts import deferred
-from .platform import exchange_device
+from ..interrupts import deferred
+from ..device.platform import exchange_device
 
 CLOCK_WORDS = 4
 

@@ -1,0 +1,6 @@
+"""What the ranks of a shard group say to each other.
+
+`collectives` resolves the shard group and wraps its in-place AllGather and JSON exchanges;
+`agreement` is the one agreement before the first gather (settings, layouts, fingerprints);
+`clock` is the collective clock, the words the ranks exchange before each collective step.
+"""
