@@ -25,7 +25,7 @@ from ..passes import run_passes, schedule_of
 from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
 from .auto_budget import AutoResidency, copy_graph
 from .first_trace import offload_traced, undo_failed
-from .probes import probe_for_budget, resolve_budget, settle_mode
+from .probes import probe_for_budget, resolve_budget
 from ..runtime.ranks.agreement import compile_facts
 from ..runtime.host.layout import is_composite
 from ..runtime.graph.forward_log import note_compile
@@ -106,7 +106,7 @@ def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Opt
     ctx.device_budget = None if auto_capacity is not None else device_budget  # auto: per call
     ctx.auto_capacity = auto_capacity
     pristine = copy_graph(gm) if auto_capacity is not None and params else None
-    plan = with_schedule(settle_mode(plan_graph(gm, ctx), runtime), runtime)
+    plan = with_schedule(plan_graph(gm, ctx), runtime)  # the mode: settled at the offload
     gm, run = schedule_and_commit(gm, plan, runtime, example_inputs, given,
                                   lambda: claim(params, runtime))
     if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
@@ -198,7 +198,7 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime, 
         ctx = PassContext(config=config, example_inputs=example_inputs,
                           view=store_view(runtime, graph_params(gm, example_inputs)))
         ctx.forced_plan = forced
-        plan = with_schedule(plan_graph(gm, ctx).with_mode(runtime.mode), runtime)
+        plan = with_schedule(plan_graph(gm, ctx), runtime)
         # every block is stored already: the commit runs no collective
         return schedule_and_commit(gm, plan, runtime, example_inputs, given)[1]
 

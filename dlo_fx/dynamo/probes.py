@@ -4,9 +4,9 @@ Planning (`dlo_fx.planning.stages.plan_graph`) and the schedule (`insert_schedul
 compute: every collective a compile issues is here or in `commit` (backend.py), called by
 the backend in this order: `resolve_budget` (the device budget, settled by
 `dlo_fx.planning.settle`), `probe_for_budget` (the device budget's bandwidth and matmul
-probes, once per runtime), planning, `settle_mode` (``mode="auto"``: probe the bandwidths
-on the shard group and simulate both modes, `dlo_fx.planning.settle`), the schedule,
-`commit` (the plan digest and fingerprints agreed across ranks). Planning sees the
+probes, once per runtime), planning, the schedule, `commit` (the plan digest and
+fingerprints agreed across ranks). The mode is settled before: by `dlo_fx.offload` or
+`dlo_fx.load`, which make every runtime (`loading.plan.settle_mode`). Planning sees the
 runtime through its frozen `StoreView` (`runtime.store_view`), made after the probes.
 """
 
@@ -16,12 +16,9 @@ from typing import Any, Optional
 
 from ..config import DLOConfig
 from ..planning.settle import Budget, settle_budget
-from ..planning.settle import settle_mode as choose_open_mode
-from ..planning.stages import GraphPlan
 from ..planning.stages.resident_set import RATE_DTYPES
 from ..runtime.device import probes
 from ..runtime.graph.graph_call import compile_clock, gathers
-from ..runtime.device.probes import machine_figures
 from ..runtime.store_view import store_view
 
 
@@ -74,22 +71,4 @@ def probe_for_budget(runtime: Any, device_budget: Optional[int], has_params: boo
     return device_budget
 
 
-def settle_mode(plan: GraphPlan, runtime: Any) -> GraphPlan:
-    """With ``mode="auto"`` (a runtime whose mode is not settled yet), measure H2D and
-    AllGather bandwidth on the shard group and simulate both modes on the plan's blocks
-    (`dlo_fx.planning.settle.settle_mode`, as the loader does), before anything is stored;
-    set the choice on the runtime. Every other mode was fixed when the runtime was made (or
-    by the loader). The choice decides whether `insert_schedule` writes ``allgather``
-    nodes; the runtime never decides it."""
-    if runtime is None or plan.view is None:
-        return plan
-    group = runtime.group  # a collective probe on every rank
-    choice = choose_open_mode(plan.view, [b.nbytes for b in plan.blocks],
-                              lambda: machine_figures(runtime.device, group))
-    if choice is None:
-        return plan
-    runtime.set_mode(*choice)
-    return plan.with_mode(runtime.mode)
-
-
-__all__ = ["probe_runtime", "probe_for_budget", "resolve_budget", "settle_mode"]
+__all__ = ["probe_runtime", "probe_for_budget", "resolve_budget"]

@@ -94,8 +94,8 @@ def block_rows(blocks: Sequence[Sequence[Target]]) -> list[tuple]:
 
 def settle_mode(runtime: Any, blocks: Sequence[Sequence[Target]]) -> None:
     """``mode="auto"``, still undecided: choose it from the blocks' bytes and the machine's
-    measured figures (a collective probe), before anything is stored: the choice a compile
-    makes (`dlo_fx.planning.settle.settle_mode`)."""
+    measured figures (a collective probe), before anything is stored
+    (`dlo_fx.planning.settle.settle_mode`): the one place a runtime's mode is settled."""
     if not blocks:
         return
     from ..planning.settle import settle_mode as choose_open_mode

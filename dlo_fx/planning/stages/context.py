@@ -121,7 +121,7 @@ class GraphPlan:
     layers: Layering
     budget_plan: Any  # dlo_fx.planning.budget.BudgetPlan, with device_budget
     escaping: frozenset
-    mode: Optional[str]  # the runtime's mode when the plan was frozen (None: not settled)
+    mode: Optional[str]  # the runtime's mode (settled when it stored its blocks), None: no runtime
     ran: tuple[str, ...]  # the planning stages, in order
     schedule: Any = None  # the runtime's GraphSchedule insert_schedule attaches (the backend's)
 
@@ -134,10 +134,6 @@ class GraphPlan:
                    layers=ctx.layers, budget_plan=ctx.budget_plan,
                    escaping=frozenset(ctx.escaping),
                    mode=view.mode if view is not None else None, ran=tuple(ctx.ran))
-
-    def with_mode(self, mode: Optional[str]) -> "GraphPlan":
-        """The plan once ``mode="auto"`` is settled."""
-        return dataclasses.replace(self, mode=mode)
 
     def with_schedule(self, schedule: Any) -> "GraphPlan":
         """The plan with the `GraphSchedule` (dlo_fx/runtime/graph/ops.py) `insert_schedule`
