@@ -360,17 +360,10 @@ def agree_on_plan(runtime: Any, rows: Optional[list], error: Optional[BaseExcept
         raise ValueError(f"{caller} failed on global rank {rank} of the "
                          f"{group.describe()} ({message}); no rank stored anything")
     if len({d for _, d in every}) > 1:  # every rank sees it: the rows, to name the block
-        plans = exchange_json(rows, group, "the differing load plans")
-        i = next(i for i in range(max(map(len, plans)))
-                 if len({repr(p[i]) if i < len(p) else None for p in plans}) > 1)
-        k = next(k for k, p in enumerate(plans) if (p[i] if i < len(p) else None)
-                 != (plans[0][i] if i < len(plans[0]) else None))
+        from ..runtime.ranks.agreement import Fact, differing
 
-        def row(p: list) -> str:
-            return repr(p[i]) if i < len(p) else "no such block"
-        first = next((p[i][-1] for p in plans if i < len(p)), "?")
-        raise ValueError(
-            f"{caller}: the ranks of the {group.describe()} hold different block plans for "
-            f"block {i} (first parameter {first!r}): {row(plans[0])} on global rank "
-            f"{group.ranks[0]} but {row(plans[k])} on global rank {group.ranks[k]}; give "
-            "every rank the same model and the same options")
+        plans = exchange_json([list(r) for r in rows], group, "the differing load plans")
+        fact = Fact("block plans", plans[group.rank], "Rows are parameter count, bytes, "
+                    "first FQN. Give every rank the same model and the same options",
+                    blocks=[r[2] for r in rows])
+        raise ValueError(differing(group, fact, plans, f"the plan of {caller}"))

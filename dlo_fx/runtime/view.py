@@ -67,4 +67,11 @@ class StoreView:
         return facts is not None and facts.block is not None
 
 
-__all__ = ["KEPT_RESIDENT", "NAMED_RESIDENT", "READ_DIRECTLY", "ParamFacts", "StoreView"]
+FAKE_STAND_IN = "_dlo_fake_stand_in"
+"""The attribute of a fake `StoredWeight` (Dynamo's, while it traces) holding the one fake
+tensor every fake op reads in its place (runtime/weights/stored.py): the storage the views
+made while tracing share, which planning follows (planning/stages/use_intervals.py)."""
+
+
+__all__ = ["FAKE_STAND_IN", "KEPT_RESIDENT", "NAMED_RESIDENT", "READ_DIRECTLY", "ParamFacts",
+           "StoreView"]

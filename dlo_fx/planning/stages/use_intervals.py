@@ -22,6 +22,7 @@ from torch import fx
 
 from ... import torch_private
 from ...torch_private import tree_leaves
+from ...runtime.view import FAKE_STAND_IN
 from .context import ParamInfo, PassContext
 
 _VIEW_NAMES = {
@@ -34,11 +35,11 @@ _VIEW_NAMES = {
 
 def _storages(value: object) -> Iterator[int]:
     """The storage identities (`torch_private.storage_key`) of ``value``'s tensors. A fake
-    stored weight stands for the fake tensor its traced ops read (``_dlo_fake_stand_in``,
+    stored weight stands for the fake tensor its traced ops read (`FAKE_STAND_IN`,
     runtime/weights/stored.py), whose storage its views share; where its ops made none, its own."""
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
-            for t in (vars(leaf).get("_dlo_fake_stand_in"), leaf):
+            for t in (vars(leaf).get(FAKE_STAND_IN), leaf):
                 if t is None:
                     continue
                 try:

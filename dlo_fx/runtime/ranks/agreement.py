@@ -126,21 +126,25 @@ def _compare(group: ShardGroup, rows: list[dict], facts: Sequence[Fact], what: s
     mine = rows[group.rank]
     for k, fact in enumerate(facts):
         values = [row["facts"][k] for row in rows]
-        if all(v == mine["facts"][k] for v in values):
-            continue
-        if fact.blocks is None or not all(isinstance(v, list) for v in values):
-            raise ValueError(
-                f"dlo: the ranks of the {group.describe()} disagree on {fact.name} for "
+        if not all(v == mine["facts"][k] for v in values):
+            raise ValueError(differing(group, fact, values, what))
+
+
+def differing(group: ShardGroup, fact: Fact, values: list, what: str) -> str:
+    """The message for ``fact``, whose ``values`` (one per rank of ``group``) differ: for a
+    per-block fact, the first block that differs, its first parameter and each rank's
+    value."""
+    if fact.blocks is None or not all(isinstance(v, list) for v in values):
+        return (f"dlo: the ranks of the {group.describe()} disagree on {fact.name} for "
                 f"{what}: {_detail(group, values, _fmt)}. {fact.hint}")
-        longest = max(len(v) for v in values)
-        b = next(b for b in range(longest)
-                 if len({json.dumps(v[b] if b < len(v) else None) for v in values}) > 1)
-        first = fact.blocks[b] if b < len(fact.blocks) else "?"
-        at = [v[b] if b < len(v) else None for v in values]
-        counts = "" if len({len(v) for v in values}) == 1 else (
-            f" ({_detail(group, [len(v) for v in values], lambda n: f'{n} blocks')})")
-        raise ValueError(
-            f"dlo: the ranks of the {group.describe()} hold different {fact.name} for "
+    longest = max(len(v) for v in values)
+    b = next(b for b in range(longest)
+             if len({json.dumps(v[b] if b < len(v) else None) for v in values}) > 1)
+    first = fact.blocks[b] if b < len(fact.blocks) else "?"
+    at = [v[b] if b < len(v) else None for v in values]
+    counts = "" if len({len(v) for v in values}) == 1 else (
+        f" ({_detail(group, [len(v) for v in values], lambda n: f'{n} blocks')})")
+    return (f"dlo: the ranks of the {group.describe()} hold different {fact.name} for "
             f"block {b} of {what} (first parameter {first!r}): "
             f"{_detail(group, at, lambda v: 'none' if v is None else _fmt(v))}{counts}. "
             f"{fact.hint}")

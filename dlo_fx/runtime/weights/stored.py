@@ -54,6 +54,7 @@ import torch
 from ... import torch_private
 from ...torch_private import is_traceable_wrapper_subclass, tree_flatten, tree_map
 from ..host.layout import own_wrapper, storage_span
+from ..view import FAKE_STAND_IN
 from .owners import owner_of
 
 aten = torch.ops.aten
@@ -244,12 +245,6 @@ def _fake_like(x: Any) -> Any:
             stand_in = x.__dict__[FAKE_STAND_IN] = _empty_like_layout(x, x.device)
         return stand_in
     return x
-
-
-FAKE_STAND_IN = "_dlo_fake_stand_in"
-"""The attribute of a fake `StoredWeight` (Dynamo's, while it traces) holding the one fake
-tensor every fake op reads in its place (`_fake_like`): its storage is the one the views
-made while tracing share, which the planning stages read (use_intervals.py)."""
 
 
 def _empty_like_layout(x: torch.Tensor, device: Any) -> torch.Tensor:
