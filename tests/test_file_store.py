@@ -250,3 +250,43 @@ def test_manifest_that_does_not_match_names_what_differs(ckpts):
 def test_shard_command_errors(ckpts, tmp_path):
     done = shard_cli(ckpts["dit"], "--dp", "2", "--out", str(tmp_path / "x"))
     assert done.returncode != 0 and "pass --model" in done.stderr
+
+
+@pytest.mark.parametrize("store", ["memory", "mmap"])
+def test_shard_folder_resident_bytes_and_a_rewrite_during_the_load_are_refused(
+        ckpts, tmp_path, monkeypatch, store):
+    # A byte changed in common.safetensors (resident parameters, buffers): loaded other
+    # values with no error before its CRC-32 was in the manifest.
+    flipped = tmp_path / "common"
+    shutil.copytree(ckpts["dit1"], flipped)
+    common = str(flipped / "common.safetensors")
+    start, _ = tensor_offsets(common)["modulation_table"]
+    with open(common, "r+b") as f:
+        f.seek(start + 8)
+        f.write(b"\x11\x22\x33\x44")
+    fresh()
+    with pytest.raises(CheckpointError, match=r"bytes of common\.safetensors differ"):
+        load(ReferenceDiT, str(flipped), config=ckpts["config"], options={"host_store": store},
+             resident=SHARED)
+    # The rank file rewritten (size and mtime kept) after its check, before the store read
+    # it: served the rewritten bytes with no error.
+    raced = tmp_path / "raced"
+    shutil.copytree(ckpts["dit1"], raced)
+    name = str(raced / "rank-00000-of-00001.safetensors")
+    checked = ShardDir.check
+
+    def check_then_rewrite(self, *args, **kwargs):
+        checked(self, *args, **kwargs)
+        st = os.stat(name)
+        block_start, block_end = tensor_offsets(name)["block.1"]
+        with open(name, "r+b") as f:
+            f.seek((block_start + block_end) // 2)
+            f.write(b"\x3f" * 64)
+        os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    monkeypatch.setattr(ShardDir, "check", check_then_rewrite)
+    fresh()
+    with pytest.raises(CheckpointError, match="rank-00000-of-00001.safetensors was rewritten "
+                       "or replaced while dlo_fx.load read it"):
+        load(ReferenceDiT, str(raced), config=ckpts["config"], options={"host_store": store},
+             resident=SHARED)
