@@ -290,3 +290,28 @@ def test_shard_folder_resident_bytes_and_a_rewrite_during_the_load_are_refused(
                        "or replaced while dlo_fx.load read it"):
         load(ReferenceDiT, str(raced), config=ckpts["config"], options={"host_store": store},
              resident=SHARED)
+
+
+LIVE_TIMEOUT_S = 5.0
+
+
+def _truncated_on_one_rank():
+    with tempfile.TemporaryDirectory() as root:
+        files = spawn(1, in_child, file_store_cases.write_files, root)[0]
+        return spawn(2, file_store_cases.truncated_on_one_rank, files["dit2"], files["dit"],
+                     files["config"], LIVE_TIMEOUT_S)
+
+
+@pytest.mark.spawned.with_args(_truncated_on_one_rank)
+def test_rank_file_truncated_while_two_ranks_serve_it_raises_on_both(spawned):
+    # Rank 1 skipped the gather its failed read was for: its next collective paired with
+    # rank 0's gather, and gloo aborted the process.
+    zero, one = spawned[0], spawned[1]
+    assert zero[0] is True and one[0] is True, (zero, one)
+    assert one[1][1].startswith("FileChangedError") and "rank-00001-of-00002" in one[1][1], one
+    elapsed, message = zero[1]  # its gather times out: no output, never a wrong one
+    assert message.startswith("RuntimeError: dlo: AllGather of host block"), message
+    assert elapsed < LIVE_TIMEOUT_S + 15, elapsed
+    # Then rank 1 issues no collective on the group again; rank 0's runtime is closed.
+    assert "is not issued on global rank 1" in one[2][1] and "FileChangedError" in one[2][1], one
+    assert "failed earlier and is closed" in zero[2][1], zero
