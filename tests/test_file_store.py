@@ -245,6 +245,12 @@ def test_manifest_that_does_not_match_names_what_differs(ckpts):
         assert (words or "missing key") in str(info.value), (options, str(info.value))
     with pytest.raises(ValueError, match=r"resident: written for \['modulation_table'\], this load has \[\]"):
         load(ReferenceDiT, ckpts["dit1"], config=ckpts["config"])
+    # The command that writes the folder for this load, its options as the CLI takes them
+    with pytest.raises(ValueError) as info:
+        load(ReferenceDiT, ckpts["dit1"], config=ckpts["config"], dtype=torch.bfloat16,
+             options={"storage_dtype": "float8_e4m3fn", "alignment": 512}, resident=SHARED)
+    assert (f"--dp 1 --out {ckpts['dit1']} --dtype bfloat16 --storage-dtype float8_e4m3fn "
+            """--options '{"alignment": 512}' --resident modulation_table`""") in str(info.value)
 
 
 def test_shard_command_errors(ckpts, tmp_path):

@@ -573,9 +573,26 @@ class ShardDir:
         if diffs:
             raise ValueError(
                 f"{where} does not match this load:\n  " + "\n  ".join(diffs) +
-                f"\nload with the options it was written for, or rerun `dlo-fx shard "
-                f"{self.manifest.get('source')} --dp {shards} --out {self.folder}` with yours")
+                "\nload with the options it was written for, or rerun `" +
+                self._command(mine, shards) + "` for this load's")
         self._rank_file(rank)
+
+    def _command(self, fields: Mapping[str, Any], shards: int) -> str:
+        """The ``dlo-fx shard`` command that writes this folder for a load whose
+        `_shape_fields` are ``fields``."""
+        words = ["dlo-fx shard", str(self.manifest.get("source")), "--dp", str(shards),
+                 "--out", str(self.folder)]
+        for flag, key in (("--dtype", "dtype"), ("--storage-dtype", "storage_dtype")):
+            if fields[key] is not None:
+                words += [flag, fields[key].removeprefix("torch.")]
+        defaults = DLOConfig()
+        options = {k: fields[k] for k in ("alignment", "block_bytes", "resident_bytes")
+                   if fields[k] != getattr(defaults, k)}
+        if options:
+            words += ["--options", "'" + json.dumps(options) + "'"]
+        for name in fields["resident"]:
+            words += ["--resident", name]
+        return " ".join(words)
 
     def block_extents(self, index: int, rank: int, spec: ShardSpec) -> list[Extent]:
         """Block ``index``'s bytes of ``rank``'s range, in that rank's file."""
