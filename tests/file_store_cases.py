@@ -113,3 +113,31 @@ def serve_then_break(rank: int, world: int, dit_path: str, how: str, slots: int)
         except RuntimeError as exc:
             lines.append("RuntimeError " + str(exc).replace("\n", " "))
     return lines
+
+
+def truncated_on_one_rank(rank: int, world: int, folder: str, dit_path: str, dit_config,
+                          timeout_s: float) -> list:
+    """Serve the dp-2 shard folder with host_store="mmap" in allgather mode, then truncate
+    rank 1's file: what each of three calls did (see [Note: a read that fails before a
+    gather] in runtime/ranks/collectives.py)."""
+    import time
+
+    fresh()
+    options = {"mode": "allgather", "host_store": "mmap", "collective_timeout_s": timeout_s}
+    model = load(ReferenceDiT, folder, config=dit_config, options=options, resident=SHARED)
+    compiled = torch.compile(model, backend="dlo", options=options)
+    inputs = tiny_dit()[1]
+    with torch.no_grad():
+        expected = call(resident_dit(dit_path, dit_config), inputs)
+    lines: list = []
+    for attempt in range(3):
+        if attempt == 1 and rank == 1:
+            path = os.path.join(folder, "rank-00001-of-00002.safetensors")
+            os.truncate(path, os.path.getsize(path) // 2)
+        start = time.monotonic()
+        try:
+            with torch.no_grad():
+                lines.append(torch.equal(call(compiled, inputs), expected))
+        except Exception as exc:
+            lines.append((time.monotonic() - start, f"{type(exc).__name__}: {exc}"))
+    return lines

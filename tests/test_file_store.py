@@ -245,8 +245,79 @@ def test_manifest_that_does_not_match_names_what_differs(ckpts):
         assert (words or "missing key") in str(info.value), (options, str(info.value))
     with pytest.raises(ValueError, match=r"resident: written for \['modulation_table'\], this load has \[\]"):
         load(ReferenceDiT, ckpts["dit1"], config=ckpts["config"])
+    # The command that writes the folder for this load, its options as the CLI takes them
+    with pytest.raises(ValueError) as info:
+        load(ReferenceDiT, ckpts["dit1"], config=ckpts["config"], dtype=torch.bfloat16,
+             options={"storage_dtype": "float8_e4m3fn", "alignment": 512}, resident=SHARED)
+    assert (f"--dp 1 --out {ckpts['dit1']} --dtype bfloat16 --storage-dtype float8_e4m3fn "
+            """--options '{"alignment": 512}' --resident modulation_table`""") in str(info.value)
 
 
 def test_shard_command_errors(ckpts, tmp_path):
     done = shard_cli(ckpts["dit"], "--dp", "2", "--out", str(tmp_path / "x"))
     assert done.returncode != 0 and "pass --model" in done.stderr
+
+
+@pytest.mark.parametrize("store", ["memory", "mmap"])
+def test_shard_folder_resident_bytes_and_a_rewrite_during_the_load_are_refused(
+        ckpts, tmp_path, monkeypatch, store):
+    # A byte changed in common.safetensors (resident parameters, buffers): loaded other
+    # values with no error before its CRC-32 was in the manifest.
+    flipped = tmp_path / "common"
+    shutil.copytree(ckpts["dit1"], flipped)
+    common = str(flipped / "common.safetensors")
+    start, _ = tensor_offsets(common)["modulation_table"]
+    with open(common, "r+b") as f:
+        f.seek(start + 8)
+        f.write(b"\x11\x22\x33\x44")
+    fresh()
+    with pytest.raises(CheckpointError, match=r"bytes of common\.safetensors differ"):
+        load(ReferenceDiT, str(flipped), config=ckpts["config"], options={"host_store": store},
+             resident=SHARED)
+    # The rank file rewritten (size and mtime kept) after its check, before the store read
+    # it: served the rewritten bytes with no error.
+    raced = tmp_path / "raced"
+    shutil.copytree(ckpts["dit1"], raced)
+    name = str(raced / "rank-00000-of-00001.safetensors")
+    checked = ShardDir.check
+
+    def check_then_rewrite(self, *args, **kwargs):
+        checked(self, *args, **kwargs)
+        st = os.stat(name)
+        block_start, block_end = tensor_offsets(name)["block.1"]
+        with open(name, "r+b") as f:
+            f.seek((block_start + block_end) // 2)
+            f.write(b"\x3f" * 64)
+        os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    monkeypatch.setattr(ShardDir, "check", check_then_rewrite)
+    fresh()
+    with pytest.raises(CheckpointError, match="rank-00000-of-00001.safetensors was rewritten "
+                       "or replaced while dlo_fx.load read it"):
+        load(ReferenceDiT, str(raced), config=ckpts["config"], options={"host_store": store},
+             resident=SHARED)
+
+
+LIVE_TIMEOUT_S = 5.0
+
+
+def _truncated_on_one_rank():
+    with tempfile.TemporaryDirectory() as root:
+        files = spawn(1, in_child, file_store_cases.write_files, root)[0]
+        return spawn(2, file_store_cases.truncated_on_one_rank, files["dit2"], files["dit"],
+                     files["config"], LIVE_TIMEOUT_S)
+
+
+@pytest.mark.spawned.with_args(_truncated_on_one_rank)
+def test_rank_file_truncated_while_two_ranks_serve_it_raises_on_both(spawned):
+    # Rank 1 skipped the gather its failed read was for: its next collective paired with
+    # rank 0's gather, and gloo aborted the process.
+    zero, one = spawned[0], spawned[1]
+    assert zero[0] is True and one[0] is True, (zero, one)
+    assert one[1][1].startswith("FileChangedError") and "rank-00001-of-00002" in one[1][1], one
+    elapsed, message = zero[1]  # its gather times out: no output, never a wrong one
+    assert message.startswith("RuntimeError: dlo: AllGather of host block"), message
+    assert elapsed < LIVE_TIMEOUT_S + 15, elapsed
+    # Then rank 1 issues no collective on the group again; rank 0's runtime is closed.
+    assert "is not issued on global rank 1" in one[2][1] and "FileChangedError" in one[2][1], one
+    assert "failed earlier and is closed" in zero[2][1], zero

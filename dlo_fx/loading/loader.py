@@ -241,6 +241,8 @@ def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
             yield NewBlock(new.params, new.fqns, *_block_source(block, b, shards, store.rank))
             values.extend(zip(block, new.params))  # stored when asked for the next
             progress.update(sum(t.info.nbytes for t in block), len(block))
+        if shards is not None:  # every block stored: the files read are those checked
+            shards.recheck()
 
     try:
         indices = runtime.store_blocks(blocks(), load_facts(plan, shards),

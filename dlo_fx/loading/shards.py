@@ -18,7 +18,8 @@ and a rank serves only bytes verified to be what was written for it. ``dlo-fx sh
   every rank file repeats in its metadata, each file's size, each block's size in a rank
   file (``block_shard_bytes``), each block's fingerprint of the checkpoint as `dlo_fx.load`
   takes it (``fingerprints``), a sampled digest of every block of every rank file
-  (``block_checks``) and the CRC-32 of all its bytes (``block_crc32``).
+  (``block_checks``) and the CRC-32 of all its bytes (``block_crc32``), and the CRC-32 of
+  ``common.safetensors`` (``common_crc32``).
 
 ``dlo_fx.load(cls, DIR, options=...)`` recognises the manifest (a malformed one is a
 `CheckpointError` naming the field), plans the load as usual, and raises ValueError listing
@@ -29,7 +30,13 @@ header whose ``block.B`` is not exactly ``block_shard_bytes[B]`` uint8 bytes ins
 file, or bytes that differ from what was written (the sampled digests, then the CRC-32 of
 every block, read once at load: the sampled digest alone misses a byte changed between its
 windows, as a bad copy to another node may), each an error naming the file (and the
-block). Ranks loading folders of two runs are refused by the ranks' agreement (the run id
+block). ``common.safetensors`` is checked the same way, by its CRC-32: a byte changed in a
+resident parameter or a buffer loaded other values with no error. The files are read
+again after the check (the blocks by the store, the resident tensors by the load), so each
+checked file's identity and times (inode, size, mtime, ctime) are taken around its check
+and compared once every block is stored (`ShardDir.recheck`, inside the ranks' agreement):
+a file rewritten between the check and the reads loaded the rewritten bytes with no error.
+From then on the store's own checks apply ([Note: file-backed host store]). Ranks loading folders of two runs are refused by the ranks' agreement (the run id
 and the fingerprints; see [Note: one agreement before the first gather] in
 runtime/ranks/agreement.py). With ``host_store="mmap"`` the blocks are then served from the rank
 file; with ``"memory"`` each rank reads its file once.
@@ -61,7 +68,7 @@ from ..runtime.host.layout import Entry, ShardSpec, plan_offsets
 __all__ = ["MANIFEST", "ShardDir", "checkpoint_extents", "write_shard_dir"]
 
 MANIFEST = "dlo-shards.json"
-FORMAT = "dlo-fx-shards/3"
+FORMAT = "dlo-fx-shards/4"
 COMMON = "common.safetensors"
 
 
@@ -159,6 +166,12 @@ def sampled_digest(read: Any, nbytes: int) -> str:
 
 CRC_CHUNK = 16 << 20
 """Bytes read at a time for a block's CRC-32 at load."""
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is rewritten, replaced or truncated (a ctime is never set
+    back by a user call)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _crc32(read: Any, nbytes: int) -> int:
@@ -272,6 +285,8 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
     from safetensors.torch import save_file
 
     save_file(common, str(out / COMMON), metadata={"format": FORMAT, "shard_id": shard_id})
+    with open(out / COMMON, "rb") as f:
+        common_crc = zlib.crc32(f.read())
     if ckpt.folder is not None and (Path(ckpt.folder) / "config.json").is_file():
         shutil.copy(Path(ckpt.folder) / "config.json", out / "config.json")
     tensors = {}
@@ -285,6 +300,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
         "fingerprints": fingerprints,
         "block_checks": checks,
         "block_crc32": crcs,
+        "common_crc32": common_crc,
         "files": {n: (out / n).stat().st_size for n in names + [COMMON]},
         "tensors": tensors,
     }
@@ -298,7 +314,8 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
 _FIELDS: dict[str, Any] = {  # manifest field -> what it must be
     "shard_id": str, "source": str, "model": str, "dp": int, "mode": str, "alignment": int,
     "blocks": int, "plan_digest": str, "block_shard_bytes": list, "fingerprints": list,
-    "block_checks": list, "block_crc32": list, "files": dict, "tensors": dict,
+    "block_checks": list, "block_crc32": list, "common_crc32": int, "files": dict,
+    "tensors": dict,
 }
 
 
@@ -358,6 +375,7 @@ class ShardDir:
 
     def __post_init__(self) -> None:
         self._offsets: dict[str, dict[str, tuple[int, int]]] = {}  # checked rank files
+        self._checked: dict[Path, tuple[int, ...]] = {}  # checked file -> `_identity` then
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Optional["ShardDir"]:
@@ -442,6 +460,7 @@ class ShardDir:
         digests = self.manifest["block_checks"][rank if self.dp > 1 else 0]
         crcs = self.manifest["block_crc32"][rank if self.dp > 1 else 0]
         with open(path, "rb") as f:
+            before = _identity(os.fstat(f.fileno()))
             for b, want in enumerate(sizes):
                 meta = header[f"block.{b}"]
                 span = meta.get("data_offsets") if isinstance(meta, dict) else None
@@ -468,13 +487,55 @@ class ShardDir:
                         f"{where}: the bytes of block.{b} differ from those `dlo-fx shard` "
                         f"wrote (CRC-32 of the block); {fix}")
                 offsets[f"block.{b}"] = (start, start + want)
+            self._identified(path, before, os.fstat(f.fileno()))
         self._offsets[name] = offsets
         return name, offsets
 
+    def _identified(self, path: Path, before: tuple[int, ...], after: os.stat_result) -> None:
+        """Remember ``path`` as checked, unless it changed while it was (``before``: its
+        `_identity` when the check began)."""
+        if _identity(after) != before:
+            raise CheckpointError(f"pre-sharded checkpoint {self.folder}: {path.name} changed "
+                                  "while dlo_fx.load checked it; load again once nothing "
+                                  "writes to the folder")
+        self._checked[path] = before
+
+    def recheck(self) -> None:
+        """Raise when a file checked at this load (`_rank_file`, `checkpoint`) changed
+        since: the load read it again after the check, and may have read other bytes."""
+        for path, seen in self._checked.items():
+            try:
+                now: Optional[tuple[int, ...]] = _identity(os.stat(path))
+            except OSError:
+                now = None
+            if now != seen:
+                raise CheckpointError(
+                    f"pre-sharded checkpoint {self.folder}: {path.name} was "
+                    f"{'removed' if now is None else 'rewritten or replaced'} while "
+                    "dlo_fx.load read it, after its bytes were checked against the manifest: "
+                    "the weights loaded may not be those checked. Load again once nothing "
+                    "writes to the folder (copy a shard folder before loading from it)")
+
+    def _check_common(self, path: Path) -> None:
+        """``common.safetensors``'s bytes against the manifest's ``common_crc32``."""
+        with open(path, "rb") as f:
+            before = _identity(os.fstat(f.fileno()))
+            crc = _crc32(lambda at, n: os.pread(f.fileno(), n, at), before[2])
+            if crc != self.manifest["common_crc32"]:
+                raise CheckpointError(
+                    f"pre-sharded checkpoint {self.folder}: the bytes of {COMMON} differ from "
+                    "those `dlo-fx shard` wrote (CRC-32 of the file; it holds the resident "
+                    "parameters and buffers); the file does not match its manifest: copy it "
+                    "again from the `dlo-fx shard` run, or rerun `dlo-fx shard`")
+            self._identified(path, before, os.fstat(f.fileno()))
+
     def checkpoint(self, source: str) -> Checkpoint:
         """The tensors the manifest promises, for planning the load (`plan_load`); those in
-        ``common.safetensors`` checked against its header (dtype and shape)."""
-        common = str(self._check_file(COMMON))
+        ``common.safetensors`` checked against its header (dtype and shape), and its bytes
+        against the manifest (``common_crc32``)."""
+        common_path = self._check_file(COMMON)
+        self._check_common(common_path)
+        common = str(common_path)
         in_common = read_header(common)
         tensors = {}
         for fqn, meta in self.manifest["tensors"].items():
@@ -512,9 +573,26 @@ class ShardDir:
         if diffs:
             raise ValueError(
                 f"{where} does not match this load:\n  " + "\n  ".join(diffs) +
-                f"\nload with the options it was written for, or rerun `dlo-fx shard "
-                f"{self.manifest.get('source')} --dp {shards} --out {self.folder}` with yours")
+                "\nload with the options it was written for, or rerun `" +
+                self._command(mine, shards) + "` for this load's")
         self._rank_file(rank)
+
+    def _command(self, fields: Mapping[str, Any], shards: int) -> str:
+        """The ``dlo-fx shard`` command that writes this folder for a load whose
+        `_shape_fields` are ``fields``."""
+        words = ["dlo-fx shard", str(self.manifest.get("source")), "--dp", str(shards),
+                 "--out", str(self.folder)]
+        for flag, key in (("--dtype", "dtype"), ("--storage-dtype", "storage_dtype")):
+            if fields[key] is not None:
+                words += [flag, fields[key].removeprefix("torch.")]
+        defaults = DLOConfig()
+        options = {k: fields[k] for k in ("alignment", "block_bytes", "resident_bytes")
+                   if fields[k] != getattr(defaults, k)}
+        if options:
+            words += ["--options", "'" + json.dumps(options) + "'"]
+        for name in fields["resident"]:
+            words += ["--resident", name]
+        return " ".join(words)
 
     def block_extents(self, index: int, rank: int, spec: ShardSpec) -> list[Extent]:
         """Block ``index``'s bytes of ``rank``'s range, in that rank's file."""

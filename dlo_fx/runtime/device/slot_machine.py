@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..ranks.collectives import ShardGroup, gather_in_place
+from ..ranks.collectives import ShardGroup, fail_reads, gather_in_place
 from .shared_slots import SharedSlots, SlotBlocks
 from .executor import Executor, FaultDelay
 from ..host.host_store import HostStore
@@ -107,6 +107,8 @@ class SlotMachine:
             self.slot_block[slot] = None  # unknown until the copy is issued and recorded
             flat = self.slots.buffers[slot]
             task = fill_task(self.store, flat, block)
+            if self.mode == "allgather":  # see [Note: a read that fails before a gather]
+                task = fail_reads(self.group, task)
             if self.tracer is not None:
                 task = self.tracer.timed("prefetch", block, slot, task)
             # Behind the slot's last task, which nobody may have waited on (see the Note).

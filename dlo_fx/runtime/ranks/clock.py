@@ -25,6 +25,10 @@ Each way to break that has its guard:
   (`graph_call.compile_clock`). The last word says which kind of step each rank is at, and
   a mismatch names them.
 
+- a read of this rank's host shard that fails (a file changed while served): the rank
+  issues no collective on the group again and raises; the others raise when their gather
+  times out (see [Note: a read that fails before a gather] in collectives.py).
+
 A collective that fails (a rank died, the timeout passed) closes the runtime: the group is
 unusable afterwards.
 """
@@ -55,6 +59,7 @@ def exchange(group: ShardGroup, device: torch.device, words: Sequence[int],
              what: str) -> list[list[int]]:
     """Every rank's clock words (run on the executor's worker, in the gathers' order)."""
     device = exchange_device(group.pg)  # the CPU for gloo, the accelerator otherwise
+    group.check_in_step(f"exchanging the collective clock before {what}")
     mine = torch.tensor(list(words), dtype=torch.int64, device=device)
     every = torch.empty(group.dp * len(words), dtype=torch.int64, device=device)
     try:

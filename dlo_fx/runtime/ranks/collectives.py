@@ -13,8 +13,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,8 @@ class ShardGroup:
     ranks: tuple[int, ...]  # global ranks, sorted: the order of the group's members
     rank: int  # index of this process in ``ranks``
     pg: Any = None  # the dedicated weight-gather process group
+    # Why this rank issues no more collectives on ``pg`` (`fail_reads`), or None
+    failed: Optional[str] = field(default=None, compare=False)
 
     @property
     def dp(self) -> int:
@@ -34,6 +36,43 @@ class ShardGroup:
 
     def describe(self) -> str:
         return f"weight group of global ranks {list(self.ranks)}"
+
+    def check_in_step(self, what: str) -> None:
+        """Raise, issuing nothing, once a read of this rank's host shard failed on it."""
+        if self.failed is not None:
+            raise RuntimeError(
+                f"dlo: {what} over the {self.describe()} is not issued on global rank "
+                f"{self.ranks[self.rank]}: reading this rank's host shard for a gather "
+                f"failed before ({self.failed}), so its collectives are out of step with "
+                "the other ranks' (they raise when their gather times out). Fix the cause, "
+                "then load the model again in a new process")
+
+
+def fail_reads(group: ShardGroup, task: Any) -> Any:
+    """``task`` (the read of this rank's host shard into a slot, which a gather of the
+    group follows), marking ``group`` failed on this rank when it raises.
+
+    [Note: a read that fails before a gather]
+    A rank whose read fails (a file truncated or rewritten while ``host_store="mmap"``
+    serves it) skips that block's gather, which the other ranks issue: its next collective
+    on the group (a gather already queued, the next call's clock) paired with theirs --
+    an abort inside gloo when the sizes differed, a silent mix of two blocks' bytes when
+    they did not. Issuing the gather anyway would hand the others a stale slice with no
+    error. So the rank issues no collective on the group again (`check_in_step`): it
+    raises the read's error, and the others raise when their gather times out
+    (``collective_timeout_s``), as when a rank dies."""
+    if group.dp == 1:
+        return task
+
+    def read() -> None:
+        try:
+            task()
+        except Exception as exc:
+            if group.failed is None:
+                group.failed = f"{type(exc).__name__}: {exc}"
+            raise
+
+    return read
 
 
 def resolve_shard_group(spec: Any, timeout_s: float) -> ShardGroup:
@@ -88,6 +127,7 @@ def gather_in_place(flat: torch.Tensor, shard_bytes: int, group: ShardGroup, wha
     """Complete ``flat[: dp * shard_bytes]`` from every rank's slice, in place."""
     out = flat[: shard_bytes * group.dp]
     mine = out[group.rank * shard_bytes : (group.rank + 1) * shard_bytes]
+    group.check_in_step(f"the AllGather of {what}")
     try:
         _all_gather_single(out, mine, group=group.pg)
     except Exception as exc:  # a rank died, raised, or timed out
@@ -107,6 +147,7 @@ def exchange_json(value: Any, group: ShardGroup, what: str) -> list[Any]:
     from ..device.platform import exchange_device
 
     device = exchange_device(group.pg)
+    group.check_in_step(f"exchanging {what}")
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     try:
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)

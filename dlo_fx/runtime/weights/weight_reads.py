@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ...config import same_device
-from ..ranks.collectives import ShardGroup, gather_in_place
+from ..ranks.collectives import ShardGroup, fail_reads, gather_in_place
 from ..device.executor import Executor
 from ..ranks.clock import EAGER, HOST_READ, ClockMismatch, check_rows, exchange
 from ..graph.forward_log import note_step
@@ -119,7 +119,8 @@ class WeightReads:
                 if clock:
                     words = [_EAGER_WORD, block, len(host.entries), kind]
                     check_rows(group, exchange(group, device, words, what), what)
-            fill_task(store, flat, block)()
+            read = fill_task(store, flat, block)
+            (fail_reads(group, read) if store.dp > 1 else read)()  # see collectives.py
             if store.dp > 1:
                 gather_in_place(flat, host.spec.shard_bytes, group, what)
 
