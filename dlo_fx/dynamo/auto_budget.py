@@ -11,7 +11,7 @@ Each call then (see [Note: the auto device budget] in dlo_fx/planning/device_mem
    the blocks forced resident (`PassContext.forced_plan`), cached per resident set, so a
    shape seen before reuses its variant. Blocks that stop being resident drop their
    device copies before the call; new resident blocks are copied once, at their first
-   read (`Runtime.resident_tensor`);
+   read (`WeightReads.resident_tensor`);
 3. on the first call at a shape, measures the device's peak during the call minus what
    was allocated before it and the resident copies it made (`platform`; on the CPU and
    the meta device ``runtime.activation_peak_of``, else 0) and records it. That call
