@@ -89,6 +89,7 @@ class Runtime:
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
         self.device = device = canonical_device(device)  # see `config.canonical_device`
+        fault_delay = FaultDelay(device, config.fault_delay_s)  # a test option
         # See [Note: what a model owns and what a device shares].
         self.shared = shared_slots(device, config.num_slots)
         self.life = Lifecycle(self.shared.lock)  # see [Note: a forked process] in lifecycle.py
@@ -109,8 +110,7 @@ class Runtime:
         self.reads = WeightReads(self.store, device, self.group, self.executor, self.life)
         self.machine = SlotMachine(self.store, self.shared, self.group,
                                    Tracer() if config.trace else None,
-                                   FaultDelay(device, config.fault_delay_s),  # a test option
-                                   self.token, self.life, self.reads)
+                                   fault_delay, self.token, self.life, self.reads)
         register(self)
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.planning.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
