@@ -197,12 +197,12 @@ def _transfer_run(p: dict, *, key: str) -> list[Figure]:
         for i, b in enumerate(blocks):
             dsts[i % len(dsts)][: b.shard.numel()].copy_(b.shard)
 
-    copies0 = rt.copies
+    copies0 = rt.machine.copies
     with T.CpuLoad() as load:
         s = T.interleaved({"resident": caller(eager_c, inputs), "dlo": caller(dlo_c, inputs),
                            "copy": copy_all}, reps=p["reps"], warmup=p["warmup"])
     calls = p["reps"] + p["warmup"]
-    copies_per_call = (rt.copies - copies0) / calls
+    copies_per_call = (rt.machine.copies - copies0) / calls
     bound = max(s.median("resident"), s.median("copy"))
     ratio = s.median("dlo") / bound
     streamed_bytes = sum(b.shard.numel() for b in blocks)
@@ -244,12 +244,12 @@ def _overhead(p: dict) -> list[Figure]:
     report = dlo_fx.memory_report(streamed)
     rt = dlo_runtime(streamed)
     nb = report.num_blocks
-    copies0 = rt.copies
+    copies0 = rt.machine.copies
     with T.CpuLoad() as load:
         s = T.interleaved({"eager": caller(resident, inputs),
                            "compiled_eager": caller(eager_c, inputs),
                            "dlo": caller(dlo_c, inputs)}, reps=p["reps"], warmup=p["warmup"])
-    copies_per_call = (rt.copies - copies0) / (p["reps"] + p["warmup"])
+    copies_per_call = (rt.machine.copies - copies0) / (p["reps"] + p["warmup"])
     setup = (f"{model_desc(p)}, block_bytes={p['block_bytes']}: {nb} blocks "
              f"(max {report.max_block_bytes} B), {copies_per_call:.0f} copies per call, "
              f"{torch.get_num_threads()} intra-op thread(s)")

@@ -41,7 +41,7 @@ def run(options: dict, *, checkpoint: Optional[str] = None, calls: int = 2) -> d
     with torch.no_grad():
         outs = [call(compiled, inputs) for _ in range(calls)]
     runtime = runtimes_holding(list(model.parameters()))[0]
-    copies = runtime.copies
+    copies = runtime.machine.copies
     with torch.no_grad():
         call(compiled, inputs)
     plan = plan_of(model)
@@ -50,7 +50,7 @@ def run(options: dict, *, checkpoint: Optional[str] = None, calls: int = 2) -> d
             "capacity": plan.capacity, "predicted_s": plan.predicted_s,
             "streamed_s": plan.streamed_s, "compute_s": plan.compute_s, "flops": plan.flops,
             "block_bytes": plan.block_bytes, "mode": runtime.mode,
-            "copies_per_call": runtime.copies - copies,
+            "copies_per_call": runtime.machine.copies - copies,
             "stored": sum(is_stored(p) for p in model.parameters()),
             "report": dlo_fx.memory_report(model), "plan": plan,
             "plan_budget": plan.device_budget}

@@ -85,7 +85,7 @@ def stored_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's values as the runtime would serve them (stored ones read back from
     the host store through `Runtime.resident_tensor`): checks a load without compiling."""
     runtime = runtimes_holding(list(model.parameters()))[0]
-    return {name: runtime.resident_tensor(p) if p in runtime.store else p.detach()
+    return {name: runtime.reads.resident_tensor(p) if p in runtime.store else p.detach()
             for name, p in model.named_parameters()}
 
 

@@ -267,12 +267,13 @@ def test_a_4x_larger_input_replans_before_it_runs_and_is_exact():
 
 
 class InjectedOutOfMemory:
-    """``runtime.resident_tensor`` that raises ``torch.OutOfMemoryError`` once: a resident
-    block's device copy that does not fit."""
+    """``runtime.reads.resident_tensor`` (every resident read of the runtime goes through
+    it) that raises ``torch.OutOfMemoryError`` once: a resident block's device copy that
+    does not fit."""
 
     def __init__(self, runtime):
-        self.runtime, self.real, self.raised = runtime, runtime.resident_tensor, 0
-        runtime.resident_tensor = self
+        self.runtime, self.real, self.raised = runtime, runtime.reads.resident_tensor, 0
+        runtime.reads.resident_tensor = self
 
     def __call__(self, param, clock=False):
         if not self.raised:
@@ -292,7 +293,7 @@ def test_out_of_memory_moves_blocks_back_and_the_next_call_is_exact():
         assert torch.equal(call(compiled, inputs), want)
         assert torch.equal(call(compiled, inputs), want)
         plan = the_plan(model)
-        resident, copies = list(plan.resident), runtime.resident_copy_bytes
+        resident, copies = list(plan.resident), runtime.reads.resident_copy_bytes
         assert resident and copies >= plan.resident_bytes
         InjectedOutOfMemory(runtime)
         with pytest.raises(DeviceMemoryError) as info:
@@ -305,7 +306,7 @@ def test_out_of_memory_moves_blocks_back_and_the_next_call_is_exact():
         assert "ran out of device memory" in message and "back to streaming" in message
         assert f"{plan.resident_bytes:,} B" in message and "exactly" in message
         assert plan.labels[resident[0]] in message
-        assert runtime.resident_copy_bytes == copies - plan.resident_bytes  # copies dropped
+        assert runtime.reads.resident_copy_bytes == copies - plan.resident_bytes  # copies dropped
         for _ in range(2):  # no retry happened; the next calls fit and are exact
             assert torch.equal(call(compiled, inputs), want)
         (memory,) = runtime.device_memory.values()
@@ -403,7 +404,7 @@ def test_graph_breaks_plan_each_graph_within_what_the_others_keep():
     held = {key: nbytes for (_, key), nbytes in runtime.shared.auto_resident.items()}
     # two graphs per layer (the graph break), each layer's planned: those that fit stay
     assert len(held) == 8 and sum(nbytes > 0 for nbytes in held.values()) >= 4
-    assert runtime.resident_copy_bytes <= sum(held.values()) + 1024
+    assert runtime.reads.resident_copy_bytes <= sum(held.values()) + 1024
     for key, nbytes in held.items():
         plan = runtime.budget_plans[key]
         assert plan.resident_bytes == nbytes

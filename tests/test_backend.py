@@ -117,13 +117,13 @@ def test_wrap_around_prefetch_starts_next_call_warm():
     # the same options: Dynamo reuses the first trace (no second trace of the model)
     compiled = torch.compile(model, backend="dlo", fullgraph=True, options={"num_slots": 2})
     blocks = dlo_fx.memory_report(model).num_blocks
-    assert blocks > 2 and runtime.copies == blocks + 2  # every block, then the ring of 2
-    before = runtime.copies
+    assert blocks > 2 and runtime.machine.copies == blocks + 2  # every block, then the ring of 2
+    before = runtime.machine.copies
     with torch.no_grad():
         out = call(compiled, tiny_dit()[1])
     assert torch.equal(out, ref)
     # blocks 0 and 1 were prefetched by the previous call's ring: not copied again.
-    assert runtime.copies - before == (blocks - 2) + 2
+    assert runtime.machine.copies - before == (blocks - 2) + 2
 
 
 def test_parameters_end_stored_and_an_eager_call_is_exact_with_a_warning():

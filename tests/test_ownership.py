@@ -727,3 +727,59 @@ def test_planning_and_passes_see_the_runtime_through_its_frozen_view_only():
     bad += [f"dlo_fx/runtime/view.py: {m}" for m in _imported_modules(view, "dlo_fx.runtime")
             if m.startswith("dlo_fx.")]
     assert bad == [], bad
+
+
+# -- every runtime part owns what it declares ------------------------------------------------------
+_RECORDS = {"NamedTuple", "Protocol", "TypedDict"}  # classes whose annotations are their fields
+_LIFECYCLE_FLAGS = {"broken", "closed"}
+
+
+def _name_of(node) -> str:
+    if isinstance(node, ast.Call):
+        node = node.func
+    return node.id if isinstance(node, ast.Name) else \
+        node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def _runtime_modules():
+    walked = sorted((ROOT / "dlo_fx" / "runtime").rglob("*.py"))
+    assert any(len(p.relative_to(ROOT).parts) > 3 for p in walked)  # its subpackages too
+    return [(p.relative_to(ROOT), ast.parse(p.read_text())) for p in walked]
+
+
+def test_no_runtime_class_declares_what_another_sets():
+    """A class of `dlo_fx.runtime` that annotates an attribute without a value (and is no
+    dataclass or record type) declares state some other class sets: a mixin reading its
+    host's attributes. The runtime is made of parts that each set what they hold."""
+    bad = []
+    for path, tree in _runtime_modules():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            if any(_name_of(d) == "dataclass" for d in cls.decorator_list) \
+                    or any(_name_of(b) in _RECORDS for b in cls.bases):
+                continue
+            bad += [f"{path}: {cls.name}.{s.target.id}" for s in cls.body
+                    if isinstance(s, ast.AnnAssign) and s.value is None
+                    and isinstance(s.target, ast.Name)]
+    assert bad == [], bad
+
+
+def test_only_the_lifecycle_sets_its_flags():
+    """``broken`` and ``closed`` are set by `Lifecycle` itself (``fail``, ``close``), never
+    assigned on another object."""
+    bad = []
+    for path, tree in _runtime_modules():
+        def visit(node, cls: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.ClassDef):
+                    visit(child, child.name)
+                    continue
+                targets = child.targets if isinstance(child, ast.Assign) else \
+                    [child.target] if isinstance(child, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in targets:
+                    for a in (n for n in ast.walk(t) if isinstance(n, ast.Attribute)):
+                        if a.attr in _LIFECYCLE_FLAGS and not (
+                                cls == "Lifecycle" and _name_of(a.value) == "self"):
+                            bad.append(f"{path}:{a.lineno}: {ast.unparse(a)}")
+                visit(child, cls)
+        visit(tree, "")
+    assert bad == [], bad

@@ -11,7 +11,7 @@ Each call then (see [Note: the auto device budget] in dlo_fx/planning/device_mem
    the blocks forced resident (`PassContext.forced_plan`), cached per resident set, so a
    shape seen before reuses its variant. Blocks that stop being resident drop their
    device copies before the call; new resident blocks are copied once, at their first
-   read (`Runtime.resident_tensor`);
+   read (`WeightReads.resident_tensor`);
 3. on the first call at a shape, measures the device's peak during the call minus what
    was allocated before it and the resident copies it made (`platform`; on the CPU and
    the meta device ``runtime.activation_peak_of``, else 0) and records it. That call
@@ -168,7 +168,7 @@ class AutoResidency:
             drop = [args[self.positions[f]] for g, fqns in enumerate(self.base.fqns)
                     if g not in resident for f in fqns if f in self.positions]
             with runtime.lock:
-                runtime.drop_resident(drop)
+                runtime.reads.drop_resident(drop)
             runtime.auto_resident[key] = resident
             runtime.shared.auto_resident[(runtime.token, key)] = plan.resident_bytes
         runtime.budget_plans[key] = plan  # this budget's lines, for memory_report
@@ -181,7 +181,7 @@ class AutoResidency:
         allocated = platform.memory_allocated(runtime.device)
         if allocated is not None:
             platform.reset_peak_memory(runtime.device)
-        return (allocated if allocated is not None else -1, runtime.resident_copy_bytes)
+        return (allocated if allocated is not None else -1, runtime.reads.resident_copy_bytes)
 
     def _peak(self, runtime: Any, shapes: tuple, before: tuple[int, int]) -> int:
         """Activations and workspace of the call just made (see [Note: the auto device
@@ -192,7 +192,7 @@ class AutoResidency:
         if peak is None:
             hook = runtime.activation_peak_of
             return int(hook(shapes)) if hook is not None else 0
-        return max(peak - allocated - (runtime.resident_copy_bytes - copies), 0)
+        return max(peak - allocated - (runtime.reads.resident_copy_bytes - copies), 0)
 
     # -- the work between two calls -------------------------------------------------------
     def _ended(self, runtime: Any, memory: DeviceMemory) -> None:

@@ -143,7 +143,7 @@ def schedule_and_commit(gm: fx.GraphModule, plan: GraphPlan, runtime: Optional[R
     gm, compiled = schedule_graph(gm, plan, example_inputs)
     if runtime is not None:
         with runtime.lock:
-            runtime.drain()
+            runtime.machine.drain()
             commit(plan, runtime)
             if then is not None:
                 then()
@@ -253,7 +253,7 @@ def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, given: Mapping[str, Any]
             try:
                 out = run_graph(runtime, sched, compiled, args)
             finally:
-                runtime.drop_block_copy()  # resident copies are made: free their source
+                runtime.reads.drop_block_copy()  # resident copies are made: free their source
         if budget_plan is not None:
             budget_plan.measured_s = time.perf_counter() - start  # beside the prediction (memory_report)
         return out
@@ -277,9 +277,9 @@ def unscheduled_call(compiled: Callable, positions: Sequence[int]) -> Callable:
             # Clocked as an eager fetch is (no graph clock was exchanged), made once: a
             # rank whose history differs raises instead of pairing other collectives.
             try:
-                args = runtime.direct_reads(args, positions, clock=True)
+                args = runtime.reads.direct_reads(args, positions, clock=True)
             finally:
-                runtime.drop_block_copy()
+                runtime.reads.drop_block_copy()
             return compiled(*args)
 
     return run

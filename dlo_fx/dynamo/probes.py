@@ -64,7 +64,7 @@ def probe_for_budget(runtime: Any, device_budget: Optional[int], has_params: boo
     if runtime is None or device_budget is None or not has_params:
         return device_budget
     with runtime.lock:
-        runtime.drain()
+        runtime.machine.drain()
         probe_runtime(runtime, device_budget)
     if runtime.config.device_budget == "auto" and runtime.agreed_auto_budget is not None:
         return runtime.agreed_auto_budget

@@ -146,7 +146,7 @@ def _real_weights(module: nn.Module, state_dict: dict, prefix: str, local_metada
     for name, p in module._parameters.items():
         key = prefix + name
         if p is not None and key in state_dict and _stored(p):
-            state_dict[key] = owner_of((p,)).host_tensor(p)
+            state_dict[key] = owner_of((p,)).reads.host_tensor(p)
 
 
 # -- load_state_dict ------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
         for runtime in runtimes:  # a graph another thread is running finishes first
             locks.enter_context(runtime.lock)
         for runtime in runtimes:
-            runtime.drain(raise_errors=False)
+            runtime.machine.drain(raise_errors=False)
         # Closing a runtime shared with another model left that model's parameters
         # without weights: all of them come back, and the other model's guards come off too.
         ids = {id(p) for p in params}
@@ -368,7 +368,7 @@ def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
             runtime = owner_of((p,))
             # A parameter of a graph not called yet is still real (host_store.py)
             if runtime is not None and p in runtime.store and is_stored(p):
-                values.append((p, runtime.host_tensor(p).to(runtime.home or p.device)))
+                values.append((p, runtime.reads.host_tensor(p).to(runtime.home or p.device)))
         holders = [m for root in modules for m in root.modules()]
         for p, value in values:
             _give_back(p, value, holders)

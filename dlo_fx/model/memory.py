@@ -132,7 +132,7 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
             predicted = {k: (predicted or {}).get(k, 0) + v for k, v in figures.items()}
         slot_bytes += rt.slots.total_bytes
         num_slots = max(num_slots, rt.slots.num_slots)
-        resident += rt.resident_copy_bytes
+        resident += rt.reads.resident_copy_bytes
         device = rt.device
         plans += list(rt.budget_plans.values())
     if plans:

@@ -3,7 +3,7 @@
 [Note: interrupts and slot state]
 The slot state always matches the work issued, even under Ctrl-C. A ``KeyboardInterrupt``
 is raised in the main thread between any two bytecodes, and the slot state machine
-(`Runtime`) records what it issued in a few assignments next to the call that issues it;
+(`SlotMachine`) records what it issued in a few assignments next to the call that issues it;
 an interrupt between the two would leave a slot marked as filled with no copy behind it,
 or a gather issued that the state does not know about (and so issued again later on this
 rank only). So every step that issues work and records it runs inside `deferred()`: the

@@ -1,10 +1,22 @@
-"""`Runtime`: one model's host store, mode and configuration, the slots and executor it
-shares with the other models on its device (`device/shared_slots.py`), and its lock. Its two
-halves are mixed in: the slot state machine the schedule nodes drive (`SlotMachine`,
-device/slot_machine.py) and the reads of stored weights outside the schedule (`WeightReads`,
-weights/weight_reads.py). A runtime is found from the parameters it stores (`owners.owner_of`),
-never from options; see [Note: the model owns its runtime] in weights/owners.py. Every block a
-model stores comes in through `Runtime.store_blocks`.
+"""`Runtime`: one model's configuration and mode, and the parts it is made of, each
+holding the others it uses by reference and each testable alone:
+
+- ``store``, the host store (`HostStore`, host/host_store.py): one for the runtime's life,
+  its shard geometry set by the mode (`set_mode`), emptied when the runtime is released;
+- ``life``, its lifecycle (`Lifecycle`, lifecycle.py): the process that made it, the lock
+  of the device's slots, and whether it failed or was released;
+- ``group``, the shard group its gathers run over (ranks/collectives.py), and ``shared``,
+  the slots and executor it shares with the other models on its device
+  (`device/shared_slots.py`);
+- ``reads``, the reads of stored weights outside the schedule (`WeightReads`,
+  weights/weight_reads.py), over the store, group and executor;
+- ``machine``, the slot state machine the schedule nodes drive (`SlotMachine`,
+  device/slot_machine.py), over the store, slots and group, reading a parameter of
+  another block through ``reads``.
+
+A runtime is found from the parameters it stores (`owners.owner_of`), never from options;
+see [Note: the model owns its runtime] in weights/owners.py. Every block a model stores
+comes in through `Runtime.store_blocks`.
 
 [Note: storing blocks]
 Every block enters the host store through one path (`Runtime.store_blocks`), whoever asks
@@ -21,23 +33,12 @@ so a rank whose store failed joins the agreement with its error and its peers ra
 instead of waiting out the timeout. A parameter that was real stays real, so a compile that
 fails leaves the model as it was. With one rank, or in rank-local mode, nothing is
 exchanged and no fingerprint is taken.
-
-[Note: a forked process]
-A runtime runs only in the process that made it. ``os.fork`` (multiprocessing's default
-start method on Linux) copies a runtime into the child without what runs it: the
-executor's worker thread, a copy the parent had in flight, the device streams and the
-process group stay with the parent, and a thread of the parent may have held the slots'
-lock, so a call in the child would wait forever on a copy no thread runs. `Runtime.lock`,
-which every graph call, eager fetch, compile and release takes, compares the pid (a syscall
-per graph call) and raises in any other process. `shared_slots` gives a forked child its
-own slots, so a model loaded or compiled in the child runs there.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from .host.file_store import FileStore
 from .host.host_store import HostStore
 from .interrupts import install as install_interrupt_handler
 from .host.layout import Entry, ShardSpec, leaf_entries
+from .lifecycle import Lifecycle
 from .weights.owners import claim, register, unclaim
 from .device.slot_machine import SlotMachine
 from .graph.trace import Tracer
@@ -83,34 +85,33 @@ class NewBlock:
     fingerprint: Optional[Callable[[list[Entry], Optional[Sequence]], int]] = None
 
 
-class Runtime(SlotMachine, WeightReads):
+class Runtime:
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
         self.device = device = canonical_device(device)  # see `config.canonical_device`
-        self.fault_delay = FaultDelay(device, config.fault_delay_s)  # a test option
+        fault_delay = FaultDelay(device, config.fault_delay_s)  # a test option
         # See [Note: what a model owns and what a device shares].
         self.shared = shared_slots(device, config.num_slots)
-        self.pid = os.getpid()  # see [Note: a forked process]
+        self.life = Lifecycle(self.shared.lock)  # see [Note: a forked process] in lifecycle.py
         agree_on_settings(config, device)  # before the group these settings pick is made
         self.group: ShardGroup = self.shared.shard_group(config.shard_group,
                                                          config.collective_timeout_s,
                                                          resolve_shard_group)
         self.mode: Optional[str] = None  # decided before the first block is stored
         self.mode_reason = ""
-        self.store = HostStore(alignment=config.alignment)  # replaced by `set_mode`
+        self.store = HostStore(alignment=config.alignment)  # sharded by `set_mode`
         if self.group.dp == 1:
             self.set_mode("rank_local", "one rank in the shard group: nothing to gather")
         elif config.mode in (None, "allgather", "rank_local"):
             self.set_mode(config.mode or "allgather", f"mode={config.mode!r} option")
         self.slots = self.shared.pool
         self.executor = self.shared.executor
-        self._token = next(_TOKENS)
+        self.token = next(_TOKENS)  # tells this runtime apart from the others on its slots
+        self.reads = WeightReads(self.store, device, self.group, self.executor, self.life)
+        self.machine = SlotMachine(self.store, self.shared, self.group,
+                                   Tracer() if config.trace else None,
+                                   fault_delay, self.token, self.life, self.reads)
         register(self)
-        self.closed = False
-        self.broken: Optional[str] = None  # set when a copy or gather failed
-        self.tracer: Optional[Tracer] = Tracer() if config.trace else None
-        self._init_slot_state(config.num_slots)
-        self._init_reads()
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.planning.budget
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
@@ -145,39 +146,32 @@ class Runtime(SlotMachine, WeightReads):
         self.undo_moves: list[Callable[[], None]] = []
         install_interrupt_handler()
 
-    @property
-    def token(self) -> int:
-        """Tells this runtime apart from the others sharing its slots."""
-        return self._token
-
+    # -- the lifecycle, read through (`Lifecycle`, lifecycle.py) --------------------------
     @property
     def lock(self) -> threading.RLock:
-        """Held around every graph call on these slots (the slot state machine and the
-        collective order; see [Note: one call at a time] in graph/graph_call.py), eager fetch,
-        compile commit and release. Raises in a forked process (`check_process`)."""
-        self.check_process()
-        return self.shared.lock
+        """`Lifecycle.lock`: the device's slots' lock; raises in a forked process."""
+        return self.life.lock
+
+    @property
+    def broken(self) -> Optional[str]:
+        """Why the runtime failed (a copy or a collective), or None."""
+        return self.life.broken
+
+    @property
+    def closed(self) -> bool:
+        """Whether the runtime was released."""
+        return self.life.closed
 
     def check_process(self) -> None:
-        """Raise unless this is the process that made the runtime ([Note: a forked process])."""
-        if self.pid != os.getpid():
-            raise RuntimeError(
-                f"dlo: this model's weights are stored by process {self.pid}, and this process "
-                f"({os.getpid()}) was forked from it (os.fork, or multiprocessing's 'fork' "
-                "start method): the copy thread, device streams and process group that run "
-                "them stay in that process. Load or compile the model in the process that "
-                "calls it; multiprocessing's 'spawn' or 'forkserver' start method starts a "
-                "fresh one")
+        self.life.check_process()
 
     def check_open(self) -> None:
-        """Raise when the runtime cannot run a graph. Called under `lock`, which has
-        checked the process."""
-        if self.broken is not None:
-            raise RuntimeError(f"dlo: this runtime failed earlier and is closed ({self.broken}); "
-                               "start a fresh process group and recompile")
-        if self.closed:  # a graph bound it before another thread's dlo_fx.release took the lock
-            raise RuntimeError("dlo: this model's weights were released (dlo_fx.release) on "
-                               "another thread while this call started; call it again")
+        self.life.check_open()
+
+    @property
+    def tracer(self) -> Optional[Tracer]:
+        """The slots' timeline, recorded with ``trace=True`` (`SlotMachine.tracer`)."""
+        return self.machine.tracer
 
     # -- the mode and the store it implies ---------------------------------------------
     def set_mode(self, mode: str, reason: str) -> None:
@@ -189,6 +183,9 @@ class Runtime(SlotMachine, WeightReads):
         if self.store.blocks:
             raise RuntimeError(f"dlo: the mode is {self.mode!r} and blocks are stored; it "
                                f"cannot become {mode!r}")
+        # Only with several ranks (the caller decides "rank_local" for one): so the store
+        # is sharded (dp > 1) exactly in allgather mode, which is what `SlotMachine` and
+        # `WeightReads`, holding the store, go by.
         sharded = mode == "allgather"
         self.mode, self.mode_reason = mode, reason
         pin = self.config.pin_memory and platform.can_pin(self.device)
@@ -196,9 +193,8 @@ class Runtime(SlotMachine, WeightReads):
         files = (FileStore(device=self.device, num_slots=self.config.num_slots, rank=rank, pin=pin,
                            file_reads=self.config.file_reads)
                  if self.config.host_store == "mmap" else None)
-        self.store = HostStore(alignment=self.config.alignment, pin=pin, rank=rank,
-                               dp=self.group.dp if sharded else 1, files=files,
-                               device=self.device)
+        self.store.shard_as(pin=pin, rank=rank, dp=self.group.dp if sharded else 1,
+                            files=files, device=self.device)
         log.info("dlo: %s mode over the %s (%s)", mode, self.group.describe(), reason)
 
     # -- storing blocks (compile, load, first call of a reused graph) -----------------------
@@ -277,52 +273,20 @@ class Runtime(SlotMachine, WeightReads):
             raise RuntimeError("dlo: internal error: a block is stored before the mode is "
                                "decided (planning.modes.choose_mode decides it, for the "
                                "compile and the loader alike)")
-        if self.closed:
+        if self.life.closed:
             raise RuntimeError("dlo: this runtime was released; compile the model again")
         block = self.store.add_block(params, fqns, extents=extents)
-        self.fit_slots(block.slot_bytes)
+        self.machine.fit_slots(block.slot_bytes)
         return block.index
-
-    def resolve(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str]) -> int:
-        """Host block a graph block is bound to for this call.
-
-        Every parameter is stored already (a graph Dynamo reuses for the next layer passes
-        that layer's parameters, stored when the model was): the host block holding most of
-        ``params`` wins; a parameter held elsewhere (a table shared by every layer and
-        passed in as an argument) is read from a resident copy by ``view``. Nothing is
-        stored at call time: a parameter this runtime does not store raises.
-        """
-        entries = [self.store.entry(p) for p in params]
-        if None in entries:
-            fqn = fqns[entries.index(None)]
-            raise RuntimeError(
-                f"dlo: parameter {fqn!r} reaches a streamed graph but is not stored with the "
-                "model it is called with (a parameter set on the model after it was "
-                "offloaded, outside any compile); call dlo_fx.release(model), then offload "
-                "and compile it again")
-        first = entries[0].block
-        if all(e.block == first for e in entries):
-            return first
-        counts: dict[int, int] = {}
-        for e in entries:
-            counts[e.block] = counts.get(e.block, 0) + e.nbytes
-        return max(counts, key=counts.__getitem__)
 
     def close(self) -> None:
         """Free the host store and resident copies, forget the slots this runtime filled
         and let go of its parameters. The runtime cannot run anything afterwards."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.pid == os.getpid():  # a forked child: the parent's copies never finish here
-            self.drain(raise_errors=False)
-        for slot in range(len(self.slot_block)):
-            if self.slot_block[slot] is not None:
-                self.slot_block[slot] = None
+        if not self.life.close():
+            return  # released already
+        self.machine.close()
         unclaim(self)
-        for key in [k for k in self.shared.auto_resident if k[0] == self._token]:
+        for key in [k for k in self.shared.auto_resident if k[0] == self.token]:
             del self.shared.auto_resident[key]  # its resident copies go with it
-        if self.store.files is not None:
-            self.store.files.close()
-        self.store = HostStore(alignment=self.config.alignment)
-        self._drop_reads()
+        self.store.close()
+        self.reads.clear()

@@ -13,7 +13,7 @@ gone, the slots are freed and the executor's worker thread stops.
 
 Sharing the buffers means sharing what they hold. ``holder[slot]`` is the
 ``(runtime token, host block)`` whose bytes the slot holds or is receiving; a runtime
-reads it through `Runtime.slot_block`, which shows ``None`` for a slot another runtime
+reads it through `SlotMachine.slot_block`, which shows ``None`` for a slot another runtime
 filled since, so its next ``wait`` copies its own block again. One executor per device
 keeps one issue order for copies and gathers, and (on a device) orders a slot's next copy
 after the last read of whichever model used it. The last task issued into each slot

@@ -1,5 +1,5 @@
 """`SlotMachine`: the slot state machine the schedule nodes drive (prefetch, allgather,
-wait, swap_slot, and the views of a slot), one half of a `Runtime` (runtime.py).
+wait, swap_slot, and the views of a slot), one part of a `Runtime` (runtime.py).
 
 [Note: slot reuse and stream ordering]
 No read of a slot sees bytes other than its block's, and no copy overwrites a slot still
@@ -21,60 +21,58 @@ breaks).
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from ..ranks.collectives import ShardGroup, fail_reads, gather_in_place
 from .shared_slots import SharedSlots, SlotBlocks
-from .executor import Executor, FaultDelay
-from ..host.host_store import HostStore
+from .executor import FaultDelay
+from ..host.host_store import HostStore, fill_task
 from ..interrupts import deferred
-from .slot_pool import SlotPool
+from ..lifecycle import Lifecycle
 from ..graph.trace import Tracer
-
-
-def fill_task(store: HostStore, flat: torch.Tensor, block: int) -> Callable[[], None]:
-    """The copy of this rank's host shard of ``block`` to its place in ``flat``. It holds
-    the host block and the slot slice, never the runtime: a wrap-around prefetch still
-    queued when the model is dropped must not keep its whole host store alive."""
-    host = store.blocks[block]
-    start = host.spec.rank_range(store.rank)[0] if store.dp > 1 else 0
-    dst = flat[start : start + host.shard_nbytes]
-    return lambda: host.copy_to(dst)
+from ..weights.weight_reads import WeightReads
 
 
 class SlotMachine:
-    """Which of this runtime's host blocks each shared slot holds, and the copies and
-    gathers that fill them. Mixed into `Runtime`, whose attributes below it reads."""
+    """Which of the host blocks of ``store`` each of the device's ``shared`` slots holds
+    for one runtime (``token`` tells it from the others on the slots), and the copies and
+    gathers (over ``group`` where the store is sharded) that fill them. A parameter of
+    another host block is read through ``reads``; a failed copy or gather fails ``life``.
+    ``tracer``, when set, records the slots' timeline; ``fault_delay`` is a test option."""
 
-    store: HostStore
-    mode: Optional[str]
-    group: ShardGroup
-    shared: SharedSlots
-    slots: SlotPool
-    executor: Executor
-    fault_delay: FaultDelay
-    tracer: Optional[Tracer]
-    broken: Optional[str]
-    _token: int
-    lock: threading.RLock
-    check_open: Callable[[], None]
-    resident_tensor: Callable[..., torch.Tensor]  # `WeightReads.resident_tensor`
-
-    def _init_slot_state(self, num_slots: int) -> None:
-        self._pending: list = self.shared.pending  # shared with the models on the slots
+    def __init__(self, store: HostStore, shared: SharedSlots, group: ShardGroup,
+                 tracer: Optional[Tracer], fault_delay: FaultDelay, token: int,
+                 life: Lifecycle, reads: WeightReads) -> None:
+        self.store = store
+        self.shared = shared
+        self.slots = shared.pool
+        self.executor = shared.executor
+        self.group = group
+        self.tracer = tracer
+        self.fault_delay = fault_delay
+        self.token = token
+        self.life = life
+        self.reads = reads
+        num_slots = self.slots.num_slots
+        self._pending: list = shared.pending  # shared with the models on the slots
         self._gathered: list[bool] = [True] * num_slots
         self._ready_ns: list[int] = [0] * num_slots  # when each slot's wait returned
         self.copies = 0  # number of block copies issued (for tests and reports)
+
+    def trace(self) -> Tracer:
+        """The slots' timeline, recorded from now on if it was not yet."""
+        if self.tracer is None:
+            self.tracer = Tracer()
+        return self.tracer
 
     @property
     def slot_block(self) -> SlotBlocks:
         """Host block of this runtime each slot holds (``None``: nothing of this
         runtime's, or another runtime's block since)."""
-        return SlotBlocks(self.shared, self._token)
+        return SlotBlocks(self.shared, self.token)
 
     @slot_block.setter
     def slot_block(self, value: Sequence[Optional[int]]) -> None:
@@ -92,12 +90,37 @@ class SlotMachine:
         with no error."""
         if nbytes <= self.slots.slot_bytes:
             return
-        with self.lock:
+        with self.life.lock:
             if nbytes > self.slots.slot_bytes:  # another thread may have grown them
                 self.drain()
                 self.executor.sync()  # no copy or gather may still touch the old slots
                 self.slots.ensure(nbytes)
                 self.slot_block = [None] * self.slots.num_slots
+
+    def resolve(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str]) -> int:
+        """Host block a graph block is bound to for this call.
+
+        Every parameter is stored already (a graph Dynamo reuses for the next layer passes
+        that layer's parameters, stored when the model was): the host block holding most of
+        ``params`` wins; a parameter held elsewhere (a table shared by every layer and
+        passed in as an argument) is read from a resident copy by `view`. Nothing is
+        stored at call time: a parameter this runtime does not store raises.
+        """
+        entries = [self.store.entry(p) for p in params]
+        if None in entries:
+            fqn = fqns[entries.index(None)]
+            raise RuntimeError(
+                f"dlo: parameter {fqn!r} reaches a streamed graph but is not stored with the "
+                "model it is called with (a parameter set on the model after it was "
+                "offloaded, outside any compile); call dlo_fx.release(model), then offload "
+                "and compile it again")
+        first = entries[0].block
+        if all(e.block == first for e in entries):
+            return first
+        counts: dict[int, int] = {}
+        for e in entries:
+            counts[e.block] = counts.get(e.block, 0) + e.nbytes
+        return max(counts, key=counts.__getitem__)
 
     def prefetch(self, block: int, slot: int) -> None:
         """H2D of this rank's shard of ``block`` into its slice of ``slot``."""
@@ -115,7 +138,7 @@ class SlotMachine:
             handle = self.executor.copy(slot, task, self.store.blocks[block].shard_nbytes,
                                         self._pending[slot], self.fault_delay.next())
             self._pending[slot] = handle
-            self._gathered[slot] = self.mode != "allgather"
+            self._gathered[slot] = self.store.dp == 1  # a sharded store: allgather mode
             self.slot_block[slot] = block
             self.copies += 1
 
@@ -138,7 +161,7 @@ class SlotMachine:
     def wait(self, block: int, slot: int) -> None:
         """Block until ``slot`` holds ``block``, complete. Ctrl-C interrupts the wait and
         leaves the copy pending: the next wait on the slot waits for it again."""
-        self.check_open()
+        self.life.check_open()
         if self.slot_block[slot] != block:
             self.prefetch(block, slot)
         if not self._gathered[slot]:
@@ -154,7 +177,7 @@ class SlotMachine:
                     # Fail closed: after a failed collective the group is unusable, and
                     # a slot may hold half a block. Nothing reads a slot of this runtime
                     # again. (An interrupted wait is no failure: the copy still runs.)
-                    self.broken = f"{type(exc).__name__}: {exc}"
+                    self.life.fail(exc)
                     self.slot_block = [None] * self.slots.num_slots
                     # The failure is this model's only ([Note: a failure stays with its model])
                     self.shared.drop_failed(slot, pending)
@@ -179,8 +202,8 @@ class SlotMachine:
         casts it (``cast``: the graph's node after the slot view does), else in its own
         (see [Note: a storage dtype] in host/layout.py)."""
         entry = self.store.entry(param)
-        if entry.block != block:  # held by another host block: see `Runtime.resolve`
-            return self.resident_tensor(param)
+        if entry.block != block:  # held by another host block: see `resolve`
+            return self.reads.resident_tensor(param)
         view = self.slots.view(slot, entry, param.requires_grad)
         if entry.compute_dtype is not None and cast is None:
             # a graph scheduled for a model of the class stored in its own dtype
@@ -200,3 +223,13 @@ class SlotMachine:
                     raise  # the handle stays: an interrupted drain can be waited on again
             if self._pending[slot] is pending:
                 self._pending[slot] = None
+
+    def close(self) -> None:
+        """The runtime is released: wait for its copies (not in a forked child, where the
+        parent's never finish) and forget the slots it filled."""
+        if self.life.in_process():
+            self.drain(raise_errors=False)
+        blocks = self.slot_block
+        for slot in range(len(blocks)):
+            if blocks[slot] is not None:
+                blocks[slot] = None

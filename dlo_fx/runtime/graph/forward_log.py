@@ -12,7 +12,7 @@ to ``log`` in order, with a function that issues them again: each scheduled grap
 (`graph_call.note_graph`: its schedule, the parameters it was bound with, the arguments its
 schedule nodes read; replayed by `graph_call.gather_only`: the same clock words, then its
 schedule nodes -- copies into the slots, gathers, waits, swaps -- in graph order) and each
-clocked eager read of a stored weight's block (`Runtime.fetch_block`; replayed as the same
+clocked eager read of a stored weight's block (`WeightReads.fetch_block`; replayed as the same
 fetch, its bytes dropped). Steps that issue no collective (rank-local mode) replay as
 nothing. Weights do not depend on activation shapes, so a replay pairs with a peer's real
 forward at other shapes. Conditions:

@@ -48,8 +48,6 @@ from .ops import GraphSchedule
 from ..runtime import Runtime
 
 
-
-
 def _args_of(spec: tuple, args: Sequence[Any]) -> list:
     return [args[v] if kind == "arg" else None if kind == "none" else v for kind, v in spec]
 
@@ -73,7 +71,7 @@ def check_clock(runtime: Runtime, clock: Clock) -> None:
         clock.check()
     except BaseException as exc:
         if clock.failed():
-            runtime.broken = f"{type(exc).__name__}: {exc}"
+            runtime.life.fail(exc)
         raise
 
 
@@ -97,7 +95,7 @@ def gathers(runtime: Runtime) -> bool:
 def complete(runtime: Runtime, sched: GraphSchedule, args: Sequence[Any],
              clock: Optional[Clock]) -> None:
     """Run the rest of the graph's schedule without computing (after a failure)."""
-    if runtime.broken is not None:
+    if runtime.life.broken is not None:
         return  # the group is unusable: the other ranks raise within the timeout
     if clock is not None:
         check_clock(runtime, clock)  # raises `ClockMismatch`: nobody gathers anything for this graph
@@ -112,8 +110,9 @@ def run_graph(runtime: Runtime, sched: GraphSchedule, compiled: Optional[Callabl
     With ``compiled=None`` the graph's schedule runs without computing (a gather-only
     forward, see [Note: gather-only forwards] in forward_log.py). A failure after the
     clock completes the graph's gathers, so its peers stay in step."""
-    with runtime.lock:
-        runtime.check_open()  # also raises when another thread released the model
+    life = runtime.life
+    with life.lock:
+        life.check_open()  # also raises when another thread released the model
         sched.step = 0
         clock: Optional[Clock] = None
         try:
@@ -125,12 +124,12 @@ def run_graph(runtime: Runtime, sched: GraphSchedule, compiled: Optional[Callabl
                 check_clock(runtime, clock)
                 clock = None
             if compiled is None:  # the gathers a call makes, in its order
-                runtime.direct_reads(args, sched.direct)
+                runtime.reads.direct_reads(args, sched.direct)
                 complete(runtime, sched, args, None)
                 return None
             # Before the check, which may refuse on one rank only: the resident copies
             # gathered here are no schedule step that `complete` would run for the peers.
-            args = runtime.direct_reads(args, sched.direct)
+            args = runtime.reads.direct_reads(args, sched.direct)
             return compiled(*args)
         except ClockMismatch:
             raise

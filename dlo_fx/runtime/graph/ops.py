@@ -24,6 +24,7 @@ from torch.fx.node import has_side_effect
 
 from ..ranks.clock import word
 from ..weights.owners import owner_of
+from ..device.slot_machine import SlotMachine
 from ..runtime import Runtime
 from ..weights.stored import release_advice
 from ...torch_private import profiler_enabled
@@ -71,12 +72,13 @@ class GraphSchedule(torch.nn.Module):
                                        if kind == "arg")
         self.key = word(repr([[len(f), f[0] if f else ""] for f in self.fqns]))
 
-    def enter(self) -> Runtime:
-        """The runtime, its tracer told that this graph's nodes run now."""
-        runtime = self.runtime
-        if runtime.tracer is not None:
-            runtime.tracer.graph = self.graph
-        return runtime
+    def enter(self) -> SlotMachine:
+        """The runtime's slot machine, its tracer told that this graph's nodes run now."""
+        machine = self.runtime.machine
+        tracer = machine.tracer
+        if tracer is not None:
+            tracer.graph = self.graph
+        return machine
 
     # The runtime is held weakly: it belongs to the model (see [Note: the model owns its
     # runtime]); a graph that Dynamo keeps cached must not keep a dead model's store.
@@ -122,10 +124,8 @@ class GraphSchedule(torch.nn.Module):
                 f"model it is called with has a runtime of {runtime.slots.num_slots} "
                 "(num_slots); compile each model with its own options, or call "
                 "torch._dynamo.reset() before compiling this one")
-        if self.config.trace and runtime.tracer is None:
-            from .trace import Tracer
-
-            runtime.tracer = Tracer()
+        if self.config.trace:
+            runtime.machine.trace()
         self.runtime = runtime
         return runtime
 
@@ -166,10 +166,10 @@ def _profiled(kind: str) -> Callable[[Callable], Callable]:
 @_profiled("prefetch")
 def prefetch(sched: GraphSchedule, block: int, *params: torch.nn.Parameter) -> None:
     """Start copying graph block ``block``'s host shard into its slot."""
-    runtime = sched.enter()
-    host_block = runtime.resolve(params, sched.fqns[block])
+    machine = sched.enter()
+    host_block = machine.resolve(params, sched.fqns[block])
     sched.bound[block] = host_block
-    runtime.prefetch(host_block, sched.slot_of[block])
+    machine.prefetch(host_block, sched.slot_of[block])
     sched.step += 1
 
 
@@ -192,7 +192,7 @@ def slot_view(sched: GraphSchedule, block: int, token: None, param: torch.nn.Par
     """``param`` as a view of its slot; ``token`` is the block's ``wait`` (ordering only).
     ``cast``: the parameter is stored in another dtype and the graph's next node casts
     the view to ``cast`` (see [Note: a storage dtype] in host/layout.py)."""
-    view = sched.runtime.view(sched.slot_of[block], sched.bound[block], param, cast)
+    view = sched.runtime.machine.view(sched.slot_of[block], sched.bound[block], param, cast)
     sched.step += 1
     return view
 
@@ -205,7 +205,7 @@ def swap_slot(sched: GraphSchedule, block: int) -> None:
 
 def resident(sched: GraphSchedule, param: torch.nn.Parameter) -> torch.Tensor:
     """A stored parameter this graph keeps on the device (a shared table, say)."""
-    tensor = sched.runtime.resident_tensor(param)
+    tensor = sched.runtime.reads.resident_tensor(param)
     sched.step += 1
     return tensor
 

@@ -40,7 +40,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -97,6 +97,16 @@ def _forget(store_ref: "weakref.ReferenceType[HostStore]", key: int) -> None:
         store.forget(key)
 
 
+def fill_task(store: HostStore, flat: torch.Tensor, block: int) -> Callable[[], None]:
+    """The copy of this rank's host shard of ``block`` to its place in ``flat``. It holds
+    the host block and the slot slice, never the runtime: a wrap-around prefetch still
+    queued when the model is dropped must not keep its whole host store alive."""
+    host = store.blocks[block]
+    start = host.spec.rank_range(store.rank)[0] if store.dp > 1 else 0
+    dst = flat[start : start + host.shard_nbytes]
+    return lambda: host.copy_to(dst)
+
+
 class HostStore:
     """Blocks in registration order; parameters looked up by identity.
 
@@ -108,13 +118,13 @@ class HostStore:
                  pin: bool = False, files: Optional[FileStore] = None,
                  device: Optional[torch.device] = None) -> None:
         self.alignment = alignment
-        self.files = files  # host_store="mmap"
-        self.rank = rank
-        self.dp = dp
-        self.pin = pin
+        self.files: Optional[FileStore] = None  # host_store="mmap"
+        self.rank = 0
+        self.dp = 1
+        self.pin = False
         # Pinned shards packed into a few slabs, exactly sized where the platform registers
         # host memory: see [Note: pinned slabs]
-        self.slabs: Optional[HostSlabs] = HostSlabs(alignment, device=device) if pin else None
+        self.slabs: Optional[HostSlabs] = None
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
         # block index -> how many of its parameters live: see [Note: a stored parameter
@@ -126,6 +136,33 @@ class HostStore:
         # that runtimes on one device share (see [Note: what a model owns and what a
         # device shares]).
         self._next_uid = next(_STORE_IDS) << 32
+        self.shard_as(pin=pin, rank=rank, dp=dp, files=files, device=device)
+
+    def shard_as(self, *, pin: bool, rank: int, dp: int, files: Optional[FileStore],
+                 device: Optional[torch.device]) -> None:
+        """Set the shard geometry (this rank's ``rank`` of ``dp``), whether shards are
+        pinned, and the files a file-backed store serves its blocks from: only while no
+        block is stored (the runtime's mode decides them, `Runtime.set_mode`). The store
+        itself stays: every part of the runtime holds it."""
+        if self.blocks:
+            raise RuntimeError(f"dlo: internal error: {len(self.blocks)} blocks are stored "
+                               "already; their shard geometry cannot change")
+        if self.files is not None and self.files is not files:
+            self.files.close()
+        self.files, self.rank, self.dp, self.pin = files, rank, dp, pin
+        self.slabs = HostSlabs(self.alignment, device=device) if pin else None
+
+    def close(self) -> None:
+        """Drop every block and entry, free the host bytes and close the files (the
+        runtime is released). Nothing is stored afterwards."""
+        with self._forget_lock:
+            self._entries = {}
+            self._live = {}
+            self.blocks = []
+        self.slabs = None
+        if self.files is not None:
+            self.files.close()
+            self.files = None
 
     # -- lookup -------------------------------------------------------------------------
     def entry(self, param: torch.Tensor) -> Optional[Entry]:

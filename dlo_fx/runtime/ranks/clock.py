@@ -18,10 +18,10 @@ Each way to break that has its guard:
   on every rank before any gather of that graph, so a gather never pairs with a different
   block (a silent mix of weights) or a different size (an abort inside gloo). Both ranks
   leave their state as it was; the next call starts in step.
-- reads of a stored weight outside a graph (`runtime/weights/stored.py`: `Runtime.eager_block`)
+- reads of a stored weight outside a graph (`runtime/weights/stored.py`: `WeightReads.eager_block`)
   exchange clock words the same way, in the same worker task as their gather, and so do
   reads of the stored weights to the host (``state_dict()``, `release`:
-  `Runtime.host_tensor`) and a compile before it compares plans and weight fingerprints
+  `WeightReads.host_tensor`) and a compile before it compares plans and weight fingerprints
   (`graph_call.compile_clock`). The last word says which kind of step each rank is at, and
   a mismatch names them.
 

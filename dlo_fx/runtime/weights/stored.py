@@ -338,7 +338,7 @@ def _read(x: Any, cache: Optional[dict] = None) -> Any:
     key = (id(runtime), entry.block)
     flat = cache.get(key) if cache is not None else None
     if flat is None:
-        flat = runtime.eager_block(entry.block, entry.fqn)
+        flat = runtime.reads.eager_block(entry.block, entry.fqn)
         if cache is not None:
             cache[key] = flat
         _warn_once(runtime, entry.fqn)

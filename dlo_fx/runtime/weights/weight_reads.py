@@ -1,4 +1,4 @@
-"""`WeightReads`: reads of stored weights outside the slot schedule, one half of a
+"""`WeightReads`: reads of stored weights outside the slot schedule, one part of a
 `Runtime` (runtime.py): the resident copies a graph reads itself, a whole block fetched
 for an eager read, and the weights gathered to the host (``state_dict()``, `release`).
 
@@ -18,8 +18,7 @@ store as it is.
 from __future__ import annotations
 
 import functools
-import threading
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,28 +27,28 @@ from ..ranks.collectives import ShardGroup, fail_reads, gather_in_place
 from ..device.executor import Executor
 from ..ranks.clock import EAGER, HOST_READ, ClockMismatch, check_rows, exchange
 from ..graph.forward_log import note_step
-from ..host.host_store import HostStore
+from ..host.host_store import HostStore, fill_task
 from ..interrupts import deferred
 from ..host.layout import Entry
-from ..device.slot_machine import fill_task
+from ..lifecycle import Lifecycle
 from .stored import is_stored
 
 _EAGER_WORD = int.from_bytes(b"dlo-eager", "little") & (2**62 - 1)
 
 
 class WeightReads:
-    """The stored weights read outside the schedule, and the copies kept for them. Mixed
-    into `Runtime`, whose attributes below it reads."""
+    """The stored weights read outside the schedule, and the copies kept for them: of the
+    blocks of ``store`` (this rank's shards, gathered over ``group`` where the store is
+    sharded), made on ``device`` through ``executor`` (behind every queued gather). A
+    failed gather fails ``life``."""
 
-    store: HostStore
-    device: torch.device
-    group: ShardGroup
-    executor: Executor
-    broken: Optional[str]
-    lock: threading.RLock
-    check_open: Callable[[], None]
-
-    def _init_reads(self) -> None:
+    def __init__(self, store: HostStore, device: torch.device, group: ShardGroup,
+                 executor: Executor, life: Lifecycle) -> None:
+        self.store = store
+        self.device = device
+        self.group = group
+        self.executor = executor
+        self.life = life
         self._host_cache: Optional[tuple[int, torch.Tensor]] = None  # last gathered block
         # id(parameter) -> (its entry, its resident copy); the entry tells a dead
         # parameter's copy from a new one's of the same id (host/host_store.py)
@@ -132,7 +131,7 @@ class WeightReads:
             raise
         except BaseException as exc:
             if self.executor.failed(handle):
-                self.broken = f"{type(exc).__name__}: {exc}"
+                self.life.fail(exc)
             raise
         return flat
 
@@ -147,8 +146,9 @@ class WeightReads:
         gathered in allgather mode like any eager fetch; in rank-local mode the last block
         read is kept until the next graph call (no collective makes the ranks agree on
         what a cache holds, so with several ranks gathering none is kept)."""
-        with self.lock:
-            self.check_open()
+        life = self.life
+        with life.lock:
+            life.check_open()
             cached = self._eager_flat
             if cached is not None and cached[0] == block:
                 return cached[1]
@@ -212,7 +212,7 @@ class WeightReads:
             cached = self._host_cache = (entry.block, flat.cpu())
         return entry.value_of(cached[1]).clone()
 
-    def _drop_reads(self) -> None:
+    def clear(self) -> None:
         """Forget every copy (the runtime is closed)."""
         self._resident.clear()
         self._resident_flat = None
