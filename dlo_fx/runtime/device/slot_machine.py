@@ -130,7 +130,7 @@ class SlotMachine:
             self.slot_block[slot] = None  # unknown until the copy is issued and recorded
             flat = self.slots.buffers[slot]
             task = fill_task(self.store, flat, block)
-            if self.mode == "allgather":  # see [Note: a read that fails before a gather]
+            if self.store.dp > 1:  # see [Note: a read that fails before a gather]
                 task = fail_reads(self.group, task)
             if self.tracer is not None:
                 task = self.tracer.timed("prefetch", block, slot, task)
