@@ -7,7 +7,7 @@ import torch
 
 import dlo_fx
 from dlo_fx.apps.models import example_inputs
-from dlo_fx.runtime.device import probes
+from dlo_fx.runtime import probes
 from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
 from models import call, tiny_dit

@@ -325,7 +325,7 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
 def _shared_storages(out_dir: str) -> dict:
     """Parameters whose storage is not theirs alone (a parameter stored lets its old tensor
     go and frees no storage: see [Note: when a parameter becomes a StoredWeight] in
-    dlo_fx/runtime/host/host_store.py): a state dict loaded with
+    dlo_fx/runtime/runtime.py): a state dict loaded with
     ``assign=True`` into the compiled model and into a resident one (storing freed the
     resident model's weights and the caller's dict under them), and ``torch.load(...,
     mmap=True)``, whose storages cannot be resized (the compile raised)."""

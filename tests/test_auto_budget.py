@@ -17,7 +17,8 @@ from dlo_fx.apps.models import example_inputs
 from dlo_fx.planning.budget import predict_call_s
 from dlo_fx.planning.device_memory import (GIB, ActivationPeaks, DeviceMemory, margin_bytes,
                                            replan, weights_budget)
-from dlo_fx.runtime.device import platform, probes
+from dlo_fx.runtime import probes
+from dlo_fx.runtime.device import platform
 from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
 from models import call, tiny_dit, tiny_wan

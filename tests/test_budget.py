@@ -249,7 +249,7 @@ def test_second_resolution_keeps_no_more_resident_than_its_budget_allows(monkeyp
     import importlib
 
     from dlo_fx.apps.models import example_inputs
-    from dlo_fx.runtime.device import probes
+    from dlo_fx.runtime import probes
 
     resident_set = importlib.import_module("dlo_fx.planning.stages.resident_set")
 

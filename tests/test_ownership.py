@@ -729,6 +729,45 @@ def test_planning_and_passes_see_the_runtime_through_its_frozen_view_only():
     assert bad == [], bad
 
 
+# The layers of `dlo_fx.runtime`, bottom up (docs/architecture.md, "Layout"): a module
+# imports nothing of a layer above its own. The modules beside runtime.py sit between
+# weights/ and graph/, except the three that import nothing of the runtime.
+_RUNTIME_LAYERS = [
+    ["view", "lifecycle", "interrupts"],
+    ["device"],
+    ["host"],
+    ["ranks"],
+    ["weights"],
+    ["probes", "store_view", "slot_machine", "runtime"],
+    ["graph"],
+]
+
+
+def _runtime_layer(module: str) -> Optional[int]:
+    """The layer of ``module`` (``dlo_fx.runtime.<part>...``), or None outside the runtime's
+    parts (the package itself, or another package)."""
+    parts = module.split(".")
+    if parts[:2] != ["dlo_fx", "runtime"] or len(parts) < 3:
+        return None
+    return next((i for i, layer in enumerate(_RUNTIME_LAYERS) if parts[2] in layer), None)
+
+
+def test_runtime_layers_import_nothing_above_them():
+    bad = []
+    walked = sorted((ROOT / "dlo_fx" / "runtime").rglob("*.py"))
+    for path in walked:
+        rel = path.relative_to(ROOT)
+        if rel.parts == ("dlo_fx", "runtime", "__init__.py"):
+            continue
+        name = ".".join(rel.with_suffix("").parts)
+        own = _runtime_layer(name)
+        assert own is not None, f"{rel}: in no layer of _RUNTIME_LAYERS"
+        package = ".".join(rel.with_suffix("").parts[:-1])
+        bad += [f"{rel}: {m}" for m in sorted(set(_imported_modules(path, package)))
+                if (_runtime_layer(m) or 0) > own]
+    assert bad == [], bad
+
+
 # -- every runtime part owns what it declares ------------------------------------------------------
 _RECORDS = {"NamedTuple", "Protocol", "TypedDict"}  # classes whose annotations are their fields
 _LIFECYCLE_FLAGS = {"broken", "closed"}

@@ -11,7 +11,7 @@ import torch
 
 from dlo_fx.runtime.device.executor import FaultDelay
 from dlo_fx.runtime.device.shared_slots import SharedSlots
-from dlo_fx.runtime.device.slot_machine import SlotMachine
+from dlo_fx.runtime.slot_machine import SlotMachine
 from dlo_fx.runtime.host.host_store import HostStore
 from dlo_fx.runtime.lifecycle import Lifecycle
 from dlo_fx.runtime.ranks.collectives import ShardGroup

@@ -28,7 +28,7 @@ from .first_trace import offload_traced, undo_failed
 from .probes import probe_for_budget, resolve_budget
 from ..runtime.ranks.agreement import compile_facts
 from ..runtime.host.layout import is_composite
-from ..runtime.graph.forward_log import note_compile
+from ..runtime.ranks.forward_log import note_compile
 from ..runtime.graph.graph_call import compile_clock, gathers, note_graph, run_graph
 from ..runtime.graph.ops import GraphSchedule, conflict_message
 from ..runtime.weights.owners import claim, owner_of

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from ..config import DLOConfig
 from ..planning.settle import Budget, settle_budget
 from ..planning.stages.resident_set import RATE_DTYPES
-from ..runtime.device import probes
+from ..runtime import probes
 from ..runtime.graph.graph_call import compile_clock, gathers
 from ..runtime.store_view import store_view
 

@@ -99,7 +99,7 @@ def settle_mode(runtime: Any, blocks: Sequence[Sequence[Target]]) -> None:
     if not blocks:
         return
     from ..planning.settle import settle_mode as choose_open_mode
-    from ..runtime.device.probes import machine_figures
+    from ..runtime.probes import machine_figures
     from ..runtime.store_view import store_view
 
     group, device = runtime.group, runtime.device

@@ -114,7 +114,7 @@ def decide(figures: dict[str, ModeFigures], *, host_ram: int,
 def choose_mode(block_bytes: Sequence[int], dp: int, num_slots: int,
                 measure: Callable[[], Mapping[str, float]]) -> tuple[str, str]:
     """The mode ``mode="auto"`` runs, and why: both modes simulated with the figures
-    ``measure()`` returns (`dlo_fx.runtime.device.probes.machine_figures`: a collective probe
+    ``measure()`` returns (`dlo_fx.runtime.probes.machine_figures`: a collective probe
     on the shard group, called only when there is something to gather)."""
     if dp == 1:
         return "rank_local", "one rank in the shard group: nothing to gather"

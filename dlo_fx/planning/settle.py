@@ -4,7 +4,7 @@ the loader, `offload` and the compiler alike.
 Decisions only, on a `StoreView` (what the runtime holds, frozen) and figures measured by
 the caller: `settle_mode` (``mode="auto"``, still open: both modes simulated on the
 blocks, `dlo_fx.planning.modes.choose_mode`) and `settle_budget` (the ``device_budget``
-option as the compile plans it). The caller measures (`dlo_fx.runtime.device.probes`) and applies
+option as the compile plans it). The caller measures (`dlo_fx.runtime.probes`) and applies
 the choice (`Runtime.set_mode`): `dlo_fx.loading.plan.settle_mode` before a load or an
 offload stores anything (a compile only reads the mode), `dlo_fx.dynamo.probes` the budget
 around a compile's planning.

@@ -11,7 +11,7 @@ holding the others it uses by reference and each testable alone:
 - ``reads``, the reads of stored weights outside the schedule (`WeightReads`,
   weights/weight_reads.py), over the store, group and executor;
 - ``machine``, the slot state machine the schedule nodes drive (`SlotMachine`,
-  device/slot_machine.py), over the store, slots and group, reading a parameter of
+  slot_machine.py), over the store, slots and group, reading a parameter of
   another block through ``reads``.
 
 A runtime is found from the parameters it stores (`owners.owner_of`), never from options;
@@ -33,6 +33,18 @@ so a rank whose store failed joins the agreement with its error and its peers ra
 instead of waiting out the timeout. A parameter that was real stays real, so a compile that
 fails leaves the model as it was. With one rank, or in rank-local mode, nothing is
 exchanged and no fingerprint is taken.
+
+[Note: when a parameter becomes a StoredWeight]
+A parameter handed to the store becomes a `StoredWeight` (weights/stored.py): the same
+Python object, with its shape, strides, dtype and device and no storage, whose reads
+outside a graph are served from the host store and whose writes are refused (see [Note: a
+stored weight is a tensor] there). It becomes one once every rank has agreed to the block
+that holds it (`store_blocks` calls `_become_stored` after the agreement), never later: the
+model Dynamo traces, and every guard it builds, already has the `StoredWeight`s (see
+[Note: a streamed model exists before Dynamo traces it] in loading/offload.py). A block
+laid out and then refused (a rank failed) leaves its parameters as they were. A parameter
+converted in place keeps the memory it had until then only as long as something else
+holds it (its old tensor is let go).
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
@@ -51,7 +64,7 @@ from ..config import DLOConfig, canonical_device
 from .device import platform
 from .ranks.agreement import (Fact, agree, agree_on_settings, layout_digest, runtime_facts,
                               weights_fact)
-from .ranks.collectives import ShardGroup, resolve_shard_group
+from .ranks.collectives import ShardGroup, weight_group
 from .device.shared_slots import shared_slots
 from .device.executor import FaultDelay
 from .host.fingerprint import block_fingerprint
@@ -61,8 +74,9 @@ from .interrupts import install as install_interrupt_handler
 from .host.layout import Entry, ShardSpec, leaf_entries
 from .lifecycle import Lifecycle
 from .weights.owners import claim, register, unclaim
-from .device.slot_machine import SlotMachine
-from .graph.trace import Tracer
+from .weights.stored import become_stored, is_stored
+from .slot_machine import SlotMachine
+from .device.trace import Tracer
 from .view import KEPT_RESIDENT, NAMED_RESIDENT, READ_DIRECTLY  # noqa: F401 (re-exported)
 from .weights.weight_reads import WeightReads
 
@@ -94,9 +108,8 @@ class Runtime:
         self.shared = shared_slots(device, config.num_slots)
         self.life = Lifecycle(self.shared.lock)  # see [Note: a forked process] in lifecycle.py
         agree_on_settings(config, device)  # before the group these settings pick is made
-        self.group: ShardGroup = self.shared.shard_group(config.shard_group,
-                                                         config.collective_timeout_s,
-                                                         resolve_shard_group)
+        self.group: ShardGroup = weight_group(self.shared.key, config.shard_group,
+                                              config.collective_timeout_s)
         self.mode: Optional[str] = None  # decided before the first block is stored
         self.mode_reason = ""
         self.store = HostStore(alignment=config.alignment)  # sharded by `set_mode`
@@ -260,15 +273,15 @@ class Runtime:
             raise
         params = [p for b in added for p in b.params]
         claim(params, self)  # only now: a failed store leaves no owner on any rank
-        store.convert(params, self.device)
+        _become_stored(params, store, self.device)
         return indices
 
     def register_block(self, params: Sequence[torch.nn.Parameter], fqns: Sequence[str],
                        extents: Optional[Sequence] = None) -> int:
         """Add ``params`` to the host store as a new block (this rank's shard of it); they
-        stay as they are until `HostStore.convert`. Only `store_blocks`
-        calls this: see [Note: storing blocks]. ``extents``: where the block's bytes are
-        in files (the loader's blocks, `HostStore.add_block`)."""
+        stay as they are until `store_blocks` turns them (`_become_stored`). Only
+        `store_blocks` calls this: see [Note: storing blocks]. ``extents``: where the
+        block's bytes are in files (the loader's blocks, `HostStore.add_block`)."""
         if self.mode is None:
             raise RuntimeError("dlo: internal error: a block is stored before the mode is "
                                "decided (planning.modes.choose_mode decides it, for the "
@@ -290,3 +303,24 @@ class Runtime:
             del self.shared.auto_resident[key]  # its resident copies go with it
         self.store.close()
         self.reads.clear()
+
+
+def _become_stored(params: Sequence[torch.Tensor], store: HostStore,
+                   device: torch.device) -> None:
+    """Turn the parameters of ``params`` that ``store`` holds into `StoredWeight`s on
+    ``device``: see [Note: when a parameter becomes a StoredWeight]. The caller holds the
+    runtime's lock."""
+    kept = []
+    for p in params:
+        entry = store.entry(p)
+        if p.numel() and not is_stored(p) and entry is not None:
+            try:
+                become_stored(p, device)
+            except RuntimeError:  # something outside Python holds its tensor
+                kept.append(entry.fqn)
+    if kept:
+        warnings.warn(
+            f"dlo: {len(kept)} stored parameters (first {kept[0]!r}) stay real tensors: "
+            "something outside Python holds their tensors (an autograd graph through "
+            "them, a view of them), so their memory is not given back. The model's "
+            "graphs stream them all the same", RuntimeWarning, stacklevel=2)

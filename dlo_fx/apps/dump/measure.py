@@ -1,6 +1,6 @@
 """What a traced run measured: per-block copy, gather and compute times, stalls.
 
-Spans come from `dlo_fx.runtime.graph.trace.Tracer` and name *host* blocks; a dump shows
+Spans come from `dlo_fx.runtime.device.trace.Tracer` and name *host* blocks; a dump shows
 *graph* blocks. `graph_blocks_of` maps one to the other. Compute spans of blocks can
 nest (with three slots, block 2 may be waited for and finished while block 1 is still
 open), so `exclusive_compute` gives each instant of the compute lane to the innermost
@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from ...runtime.graph.trace import Span
+from ...runtime.device.trace import Span
 from .record import GraphDump
 
 

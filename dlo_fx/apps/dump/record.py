@@ -20,7 +20,7 @@ from torch import fx
 from ...planning.stages import GraphBlock, PassContext
 from ...planning.budget import BudgetPlan
 from ...runtime.runtime import Runtime
-from ...runtime.graph.trace import Tracer
+from ...runtime.device.trace import Tracer
 
 #: Kinds of schedule node that move or order a block (``node.meta["dlo"]["kind"]``).
 BLOCK_KINDS = ("prefetch", "allgather", "wait", "swap_slot")

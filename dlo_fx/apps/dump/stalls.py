@@ -1,7 +1,7 @@
 """Stall summary of a traced run: how long compute waited on each block, and who caused it.
 
 A *stall* is the time a ``wait`` node blocked compute because its block was not yet in
-its slot (the ``wait`` spans of `dlo_fx.runtime.graph.trace.Tracer`). `stall_summary(model)`
+its slot (the ``wait`` spans of `dlo_fx.runtime.device.trace.Tracer`). `stall_summary(model)`
 sums them per host block over every traced call; ``str()`` of the result is a table that
 ends with the few blocks that caused most of the total.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from ...runtime.graph.trace import Span
+from ...runtime.device.trace import Span
 
 #: `StallSummary.culprits` returns the fewest blocks that caused this share of the total.
 CULPRIT_SHARE = 0.8

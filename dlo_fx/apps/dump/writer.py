@@ -25,7 +25,7 @@ from torch import fx
 from ...planning.stages import PassContext
 from ...runtime.weights.owners import runtimes_holding
 from ...runtime.runtime import Runtime
-from ...runtime.graph.trace import Span
+from ...runtime.device.trace import Span
 from .blocks_md import blocks_markdown
 from .chrome_trace import trace_events, write_trace_file
 from .measure import (graph_blocks_of, measure_blocks, measured_bandwidth, spans_of,

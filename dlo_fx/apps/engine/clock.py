@@ -25,9 +25,9 @@ Each wave then runs in three steps on every rank (worker.py):
    request keeps serving its peers' gathers until the longest request ends.
 
 A padding forward is gather-only: every forward through the clock is logged (a `_Forward`,
-the `runtime.graph.forward_log.ForwardLog` the runtime notes each collective step to), and a
+the `runtime.ranks.forward_log.ForwardLog` the runtime notes each collective step to), and a
 padding forward replays the collectives of the latest steady-state forward without
-computing (see [Note: gather-only forwards] in runtime/graph/forward_log.py): it costs the
+computing (see [Note: gather-only forwards] in runtime/ranks/forward_log.py): it costs the
 copies alone, nothing in rank-local mode or with dp=1. Until such a forward exists (a rank
 that only ran warm-ups), or for a model whose forwards dlo does not schedule, the padding
 forward is a real one on the smallest input already run (kept by reference, so a pipeline
@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...runtime.graph.forward_log import logging_to
+from ...runtime.ranks.forward_log import logging_to
 
 
 class _Forward:

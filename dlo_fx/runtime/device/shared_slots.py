@@ -7,9 +7,10 @@ another model's bytes from a shared slot. A model's `Runtime` owns its host stor
 mode and its resident copies. A pipeline's text encoder and transformer run one after the
 other, so they can stream through the same ``num_slots`` buffers, the largest device cost
 dlo adds; the weight-gather group is made once per device setting and default process
-group, and kept. Every runtime on one device with the same ``num_slots`` gets the same
-`SharedSlots`, held weakly here and strongly by the runtimes: when the last of them is
-gone, the slots are freed and the executor's worker thread stops.
+group, and kept (`weight_group` in ranks/collectives.py). Every runtime on one device with
+the same ``num_slots`` gets the same `SharedSlots`, held weakly here and strongly by the
+runtimes: when the last of them is gone, the slots are freed and the executor's worker
+thread stops.
 
 Sharing the buffers means sharing what they hold. ``holder[slot]`` is the
 ``(runtime token, host block)`` whose bytes the slot holds or is receiving; a runtime
@@ -38,11 +39,10 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..ranks.collectives import ShardGroup
 from .executor import make_executor
 from .slot_pool import SlotPool
 
@@ -67,28 +67,6 @@ class SharedSlots:
         self.auto_resident: dict[tuple, int] = {}
         weakref.finalize(self, _shutdown, self.executor)
 
-    def shard_group(self, spec: Any, timeout_s: float,
-                    make: Callable[[Any, float], ShardGroup]) -> ShardGroup:
-        """The weight-gather group for ``spec``: one per device setting and default
-        process group, made the first time it is asked for and kept while that process
-        group is (like the group of a global config). Runtimes sharing this executor
-        issue their gathers on one worker in one order, so they can share it; making a
-        group per model, or again whenever the slots were collected, would call
-        ``new_group`` at points that differ by rank. Keyed on the default process group
-        as well: a group resolved before ``init_process_group`` (dp = 1) or under a
-        group since destroyed must not serve a later compile or load."""
-        world = _default_process_group()
-        key = (self.key, None if spec is None else tuple(sorted(spec))
-               if isinstance(spec, (tuple, list)) else ("group", id(spec)),
-               float(timeout_s), id(world))
-        with _LOCK:
-            found = _GROUPS.get(key)
-            if found is None:  # spec and world pin their ids while the entry lives
-                for stale in [k for k, v in _GROUPS.items() if v[1] is not world]:
-                    del _GROUPS[stale]  # groups of a world since replaced: never used again
-                found = _GROUPS[key] = (spec, world, make(spec, timeout_s))
-        return found[2]
-
     def forget(self) -> None:
         """No slot holds a known block any more (buffers replaced, or a failed copy)."""
         self.holder = [None] * self.pool.num_slots
@@ -99,29 +77,6 @@ class SharedSlots:
         if self.pending[slot] is handle:
             self.pending[slot] = None
         self.holder[slot] = None
-
-
-def control_group(ranks: tuple[int, ...], timeout_s: float) -> ShardGroup:
-    """The `ShardGroup` of ``ranks`` (sorted) on which the ranks agree on a new runtime's
-    settings before it takes its weight group (`agreement.agree_on_settings`): one per
-    ranks and default process group, whatever the settings, so every rank makes it at the
-    same point."""
-    import datetime
-
-    import torch.distributed as dist
-
-    world = _default_process_group()
-    key = ("control", ranks, id(world))
-    with _LOCK:
-        found = _GROUPS.get(key)
-        if found is None:
-            for stale in [k for k, v in _GROUPS.items() if v[1] is not world]:
-                del _GROUPS[stale]
-            pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
-                                use_local_synchronization=True)
-            found = _GROUPS[key] = (ranks, world, ShardGroup(
-                ranks=ranks, rank=ranks.index(dist.get_rank()), pg=pg))
-    return found[2]
 
 
 def _shutdown(executor) -> None:
@@ -164,17 +119,7 @@ class SlotBlocks:
         return repr(list(self))
 
 
-def _default_process_group() -> Any:
-    """``torch.distributed``'s default process group, or None before it is initialised."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
-
-
 _SHARED: "weakref.WeakValueDictionary[tuple, SharedSlots]" = weakref.WeakValueDictionary()
-_GROUPS: dict[tuple, tuple[Any, Any, Any]] = {}  # key -> (spec, world, group)
 _LOCK = threading.Lock()
 
 

@@ -17,9 +17,18 @@ backend refuses it otherwise), and views are cached per (slot, parameter, flag).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from ..host.layout import Entry
+
+class LaidOut(Protocol):
+    """Where a parameter lies in a block's flat bytes (`host.layout.Entry` is one)."""
+
+    @property
+    def uid(self) -> int: ...  # tells the parameters of a store apart
+
+    def view_of(self, flat: torch.Tensor) -> torch.Tensor: ...
 
 
 class SlotPool:
@@ -48,7 +57,7 @@ class SlotPool:
         self._views = [{} for _ in range(self.num_slots)]
         return True
 
-    def view(self, slot: int, entry: Entry, requires_grad: bool = False) -> torch.Tensor:
+    def view(self, slot: int, entry: LaidOut, requires_grad: bool = False) -> torch.Tensor:
         """The parameter described by ``entry`` as a view of ``slot`` (cached), with the
         parameter's ``requires_grad`` (see [Note: slot views keep requires_grad])."""
         cache = self._views[slot]

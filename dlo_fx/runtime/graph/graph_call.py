@@ -1,6 +1,6 @@
 """Running one scheduled graph: one at a time per runtime, behind the ranks' collective clock
 (ranks/clock.py), completing the schedule of a graph whose call failed, and running a graph's
-schedule alone (a gather-only forward, forward_log.py).
+schedule alone (a gather-only forward, ranks/forward_log.py).
 
 [Note: one call at a time]
 At most one scheduled graph of a runtime runs at a time: a runtime has one slot state
@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..ranks.clock import COMPILE, GRAPH, Clock, ClockMismatch, word
-from . import forward_log
+from ..ranks import forward_log
 from ..interrupts import deferred
 from .ops import GraphSchedule
 from ..runtime import Runtime
@@ -108,7 +108,7 @@ def run_graph(runtime: Runtime, sched: GraphSchedule, compiled: Optional[Callabl
               args: Sequence[Any]) -> Any:
     """Call ``compiled(*args)`` under the runtime's lock, keeping the collective clock.
     With ``compiled=None`` the graph's schedule runs without computing (a gather-only
-    forward, see [Note: gather-only forwards] in forward_log.py). A failure after the
+    forward, see [Note: gather-only forwards] in ranks/forward_log.py). A failure after the
     clock completes the graph's gathers, so its peers stay in step."""
     life = runtime.life
     with life.lock:
@@ -139,7 +139,7 @@ def run_graph(runtime: Runtime, sched: GraphSchedule, compiled: Optional[Callabl
             raise
 
 
-# -- gather-only forwards: see [Note: gather-only forwards] in forward_log.py ---------------
+# -- gather-only forwards: see [Note: gather-only forwards] in ranks/forward_log.py ---------
 def note_graph(sched: GraphSchedule, bound: Sequence[torch.Tensor], args: Sequence[Any]) -> None:
     """A scheduled graph is about to run (bound with ``bound``): noted, with its
     gather-only replay, when a forward is logged."""

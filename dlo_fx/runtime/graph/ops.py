@@ -4,7 +4,7 @@ Each takes the graph's `GraphSchedule` (a ``get_attr`` node named ``_dlo``) and 
 block index. Blocks are bound to host blocks at run time from the parameters the graph is
 called with, never from those seen while compiling: Dynamo may reuse one graph for every
 layer of the same shape. They are registered as side-effecting so dead-code elimination
-keeps them. See [Note: slot reuse and stream ordering] in device/slot_machine.py.
+keeps them. See [Note: slot reuse and stream ordering] in slot_machine.py.
 
 Each op counts itself in ``sched.step`` once done, so a graph whose call fails can run the
 rest of its schedule (see [Note: the collective clock of a shard group] in ranks/clock.py);
@@ -24,7 +24,7 @@ from torch.fx.node import has_side_effect
 
 from ..ranks.clock import word
 from ..weights.owners import owner_of
-from ..device.slot_machine import SlotMachine
+from ..slot_machine import SlotMachine
 from ..runtime import Runtime
 from ..weights.stored import release_advice
 from ...torch_private import profiler_enabled

@@ -4,17 +4,10 @@ With ``host_store="mmap"`` a block's bytes stay in the checkpoint files and are 
 there at every prefetch (`FileShard`; see [Note: file-backed host store] in
 `file_store.py`); ``shard`` is then empty.
 
-A parameter handed to the store becomes a `StoredWeight` (`runtime/weights/stored.py`): the same
-Python object, with its shape, strides, dtype and device and no storage, whose reads outside
-a graph are served from this store and whose writes are refused. See [Note: a stored weight
-is a tensor] there, and [Note: when a parameter becomes a StoredWeight]
-A parameter becomes a `StoredWeight` once every rank has agreed to the block that holds it
-(`Runtime.store_blocks` calls `HostStore.convert` after the agreement), never later: the
-model Dynamo traces, and every guard it builds, already has the `StoredWeight`s (see
-[Note: a streamed model exists before Dynamo traces it] in loading/offload.py). A block
-laid out and then refused (a rank failed) leaves its parameters as they were. A parameter
-converted in place keeps the memory it had until then only as long as something else
-holds it (its old tensor is let go).
+A parameter handed to the store stays as it is; once every rank has agreed to its block,
+`Runtime.store_blocks` turns it into a `StoredWeight` (`runtime/weights/stored.py`), whose
+reads outside a graph are served from this store: see [Note: when a parameter becomes a
+StoredWeight] in runtime.py.
 
 [Note: a stored parameter that dies]
 An entry lives exactly as long as its parameter. The store keys its entries by
@@ -48,7 +41,6 @@ from .file_store import Extent, FileShard, FileStore, read_extents
 from .host_slabs import HostSlabs
 from .layout import (Entry, ShardSpec, copy_into_shard, lay_out, leaf_entries, leaf_tensors,
                      storage_dtype_of, stored_bytes)
-from ..weights.stored import become_stored, is_stored
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +215,8 @@ class HostStore:
         the parameters' own bytes are read. ``extents`` (what the loader passes)
         say instead where the block's bytes are in files: a file-backed store keeps them
         (nothing is copied), a memory store reads them once. The parameters stay as they
-        are until `convert` (see [Note: when a parameter becomes a StoredWeight]).
+        are until `Runtime.store_blocks` turns them (see [Note: when a parameter becomes a
+        StoredWeight] in runtime.py).
         """
         for p, fqn in zip(params, fqns):
             if id(p) in self._entries:
@@ -275,23 +268,6 @@ class HostStore:
                 if block.source is None and block.shard.numel():
                     self.blocks[entry.block] = dataclasses.replace(
                         block, shard=torch.empty(0, dtype=torch.uint8))
-
-    def convert(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
-        """Turn the stored ``params`` into `StoredWeight`s on ``device``: see [Note: when a
-        parameter becomes a StoredWeight]. The caller holds the runtime's lock."""
-        kept = []
-        for p in params:
-            if p.numel() and not is_stored(p) and id(p) in self._entries:
-                try:
-                    become_stored(p, device)
-                except RuntimeError:  # something outside Python holds its tensor
-                    kept.append(self._entries[id(p)].fqn)
-        if kept:
-            warnings.warn(
-                f"dlo: {len(kept)} stored parameters (first {kept[0]!r}) stay real tensors: "
-                "something outside Python holds their tensors (an autograd graph through "
-                "them, a view of them), so their memory is not given back. The model's "
-                "graphs stream them all the same", RuntimeWarning, stacklevel=2)
 
     def drop_blocks(self, first: int) -> None:
         """Forget blocks ``first`` onwards (undoing a failed store, `Runtime.store_blocks`,

@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from ...config import DLOConfig
-from .collectives import ShardGroup, exchange_json
+from .collectives import ShardGroup, control_group, exchange_json
 from ..device.executor import Executor
 from ..device.slot_pool import SlotPool
 
@@ -241,8 +241,6 @@ def agree_on_settings(config: DLOConfig, device: torch.device) -> None:
         ranks = tuple(sorted(dist.get_process_group_ranks(spec)))
     if len(ranks) < 2 or dist.get_rank() not in ranks:
         return  # nothing to gather, or `resolve_shard_group` refuses it
-    from ..device.shared_slots import control_group
-
     group = control_group(ranks, config.collective_timeout_s)
     same = ("Give every rank the same options (at dlo_fx.load, or at the first "
             "torch.compile)")

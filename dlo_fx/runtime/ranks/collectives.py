@@ -5,7 +5,9 @@ of the shard group get a dedicated group (``dist.new_group`` with a timeout), so
 sequence-parallel all-to-all issued by the model can never interleave with a weight
 AllGather. Every rank of the group must issue the same gathers in the same order; that
 is checked when blocks are stored (see [Note: one agreement before the first gather] in
-agreement.py).
+agreement.py). Groups are made once and kept: the weight group per device setting and
+default process group (`weight_group`), the group the ranks agree on settings over per
+ranks (`control_group`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,6 +120,59 @@ def resolve_shard_group(spec: Any, timeout_s: float) -> ShardGroup:
     pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
                         use_local_synchronization=True)
     return ShardGroup(ranks=ranks, rank=ranks.index(me), pg=pg)
+
+
+def weight_group(slots_key: tuple, spec: Any, timeout_s: float) -> ShardGroup:
+    """The weight-gather group for ``spec`` of the runtimes on the slots ``slots_key``
+    (`SharedSlots.key`): one per device setting and default process group, made the first
+    time it is asked for and kept while that process group is (like the group of a global
+    config). Runtimes sharing the slots' executor issue their gathers on one worker in one
+    order, so they can share it; making a group per model, or again whenever the slots
+    were collected, would call ``new_group`` at points that differ by rank. Keyed on the
+    default process group as well: a group resolved before ``init_process_group`` (dp = 1)
+    or under a group since destroyed must not serve a later compile or load."""
+    key = (slots_key, None if spec is None else tuple(sorted(spec))
+           if isinstance(spec, (tuple, list)) else ("group", id(spec)), float(timeout_s))
+    return _kept(key, spec, lambda: resolve_shard_group(spec, timeout_s))
+
+
+def control_group(ranks: tuple[int, ...], timeout_s: float) -> ShardGroup:
+    """The `ShardGroup` of ``ranks`` (sorted) on which the ranks agree on a new runtime's
+    settings before it takes its weight group (`agreement.agree_on_settings`): one per
+    ranks and default process group, whatever the settings, so every rank makes it at the
+    same point."""
+
+    def make() -> ShardGroup:
+        pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
+                            use_local_synchronization=True)
+        return ShardGroup(ranks=ranks, rank=ranks.index(dist.get_rank()), pg=pg)
+
+    return _kept(("control", ranks), ranks, make)
+
+
+def _kept(key: tuple, spec: Any, make: Callable[[], ShardGroup]) -> ShardGroup:
+    """The group kept under ``key`` and the default process group, made by ``make`` the
+    first time; groups of a default process group since replaced are dropped."""
+    world = _default_process_group()
+    key = (*key, id(world))
+    with _LOCK:
+        found = _GROUPS.get(key)
+        if found is None:  # spec and world pin their ids while the entry lives
+            for stale in [k for k, v in _GROUPS.items() if v[1] is not world]:
+                del _GROUPS[stale]  # groups of a world since replaced: never used again
+            found = _GROUPS[key] = (spec, world, make())
+    return found[2]
+
+
+def _default_process_group() -> Any:
+    """``torch.distributed``'s default process group, or None before it is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+_GROUPS: dict[tuple, tuple[Any, Any, ShardGroup]] = {}  # key -> (spec, world, group)
+_LOCK = threading.Lock()
 
 
 # torch >= 2.13 names the in-place-capable single-tensor gather `all_gather_single`.

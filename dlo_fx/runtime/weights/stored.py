@@ -37,7 +37,7 @@ While Dynamo traces (its fake mode is active on the inner tensor) an op computes
 outputs of the right metadata, so tracing reads nothing.
 
 A parameter becomes a `StoredWeight` when its block is stored, before Dynamo traces the
-model (see [Note: when a parameter becomes a StoredWeight] in `runtime/host/host_store.py`).
+model (see [Note: when a parameter becomes a StoredWeight] in `runtime/runtime.py`).
 """
 
 from __future__ import annotations

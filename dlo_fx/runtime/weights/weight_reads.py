@@ -26,7 +26,7 @@ from ...config import same_device
 from ..ranks.collectives import ShardGroup, fail_reads, gather_in_place
 from ..device.executor import Executor
 from ..ranks.clock import EAGER, HOST_READ, ClockMismatch, check_rows, exchange
-from ..graph.forward_log import note_step
+from ..ranks.forward_log import note_step
 from ..host.host_store import HostStore, fill_task
 from ..interrupts import deferred
 from ..host.layout import Entry
@@ -110,7 +110,7 @@ class WeightReads:
             flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
         group, device, store = self.group, self.device, self.store
         if clock and record:
-            # for gather-only forwards (see [Note: gather-only forwards] in graph/forward_log.py)
+            # for gather-only forwards (see [Note: gather-only forwards] in ranks/forward_log.py)
             note_step(functools.partial(self._fetch_gather_only, block, what))
 
         def fill_and_gather() -> None:

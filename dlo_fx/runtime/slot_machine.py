@@ -26,14 +26,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..ranks.collectives import ShardGroup, fail_reads, gather_in_place
-from .shared_slots import SharedSlots, SlotBlocks
-from .executor import FaultDelay
-from ..host.host_store import HostStore, fill_task
-from ..interrupts import deferred
-from ..lifecycle import Lifecycle
-from ..graph.trace import Tracer
-from ..weights.weight_reads import WeightReads
+from .ranks.collectives import ShardGroup, fail_reads, gather_in_place
+from .device.shared_slots import SharedSlots, SlotBlocks
+from .device.executor import FaultDelay
+from .host.host_store import HostStore, fill_task
+from .interrupts import deferred
+from .lifecycle import Lifecycle
+from .device.trace import Tracer
+from .weights.weight_reads import WeightReads
 
 
 class SlotMachine:

@@ -15,8 +15,8 @@ import statistics
 import time
 import torch
 
-from . import platform, procfs
-from ..ranks.collectives import ShardGroup, exchange_json, gather_in_place
+from .device import platform, procfs
+from .ranks.collectives import ShardGroup, exchange_json, gather_in_place
 
 log = logging.getLogger(__name__)
 
