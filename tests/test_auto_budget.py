@@ -387,6 +387,48 @@ def test_out_of_memory_between_calls_moves_blocks_back_with_a_warning(monkeypatc
     assert any("between two calls" in line for line in dlo_fx.memory_report(model).budget_lines)
 
 
+def test_a_pipelines_first_run_streams_every_block_and_its_decode_enters_the_plan(
+        monkeypatch):
+    """compile_pipeline under the auto budget: the first run (four transformer calls, then
+    the VAE decode) keeps every block streamed, so the decode never meets resident blocks;
+    the next run plans them within what the decode used, and both runs are exact."""
+    pytest.importorskip("diffusers")
+    from diffusers_pipelines import call_kwargs, flux
+
+    fake = FakeAllocator(monkeypatch)
+    decode = 64 << 20  # what the simulated VAE decode allocates above the resident weights
+    capacity = GIB + 10**9  # room for every block
+    with torch.no_grad():
+        want = flux(seed=0)(**call_kwargs("flux")).images
+    pipe = flux(seed=0)
+    dlo_fx.compile_pipeline(pipe, options={"device": "cpu", "device_memory": capacity})
+    held = []
+    pipe.vae.decoder.register_forward_pre_hook(
+        lambda module, args: (fake.other_work(decode), held.append(
+            [bool(the_plan(pipe.transformer).resident), runtime_of(pipe.transformer)
+             .hold_resident is not None]))[0])
+    runtime = runtime_of(pipe.transformer)
+    assert runtime.hold_resident == "FluxPipeline's first run, measured whole"
+    for run in range(2):
+        with torch.no_grad():
+            assert torch.equal(pipe(**call_kwargs("flux")).images, want), run
+    assert held == [[False, True], [True, False]]  # the first decode: nothing resident
+    plan = the_plan(pipe.transformer)
+    (memory,) = runtime.device_memory.values()
+    others = sum(b for (token, _), b in runtime.shared.auto_resident.items()
+                 if token != runtime.token)  # the text encoders' resident blocks
+    assert memory.between == decode and "the work between two calls" in plan.budget_lines[0]
+    assert plan.device_budget == capacity - GIB - decode - others
+    assert plan.resident and "maybe_free_model_hooks" not in vars(pipe)
+    # compiled again after release: held again; release removes the signal
+    dlo_fx.release(pipe)
+    dlo_fx.compile_pipeline(pipe, options={"device": "cpu", "device_memory": capacity})
+    assert runtime_of(pipe.transformer).hold_resident is not None
+    assert "maybe_free_model_hooks" in vars(pipe)
+    dlo_fx.release(pipe)
+    assert "maybe_free_model_hooks" not in vars(pipe)
+
+
 def test_graph_breaks_plan_each_graph_within_what_the_others_keep():
     """A graph break in every block: the block graphs Dynamo reuses for every layer are
     planned for each layer's parameters on their own, each budget leaves out what the

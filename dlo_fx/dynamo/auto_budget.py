@@ -22,6 +22,8 @@ Each call then (see [Note: the auto device budget] in dlo_fx/planning/device_mem
 5. at its end and at the next call's start reads the allocator's counters (no reset): the
    work in between (a pipeline's VAE, other graphs, user code) enters the next plan, and
    an out-of-memory error in between moves the resident blocks back, with a warning.
+6. streams every block while ``runtime.hold_resident`` says why (a pipeline's first run,
+   measured whole: see [Note: a pipeline's first run is measured whole] in pipelines.py).
 
 Several ranks gathering keep the compile's plan (no `AutoResidency`): every rank must run
 the same blocks, and a per-call agreement would be a collective a call on one rank alone
@@ -125,7 +127,8 @@ class AutoResidency:
         with self._lock:  # calls of one graph from several threads plan one at a time
             self._between(runtime, key, memory, args)
             other = sum(b for k, b in runtime.shared.auto_resident.items() if k != mine)
-            found = memory.budget_for(shapes, elements, other)
+            found = None if runtime.hold_resident else memory.budget_for(shapes, elements,
+                                                                         other)
             plan = self.base if found is None else self._plan(found.weights, found.lines())
             run = self._switch(plan, runtime, key, args)
             measure = memory.reserve is None and shapes not in memory.peaks.measured

@@ -20,8 +20,11 @@ device shares] in runtime/device/shared_slots.py).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-from typing import Any, Mapping, Optional, Sequence, Union
+import weakref
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -131,7 +134,71 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
                  sum(1 for _ in module.parameters()))
     _execute_on(pipe, names, device)
     guard_pipeline(pipe, [getattr(pipe, name) for name in names])
+    _measure_first_run(pipe, [getattr(pipe, name) for name in names], config)
     return pipe
+
+
+RUN_ENDS = "maybe_free_model_hooks"
+"""The method a diffusers pipeline calls as its ``__call__`` ends, after the VAE decode
+(where model offloading resets its hooks)."""
+
+
+def _measure_first_run(pipe: Any, modules: Sequence[nn.Module], config: DLOConfig) -> None:
+    """Keep every block of ``modules`` streamed until ``pipe``'s first run has ended.
+
+    [Note: a pipeline's first run is measured whole]
+    ``device_budget="auto"`` plans resident blocks from what it measured, and within a
+    pipeline run the transformer's calls are not all there is: the VAE decode after the
+    last step, often the run's largest allocation, comes after the plan. Planned from the
+    transformer's first call alone, the first run's decode would meet a device the
+    resident blocks had filled and could fail with torch's out-of-memory error, raised to
+    code dlo does not run. So the first run streams every block: its calls
+    measure their activations, and the work after the last one (the decode, the next
+    run's text encoders) is measured as the work between two calls ([Note: the auto device
+    budget]) before any block goes resident, as a warm-up run is measured whole before a
+    residency plan is applied. The run's end is the pipeline's own signal: every diffusers
+    pipeline whose ``__call__`` calls ``maybe_free_model_hooks`` (`RUN_ENDS`) calls it last.
+    A pipeline that never calls it keeps its plan as for a model compiled alone; a run that
+    raises before its end keeps every block streamed until a run completes."""
+    if config.device_budget != "auto":
+        return
+    call = getattr(type(pipe), "__call__", None)
+    code = getattr(inspect.unwrap(call), "__code__", None) if call is not None else None
+    original = getattr(type(pipe), RUN_ENDS, None)
+    if code is None or RUN_ENDS not in code.co_names or not callable(original):
+        return
+    runtimes = {id(rt): rt for m in modules if (rt := owner_of(m.parameters())) is not None}
+    for runtime in runtimes.values():
+        runtime.hold_resident = f"{type(pipe).__name__}'s first run, measured whole"
+    refs = [weakref.ref(rt) for rt in runtimes.values()]
+    installed = vars(pipe).get(RUN_ENDS)
+    if isinstance(installed, functools.partial) and installed.func is _run_ended:
+        installed.args[1].extend(refs)  # compiled again: these too
+    elif installed is None and refs:
+        vars(pipe)[RUN_ENDS] = functools.partial(_run_ended, weakref.ref(pipe), refs, original)
+
+
+def _run_ended(pipe_ref: Any, refs: list, original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The pipeline's first run ended: plan the auto budget from the next call on."""
+    pipe = pipe_ref()
+    try:
+        return original(pipe, *args, **kwargs)
+    finally:
+        _forget_first_run(pipe, refs)
+
+
+def _forget_first_run(pipe: Any, refs: Optional[list] = None) -> int:
+    """Stop holding the blocks of ``pipe``'s first run streamed and remove the signal
+    `_measure_first_run` installed; returns 1 if it was installed."""
+    installed = vars(pipe).get(RUN_ENDS) if pipe is not None else None
+    ours = isinstance(installed, functools.partial) and installed.func is _run_ended
+    for ref in refs if refs is not None else installed.args[1] if ours else ():
+        runtime = ref()
+        if runtime is not None:
+            runtime.hold_resident = None
+    if ours:
+        del vars(pipe)[RUN_ENDS]
+    return int(ours)
 
 
 def _execute_on(pipe: Any, streamed: Sequence[str], device: torch.device) -> None:
@@ -202,7 +269,8 @@ def release(target: Any) -> Any:
         if runtimes_holding(list(module.parameters())):  # a shared runtime may be gone
             release_module(module)
         log.info("dlo_fx.release: %s.%s released", type(target).__name__, name)
-    undone += sum(restore(m) for m in modules.values()) + unguard_pipeline(target)
+    undone += (sum(restore(m) for m in modules.values()) + unguard_pipeline(target)
+               + _forget_first_run(target))
     if not stored and not undone:
         raise ValueError(f"dlo_fx.release: no component of {type(target).__name__} "
                          f"({', '.join(modules) or 'it has no torch modules'}) has weights "

@@ -35,7 +35,9 @@ For one graph (one set of parameters) and one input shape:
   peak wherever it is larger, so the next plan leaves it room. An allocation that failed
   in between (the allocator's count of out-of-memory errors grew) is handled as one of the
   graph's own: its resident blocks go back to streaming under the OOM floor, with a
-  warning, since the error was raised to code dlo does not run.
+  warning, since the error was raised to code dlo does not run. A pipeline compiled with
+  `compile_pipeline` streams every block through its first run, so that the work after
+  its last step (the VAE decode) is measured before any block goes resident.
 - ``margin`` = max(1 GiB, 10% of the peak): what the measurement cannot see still fits:
   the caching allocator's fragmentation and rounding (blocks of 2 MiB, a few hundred MiB
   on a large model), cuBLAS/cuDNN workspaces created lazily (tens of MiB per stream), the

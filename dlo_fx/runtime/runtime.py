@@ -157,6 +157,9 @@ class Runtime:
         # blocks.md dump's "ends because"), by host block index
         self.block_ends: dict[int, str] = {}
         self.undo_moves: list[Callable[[], None]] = []
+        # Why device_budget="auto" streams every block for now, or None: a pipeline's first
+        # run, measured whole before any block goes resident (dynamo/pipelines.py)
+        self.hold_resident: Optional[str] = None
         install_interrupt_handler()
 
     # -- the lifecycle, read through (`Lifecycle`, lifecycle.py) --------------------------

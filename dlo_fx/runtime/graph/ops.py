@@ -110,10 +110,11 @@ class GraphSchedule(torch.nn.Module):
         if runtime is None or runtime.closed:
             first = next((f[0] for f in self.fqns if f), "its weights")
             raise RuntimeError(
-                f"dlo: this graph streams {first!r} and the blocks after it, but it is called with parameters no dlo runtime stores (the "
-                "model was released with dlo_fx.release, or is another model of the class "
-                "never offloaded); offload the model again (dlo_fx.offload(model, options)) "
-                "or compile it again after torch._dynamo.reset()")
+                f"dlo: this graph streams {first!r} and the blocks after it, but it is called "
+                "with parameters no dlo runtime stores (the model was released with "
+                "dlo_fx.release, or is another model of the class never offloaded); offload "
+                "the model again (dlo_fx.offload(model, options)) or compile it again after "
+                "torch._dynamo.reset()")
         if self.given:
             differing = runtime.config.differing(self.given)
             if differing:
