@@ -32,7 +32,24 @@ def allgather_keeps_the_compile_plan(rank: int, world: int) -> dict:
         for inputs in (small, small, large, small):
             equal.append(torch.equal(call(compiled, inputs), call(ref, inputs)))
             resident.append([p.resident for p in runtime.budget_plans.values()])
+    # Out of device memory on rank 1 only (a resident read that does not fit): rank 1
+    # raises DeviceMemoryError, rank 0 completes (the failed graph's schedule ran without
+    # compute), and the next calls run the same plan on both, exactly.
+    errors, real = [], runtime.reads.resident_tensor
+    if rank == 1:
+        def once(param, clock=False):
+            runtime.reads.resident_tensor = real
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        runtime.reads.resident_tensor = once
+    after = []
+    with torch.no_grad():
+        for _ in range(3):
+            try:
+                after.append(torch.equal(call(compiled, small), call(ref, small)))
+            except torch.OutOfMemoryError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
     (plan,) = runtime.budget_plans.values()
     return {"equal": equal, "resident": resident, "budget": plan.device_budget,
             "agreed": runtime.agreed_auto_budget, "records": len(runtime.device_memory),
-            "mode": runtime.mode}
+            "mode": runtime.mode, "after": after, "errors": errors,
+            "resident_after": [p.resident for p in runtime.budget_plans.values()]}

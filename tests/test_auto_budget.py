@@ -319,6 +319,35 @@ def test_out_of_memory_moves_blocks_back_and_the_next_call_is_exact():
     assert any("out of memory with" in line for line in report.budget_lines)
 
 
+def test_out_of_memory_under_a_budget_planned_once_says_what_stays_resident():
+    """An explicit device_budget is planned once, at the compile (as "auto" is with several
+    ranks gathering): a call that runs out of device memory raises `DeviceMemoryError`
+    naming the resident blocks and the way out; nothing changes, and the next calls run
+    the same plan exactly."""
+    ref, inputs = tiny_dit(depth=6)
+    model, _ = tiny_dit(depth=6)
+    dlo_fx.offload(model, options={"device": "cpu", "device_budget": 10**9})
+    compiled = torch.compile(model, backend="dlo")
+    with torch.no_grad():
+        want = call(ref, inputs)
+        assert torch.equal(call(compiled, inputs), want)
+        plan = the_plan(model)
+        assert plan.resident
+        InjectedOutOfMemory(runtime_of(model))
+        with pytest.raises(DeviceMemoryError) as info:
+            call(compiled, inputs)
+        error = info.value
+        assert isinstance(error.__cause__, torch.OutOfMemoryError)
+        assert error.moved_blocks == [] and error.moved_bytes == 0
+        message = str(error)
+        assert f"{len(plan.resident)} blocks resident" in message
+        assert f"{plan.resident_bytes:,} B" in message and plan.labels[plan.resident[0]] in message
+        assert "device_budget=1000000000" in message and "dlo changed nothing" in message
+        for _ in range(2):
+            assert torch.equal(call(compiled, inputs), want)
+    assert the_plan(model).resident == plan.resident
+
+
 class FakeAllocator:
     """The allocator's counters of a simulated device, read by `platform` (the CPU has
     none): what a pipeline's VAE decode between two calls of the transformer does to them,
@@ -573,4 +602,11 @@ def test_two_ranks_gathering_keep_one_agreed_plan(spawned):
         assert r["agreed"] == 800_000 - 800_000 // 4 == r["budget"]
         assert r["records"] == 0  # no per-call re-plan: no memory record
         assert r["resident"][0] and all(x == r["resident"][0] for x in r["resident"]), r
-    assert results[0] == results[1]
+        assert r["resident_after"] == r["resident"][0]  # an out-of-memory error changed nothing
+    assert results[0]["after"] == [True] * 3 and not results[0]["errors"], results[0]
+    assert results[1]["after"] == [True] * 2, results[1]
+    (error,) = results[1]["errors"]
+    assert error.startswith("DeviceMemoryError: dlo: the call ran out of device memory"), error
+    assert "'auto' with 2 ranks gathering" in error and "dlo changed nothing" in error
+    keys = ("equal", "resident", "budget", "agreed", "records", "mode")
+    assert {k: results[0][k] for k in keys} == {k: results[1][k] for k in keys}

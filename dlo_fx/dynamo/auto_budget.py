@@ -52,7 +52,7 @@ from .errors import DeviceMemoryError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AutoResidency", "copy_graph"]
+__all__ = ["AutoResidency", "copy_graph", "fixed_residency"]
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -257,3 +257,33 @@ class AutoResidency:
             "reruns it exactly. (device_budget='auto'; device_budget=None streams every "
             "block from the start, activation_reserve_bytes reserves more for activations)",
             moved, moved_bytes)
+
+
+def fixed_residency(run: Callable, plan: BudgetPlan, why: str) -> Callable:
+    """``run``, a graph whose resident blocks were planned once, at its compile (``why``:
+    an explicit ``device_budget``, or ``"auto"`` with several ranks gathering, which must
+    keep one plan): a call that runs out of device memory raises `DeviceMemoryError`
+    saying so, naming what stays resident and how to plan less. dlo changes nothing (the
+    plan is the one compiled, the same on every rank) and retries nothing; the slots, the
+    host store and the model are intact (the failed graph's remaining schedule ran
+    without compute, `graph_call.complete`)."""
+    blocks = ", ".join(f"{g} ({plan.labels[g]})" for g in plan.resident[:4])
+    more = f" and {len(plan.resident) - 4} more" if len(plan.resident) > 4 else ""
+
+    def call(*args: Any) -> Any:
+        try:
+            return run(*args)
+        except torch.OutOfMemoryError as exc:
+            if isinstance(exc, DeviceMemoryError):
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DeviceMemoryError(
+                f"dlo: the call ran out of device memory ({first}). This graph keeps "
+                f"{len(plan.resident)} blocks resident ({blocks}{more}; "
+                f"{plan.resident_bytes:,} B) within a device budget of "
+                f"{plan.device_budget:,} B planned once, at its compile ({why}); dlo changed "
+                "nothing, and nothing was retried: the slots, the host store and the model "
+                "are intact. Compile with a smaller device_budget (device_budget=None "
+                "streams every block), or reserve more for activations "
+                "(activation_reserve_bytes)") from exc
+    return call

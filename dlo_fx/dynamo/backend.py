@@ -23,7 +23,7 @@ from .errors import CompileOptionsError
 from ..config import DLOConfig
 from ..passes import run_passes, schedule_of
 from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
-from .auto_budget import AutoResidency, copy_graph
+from .auto_budget import AutoResidency, copy_graph, fixed_residency
 from .first_trace import offload_traced, undo_failed
 from .probes import probe_for_budget, resolve_budget
 from ..runtime.ranks.agreement import compile_facts
@@ -111,6 +111,11 @@ def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Opt
                                   lambda: claim(params, runtime))
     if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
         run = auto_residency(pristine, plan, runtime, run, given)
+    elif plan.budget_plan is not None and plan.budget_plan.resident:
+        why = (f"device_budget={config.device_budget!r}" if config.device_budget != "auto"
+               else f"device_budget='auto' with {runtime.group.dp} ranks gathering, which keep "
+               "the one plan they agreed on")
+        run = fixed_residency(run, plan.budget_plan, why)
     return run
 
 

@@ -30,14 +30,17 @@ class CompileOptionsError(ValueError, _Unwrapped):  # type: ignore[misc, valid-t
 
 
 class DeviceMemoryError(torch.OutOfMemoryError):
-    """A call of a model under ``device_budget="auto"`` ran out of device memory.
+    """A call of a model that keeps blocks resident on the device ran out of device memory.
 
-    Raised from the ``torch.OutOfMemoryError`` the call raised (its ``__cause__``), after
-    dlo moved the graph's resident blocks back to streaming: ``moved_blocks`` (their
-    positions among the graph's blocks, with their first..last FQNs in the message) and
-    ``moved_bytes``. The slots, the host store and the model are intact, and nothing is
-    retried: calling again runs the smaller plan and returns the exact output. See [Note:
-    the auto device budget] in dlo_fx/planning/device_memory.py."""
+    Raised from the ``torch.OutOfMemoryError`` the call raised (its ``__cause__``). Under
+    ``device_budget="auto"`` planned per call, after dlo moved the graph's resident blocks
+    back to streaming: ``moved_blocks`` (their positions among the graph's blocks, with
+    their first..last FQNs in the message) and ``moved_bytes``; calling again runs the
+    smaller plan and returns the exact output. Under a plan made once at the compile (an
+    explicit ``device_budget``, or ``"auto"`` with several ranks gathering) nothing moves
+    (``moved_blocks`` is empty) and the message says how to compile with less resident.
+    Either way the slots, the host store and the model are intact, and nothing is retried.
+    See [Note: the auto device budget] in dlo_fx/planning/device_memory.py."""
 
     def __init__(self, message: str, moved_blocks: Sequence[int] = (),
                  moved_bytes: int = 0) -> None:

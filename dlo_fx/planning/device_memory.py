@@ -59,7 +59,8 @@ They keep the compile's plan: budget = capacity - ``activation_reserve_bytes`` (
 of the capacity by default), the smallest over the ranks, agreed once with the probes at
 the first compile and kept for every later compile. The ranks' agreement on the resident
 parameters when blocks are stored and the collective clock before every graph call refuse
-a plan that differs.
+a plan that differs. A call of such a plan (or of an explicit ``device_budget``) that runs
+out of memory raises `DeviceMemoryError` and changes nothing (`auto_budget.fixed_residency`).
 
 A graph Dynamo reuses for other parameters (the next layer's, after a graph break in the
 blocks; another model of the class) is planned for each set of parameters on its own:
