@@ -240,13 +240,11 @@ class AutoResidency:
                                  f"{plan.device_budget:,} B)")
         with self._lock:
             self._switch(self.base, runtime, key, args)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc)
         if moved:
-            names = ", ".join(f"{g} ({self.base.labels[g]})" for g in moved[:4])
-            more = f" and {len(moved) - 4} more" if len(moved) > 4 else ""
             changed = (f"dlo moved {len(moved)} resident blocks back to streaming (blocks "
-                       f"{names}{more}; {moved_bytes:,} B) and keeps this graph's weights "
-                       f"within {floor:,} B from now on")
+                       f"{_named(self.base, moved)}; {moved_bytes:,} B) and keeps this "
+                       f"graph's weights within {floor:,} B from now on")
         else:
             changed = ("every block already streamed, so dlo changed nothing: this call's "
                        "activations do not fit on the device even so; lower the resolution "
@@ -267,8 +265,7 @@ def fixed_residency(run: Callable, plan: BudgetPlan, why: str) -> Callable:
     plan is the one compiled, the same on every rank) and retries nothing; the slots, the
     host store and the model are intact (the failed graph's remaining schedule ran
     without compute, `graph_call.complete`)."""
-    blocks = ", ".join(f"{g} ({plan.labels[g]})" for g in plan.resident[:4])
-    more = f" and {len(plan.resident) - 4} more" if len(plan.resident) > 4 else ""
+    blocks = _named(plan, plan.resident)
 
     def call(*args: Any) -> Any:
         try:
@@ -276,10 +273,9 @@ def fixed_residency(run: Callable, plan: BudgetPlan, why: str) -> Callable:
         except torch.OutOfMemoryError as exc:
             if isinstance(exc, DeviceMemoryError):
                 raise
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DeviceMemoryError(
-                f"dlo: the call ran out of device memory ({first}). This graph keeps "
-                f"{len(plan.resident)} blocks resident ({blocks}{more}; "
+                f"dlo: the call ran out of device memory ({_first_line(exc)}). This graph "
+                f"keeps {len(plan.resident)} blocks resident ({blocks}; "
                 f"{plan.resident_bytes:,} B) within a device budget of "
                 f"{plan.device_budget:,} B planned once, at its compile ({why}); dlo changed "
                 "nothing, and nothing was retried: the slots, the host store and the model "
@@ -287,3 +283,14 @@ def fixed_residency(run: Callable, plan: BudgetPlan, why: str) -> Callable:
                 "streams every block), or reserve more for activations "
                 "(activation_reserve_bytes)") from exc
     return call
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _named(plan: BudgetPlan, blocks: Sequence[int]) -> str:
+    """``blocks`` of ``plan`` with their first..last FQNs, the first four."""
+    names = ", ".join(f"{g} ({plan.labels[g]})" for g in blocks[:4])
+    return names + (f" and {len(blocks) - 4} more" if len(blocks) > 4 else "")
