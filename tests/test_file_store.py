@@ -6,6 +6,7 @@ not match) is a clear error, never a SIGBUS or a wrong output."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -178,6 +179,18 @@ def test_file_changed_while_served_is_an_error_not_sigbus(ckpts, tmp_path, how):
     assert lines[1].startswith("FileChangedError") and word in lines[1] and path in lines[1]
     assert "host block" in lines[1] and "rank 0" in lines[1]
     assert not any(line.startswith("no-error") for line in lines[1:]), lines
+
+
+def test_a_shard_folder_of_another_configuration_names_the_folder(ckpts):
+    """A model of another width than the folder was sharded from: refused, naming the
+    folder and its manifest (the block tensors are in its rank files, not in the one file
+    the resident tensors are read from)."""
+    fresh()
+    wider = dataclasses.replace(ckpts["config"], width=2 * ckpts["config"].width)
+    with pytest.raises(ValueError, match=r"does not match \(the pre-sharded checkpoint "
+                                         r".*dlo-shards\.json.*rank files\):\n.*shape"):
+        load(ReferenceDiT, ckpts["dit1"], config=wider, options={"host_store": "mmap"},
+             resident=SHARED)
 
 
 def test_missing_and_foreign_shard_files(ckpts, tmp_path):

@@ -68,6 +68,7 @@ class Checkpoint:
     files: tuple[str, ...]
     tensors: dict[str, TensorInfo] = field(repr=False)
     folder: Optional[str] = None  # the model folder (where a config.json may live)
+    described: Optional[str] = None  # what messages call its files, where ``files`` is not all
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +76,8 @@ class Checkpoint:
 
     def describe_files(self) -> str:
         """The file, or how many files and their folder, for messages."""
+        if self.described is not None:
+            return self.described
         if len(self.files) == 1:
             return self.files[0]
         return f"{len(self.files)} files in {os.path.dirname(self.files[0])}"

@@ -551,7 +551,9 @@ class ShardDir:
                                       dtype=dtype, shape=shape, nbytes=nbytes,
                                       offset=held.offset if held is not None else None)
         return Checkpoint(source=source, files=(common,), tensors=tensors,
-                          folder=str(self.folder))
+                          folder=str(self.folder),
+                          described=f"the pre-sharded checkpoint {self.folder}: its {MANIFEST} "
+                                    f"and the tensors of {COMMON} and the rank files")
 
     def check(self, plan: LoadPlan, cfg: DLOConfig, *, dp: int, mode: Optional[str],
               rank: int, dtype: Optional[torch.dtype], resident: Sequence[str],
