@@ -169,7 +169,7 @@ def _measure_first_run(pipe: Any, modules: Sequence[nn.Module], config: DLOConfi
         return
     runtimes = {id(rt): rt for m in modules if (rt := owner_of(m.parameters())) is not None}
     for runtime in runtimes.values():
-        runtime.hold_resident = f"{type(pipe).__name__}'s first run, measured whole"
+        runtime.hold_resident = f"{type(pipe).__name__}'s first run"
     refs = [weakref.ref(rt) for rt in runtimes.values()]
     installed = vars(pipe).get(RUN_ENDS)
     if isinstance(installed, functools.partial) and installed.func is _run_ended:

@@ -190,6 +190,8 @@ def auto_figures(runtimes, plans) -> dict:
                          + (f"{plan.measured_s * 1e3:.3f} ms" if plan.measured_s is not None
                             else "n/a"))
     lines += [line for m in records for line in m.ooms]
+    lines += [f"every block streams until {rt.hold_resident} ends: measured whole before any "
+              "block goes resident" for rt in runtimes if rt.hold_resident and rt.device_memory]
     return {"device_capacity_bytes": max((m.capacity for m in records), default=None),
             "activation_peak_bytes": max((p for _, p in peaks), default=None),
             "activation_peaks": peaks,
