@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from .errors import CompileOptionsError
-from ..config import DLOConfig
+from ..config import DLOConfig, same_device
 from ..passes import run_passes, schedule_of
 from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
 from .auto_budget import AutoResidency, copy_graph, fixed_residency
@@ -29,7 +29,7 @@ from .probes import probe_for_budget, resolve_budget
 from ..runtime.ranks.agreement import compile_facts
 from ..runtime.host.layout import is_composite
 from ..runtime.ranks.forward_log import note_compile
-from ..runtime.graph.graph_call import compile_clock, gathers, note_graph, run_graph
+from ..runtime.graph.graph_call import compile_clock, note_graph, run_graph
 from ..runtime.graph.ops import GraphSchedule, conflict_message
 from ..runtime.weights.owners import claim, owner_of
 from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
@@ -350,7 +350,7 @@ def commit(ctx: GraphPlan, runtime: Runtime) -> None:
     """
     for block in ctx.blocks:
         for p in block.params:
-            if block.host_block is None and p.param.device != runtime.device:
+            if block.host_block is None and not same_device(p.param.device, runtime.device):
                 raise ValueError(
                     f"parameter {p.fqn!r} is on {p.param.device} but dlo computes on "
                     f"{runtime.device}; build the model on that device's metadata with "
@@ -361,7 +361,8 @@ def commit(ctx: GraphPlan, runtime: Runtime) -> None:
                     "the model this graph belongs to (a graph that mixes the parameters of "
                     "models stored by dlo separately); compile each model on its own")
     for p in ctx.resident:
-        if p.first >= 0 and p.param not in runtime.store and p.param.device != runtime.device:
+        if (p.first >= 0 and p.param not in runtime.store
+                and not same_device(p.param.device, runtime.device)):
             raise ValueError(
                 f"resident parameter {p.fqn!r} ({p.reason}) is on {p.param.device} but dlo "
                 f"computes on {runtime.device}; load the model with dlo_fx.load(...) so resident "
@@ -369,7 +370,7 @@ def commit(ctx: GraphPlan, runtime: Runtime) -> None:
     new = [b for b in ctx.blocks if b.host_block is None]
     if new:  # see [Note: a compile on one rank only] and [Note: storing blocks]
         what = f"a graph of {len(ctx.params)} parameters"
-        if gathers(runtime):
+        if runtime.gathers:
             compile_clock(runtime, len(ctx.blocks), f"compiling {what}")
         rows = [(len(b.params), b.nbytes, b.params[0].fqn) for b in ctx.blocks]
         runtime.store_blocks([NewBlock([p.param for p in b.params], [p.fqn for p in b.params])

@@ -82,7 +82,7 @@ def undo_failed(runtime: Runtime) -> None:
     have to give back together; the model stays offloaded there."""
     ref, runtime.offloaded_by_trace = runtime.offloaded_by_trace, None
     model = ref() if ref is not None else None
-    if model is not None and not (runtime.mode == "allgather" and runtime.group.dp > 1):
+    if model is not None and not runtime.gathers:
         give_back(model)
 
 

@@ -18,7 +18,7 @@ from ..config import DLOConfig
 from ..planning.settle import Budget, settle_budget
 from ..planning.stages.resident_set import RATE_DTYPES
 from ..runtime import probes
-from ..runtime.graph.graph_call import compile_clock, gathers
+from ..runtime.graph.graph_call import compile_clock
 from ..runtime.store_view import store_view
 
 
@@ -41,7 +41,7 @@ def probe_runtime(runtime: Any, auto_budget: Optional[int] = None) -> None:
     instead of pairing a probe with the other's clock (gloo aborts the process on that)."""
     if runtime.probed_bandwidths is not None:
         return
-    if gathers(runtime):
+    if runtime.gathers:
         compile_clock(runtime, 0, "probing the device budget's bandwidths")
     bandwidths = probes.probe_bandwidths(runtime.device, runtime.group)
     rates = {d: probes.probe_matmul_flops(runtime.device, d, runtime.group)

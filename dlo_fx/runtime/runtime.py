@@ -162,6 +162,12 @@ class Runtime:
         self.hold_resident: Optional[str] = None
         install_interrupt_handler()
 
+    @property
+    def gathers(self) -> bool:
+        """Whether this runtime's graphs issue collectives: allgather mode over several
+        ranks (its store is then sharded)."""
+        return self.mode == "allgather" and self.group.dp > 1
+
     # -- the lifecycle, read through (`Lifecycle`, lifecycle.py) --------------------------
     @property
     def lock(self) -> threading.RLock:
@@ -230,7 +236,7 @@ class Runtime:
         (the loader's, naming a file that changed)."""
         store = self.store
         first = len(store.blocks)
-        check = self.mode == "allgather" and self.group.dp > 1
+        check = self.gathers
         indices: list[int] = []
         names: list[str] = []
         fingerprints: list[int] = []

@@ -50,7 +50,8 @@ from .slot_pool import SlotPool
 class SharedSlots:
     def __init__(self, device: torch.device, num_slots: int) -> None:
         self.key = _key(device, num_slots)
-        self.pid = os.getpid()  # a forked child makes its own (runtime.py, a forked process)
+        # A forked child makes its own: see [Note: a forked process] in lifecycle.py
+        self.pid = os.getpid()
         self.device = device
         self.pool = SlotPool(num_slots, device)
         self.executor = make_executor(device, num_slots)

@@ -87,11 +87,6 @@ def compile_clock(runtime: Runtime, blocks: int, what: str) -> None:
         check_clock(runtime, _clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what))
 
 
-def gathers(runtime: Runtime) -> bool:
-    """Whether ``runtime``'s graphs issue collectives (AllGather mode over several ranks)."""
-    return runtime.mode == "allgather" and runtime.group.dp > 1
-
-
 def complete(runtime: Runtime, sched: GraphSchedule, args: Sequence[Any],
              clock: Optional[Clock]) -> None:
     """Run the rest of the graph's schedule without computing (after a failure)."""
@@ -116,7 +111,7 @@ def run_graph(runtime: Runtime, sched: GraphSchedule, compiled: Optional[Callabl
         sched.step = 0
         clock: Optional[Clock] = None
         try:
-            if gathers(runtime) and sched.replay:
+            if runtime.gathers and sched.replay:
                 what = f"a graph of {len(sched.fqns)} blocks (first {sched.fqns[0][0]!r})" \
                     if sched.fqns and sched.fqns[0] else "a graph"
                 clock = _clock(runtime, [sched.key, len(sched.fqns),
@@ -156,5 +151,5 @@ def gather_only(sched: GraphSchedule, bound: Sequence[torch.Tensor],
     (nothing where its runtime gathers nothing, as in rank-local mode)."""
     with sched.call_lock:
         runtime = sched.bind(list(bound))
-        if gathers(runtime):
+        if runtime.gathers:
             run_graph(runtime, sched, None, args)

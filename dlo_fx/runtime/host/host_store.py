@@ -110,13 +110,10 @@ class HostStore:
                  pin: bool = False, files: Optional[FileStore] = None,
                  device: Optional[torch.device] = None) -> None:
         self.alignment = alignment
-        self.files: Optional[FileStore] = None  # host_store="mmap"
-        self.rank = 0
-        self.dp = 1
-        self.pin = False
-        # Pinned shards packed into a few slabs, exactly sized where the platform registers
-        # host memory: see [Note: pinned slabs]
-        self.slabs: Optional[HostSlabs] = None
+        self.files: Optional[FileStore] = None  # host_store="mmap"; set by `shard_as`, as
+        # are this rank's place (rank of dp), whether shards are pinned, and the slabs
+        # that pin them (exactly sized where the platform registers host memory: see
+        # [Note: pinned slabs])
         self.blocks: list[HostBlock] = []
         self._entries: dict[int, Entry] = {}
         # block index -> how many of its parameters live: see [Note: a stored parameter

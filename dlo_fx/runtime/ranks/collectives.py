@@ -117,9 +117,14 @@ def resolve_shard_group(spec: Any, timeout_s: float) -> ShardGroup:
                          f"this process (global rank {me}); give each rank its own group")
     if len(ranks) == 1:
         return ShardGroup(ranks=ranks, rank=0)
+    return _new_group(ranks, timeout_s)
+
+
+def _new_group(ranks: tuple[int, ...], timeout_s: float) -> ShardGroup:
+    """A new process group of ``ranks`` (sorted; this process among them)."""
     pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
                         use_local_synchronization=True)
-    return ShardGroup(ranks=ranks, rank=ranks.index(me), pg=pg)
+    return ShardGroup(ranks=ranks, rank=ranks.index(dist.get_rank()), pg=pg)
 
 
 def weight_group(slots_key: tuple, spec: Any, timeout_s: float) -> ShardGroup:
@@ -141,13 +146,7 @@ def control_group(ranks: tuple[int, ...], timeout_s: float) -> ShardGroup:
     settings before it takes its weight group (`agreement.agree_on_settings`): one per
     ranks and default process group, whatever the settings, so every rank makes it at the
     same point."""
-
-    def make() -> ShardGroup:
-        pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
-                            use_local_synchronization=True)
-        return ShardGroup(ranks=ranks, rank=ranks.index(dist.get_rank()), pg=pg)
-
-    return _kept(("control", ranks), ranks, make)
+    return _kept(("control", ranks), ranks, lambda: _new_group(ranks, timeout_s))
 
 
 def _kept(key: tuple, spec: Any, make: Callable[[], ShardGroup]) -> ShardGroup:
