@@ -79,8 +79,7 @@ class DLOConfig:
     """With ``device_budget="auto"``: device bytes kept for activations and workspace,
     instead of the peak measured on each input shape's first call (an override for a
     workload whose later calls need more than the first, or to plan once at compile).
-    ``None``: measured (with several ranks gathering, where no plan is re-made per call, a
-    quarter of the capacity). Default: ``None``."""
+    ``None``: measured. Default: ``None``."""
 
     device: Optional[str] = None
     """Device the slots live on and the graph computes on, e.g. ``"cpu"``, ``"cuda:0"``,

@@ -18,21 +18,40 @@ Each call then (see [Note: the auto device budget] in dlo_fx/planning/device_mem
    resets the device's peak statistics (`platform.reset_peak_memory`): a caller reading
    ``max_memory_allocated`` across it sees the peak since then;
 4. on ``torch.OutOfMemoryError`` moves every resident block back to streaming, lowers the
-   OOM floor and raises `DeviceMemoryError` (no retry: the call's hooks may hold state).
+   OOM floor and raises `DeviceMemoryError` (no retry: the call's hooks may hold state);
+   several ranks gathering move them at the next call's agreement (the Note below).
 5. at its end and at the next call's start reads the allocator's counters (no reset): the
    work in between (a pipeline's VAE, other graphs, user code) enters the next plan, and
    an out-of-memory error in between moves the resident blocks back, with a warning.
 6. streams every block while ``runtime.hold_resident`` says why (a pipeline's first run,
    measured whole: see [Note: a pipeline's first run is measured whole] in pipelines.py).
 
-Several ranks gathering keep the compile's plan (no `AutoResidency`): every rank must run
-the same blocks, and a per-call agreement would be a collective a call on one rank alone
-could not pair. Their budget is agreed once (`dlo_fx.dynamo.probes.probe_runtime`).
+[Note: the auto budget of ranks gathering]
+Several ranks gathering (allgather mode, dp > 1) must stream the same blocks, or their
+gathers would not pair. Each call of such a graph plans as above on every rank, then the
+ranks agree before anything is gathered: they exchange their weights budgets as clock
+words (`graph_call.agree_budget`: ``[graph, blocks, budget, PLAN]``, behind every gather
+queued) and all plan with the smallest. A rank that has not measured the call's shape yet
+offers 0 (every block streams); a rank that ran out of memory offers its lowered floor, so
+at the next call every rank moves the blocks back. The choice is a function of the agreed
+budget and of figures every rank holds alike: the first plan of these parameters on the
+runtime (`DeviceMemory.base`: block bytes, the agreed bandwidths and matmul rates, the
+FLOPs of the first graph compiled), not the FLOPs of the graph at hand, so ranks that run
+different resolutions (different Dynamo graphs) choose the same blocks. If they still
+differ, the clock before the graph refuses it on every rank (the variant's clock word
+names its streamed blocks).
+A call always exchanges, since a peer may want a new plan whatever this rank wants; that
+is one exchange of four words per graph call, beside the graph clock's. A gather-only
+forward (the engine's padding, ranks/forward_log.py) replays a call of such a graph as one
+step: the exchange, offering `graph_call.NO_WISH` (it takes the others' budget), then the
+schedule of the resident set agreed; the real call's own graph is not noted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import logging
 import threading
 import time
@@ -46,6 +65,9 @@ from torch import fx
 from ..planning.budget import BudgetPlan
 from ..planning.device_memory import DeviceMemory, replan
 from ..runtime.device import platform
+from ..runtime.graph.graph_call import NO_WISH, agree_budget, gather_only
+from ..runtime.ranks import forward_log
+from ..runtime.ranks.clock import word
 from ..runtime.weights.owners import owner_of
 from ..runtime.weights.stored import _caller_level
 from .errors import DeviceMemoryError
@@ -85,18 +107,22 @@ class AutoResidency:
     parameters it is called with."""
 
     def __init__(self, runtime: Any, base: BudgetPlan, key: tuple[str, ...],
-                 first: Callable, build: Callable[[BudgetPlan], Callable],
-                 positions: dict[str, int], first_param: Optional[torch.Tensor]) -> None:
+                 first: tuple[Callable, Any], build: Callable[[BudgetPlan], tuple[Callable, Any]],
+                 positions: dict[str, int], first_param: Optional[torch.Tensor],
+                 bind_positions: Sequence[int]) -> None:
         self.base = base  # every block streamed: the figures every re-plan starts from
         self.key = key
-        self.build = build
+        self.build = build  # plan -> (the variant's call, its GraphSchedule)
         self.positions = positions  # FQN -> position of the parameter among the arguments
+        self.bind_positions = tuple(bind_positions)  # every parameter's, as a call binds them
         self._first_position = min(positions.values(), default=None)
         # the parameter there when compiled: weakly (see backend.auto_residency)
         self._first = weakref.ref(first_param) if first_param is not None else None
-        self.variants: dict[frozenset, tuple[Callable, BudgetPlan]] = {frozenset(): (first, base)}
-        self.plans: dict[int, BudgetPlan] = {}  # weights budget -> plan (a planned budget)
+        self.variants: dict[frozenset, tuple[Callable, BudgetPlan, Any]] = {
+            frozenset(): (first[0], base, first[1])}
+        self.plans: dict[tuple[int, int], BudgetPlan] = {}  # (base, weights budget) -> plan
         self.num_slots = runtime.config.num_slots
+        self._word = word(repr(list(key)))  # this graph's clock word when ranks agree
         self._lock = threading.Lock()
 
     def _bound(self, args: Sequence[Any]) -> Optional[tuple[Any, tuple, DeviceMemory]]:
@@ -129,13 +155,25 @@ class AutoResidency:
             other = sum(b for k, b in runtime.shared.auto_resident.items() if k != mine)
             found = None if runtime.hold_resident else memory.budget_for(shapes, elements,
                                                                          other)
-            plan = self.base if found is None else self._plan(found.weights, found.lines())
-            run = self._switch(plan, runtime, key, args)
+            lines = found.lines() if found is not None else []
+            if runtime.gathers:  # see [Note: the auto budget of ranks gathering]
+                plan = self._agreed(runtime, memory, 0 if found is None else found.weights,
+                                    lines)
+            else:
+                plan = self.base if found is None else self._plan(self.base, found.weights,
+                                                                  lines)
+            run = self._switch(plan, runtime, key, args)[0]
             measure = memory.reserve is None and shapes not in memory.peaks.measured
             before = self._start(runtime, measure)
+        log = forward_log.current() if runtime.gathers else None
+        if log is not None:  # the call's collectives replay as one step: the Note above
+            log.step(functools.partial(self._replay, tuple(
+                a if isinstance(a, torch.nn.Parameter) else None for a in args)))
         start = time.perf_counter()
         try:
-            out = run(*args)
+            with forward_log.logging_to(_Within(log)) if log is not None else \
+                    contextlib.nullcontext():
+                out = run(*args)
         except torch.OutOfMemoryError as exc:
             if isinstance(exc, DeviceMemoryError):
                 raise
@@ -147,26 +185,59 @@ class AutoResidency:
         return out
 
     # -- planning and variants ----------------------------------------------------------
-    def _plan(self, weights: int, lines: list[str]) -> BudgetPlan:
-        plan = self.plans.get(weights)
+    def _plan(self, base: BudgetPlan, weights: int, lines: list[str]) -> BudgetPlan:
+        plan = self.plans.get((id(base), weights))
         if plan is None:
-            plan = self.plans[weights] = replan(self.base, weights, self.num_slots, lines)
+            plan = self.plans[id(base), weights] = replan(base, weights, self.num_slots, lines)
         else:
             plan.budget_lines = lines
         return plan
 
+    def _agreed(self, runtime: Any, memory: DeviceMemory, wish: int,
+                lines: list[str]) -> BudgetPlan:
+        """The plan of the smallest weights budget the ranks offer (``wish``: this rank's;
+        0 streams every block): see [Note: the auto budget of ranks gathering]."""
+        group, blocks = runtime.group, len(self.base.fqns)
+        least, who = agree_budget(runtime, self._word, blocks, wish,
+                                  f"planning the resident blocks of a graph of {blocks} blocks "
+                                  f"(first {self.key[0]!r}) under device_budget='auto'")
+        if least <= 0 or least >= NO_WISH:
+            return self.base
+        if memory.base is None:
+            memory.base = self.base  # the first plan of these parameters: see the Note
+        whose = "this rank's" if who == group.rank else f"global rank {group.ranks[who]}'s"
+        lines = [*lines, f"the {group.dp} ranks gathering plan with the smallest of their "
+                         f"weights budgets, {whose}: {least:,} B"]
+        return self._plan(memory.base, least, lines)
+
+    def _replay(self, args: Sequence[Any]) -> None:
+        """A gather-only forward's step for a call of this graph (``args``: its parameters,
+        the rest None): the ranks' agreement, offering nothing, then the collectives of the
+        resident set agreed (`graph_call.gather_only`)."""
+        bound = self._bound(args)
+        if bound is None:
+            return
+        runtime, key, memory = bound
+        with self._lock:
+            plan = self._agreed(runtime, memory, NO_WISH, [])
+            sched = self._switch(plan, runtime, key, args)[2]
+        if sched is not None:
+            gather_only(sched, [args[i] for i in self.bind_positions], args)
+
     def _switch(self, plan: BudgetPlan, runtime: Any, key: tuple,
-                args: Sequence[Any]) -> Callable:
-        """The variant of ``plan``'s resident set (scheduled at its first use), after
-        dropping the device copies of the call's blocks that stream again."""
+                args: Sequence[Any]) -> tuple[Callable, BudgetPlan, Any]:
+        """The variant of ``plan``'s resident set, (call, plan, schedule), scheduled at its
+        first use, after dropping the device copies of the call's blocks that stream
+        again."""
         resident = frozenset(plan.resident)
         found = self.variants.get(resident)
         if found is None:
-            found = self.variants[resident] = (self.build(plan), plan)
+            call, sched = self.build(plan)
+            found = self.variants[resident] = (call, plan, sched)
             log.info("dlo: device_budget='auto' keeps %d of %d blocks resident (%d B): %s",
                      len(plan.resident), len(plan.block_bytes), plan.resident_bytes,
                      plan.budget_lines[0] if plan.budget_lines else "")
-        run = found[0]  # another budget with the same blocks runs the same graph
+        # another budget with the same blocks runs the same graph
         if runtime.auto_resident.get(key) != resident:
             drop = [args[self.positions[f]] for g, fqns in enumerate(self.base.fqns)
                     if g not in resident for f in fqns if f in self.positions]
@@ -175,7 +246,7 @@ class AutoResidency:
             runtime.auto_resident[key] = resident
             runtime.shared.auto_resident[(runtime.token, key)] = plan.resident_bytes
         runtime.budget_plans[key] = plan  # this budget's lines, for memory_report
-        return run
+        return found
 
     # -- measuring ------------------------------------------------------------------------
     def _start(self, runtime: Any, measure: bool) -> Optional[tuple[int, int]]:
@@ -219,7 +290,8 @@ class AutoResidency:
         floor = memory.after_oom(plan.device_budget, moved_bytes,
                                  f"out of memory between two calls with {len(moved)} "
                                  f"blocks resident ({moved_bytes:,} B)")
-        self._switch(self.base, runtime, key, args)
+        if not runtime.gathers:  # ranks gathering move them at the agreement that follows
+            self._switch(self.base, runtime, key, args)
         warnings.warn(
             f"dlo: an allocation on {runtime.device} failed with out-of-memory between two "
             f"calls of this model (in code dlo does not run: a pipeline's VAE or text "
@@ -238,17 +310,24 @@ class AutoResidency:
                                  f"out of memory with {len(moved)} blocks resident "
                                  f"({moved_bytes:,} B, weights budget "
                                  f"{plan.device_budget:,} B)")
-        with self._lock:
-            self._switch(self.base, runtime, key, args)
         first = _first_line(exc)
-        if moved:
-            changed = (f"dlo moved {len(moved)} resident blocks back to streaming (blocks "
-                       f"{_named(self.base, moved)}; {moved_bytes:,} B) and keeps this "
-                       f"graph's weights within {floor:,} B from now on")
-        else:
+        if not runtime.gathers:  # ranks gathering move them at the next agreement
+            with self._lock:
+                self._switch(self.base, runtime, key, args)
+        if not moved:
             changed = ("every block already streamed, so dlo changed nothing: this call's "
                        "activations do not fit on the device even so; lower the resolution "
                        "or the batch")
+        elif runtime.gathers:  # see [Note: the auto budget of ranks gathering]
+            changed = (f"dlo keeps this graph's weights within {floor:,} B from now on: at "
+                       f"the next call the ranks of the {runtime.group.describe()} agree on "
+                       f"at most that, which moves {len(moved)} resident blocks back to "
+                       f"streaming on every rank (blocks {_named(self.base, moved)}; "
+                       f"{moved_bytes:,} B)")
+        else:
+            changed = (f"dlo moved {len(moved)} resident blocks back to streaming (blocks "
+                       f"{_named(self.base, moved)}; {moved_bytes:,} B) and keeps this "
+                       f"graph's weights within {floor:,} B from now on")
         return DeviceMemoryError(
             f"dlo: the call ran out of device memory ({first}). {changed}. Nothing was "
             "retried; the slots, the host store and the model are intact, so calling again "
@@ -257,10 +336,25 @@ class AutoResidency:
             moved, moved_bytes)
 
 
+class _Within:
+    """The forward log while a gathering graph's variant runs: its own graph step is not
+    noted (the `AutoResidency` step replays it); a compile still is."""
+
+    def __init__(self, outer: Any) -> None:
+        self.outer, self.steps = outer, 0
+
+    def step(self, replay: Callable[[], None]) -> None:
+        self.steps += 1
+        if self.steps > 1:  # more than the graph's own step: this forward is not replayed
+            self.outer.compiled()
+
+    def compiled(self) -> None:
+        self.outer.compiled()
+
+
 def fixed_residency(run: Callable, plan: BudgetPlan, why: str) -> Callable:
     """``run``, a graph whose resident blocks were planned once, at its compile (``why``:
-    an explicit ``device_budget``, or ``"auto"`` with several ranks gathering, which must
-    keep one plan): a call that runs out of device memory raises `DeviceMemoryError`
+    an explicit ``device_budget``): a call that runs out of device memory raises `DeviceMemoryError`
     saying so, naming what stays resident and how to plan less. dlo changes nothing (the
     plan is the one compiled, the same on every rank) and retries nothing; the slots, the
     host store and the model are intact (the failed graph's remaining schedule ran

@@ -99,23 +99,20 @@ def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Opt
     mode choice are collectives, run here and not in a pass (dynamo/probes.py)."""
     budget = resolve_budget(config, runtime)
     auto_capacity = budget.auto_capacity
-    device_budget = probe_for_budget(runtime, budget.device_budget if auto_capacity is None
-                                     else auto_capacity, bool(params))
+    probe_for_budget(runtime, budget.device_budget if auto_capacity is None else auto_capacity,
+                     bool(params))
     ctx = PassContext(config=config, example_inputs=example_inputs,
                       view=store_view(runtime, graph_params(gm, example_inputs)))
-    ctx.device_budget = None if auto_capacity is not None else device_budget  # auto: per call
+    ctx.device_budget = budget.device_budget  # None under "auto": planned per call
     ctx.auto_capacity = auto_capacity
     pristine = copy_graph(gm) if auto_capacity is not None and params else None
     plan = with_schedule(plan_graph(gm, ctx), runtime)  # the mode: settled at the offload
     gm, run = schedule_and_commit(gm, plan, runtime, example_inputs, given,
                                   lambda: claim(params, runtime))
     if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
-        run = auto_residency(pristine, plan, runtime, run, given)
+        run = auto_residency(pristine, plan, runtime, (run, schedule_of(gm)), given)
     elif plan.budget_plan is not None and plan.budget_plan.resident:
-        why = (f"device_budget={config.device_budget!r}" if config.device_budget != "auto"
-               else f"device_budget='auto' with {runtime.group.dp} ranks gathering, which keep "
-               "the one plan they agreed on")
-        run = fixed_residency(run, plan.budget_plan, why)
+        run = fixed_residency(run, plan.budget_plan, f"device_budget={config.device_budget!r}")
     return run
 
 
@@ -176,9 +173,10 @@ def schedule_graph(gm: fx.GraphModule, plan: GraphPlan,
     return gm, compiled
 
 
-def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime, first: Callable,
-                   given: Mapping[str, Any]) -> Callable:
-    """``first`` (every block streamed) wrapped in the auto device budget's re-plans: each
+def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime,
+                   first: tuple[Callable, Any], given: Mapping[str, Any]) -> Callable:
+    """``first`` (every block streamed: its call and its `GraphSchedule`) wrapped in the
+    auto device budget's re-plans: each
     resident set is scheduled from a copy of ``pristine`` (the graph before the passes),
     with ``plan``'s blocks and those resident. See dynamo/auto_budget.py.
 
@@ -205,7 +203,8 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime, 
         ctx.forced_plan = forced
         plan = with_schedule(plan_graph(gm, ctx), runtime)
         # every block is stored already: the commit runs no collective
-        return schedule_and_commit(gm, plan, runtime, example_inputs, given)[1]
+        gm, call = schedule_and_commit(gm, plan, runtime, example_inputs, given)
+        return call, schedule_of(gm)
 
     where = {id(v): i for i, v in enumerate(plan.example_inputs)
              if isinstance(v, torch.nn.Parameter)}
@@ -213,7 +212,8 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime, 
     first_param = plan.example_inputs[min(positions.values())] if positions else None
     controller = AutoResidency(runtime, plan.budget_plan,
                                tuple(p.fqn for p in plan.params), first, build, positions,
-                               first_param)
+                               first_param, [i for i, v in enumerate(plan.example_inputs)
+                                             if isinstance(v, torch.nn.Parameter)])
 
     def run(*args: Any) -> Any:
         # A function, not the object: Dynamo wraps what a backend returns with

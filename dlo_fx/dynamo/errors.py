@@ -34,11 +34,12 @@ class DeviceMemoryError(torch.OutOfMemoryError):
 
     Raised from the ``torch.OutOfMemoryError`` the call raised (its ``__cause__``). Under
     ``device_budget="auto"`` planned per call, after dlo moved the graph's resident blocks
-    back to streaming: ``moved_blocks`` (their positions among the graph's blocks, with
-    their first..last FQNs in the message) and ``moved_bytes``; calling again runs the
-    smaller plan and returns the exact output. Under a plan made once at the compile (an
-    explicit ``device_budget``, or ``"auto"`` with several ranks gathering) nothing moves
-    (``moved_blocks`` is empty) and the message says how to compile with less resident.
+    back to streaming (several ranks gathering: at the next call, on every rank):
+    ``moved_blocks`` (their positions among the graph's blocks, with their first..last
+    FQNs in the message) and ``moved_bytes``; calling again runs the smaller plan and
+    returns the exact output. Under a plan made once at the compile (an explicit
+    ``device_budget``) nothing moves (``moved_blocks`` is empty) and the message says how
+    to compile with less resident.
     Either way the slots, the host store and the model are intact, and nothing is retried.
     See [Note: the auto device budget] in dlo_fx/planning/device_memory.py."""
 

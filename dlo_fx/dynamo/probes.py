@@ -31,7 +31,7 @@ def resolve_budget(config: DLOConfig, runtime: Any) -> Budget:
     return settle_budget(config, store_view(runtime, free_memory=measure))
 
 
-def probe_runtime(runtime: Any, auto_budget: Optional[int] = None) -> None:
+def probe_runtime(runtime: Any) -> None:
     """Measure the runtime's bandwidths and the matmul rate of every float dtype, once: at
     the first compile that plans a device budget, which every rank reaches together. The
     caller holds ``runtime.lock`` and drained it (the probes agree over the group on this
@@ -48,27 +48,18 @@ def probe_runtime(runtime: Any, auto_budget: Optional[int] = None) -> None:
              for d in RATE_DTYPES}
     runtime.probed_flops.update(rates)
     runtime.probed_bandwidths = bandwidths
-    if runtime.config.device_budget == "auto" and runtime.group.dp > 1:
-        # Several ranks: one budget for all, the smallest (see [Note: the auto device
-        # budget] in dlo_fx/planning/device_memory.py), agreed once with the probes.
-        runtime.agreed_auto_budget = int(min(probes.exchange_json(
-            int(auto_budget or 0), runtime.group, "the auto device budget")))
 
 
-def probe_for_budget(runtime: Any, device_budget: Optional[int], has_params: bool) -> Optional[int]:
-    """The device budget's probes, before planning, when there is a budget to plan and a
-    runtime to measure on: once per runtime, with nothing of its own in flight (the
-    probes' exchanges run on this thread, so none of the copy worker's gathers may be
-    queued meanwhile). Returns the budget to plan with: ``device_budget``, except for
-    ``"auto"`` with several ranks, where it is the one the ranks agreed on."""
+def probe_for_budget(runtime: Any, device_budget: Optional[int], has_params: bool) -> None:
+    """The device budget's probes, before planning, when there is a budget to plan
+    (``device_budget``: bytes, or the auto budget's capacity) and a runtime to measure on:
+    once per runtime, with nothing of its own in flight (the probes' exchanges run on this
+    thread, so none of the copy worker's gathers may be queued meanwhile)."""
     if runtime is None or device_budget is None or not has_params:
-        return device_budget
+        return
     with runtime.lock:
         runtime.machine.drain()
-        probe_runtime(runtime, device_budget)
-    if runtime.config.device_budget == "auto" and runtime.agreed_auto_budget is not None:
-        return runtime.agreed_auto_budget
-    return device_budget
+        probe_runtime(runtime)
 
 
 __all__ = ["probe_runtime", "probe_for_budget", "resolve_budget"]

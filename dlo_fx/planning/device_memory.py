@@ -52,15 +52,11 @@ For one graph (one set of parameters) and one input shape:
   that failed minus the bytes moved (`DeviceMemory.after_oom`): a budget that failed
   once is not tried again at any shape.
 
-No plan is re-made per call where several ranks gather (allgather mode, dp > 1): they
-must stream the same blocks, or their gathers would not pair, and agreeing per call would
-be a collective that a call on one rank alone (a new resolution there) could not pair.
-They keep the compile's plan: budget = capacity - ``activation_reserve_bytes`` (a quarter
-of the capacity by default), the smallest over the ranks, agreed once with the probes at
-the first compile and kept for every later compile. The ranks' agreement on the resident
-parameters when blocks are stored and the collective clock before every graph call refuse
-a plan that differs. A call of such a plan (or of an explicit ``device_budget``) that runs
-out of memory raises `DeviceMemoryError` and changes nothing (`auto_budget.fixed_residency`).
+Several ranks gathering (allgather mode, dp > 1) plan each call the same way and then run
+the plan of the smallest weights budget any of them offers (see [Note: the auto budget of
+ranks gathering] in dlo_fx/dynamo/auto_budget.py). A call of an explicit
+``device_budget`` that runs out of memory raises `DeviceMemoryError` and changes nothing
+(`auto_budget.fixed_residency`).
 
 A graph Dynamo reuses for other parameters (the next layer's, after a graph break in the
 blocks; another model of the class) is planned for each set of parameters on its own:
@@ -159,6 +155,9 @@ class DeviceMemory:
     between: int = 0  # the largest excursion of the work between two calls (bytes)
     mark: Optional[tuple] = None  # (allocated, peak) when the last call ended
     ooms_seen: Optional[int] = None  # the allocator's OOM count when the last call started
+    # Several ranks gathering: the first plan of these parameters, which every re-plan
+    # starts from (see [Note: the auto budget of ranks gathering] in dynamo/auto_budget.py)
+    base: Optional[BudgetPlan] = None
 
     def budget_for(self, key: ShapeKey, elements: int,
                    other_resident: int = 0) -> Optional[AutoBudget]:

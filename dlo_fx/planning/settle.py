@@ -40,9 +40,7 @@ class Budget:
     """How a compile plans the device budget."""
 
     device_budget: Optional[int] = None
-    """Bytes planned once, at the compile (explicit bytes; ``"auto"`` with several ranks
-    gathering, which must agree on one plan: see [Note: the auto device budget] in
-    planning/device_memory.py)."""
+    """Bytes planned once, at the compile (an explicit ``device_budget``)."""
     auto_capacity: Optional[int] = None
     """The device's capacity for the auto budget planned from measured memory at each call
     (`dlo_fx.dynamo.auto_budget`); the compile then plans every block streamed."""
@@ -66,10 +64,6 @@ def settle_budget(config: DLOConfig, view: Optional[StoreView]) -> Budget:
         # The slots and the blocks the auto budget keeps resident (of every model on the
         # device) are the weights' own: part of the budget, which leaves the others out.
         capacity = view.free_bytes + view.slot_bytes + view.auto_resident_bytes
-    if gathers(config, view):
-        reserve = config.activation_reserve_bytes
-        return Budget(device_budget=max(capacity - (capacity // 4 if reserve is None
-                                                    else reserve), 0))
     return Budget(auto_capacity=capacity)
 
 

@@ -134,9 +134,6 @@ class Runtime:
         # SharedSlots, beside other models')
         self.device_memory: dict[tuple[str, ...], object] = {}
         self.auto_resident: dict[tuple[str, ...], frozenset] = {}  # bytes: shared.auto_resident
-        # The auto budget with several ranks gathering: one budget agreed at the first
-        # compile (dlo_fx.dynamo.probes.probe_runtime), kept for every later one
-        self.agreed_auto_budget: Optional[int] = None
         # Where the device has no allocator statistics (the CPU, the meta device): the
         # activation peak of a call, from the shapes of its tensor inputs, for tests and
         # planning with a declared device_memory. None: 0 (nothing measured on the device)

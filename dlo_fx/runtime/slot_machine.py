@@ -210,6 +210,13 @@ class SlotMachine:
             return view.to(entry.compute_dtype)
         return view
 
+    def view_reads(self, block: int, param: torch.Tensor) -> None:
+        """What `view` reads outside the slot, without the view (a graph completing its
+        schedule after a failure): the block of a parameter another host block holds."""
+        entry = self.store.entry(param)
+        if entry.block != block:
+            self.reads.fetch_resident(param)
+
     def drain(self, *, raise_errors: bool = True) -> None:
         for slot, pending in enumerate(self._pending):
             try:

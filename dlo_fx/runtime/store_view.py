@@ -38,7 +38,6 @@ def store_view(runtime: Any, params: Iterable[torch.Tensor] = (), *,
         bandwidths=runtime.probed_bandwidths,
         flops=MappingProxyType(dict(runtime.probed_flops)),
         budget_plans=MappingProxyType(dict(runtime.budget_plans)),
-        agreed_auto_budget=runtime.agreed_auto_budget,
         block_ends=MappingProxyType(dict(runtime.block_ends)),
         free_bytes=_free(runtime.device) if free_memory else None)
 

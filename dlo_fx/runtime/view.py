@@ -55,7 +55,6 @@ class StoreView:
     bandwidths: Optional[tuple[float, float]] = None  # probed (H2D, AllGather) GB/s
     flops: Mapping[torch.dtype, float] = field(default_factory=dict)  # probed matmul FLOP/s
     budget_plans: Mapping[tuple[str, ...], Any] = field(default_factory=dict)  # earlier graphs'
-    agreed_auto_budget: Optional[int] = None  # several ranks' one auto budget
     free_bytes: Optional[int] = None  # free device memory (measured where asked), or None
     block_ends: Mapping[int, str] = field(default_factory=dict)  # why each host block ends
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..ranks.clock import COMPILE, GRAPH, Clock, ClockMismatch, word
+from ..ranks.clock import COMPILE, GRAPH, PLAN, Clock, ClockMismatch, word
 from ..ranks import forward_log
 from ..interrupts import deferred
 from .ops import GraphSchedule
@@ -65,10 +65,10 @@ def _clock(runtime: Runtime, words: Sequence[int], what: str) -> Clock:
     return Clock(runtime.executor, runtime.group, runtime.device, words, what)
 
 
-def check_clock(runtime: Runtime, clock: Clock) -> None:
+def check_clock(runtime: Runtime, clock: Clock, free: Optional[int] = None) -> list[list[int]]:
     """`Clock.check`; an exchange that failed closes ``runtime`` (the group is unusable)."""
     try:
-        clock.check()
+        return clock.check(free)
     except BaseException as exc:
         if clock.failed():
             runtime.life.fail(exc)
@@ -87,16 +87,42 @@ def compile_clock(runtime: Runtime, blocks: int, what: str) -> None:
         check_clock(runtime, _clock(runtime, [_COMPILE_WORD, 0, 0, COMPILE], what))
 
 
+NO_WISH = 1 << 62
+"""The weights budget a gather-only replay offers `agree_budget`: it takes the others'."""
+
+
+def agree_budget(runtime: Runtime, key: int, blocks: int, wish: int, what: str) -> tuple[int, int]:
+    """(the smallest of the ranks' ``wish``, the index in the group of the first rank that
+    offered it): the weights budget a call of a graph of ``blocks`` blocks (clock word
+    ``key``) plans with when several ranks gather (see [Note: the auto budget of ranks
+    gathering] in dlo_fx/dynamo/auto_budget.py). The ranks exchange the clock words
+    ``[key, blocks, wish, PLAN]``, behind every gather queued, under the runtime's lock: a
+    rank at another graph or another step raises `ClockMismatch` with them."""
+    life = runtime.life
+    with life.lock:
+        life.check_open()
+        rows = check_clock(runtime, _clock(runtime, [key, blocks, wish, PLAN], what), free=2)
+    wishes = [row[2] for row in rows]
+    least = min(wishes)
+    return least, wishes.index(least)
+
+
 def complete(runtime: Runtime, sched: GraphSchedule, args: Sequence[Any],
-             clock: Optional[Clock]) -> None:
-    """Run the rest of the graph's schedule without computing (after a failure)."""
+             clock: Optional[Clock], failed: bool = True) -> None:
+    """Run the rest of the graph's schedule without computing: after a failure (its ops
+    make no tensor, `GraphSchedule.completing`), or as a gather-only forward
+    (``failed=False``: resident copies are made as a real call makes them)."""
     if runtime.life.broken is not None:
         return  # the group is unusable: the other ranks raise within the timeout
     if clock is not None:
         check_clock(runtime, clock)  # raises `ClockMismatch`: nobody gathers anything for this graph
-    while sched.step < len(sched.replay):
-        target, spec = sched.replay[sched.step]
-        target(sched, *_args_of(spec, args))
+    sched.completing = failed
+    try:
+        while sched.step < len(sched.replay):
+            target, spec = sched.replay[sched.step]
+            target(sched, *_args_of(spec, args))
+    finally:
+        sched.completing = False
 
 
 def run_graph(runtime: Runtime, sched: GraphSchedule, compiled: Optional[Callable],
@@ -120,7 +146,7 @@ def run_graph(runtime: Runtime, sched: GraphSchedule, compiled: Optional[Callabl
                 clock = None
             if compiled is None:  # the gathers a call makes, in its order
                 runtime.reads.direct_reads(args, sched.direct)
-                complete(runtime, sched, args, None)
+                complete(runtime, sched, args, None, failed=False)
                 return None
             # Before the check, which may refuse on one rank only: the resident copies
             # gathered here are no schedule step that `complete` would run for the peers.

@@ -53,6 +53,9 @@ class GraphSchedule(torch.nn.Module):
         self.graph = next(_GRAPH_IDS)
         """A process-wide id; the tracer tags this graph's spans with it."""
         self.step = 0  # schedule ops done in the current call
+        # True while `graph_call.complete` runs the rest of a failed call's schedule: the
+        # ops issue their collectives and make no tensor (see `slot_view`, `resident`)
+        self.completing = False
         # Held around each call's bind and run: runtime, bound and step above belong to one
         # call, and Dynamo shares the graph between models whose runtimes may hold
         # different locks (another slot count), so another thread's call of this graph
@@ -193,7 +196,12 @@ def slot_view(sched: GraphSchedule, block: int, token: None, param: torch.nn.Par
     """``param`` as a view of its slot; ``token`` is the block's ``wait`` (ordering only).
     ``cast``: the parameter is stored in another dtype and the graph's next node casts
     the view to ``cast`` (see [Note: a storage dtype] in host/layout.py)."""
-    view = sched.runtime.machine.view(sched.slot_of[block], sched.bound[block], param, cast)
+    machine = sched.runtime.machine
+    if sched.completing:  # no view to make, only the collectives a view may need
+        machine.view_reads(sched.bound[block], param)
+        sched.step += 1
+        return None
+    view = machine.view(sched.slot_of[block], sched.bound[block], param, cast)
     sched.step += 1
     return view
 
@@ -206,6 +214,10 @@ def swap_slot(sched: GraphSchedule, block: int) -> None:
 
 def resident(sched: GraphSchedule, param: torch.nn.Parameter) -> torch.Tensor:
     """A stored parameter this graph keeps on the device (a shared table, say)."""
+    if sched.completing:  # the block's collectives, no copy (weight_reads.py)
+        sched.runtime.reads.fetch_resident(param)
+        sched.step += 1
+        return None
     tensor = sched.runtime.reads.resident_tensor(param)
     sched.step += 1
     return tensor

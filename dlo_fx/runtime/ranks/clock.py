@@ -25,6 +25,12 @@ Each way to break that has its guard:
   (`graph_call.compile_clock`). The last word says which kind of step each rank is at, and
   a mismatch names them.
 
+- a call of a graph under ``device_budget="auto"``: the ranks agree on its resident blocks
+  first (``PLAN`` words; see [Note: the auto budget of ranks gathering] in
+  dlo_fx/dynamo/auto_budget.py), and a block copied outside the schedule (a resident copy,
+  an eager read) is preceded by words saying whether each rank could allocate it (see
+  [Note: a block copy that does not fit on one rank] in weights/weight_reads.py): a rank
+  short of memory makes every rank raise instead of leaving the others in the gather.
 - a read of this rank's host shard that fails (a file changed while served): the rank
   issues no collective on the group again and raises; the others raise when their gather
   times out (see [Note: a read that fails before a gather] in collectives.py).
@@ -72,9 +78,11 @@ def exchange(group: ShardGroup, device: torch.device, words: Sequence[int],
 
 
 # The last clock word: what a rank is about to do.
-GRAPH, EAGER, COMPILE, HOST_READ = range(4)
+GRAPH, EAGER, COMPILE, HOST_READ, PLAN, COPY = range(6)
 _KINDS = {GRAPH: "calls a graph", EAGER: "fetches weights eagerly",
-          COMPILE: "compiles a graph", HOST_READ: "reads weights outside a graph (state_dict, release)"}
+          COMPILE: "compiles a graph", HOST_READ: "reads weights outside a graph (state_dict, release)",
+          PLAN: "agrees on a graph's resident blocks (device_budget='auto')",
+          COPY: "copies a block a graph keeps resident"}
 
 
 def _kinds_hint(group: ShardGroup, rows: list[list[int]]) -> str:
@@ -94,11 +102,16 @@ def _kinds_hint(group: ShardGroup, rows: list[list[int]]) -> str:
     return hint
 
 
-def check_rows(group: ShardGroup, rows: list[list[int]], what: str) -> None:
-    """Raise `ClockMismatch` (on every rank: all see all rows) when the words differ."""
-    mine = rows[group.rank]
+def check_rows(group: ShardGroup, rows: list[list[int]], what: str,
+               free: Optional[int] = None) -> None:
+    """Raise `ClockMismatch` (on every rank: all see all rows) when the words differ
+    (but for word ``free``, which each rank may set to its own value)."""
+    def fixed(row: list[int]) -> list[int]:
+        return [w for k, w in enumerate(row) if k != free]
+
+    mine = fixed(rows[group.rank])
     for i, row in enumerate(rows):
-        if row != mine:
+        if fixed(row) != mine:
             raise ClockMismatch(
                 f"dlo: the ranks of the {group.describe()} are out of step: global rank "
                 f"{group.ranks[group.rank]} is about to run {what} (clock {mine}) but global "
@@ -131,9 +144,11 @@ class Clock:
         """Whether the exchange itself failed (the group is unusable)."""
         return self.executor.failed(self.handle)
 
-    def check(self) -> None:
-        """Wait for the exchange; raise `ClockMismatch` when the ranks' words differ."""
+    def check(self, free: Optional[int] = None) -> list[list[int]]:
+        """Wait for the exchange; raise `ClockMismatch` when the ranks' words differ (but
+        for word ``free``); every rank's words."""
         self.executor.wait(self.handle)
         if self.rows is None:  # a device executor: the exchange ran on the comm stream
             raise RuntimeError("dlo: internal error: clock words missing after the exchange")
-        check_rows(self.group, self.rows, self.what)
+        check_rows(self.group, self.rows, self.what, free)
+        return self.rows

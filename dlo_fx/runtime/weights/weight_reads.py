@@ -13,6 +13,20 @@ each read adapts to the bound runtime: `direct_reads` gives a graph the resident
 copy of each `StoredWeight` it reads itself (a graph without a schedule too:
 `backend.unscheduled_call`), and `resident_tensor` reads a parameter this runtime does not
 store as it is.
+
+[Note: a block copy that does not fit on one rank]
+With several ranks gathering, a block's device copy outside the schedule (a resident copy,
+an eager read) is allocated before its gather, and the allocation may fail on one rank
+only (the device budget's resident blocks, activations of different sizes). A rank that
+raised there would leave its peers waiting in the gather until the collective timeout
+closes the runtime. So the ranks first exchange clock words saying whether each one
+allocated (`fetch_block`, in the gather's own worker task), and where one did not, none
+gathers and every rank raises ``torch.OutOfMemoryError`` naming the ranks short of memory:
+they stay in step, the failed graph completes its schedule on every rank alike, and the
+next call is exact. A failure after the gather (cutting a parameter's copy out of the
+block) is the rank's alone, and so is a graph that completes its schedule without
+computing (`fetch_resident`): the rank keeps the block's copy (`_keep_block`) and cuts the
+parameter's copy from it later, where its peers read theirs, so it never gathers alone.
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ import torch
 from ...config import same_device
 from ..ranks.collectives import ShardGroup, fail_reads, gather_in_place
 from ..device.executor import Executor
-from ..ranks.clock import EAGER, HOST_READ, ClockMismatch, check_rows, exchange
+from ..ranks.clock import COPY, EAGER, HOST_READ, ClockMismatch, check_rows, exchange
 from ..ranks.forward_log import note_step
 from ..host.host_store import HostStore, fill_task
 from ..interrupts import deferred
@@ -34,6 +48,7 @@ from ..lifecycle import Lifecycle
 from .stored import is_stored
 
 _EAGER_WORD = int.from_bytes(b"dlo-eager", "little") & (2**62 - 1)
+_COPY_WORD = int.from_bytes(b"dlo-copy", "little") & (2**62 - 1)
 
 
 class WeightReads:
@@ -56,6 +71,7 @@ class WeightReads:
         self._pruned_at = 0  # store.forgotten when _resident was last pruned
         self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
         self._eager_flat: Optional[tuple[int, torch.Tensor]] = None  # last eager read's block
+        self._kept_blocks: dict[int, torch.Tensor] = {}  # see `_keep_block`
 
     def resident_tensor(self, param: torch.Tensor, clock: bool = False) -> torch.Tensor:
         """A device copy of a stored parameter that a graph keeps resident; a
@@ -64,23 +80,51 @@ class WeightReads:
         entry = self.store.entry(param)
         kept = self._resident.get(id(param))
         if kept is not None and kept[0] is entry:
-            tensor = kept[1]
-        else:  # never copied, or copied for a dead parameter of the same id
-            if entry is None:
-                return read_unstored(param, self.device)
-            cached = self._resident_flat
-            if cached is None or cached[0] != entry.block:
-                # The parameters of a block kept resident (device_budget) are asked for one
-                # after another: the block is copied (and gathered) once for all of them.
-                self._resident_flat = None
-                what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
-                cached = self._resident_flat = (
-                    entry.block, self.fetch_block(entry.block, what, clock, record=False))
-            flat = cached[1]
+            return kept[1]
+        # never copied, or copied for a dead parameter of the same id
+        if entry is None:
+            return read_unstored(param, self.device)
+        flat = self._resident_block(entry, clock)
+        try:
             # A leaf with the parameter's requires_grad: see [Note: slot views keep requires_grad]
             tensor = entry.value_of(flat).clone().requires_grad_(param.requires_grad)
-            self._resident[id(param)] = (entry, tensor)
+        except torch.OutOfMemoryError:
+            self._keep_block(entry.block, flat)
+            raise
+        self._resident[id(param)] = (entry, tensor)
         return tensor
+
+    def fetch_resident(self, param: torch.Tensor) -> None:
+        """The collectives of `resident_tensor` without its copy, for a graph completing
+        its schedule after a failure: the block is fetched where the peers fetch it, and
+        kept, so the parameter's copy is cut from it later without gathering alone (see
+        [Note: a block copy that does not fit on one rank])."""
+        entry = self.store.entry(param)
+        kept = self._resident.get(id(param))
+        if entry is None or (kept is not None and kept[0] is entry):
+            return
+        self._keep_block(entry.block, self._resident_block(entry, False))
+
+    def _resident_block(self, entry: Entry, clock: bool) -> torch.Tensor:
+        """The device copy of ``entry``'s block that resident copies are cut from: the
+        parameters of a block kept resident (device_budget) are asked for one after
+        another, and the block is copied (and gathered) once for all of them."""
+        flat = self._kept_blocks.get(entry.block)
+        if flat is not None:
+            return flat
+        cached = self._resident_flat
+        if cached is None or cached[0] != entry.block:
+            self._resident_flat = None
+            what = f"host block {entry.block} (resident copy of {entry.fqn!r})"
+            cached = self._resident_flat = (
+                entry.block, self.fetch_block(entry.block, what, clock, record=False))
+        return cached[1]
+
+    def _keep_block(self, block: int, flat: torch.Tensor) -> None:
+        """Keep ``block``'s device copy past the call where this rank could not cut every
+        copy from it that its peers did, so this rank never gathers it alone later."""
+        if self.store.dp > 1:
+            self._kept_blocks[block] = flat
 
     def direct_reads(self, args: Sequence, positions: Sequence[int],
                      clock: bool = False) -> Sequence:
@@ -106,21 +150,33 @@ class WeightReads:
         ``record`` is false (a resident copy, made once: a replay must not gather it
         again; a read outside any forward)."""
         host = self.store.blocks[block]
-        with torch.inference_mode(False):  # written by the worker thread
-            flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
         group, device, store = self.group, self.device, self.store
+        sharded = store.dp > 1
+        failure: Optional[BaseException] = None
+        try:
+            with torch.inference_mode(False):  # written by the worker thread
+                flat = torch.empty(host.slot_bytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError as exc:
+            if not sharded:
+                raise
+            flat, failure = None, exc  # the peers learn it before anyone gathers
         if clock and record:
             # for gather-only forwards (see [Note: gather-only forwards] in ranks/forward_log.py)
             note_step(functools.partial(self._fetch_gather_only, block, what))
+        short: list[int] = []
 
         def fill_and_gather() -> None:
-            if store.dp > 1:
-                if clock:
-                    words = [_EAGER_WORD, block, len(host.entries), kind]
-                    check_rows(group, exchange(group, device, words, what), what)
+            if sharded:  # see [Note: a block copy that does not fit on one rank]
+                words = [_EAGER_WORD if clock else _COPY_WORD, block, int(flat is not None),
+                         kind if clock else COPY]
+                rows = exchange(group, device, words, what)
+                check_rows(group, rows, what, free=2)
+                short.extend(group.ranks[i] for i, row in enumerate(rows) if not row[2])
+                if short:
+                    return
             read = fill_task(store, flat, block)
-            (fail_reads(group, read) if store.dp > 1 else read)()  # see collectives.py
-            if store.dp > 1:
+            (fail_reads(group, read) if sharded else read)()  # see collectives.py
+            if sharded:
                 gather_in_place(flat, host.spec.shard_bytes, group, what)
 
         with deferred():
@@ -133,6 +189,12 @@ class WeightReads:
             if self.executor.failed(handle):
                 self.life.fail(exc)
             raise
+        if short:
+            mine = f" ({str(failure).strip().splitlines()[0]})" if failure is not None else ""
+            raise torch.OutOfMemoryError(
+                f"dlo: {what}: the device copy of host block {block} ({host.slot_bytes:,} B) "
+                f"does not fit on global rank(s) {short}{mine}; no rank gathered it, so the "
+                f"ranks of the {group.describe()} stay in step")
         return flat
 
     def _fetch_gather_only(self, block: int, what: str) -> None:
@@ -176,12 +238,17 @@ class WeightReads:
             kept = self._resident.pop(id(p), None)
             if kept is not None:
                 freed += kept[1].untyped_storage().nbytes()
+            entry = self.store.entry(p)
+            flat = self._kept_blocks.pop(entry.block, None) if entry is not None else None
+            if flat is not None:
+                freed += flat.untyped_storage().nbytes()
         self._resident_flat = None
         return freed
 
     @property
     def resident_copy_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for _, t in self._resident.values())
+        return (sum(t.untyped_storage().nbytes() for _, t in self._resident.values())
+                + sum(f.untyped_storage().nbytes() for f in self._kept_blocks.values()))
 
     def host_tensor(self, param: torch.Tensor) -> torch.Tensor:
         """A new host (CPU) tensor with the stored weights of ``param``. In allgather mode
