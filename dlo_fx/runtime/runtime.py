@@ -103,9 +103,9 @@ class Runtime:
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
         self.device = device = canonical_device(device)  # see `config.canonical_device`
-        fault_delay = FaultDelay(device, config.fault_delay_s)  # a test option
         # See [Note: what a model owns and what a device shares].
         self.shared = shared_slots(device, config.num_slots)
+        fault_delay = FaultDelay(config.fault_delay_s, self.shared.executor)  # a test option
         self.life = Lifecycle(self.shared.lock)  # see [Note: a forked process] in lifecycle.py
         agree_on_settings(config, device)  # before the group these settings pick is made
         self.group: ShardGroup = weight_group(self.shared.key, config.shard_group,
