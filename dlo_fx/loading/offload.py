@@ -47,12 +47,14 @@ log = logging.getLogger(__name__)
 __all__ = ["check_model", "compute_device", "offload", "offload_module"]
 
 
-def compute_device(config: DLOConfig) -> torch.device:
-    """Where a model offloaded with ``config`` computes: ``config.device``, else the
-    accelerator, else the CPU (`config.canonical_device` spelling)."""
+def compute_device(config: DLOConfig, params: Sequence[torch.Tensor] = ()) -> torch.device:
+    """Where a model offloaded with ``config`` computes: ``config.device``, else where
+    ``params`` are (a model compiled without offload computes on the device of its
+    parameters: see [Note: a model compiled without offload] in dynamo/first_trace.py), else
+    the accelerator, else the CPU (`config.canonical_device` spelling)."""
     if config.device is not None:
         return canonical_device(config.device)
-    return canonical_device(platform.default_device())
+    return canonical_device(params[0].device if params else platform.default_device())
 
 
 def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None] = None, *,

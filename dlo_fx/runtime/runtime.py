@@ -60,7 +60,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..config import DLOConfig, canonical_device
+from ..config import DLOConfig
 from .device import platform
 from .ranks.agreement import (Fact, agree, agree_on_settings, layout_digest, runtime_facts,
                               weights_fact)
@@ -102,7 +102,7 @@ class NewBlock:
 class Runtime:
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
-        self.device = device = canonical_device(device)  # see `config.canonical_device`
+        self.device = device  # canonical, as `loading.offload.compute_device` resolves it
         # See [Note: what a model owns and what a device shares].
         self.shared = shared_slots(device, config.num_slots)
         fault_delay = FaultDelay(config.fault_delay_s, self.shared.executor)  # a test option
