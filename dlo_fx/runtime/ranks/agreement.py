@@ -45,7 +45,7 @@ import torch
 from ...config import DLOConfig
 from .collectives import ShardGroup, control_group, exchange_json, shard_ranks
 from ..device.executor import Executor
-from ..device.slot_pool import SlotPool
+from ..device.shared_slots import SlotPool
 
 __all__ = ["Agreeing", "Fact", "agree", "agree_on_settings", "compile_facts", "layout_digest",
            "runtime_facts", "weights_fact"]
