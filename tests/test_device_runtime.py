@@ -15,7 +15,7 @@ import benchmark_cases
 from distributed import spawn
 
 from dlo_fx.runtime.device import platform
-from dlo_fx.runtime.device.executor import CpuExecutor, FaultDelay, make_executor
+from dlo_fx.runtime.device.executor import CpuExecutor, DeviceExecutor, FaultDelay, make_executor
 from dlo_fx.runtime.host.host_store import HostStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,11 +39,18 @@ def test_cpu_executor_runs_tasks_in_issue_order_and_inlines_small_copies():
 
 def test_fault_delay_always_goes_through_the_worker():
     ex = make_executor(torch.device("cpu"), 2)
-    delay = FaultDelay(torch.device("cpu"), 0.001)  # what a runtime with fault_delay_s passes
+    delay = FaultDelay(0.001, ex)  # what a runtime with fault_delay_s passes
     handle = ex.copy(0, lambda: None, 1, None, delay.next())
     assert handle is not None
     ex.wait(handle)
     ex.shutdown()
+
+
+def test_fault_delay_is_refused_where_streams_order_the_slots():
+    streams = DeviceExecutor.__new__(DeviceExecutor)  # a device's executor, no stream made
+    with pytest.raises(NotImplementedError, match="fault_delay_s is a CPU-runtime option"):
+        FaultDelay(0.001, streams)
+    assert FaultDelay(0.0, streams).next() is None  # no delay asked: nothing to refuse
 
 
 def test_pinning_failure_warns_and_falls_back():

@@ -34,8 +34,8 @@ def _parts(fault_delay_s: float = 0.0):
     life = Lifecycle(shared.lock)
     group = ShardGroup(ranks=(0,), rank=0)
     reads = WeightReads(store, CPU, group, shared.executor, life)
-    machine = SlotMachine(store, shared, group, None, FaultDelay(CPU, fault_delay_s), 0,
-                          life, reads)
+    machine = SlotMachine(store, shared, group, None,
+                          FaultDelay(fault_delay_s, shared.executor), 0, life, reads)
     blocks = [_params(0), _params(1), _params(2)]
     for i, params in enumerate(blocks):
         index = store.add_block(params, [f"b{i}.{j}" for j in range(len(params))]).index

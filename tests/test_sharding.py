@@ -10,7 +10,7 @@ import torch
 from dlo_fx import DLOConfig
 from dlo_fx.planning.modes import predicted_weight_bytes
 from dlo_fx.runtime.host.host_store import HostStore
-from dlo_fx.runtime.device.slot_pool import SlotPool
+from dlo_fx.runtime.device.shared_slots import SlotPool
 
 import dist_cases
 from distributed import spawn

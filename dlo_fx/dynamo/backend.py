@@ -21,10 +21,11 @@ from torch import fx
 
 from .errors import CompileOptionsError
 from ..config import DLOConfig, same_device
+from ..loading.offload import compute_device, offload_module
 from ..passes import run_passes, schedule_of
 from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
 from .auto_budget import AutoResidency, copy_graph, fixed_residency
-from .first_trace import offload_traced, undo_failed
+from .first_trace import traced_model, undo_failed
 from .probes import probe_for_budget, resolve_budget
 from ..runtime.ranks.agreement import compile_facts
 from ..runtime.host.layout import is_composite
@@ -77,7 +78,9 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     if runtime is None and params:  # see [Note: a model compiled without offload]
         check_inference_only(gm, example_inputs, lambda p: p.numel() * p.element_size()
                              > max(config.resident_bytes, 0))
-        offload_traced(params, config, resolve_device(config, example_inputs))
+        model, at_start = traced_model(params)
+        made = offload_module(model, config, compute_device(config, params), at_start=at_start)
+        made.offloaded_by_trace = weakref.ref(model)  # until a graph of it compiles
         torch_private.trace_again("dlo offloaded the model: its weights are StoredWeights now")
     # A graph without parameters gets no runtime: it streams nothing.
     try:
@@ -288,18 +291,6 @@ def unscheduled_call(compiled: Callable, positions: Sequence[int]) -> Callable:
             return compiled(*args)
 
     return run
-
-
-def resolve_device(config: DLOConfig, example_inputs: Sequence[Any]) -> torch.device:
-    if config.device is not None:
-        return torch.device(config.device)
-    for value in example_inputs:
-        if isinstance(value, torch.nn.Parameter):
-            return value.device
-    for value in example_inputs:  # a meta tensor (a hook's placeholder) places nothing
-        if isinstance(value, torch.Tensor) and value.device.type != "meta":
-            return value.device
-    return torch.device("cpu")
 
 
 def check_inference_only(gm: fx.GraphModule, example_inputs: Sequence[Any],

@@ -11,9 +11,9 @@ it is, with the compute device the device its parameters are on (a CPU-only mach
 model already on the accelerator): on a GPU machine a model in host memory called with
 device inputs fails inside Dynamo's fake-tensor propagation before any backend is called.
 
-There, the first graph that reads the model's parameters offloads the model, once, as
-`offload` would with the options of the compile and that device, keeping its modes as
-traced (`loading.offload.offload_module`), and has Dynamo trace the frame again
+There, the backend offloads the model the first graph reads (found here, `traced_model`),
+once, as `offload` would with the options of the compile and that device, keeping its
+modes as traced (`loading.offload.offload_module`), and has Dynamo trace the frame again
 (`torch_private.trace_again`): the model Dynamo then traces is the one `offload` would
 have given it, and everything after is the offloaded model's path. Dynamo's guards then
 expect `StoredWeight`s: the model's later calls pass them, and another model of the class
@@ -33,25 +33,23 @@ it was.
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Sequence
 
 import torch
 
 from .. import torch_private
-from ..config import DLOConfig
-from ..loading.offload import check_model, offload_module
+from ..loading.offload import check_model
 from ..model.guard import give_back
 from ..runtime.runtime import Runtime
 
-__all__ = ["offload_traced", "undo_failed"]
+__all__ = ["traced_model", "undo_failed"]
 
 
-def offload_traced(params: Sequence[torch.Tensor], config: DLOConfig,
-                   device: torch.device) -> Runtime:
-    """Offload the model whose ``params`` (none stored) a graph reads, for ``config`` on
-    ``device``, and return its runtime: see [Note: a model compiled without offload].
-    ValueError, before anything changes, where no single model holds them."""
+def traced_model(params: Sequence[torch.Tensor]) -> tuple[torch.nn.Module, bool]:
+    """The model whose ``params`` (none stored) a graph reads, checked for `offload_module`,
+    and whether the frame Dynamo compiles is that model's own forward from its start (its
+    ``at_start``): see [Note: a model compiled without offload]. ValueError, before
+    anything changes, where no single model holds them."""
     ours = {id(p) for p in params}
     models = [m for m in outermost(candidates())
               if any(id(p) in ours for p in m.parameters())]
@@ -70,13 +68,11 @@ def offload_traced(params: Sequence[torch.Tensor], config: DLOConfig,
     name = torch_private.compiling_frame_name() or ""
     at_start = any(v is model for v in (torch_private.compiling_frame_locals() or {}).values()
                    ) and not name.startswith("torch_dynamo_resume_in")
-    runtime = offload_module(model, config, device, at_start=at_start)
-    runtime.offloaded_by_trace = weakref.ref(model)
-    return runtime
+    return model, at_start
 
 
 def undo_failed(runtime: Runtime) -> None:
-    """Give back the weights of a model this module offloaded when the compile of its
+    """Give back the weights of a model the backend offloaded when the compile of its
     first graph failed after all (a budget below the minimum, a failing pass): a refused
     compile leaves the model as it was. With a shard group gathering, the ranks would
     have to give back together; the model stays offloaded there."""

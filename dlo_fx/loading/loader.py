@@ -160,7 +160,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     if plan is None:  # agree_on_plan re-raises every planning error
         raise RuntimeError("dlo_fx.load: internal error: no load plan and no error")
     settle_mode(runtime, plan.blocks)
-    _commit(plan, runtime, device, shards)  # into runtime.store, which the mode decides
+    _commit(plan, runtime, shards)  # into runtime.store, which the mode decides
     module.eval()
     attach(runtime, [module])  # the resident parameters too: compiling finds the runtime
     log.info("dlo_fx.load: %s from %s: %d blocks (%d bytes of host shards on this rank), "
@@ -200,9 +200,8 @@ def _install(target: Target, value: torch.Tensor) -> None:
             mod._buffers[name] = value
 
 
-def _commit(plan: LoadPlan, runtime: Runtime, device: torch.device,
-            shards: Optional[ShardDir] = None) -> None:
-    store = runtime.store
+def _commit(plan: LoadPlan, runtime: Runtime, shards: Optional[ShardDir] = None) -> None:
+    store, device = runtime.store, runtime.device
     total = sum(t.info.nbytes for t in plan.params + plan.buffers if t.info is not None)
     count = sum(t.info is not None for t in plan.params + plan.buffers)
     progress = _Progress(total, count, label=f"loading {plan.ckpt.source}",

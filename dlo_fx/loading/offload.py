@@ -47,12 +47,14 @@ log = logging.getLogger(__name__)
 __all__ = ["check_model", "compute_device", "offload", "offload_module"]
 
 
-def compute_device(config: DLOConfig) -> torch.device:
-    """Where a model offloaded with ``config`` computes: ``config.device``, else the
-    accelerator, else the CPU (`config.canonical_device` spelling)."""
+def compute_device(config: DLOConfig, params: Sequence[torch.Tensor] = ()) -> torch.device:
+    """Where a model offloaded with ``config`` computes: ``config.device``, else where
+    ``params`` are (a model compiled without offload computes on the device of its
+    parameters: see [Note: a model compiled without offload] in dynamo/first_trace.py), else
+    the accelerator, else the CPU (`config.canonical_device` spelling)."""
     if config.device is not None:
         return canonical_device(config.device)
-    return canonical_device(platform.default_device())
+    return canonical_device(params[0].device if params else platform.default_device())
 
 
 def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None] = None, *,
@@ -116,7 +118,7 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
                                    f"offloading {type(model).__name__}")
     runtime.block_ends.update(zip(indices, split["ends"]))
     runtime.home = home
-    _move_rest(model, runtime, device)
+    _move_rest(model, runtime)
     for target in split["named"]:  # no graph streams (and so stores) them either
         runtime.kept_resident[target.tensor] = NAMED_RESIDENT
     attach(runtime, [model])
@@ -182,11 +184,12 @@ def _home_device(model: nn.Module) -> torch.device:
     return canonical_device(p.device) if p is not None else torch.device("cpu")
 
 
-def _move_rest(model: nn.Module, runtime: Runtime, device: torch.device) -> None:
-    """Every parameter and buffer that is not stored onto ``device``: what ``model.to``
-    does to them (the stored ones are on it already). How to put each back is kept for
-    `release` (`Runtime.undo_moves`): moved home again, or, from the meta device (whose
-    tensors hold no values), the original itself."""
+def _move_rest(model: nn.Module, runtime: Runtime) -> None:
+    """Every parameter and buffer that is not stored onto the runtime's device: what
+    ``model.to`` does to them (the stored ones are on it already). How to put each back is
+    kept for `release` (`Runtime.undo_moves`): moved home again, or, from the meta device
+    (whose tensors hold no values), the original itself."""
+    device = runtime.device
     keep = device.type == "meta"
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():

@@ -60,7 +60,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..config import DLOConfig, canonical_device
+from ..config import DLOConfig
 from .device import platform
 from .ranks.agreement import (Fact, agree, agree_on_settings, layout_digest, runtime_facts,
                               weights_fact)
@@ -102,10 +102,10 @@ class NewBlock:
 class Runtime:
     def __init__(self, config: DLOConfig, device: torch.device) -> None:
         self.config = config
-        self.device = device = canonical_device(device)  # see `config.canonical_device`
-        fault_delay = FaultDelay(device, config.fault_delay_s)  # a test option
+        self.device = device  # canonical, as `loading.offload.compute_device` resolves it
         # See [Note: what a model owns and what a device shares].
         self.shared = shared_slots(device, config.num_slots)
+        fault_delay = FaultDelay(config.fault_delay_s, self.shared.executor)  # a test option
         self.life = Lifecycle(self.shared.lock)  # see [Note: a forked process] in lifecycle.py
         agree_on_settings(config, device)  # before the group these settings pick is made
         self.group: ShardGroup = weight_group(self.shared.key, config.shard_group,

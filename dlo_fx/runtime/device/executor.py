@@ -189,10 +189,11 @@ class FaultDelay:
     ``[0, max_s]`` for each copy the runtime issues, from a generator seeded alike in every
     runtime (the same delays in every run). It belongs to the runtime, not to the slots and
     executor it shares with the other models on its device: a test option does not decide
-    what is shared. CPU only: on a device the streams order the slots."""
+    what is shared. Only the `CpuExecutor` of the runtime's slots (``executor``) runs a
+    delayed copy: on a device the streams order the slots."""
 
-    def __init__(self, device: torch.device, max_s: float, seed: int = 0) -> None:
-        if max_s and platform.has_streams(device):
+    def __init__(self, max_s: float, executor: Executor, seed: int = 0) -> None:
+        if max_s and not isinstance(executor, CpuExecutor):
             raise NotImplementedError("fault_delay_s is a CPU-runtime option; on a device the "
                                       "streams order the slots")
         self.max_s = max_s

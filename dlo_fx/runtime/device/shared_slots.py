@@ -1,5 +1,20 @@
-"""`SharedSlots`: what the models on one device share: the slot pool, the executor that
-fills it, and which model's block each slot holds.
+"""The device's slots: `SlotPool`, ``num_slots`` device buffers each the size of the
+largest gathered block, and `SharedSlots`, what the models on one device share: the pool,
+the executor that fills it, and which model's block each slot holds.
+
+Slots are allocated once per size: a block larger than any seen grows every slot, which
+happens while a graph is compiled or a block is first registered, never in steady state.
+
+[Note: slot views keep requires_grad]
+A slot view makes every kernel choose what it chose for the parameter it stands in for,
+so it keeps the parameter's ``requires_grad``. One choice reads ``requires_grad`` even
+under ``torch.no_grad()``: ``aten::matmul`` folds a batched input into one ``mm`` when
+either operand requires grad, and otherwise, when the input's leading dimensions cannot be
+flattened without a copy (a transposed activation, as ``F.linear`` gets after Sana's
+linear attention), runs a ``bmm`` against the expanded weight; the two sum in a different
+order and differ in the last bit. So a view of a parameter that requires grad is a leaf
+that requires grad too (grad mode is off whenever a streamed parameter requires grad: the
+backend refuses it otherwise), and views are cached per (slot, parameter, flag).
 
 [Note: what a model owns and what a device shares]
 Host blocks are never shared between models; slot memory is, and a model never reads
@@ -39,15 +54,69 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from .executor import make_executor
-from .slot_pool import SlotPool
+
+
+class LaidOut(Protocol):
+    """Where a parameter lies in a block's flat bytes (`host.layout.Entry` is one)."""
+
+    @property
+    def uid(self) -> int: ...  # tells the parameters of a store apart
+
+    def view_of(self, flat: torch.Tensor) -> torch.Tensor: ...
+
+
+class SlotPool:
+    """``num_slots`` device buffers, each the size of the largest gathered block, and the
+    views of them handed to the graph."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.device = device
+        self.slot_bytes = 0
+        self.buffers: list[torch.Tensor] = []
+        self._views: list[dict[tuple[int, bool], torch.Tensor]] = [{} for _ in range(num_slots)]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    def ensure(self, nbytes: int) -> bool:
+        """Grow every slot to at least ``nbytes``; True when the buffers were replaced."""
+        if nbytes <= self.slot_bytes:
+            return False
+        self.buffers = []  # free the old slots before allocating the new ones
+        # Normal tensors even when the first call runs under inference_mode: the copy
+        # worker thread (not in inference mode) writes into them.
+        with torch.inference_mode(False):
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                            for _ in range(self.num_slots)]
+        self.slot_bytes = nbytes
+        self._views = [{} for _ in range(self.num_slots)]
+        return True
+
+    def view(self, slot: int, entry: LaidOut, requires_grad: bool = False) -> torch.Tensor:
+        """The parameter described by ``entry`` as a view of ``slot`` (cached), with the
+        parameter's ``requires_grad`` (see [Note: slot views keep requires_grad])."""
+        cache = self._views[slot]
+        key = (entry.uid, requires_grad)
+        view = cache.get(key)
+        if view is None:
+            view = entry.view_of(self.buffers[slot])
+            if requires_grad:
+                view = view.detach().requires_grad_(True)
+            cache[key] = view
+        return view
 
 
 class SharedSlots:
+    """The slots, executor and slot state of the runtimes on one device with one
+    ``num_slots``: see [Note: what a model owns and what a device shares]."""
+
     def __init__(self, device: torch.device, num_slots: int) -> None:
         self.key = _key(device, num_slots)
         # A forked child makes its own: see [Note: a forked process] in lifecycle.py

@@ -43,9 +43,9 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from ...config import DLOConfig
-from .collectives import ShardGroup, control_group, exchange_json
+from .collectives import ShardGroup, control_group, exchange_json, shard_ranks
 from ..device.executor import Executor
-from ..device.slot_pool import SlotPool
+from ..device.shared_slots import SlotPool
 
 __all__ = ["Agreeing", "Fact", "agree", "agree_on_settings", "compile_facts", "layout_digest",
            "runtime_facts", "weights_fact"]
@@ -232,13 +232,7 @@ def agree_on_settings(config: DLOConfig, device: torch.device) -> None:
 
     if config.mode == "rank_local" or not (dist.is_available() and dist.is_initialized()):
         return
-    spec = config.shard_group
-    if spec is None:
-        ranks = tuple(range(dist.get_world_size()))
-    elif isinstance(spec, (list, tuple)):
-        ranks = tuple(sorted(spec))
-    else:
-        ranks = tuple(sorted(dist.get_process_group_ranks(spec)))
+    ranks = shard_ranks(config.shard_group)
     if len(ranks) < 2 or dist.get_rank() not in ranks:
         return  # nothing to gather, or `resolve_shard_group` refuses it
     group = control_group(ranks, config.collective_timeout_s)

@@ -78,38 +78,42 @@ def fail_reads(group: ShardGroup, task: Any) -> Any:
     return read
 
 
+def shard_ranks(spec: Any) -> tuple[int, ...]:
+    """The global ranks the ``shard_group`` option ``spec`` names, sorted (a rank list
+    needs no process group; ``None``, WORLD's ranks, and a ProcessGroup, its members, need
+    torch.distributed initialised). Sorted: ``dist.new_group`` orders a group's members by
+    global rank whatever order it is given, and a gather puts each member's slice at its
+    place in the group. Taking the position from the list as given (``shard_group=[1,
+    0]``) put every rank's slice where another rank's belongs: every output was wrong."""
+    if spec is None:
+        return tuple(range(dist.get_world_size()))
+    if isinstance(spec, (list, tuple)):
+        return tuple(sorted(spec))
+    return tuple(sorted(dist.get_process_group_ranks(spec)))
+
+
 def resolve_shard_group(spec: Any, timeout_s: float) -> ShardGroup:
     """``None`` -> WORLD when initialised (dp = 1 otherwise); a ProcessGroup or a rank list
-    -> those ranks. Creates the dedicated weight group.
-
-    The ranks are sorted: ``dist.new_group`` orders a group's members by global rank
-    whatever order it is given, and a gather puts each member's slice at its place in the
-    group. Taking the position from the list as given (``shard_group=[1, 0]``) put every
-    rank's slice where another rank's belongs: every output was wrong."""
+    -> those ranks (`shard_ranks`). Creates the dedicated weight group."""
     initialised = dist.is_available() and dist.is_initialized()
-    if spec is None:
-        if not initialised or dist.get_world_size() == 1:
+    if not initialised and not isinstance(spec, (list, tuple)):
+        if spec is None:
             return ShardGroup(ranks=(0,), rank=0)
-        ranks = tuple(range(dist.get_world_size()))
-    elif isinstance(spec, (list, tuple)):
-        ranks = tuple(sorted(spec))
-        if len(ranks) > 1 and not initialised:
+        raise ValueError("DLOConfig option 'shard_group' is a ProcessGroup but "
+                         "torch.distributed is not initialised")
+    ranks = shard_ranks(spec)
+    if not initialised:
+        if len(ranks) > 1:
             raise ValueError(
                 f"DLOConfig option 'shard_group'={list(spec)!r} asks for dp={len(ranks)}, "
                 "but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group(...) on every rank first")
-        if not initialised and ranks != (0,):
+        if ranks != (0,):
             raise ValueError(
                 f"DLOConfig option 'shard_group'={list(spec)!r} names global rank {ranks[0]}, "
                 "but torch.distributed is not initialised, so this process is rank 0 of no "
                 "group; drop the option, give [0], or call "
                 "torch.distributed.init_process_group(...) first")
-    else:
-        if not initialised:
-            raise ValueError("DLOConfig option 'shard_group' is a ProcessGroup but "
-                             "torch.distributed is not initialised")
-        ranks = tuple(sorted(dist.get_process_group_ranks(spec)))
-    if len(ranks) == 1 and not initialised:
         return ShardGroup(ranks=ranks, rank=0)
     me = dist.get_rank()
     if me not in ranks:
