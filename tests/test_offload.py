@@ -60,6 +60,22 @@ def test_offload_then_compile_is_exact_twice_and_release_gives_it_back():
     assert _same_as(model, snap)
 
 
+def test_a_compile_sets_trace_for_itself_on_an_offloaded_model():
+    """``trace`` is an option each compile sets for itself (`PER_COMPILE_OPTIONS`): a model
+    offloaded without it and compiled with it records the schedule's spans."""
+    from dlo_fx.runtime.weights.owners import runtimes_holding
+
+    model = _model()
+    inputs = example_inputs(model.config)
+    dlo_fx.offload(model)
+    runtime = runtimes_holding(list(model.parameters()))[0]
+    compiled = torch.compile(model, backend="dlo", options={"trace": True})
+    with torch.inference_mode():
+        compiled(*inputs)
+    assert runtime.machine.tracer is not None and runtime.machine.tracer.spans
+    dlo_fx.release(model)
+
+
 def test_offload_to_meta_traces_plans_and_runs_and_release_restores_the_values():
     model = _model()
     inputs = example_inputs(model.config)

@@ -133,7 +133,7 @@ def with_schedule(plan: GraphPlan, runtime: Optional[Runtime]) -> GraphPlan:
     k = plan.config.num_slots
     return plan.with_schedule(GraphSchedule(
         runtime=runtime, slot_of=[b.index % k for b in plan.blocks],
-        fqns=[[p.fqn for p in b.params] for b in plan.blocks]))
+        fqns=[[p.fqn for p in b.params] for b in plan.blocks], config=plan.config))
 
 
 def schedule_and_commit(gm: fx.GraphModule, plan: GraphPlan, runtime: Optional[Runtime],

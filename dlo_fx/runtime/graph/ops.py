@@ -40,10 +40,14 @@ class GraphSchedule(torch.nn.Module):
     node, so the graph prints and lints like any other.
     """
 
-    def __init__(self, runtime: Runtime, slot_of: list[int], fqns: list[list[str]]) -> None:
+    def __init__(self, runtime: Runtime, slot_of: list[int], fqns: list[list[str]],
+                 config: Optional[Any] = None) -> None:
         super().__init__()
         self.runtime = runtime
-        self.config = runtime.config
+        # the compile's: the runtime's, with the options each compile sets for itself
+        self.config = config if config is not None else runtime.config
+        if self.config.trace:  # a per-compile option: the runtime may not record yet
+            runtime.machine.trace()
         self.mode = runtime.mode
         self._device = runtime.device
         self.given: Mapping[str, Any] = {}  # the options the compile call passed itself
