@@ -1,5 +1,6 @@
-"""DLO AllGather vs FSDP2 on CPU (gloo, 2 ranks), plus dp=2 vs dp=1 and AllGather vs
-rank-local, all measured in one run.
+"""DLO AllGather vs FSDP2 on CPU (gloo, 2 ranks), plus dp=2 vs dp=1, AllGather vs
+rank-local, and the cost of the auto device budget's per-call agreement, all measured in
+one run.
 
     python benchmarks/bench_sharding.py [--markdown]
 
@@ -8,6 +9,10 @@ the variants are timed interleaved (A B C D, A B C D, ...); a forward's latency 
 slowest rank's, and each figure is the median of ``--runs``. FSDP2 is ``fully_shard`` per
 DiT block and at the root with ``reshard_after_forward=True`` on a CPU mesh, running the
 same reference DiT eagerly (its hooks would break the graph under torch.compile).
+``dlo_allgather_auto`` is ``dlo_allgather`` with ``device_budget="auto"`` and a declared
+capacity of 1 GiB, which leaves no room for resident blocks (the margin alone is 1 GiB):
+the same schedule, plus the ranks' agreement on each call's plan (one clock exchange per
+graph call, see [Note: the auto budget of ranks gathering]).
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ def build_variants(args, rank: int):
     def dit():
         return reference_dit(width=args.width, depth=args.depth, heads=args.heads, seed=0)
 
-    variants, host_bytes = {}, {}
-    for mode in ("allgather", "rank_local"):
+    variants, host_bytes, models = {}, {}, {}
+    for name, options in (("dlo_allgather", {"mode": "allgather"}),
+                          ("dlo_rank_local", {"mode": "rank_local"}),
+                          ("dlo_allgather_auto", {"mode": "allgather", "device_budget": "auto",
+                                                  "device_memory": 1 << 30})):
         model = dit()
-        variants[f"dlo_{mode}"] = torch.compile(model, backend="dlo", fullgraph=True,
-                                                options={"mode": mode})
-        variants[f"dlo_{mode}"]._report_model = model
+        variants[name] = torch.compile(model, backend="dlo", fullgraph=True, options=options)
+        models[name] = model  # not an attribute of the wrapper: it would set one on the model
     fsdp = dit()
     for block in fsdp.blocks:  # FSDP2 refuses non-contiguous parameters
         block.fc2_weight = torch.nn.Parameter(block.fc2_weight.detach().contiguous(),
@@ -54,8 +61,8 @@ def build_variants(args, rank: int):
         model = dit()
         variants["dlo_dp1"] = torch.compile(model, backend="dlo", fullgraph=True,
                                             options={"shard_group": [0]})
-        variants["dlo_dp1"]._report_model = model
-    return variants, host_bytes
+        models["dlo_dp1"] = model
+    return variants, host_bytes, models
 
 
 def worker(rank: int, world: int, init: str, args, out_path: str) -> None:
@@ -66,8 +73,8 @@ def worker(rank: int, world: int, init: str, args, out_path: str) -> None:
 
     config = DiTConfig(width=args.width, depth=args.depth, heads=args.heads)
     inputs = example_inputs(config, height=args.size, width=args.size, seed=rank)
-    variants, host_bytes = build_variants(args, rank)
-    order = ["dlo_allgather", "fsdp2", "dlo_rank_local", "dlo_dp1"]
+    variants, host_bytes, models = build_variants(args, rank)
+    order = ["dlo_allgather", "fsdp2", "dlo_rank_local", "dlo_allgather_auto", "dlo_dp1"]
     times: dict[str, list[float]] = {k: [] for k in order}
     outputs = {}
 
@@ -92,16 +99,17 @@ def worker(rank: int, world: int, init: str, args, out_path: str) -> None:
     for _ in range(args.runs):
         for name in order:
             run(name, True)
-    for name in ("dlo_allgather", "dlo_rank_local", "dlo_dp1"):
+    for name in ("dlo_allgather", "dlo_rank_local", "dlo_allgather_auto", "dlo_dp1"):
         if name in variants:
-            host_bytes[name] = dlo_fx.memory_report(variants[name]._report_model).host_shard_bytes
+            host_bytes[name] = dlo_fx.memory_report(models[name]).host_shard_bytes
     # a forward's latency is the slowest rank's
     slowest = {}
     for name in order:
         mine = torch.tensor(times[name] or [0.0] * args.runs, dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         slowest[name] = mine.tolist()
-    same = torch.equal(outputs["dlo_allgather"], outputs["dlo_rank_local"])
+    same = (torch.equal(outputs["dlo_allgather"], outputs["dlo_rank_local"])
+            and torch.equal(outputs["dlo_allgather"], outputs["dlo_allgather_auto"]))
     if rank == 0:
         same &= torch.equal(outputs["dlo_allgather"], outputs["dlo_dp1"])
         with open(out_path, "w") as f:
@@ -120,6 +128,8 @@ def summarize(raw: dict, args) -> dict:
         "dp2_over_dp1_throughput": (2 / med["dlo_allgather"]) / (1 / med["dlo_dp1"]),
         "allgather_over_rank_local_latency": med["dlo_allgather"] / med["dlo_rank_local"],
         "allgather_over_rank_local_host_bytes": hb["dlo_allgather"] / hb["dlo_rank_local"],
+        "auto_agreement_over_allgather_latency": med["dlo_allgather_auto"] / med["dlo_allgather"],
+        "auto_agreement_extra_ms": (med["dlo_allgather_auto"] - med["dlo_allgather"]) * 1e3,
         "dlo_modes_bit_identical": raw["dlo_modes_bit_identical"],
     }
 
@@ -131,6 +141,8 @@ def markdown(s: dict) -> str:
         ("DLO allgather, dp=2", med["dlo_allgather"], hb["dlo_allgather"]),
         ("FSDP2 fully_shard per block, dp=2", med["fsdp2"], hb["fsdp2"]),
         ("DLO rank-local, dp=2", med["dlo_rank_local"], hb["dlo_rank_local"]),
+        ("DLO allgather, dp=2, device_budget='auto' (no block fits: agreement only)",
+         med["dlo_allgather_auto"], hb["dlo_allgather_auto"]),
         ("DLO dp=1 (one process)", med["dlo_dp1"], hb["dlo_dp1"]),
     ]
     lines = [f"Reference DiT width {a['width']}, {a['depth']} layers, bf16, "
@@ -144,6 +156,8 @@ def markdown(s: dict) -> str:
               f"- throughput dp=2 / dp=1: {s['dp2_over_dp1_throughput']:.2f}x",
               f"- allgather / rank-local: latency {s['allgather_over_rank_local_latency']:.3f}, "
               f"host bytes {s['allgather_over_rank_local_host_bytes']:.3f}",
+              f"- the auto budget's per-call agreement: {s['auto_agreement_extra_ms']:+.2f} ms "
+              f"per forward ({s['auto_agreement_over_allgather_latency']:.3f} x allgather)",
               f"- DLO outputs bit-identical across modes and dp: {s['dlo_modes_bit_identical']}"]
     return "\n".join(lines)
 
