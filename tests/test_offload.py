@@ -167,6 +167,16 @@ def test_offload_refuses_before_changing_anything():
     meta = nn.Linear(4, 4, device="meta")
     with pytest.raises(ValueError, match="parameter 'weight' is on the meta device"):
         dlo_fx.offload(meta)
+    # A model that contains itself (an attribute set on its compile wrapper lands on it)
+    looped = _model(2)
+    torch.compile(looped, backend="dlo").keep = looped
+    with pytest.raises(ValueError, match=r"ReferenceDiT contains itself: submodule 'keep'"):
+        dlo_fx.offload(looped)
+    compiled = torch.compile(looped, backend="dlo")
+    with torch.inference_mode(), pytest.raises(Exception, match="contains itself"):
+        compiled(*example_inputs(looped.config))  # offloaded at its first graph: refused
+    del looped.keep
+    assert not any(is_stored(p) for p in looped.parameters())
 
 
 def test_compile_pipeline_offloads_before_tracing_and_runs_on_meta():

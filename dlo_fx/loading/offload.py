@@ -150,6 +150,14 @@ def check_model(model: Any) -> None:
             f"{backend!r} (module.compile); its graphs would read the weights as they were "
             "traced. Offload the module first, then compile it with backend='dlo': "
             "dlo_fx.offload(model); model.compile(backend='dlo')")
+    loop = _contains_itself(model)
+    if loop is not None:
+        raise ValueError(
+            f"dlo_fx.offload: {type(model).__name__} contains itself: submodule {loop!r} is "
+            "a module it is inside of (a module set as an attribute of one of its own "
+            "submodules, or of its torch.compile wrapper, which sets it on the module); "
+            "torch cannot walk such a model (model.to, state_dict recurse forever): keep the "
+            "reference outside the module, e.g. in a dict or with object.__setattr__")
     seen: dict[int, str] = {}
     devices: dict[torch.device, str] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -175,6 +183,28 @@ def check_model(model: Any) -> None:
             f"dlo_fx.offload: the parameters of {type(model).__name__} are on "
             f"{len(devices)} devices ({shown}); move the model to one device first "
             "(model.to('cpu')), then offload it")
+
+
+def _contains_itself(model: nn.Module) -> Optional[str]:
+    """The name of the first submodule of ``model`` that is a module it sits inside of
+    (the module graph has a loop), or None."""
+    inside: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str) -> Optional[str]:
+        inside.add(id(module))
+        for name, child in module._modules.items():
+            fqn = f"{prefix}.{name}" if prefix else name
+            if child is None:
+                continue
+            if id(child) in inside:
+                return fqn
+            found = walk(child, fqn)
+            if found is not None:
+                return found
+        inside.discard(id(module))
+        return None
+
+    return walk(model, "")
 
 
 def _home_device(model: nn.Module) -> torch.device:
