@@ -167,4 +167,30 @@ def allgather_plans_agreed_per_call(rank: int, world: int) -> dict:
             plans.append(_resident(runtime))
     out["padding"] = {"exact": padded, "plans": plans, "gather_only": clock.gather_only,
                       "in_step": clock.in_step}
+
+    # 5. A call of rank 1 fails at its first slot view, before the resident copies of the
+    # blocks after it are made: completing its schedule, rank 1 fetches those blocks where
+    # rank 0 gathers them (and keeps them), and cuts their copies at the next call without
+    # gathering alone. Both ranks' next calls are exact.
+    ref, model, runtime = _model(rank, capacity, per_element, 0)
+    compiled = torch.compile(model, backend="dlo")
+    machine, failed = runtime.machine, []
+    with torch.no_grad():
+        first = torch.equal(call(compiled, small), call(ref, small))  # measures
+        if rank == 1:
+            real_view = machine.view
+
+            def view_once(*a, **kw):
+                machine.view = real_view
+                failed.append(True)
+                raise RuntimeError("injected failure")
+            machine.view = view_once
+        try:
+            second = torch.equal(call(compiled, small), call(ref, small))
+        except RuntimeError as exc:
+            second = str(exc)
+        kept = sorted(runtime.reads._kept_blocks)
+        later = [torch.equal(call(compiled, small), call(ref, small)) for _ in range(2)]
+    out["completed"] = {"first": first, "second": second, "kept": kept, "later": later,
+                        "failed": failed, "resident": _resident(runtime)}
     return out

@@ -630,3 +630,9 @@ def test_two_ranks_gathering_agree_on_each_calls_plan(spawned):
     assert p1["gather_only"] == 3 and p0["gather_only"] == 0 and p0["in_step"] and p1["in_step"]
     assert p0["plans"] == p1["plans"], (p0["plans"], p1["plans"])
     assert len(p1["plans"][4]) > len(p1["plans"][3])  # the replays made the small plan's copies
+
+    d0, d1 = r0["completed"], r1["completed"]  # a call failing before its resident copies
+    assert d1["failed"] == [True] and "injected failure" in d1["second"], d1
+    assert d0["second"] is True and d0["kept"] == [], d0
+    assert d1["kept"], d1  # the blocks after the failure: fetched with rank 0, kept
+    assert d0["later"] == d1["later"] == [True, True] and d0["resident"] == d1["resident"]

@@ -71,7 +71,8 @@ class WeightReads:
         self._pruned_at = 0  # store.forgotten when _resident was last pruned
         self._resident_flat: Optional[tuple[int, torch.Tensor]] = None  # last block copied
         self._eager_flat: Optional[tuple[int, torch.Tensor]] = None  # last eager read's block
-        self._kept_blocks: dict[int, torch.Tensor] = {}  # see `_keep_block`
+        # host block -> (its HostBlock, its device copy): see `_keep_block`
+        self._kept_blocks: dict[int, tuple[object, torch.Tensor]] = {}
 
     def resident_tensor(self, param: torch.Tensor, clock: bool = False) -> torch.Tensor:
         """A device copy of a stored parameter that a graph keeps resident; a
@@ -99,6 +100,8 @@ class WeightReads:
         its schedule after a failure: the block is fetched where the peers fetch it, and
         kept, so the parameter's copy is cut from it later without gathering alone (see
         [Note: a block copy that does not fit on one rank])."""
+        if self.store.dp == 1:
+            return  # no collective to keep in step
         entry = self.store.entry(param)
         kept = self._resident.get(id(param))
         if entry is None or (kept is not None and kept[0] is entry):
@@ -109,9 +112,9 @@ class WeightReads:
         """The device copy of ``entry``'s block that resident copies are cut from: the
         parameters of a block kept resident (device_budget) are asked for one after
         another, and the block is copied (and gathered) once for all of them."""
-        flat = self._kept_blocks.get(entry.block)
-        if flat is not None:
-            return flat
+        kept = self._kept_blocks.get(entry.block)
+        if kept is not None and kept[0] is self.store.blocks[entry.block]:
+            return kept[1]
         cached = self._resident_flat
         if cached is None or cached[0] != entry.block:
             self._resident_flat = None
@@ -124,7 +127,7 @@ class WeightReads:
         """Keep ``block``'s device copy past the call where this rank could not cut every
         copy from it that its peers did, so this rank never gathers it alone later."""
         if self.store.dp > 1:
-            self._kept_blocks[block] = flat
+            self._kept_blocks[block] = (self.store.blocks[block], flat)
 
     def direct_reads(self, args: Sequence, positions: Sequence[int],
                      clock: bool = False) -> Sequence:
@@ -239,16 +242,16 @@ class WeightReads:
             if kept is not None:
                 freed += kept[1].untyped_storage().nbytes()
             entry = self.store.entry(p)
-            flat = self._kept_blocks.pop(entry.block, None) if entry is not None else None
-            if flat is not None:
-                freed += flat.untyped_storage().nbytes()
+            kept = self._kept_blocks.pop(entry.block, None) if entry is not None else None
+            if kept is not None:
+                freed += kept[1].untyped_storage().nbytes()
         self._resident_flat = None
         return freed
 
     @property
     def resident_copy_bytes(self) -> int:
         return (sum(t.untyped_storage().nbytes() for _, t in self._resident.values())
-                + sum(f.untyped_storage().nbytes() for f in self._kept_blocks.values()))
+                + sum(f.untyped_storage().nbytes() for _, f in self._kept_blocks.values()))
 
     def host_tensor(self, param: torch.Tensor) -> torch.Tensor:
         """A new host (CPU) tensor with the stored weights of ``param``. In allgather mode
