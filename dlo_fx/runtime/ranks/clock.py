@@ -114,9 +114,10 @@ def check_rows(group: ShardGroup, rows: list[list[int]], what: str,
         if fixed(row) != mine:
             raise ClockMismatch(
                 f"dlo: the ranks of the {group.describe()} are out of step: global rank "
-                f"{group.ranks[group.rank]} is about to run {what} (clock {mine}) but global "
-                f"rank {group.ranks[i]} runs clock {row} (words: graph key, blocks, first host "
-                f"block, kind){_kinds_hint(group, rows)}. A call failed or was interrupted on "
+                f"{group.ranks[group.rank]} is about to run {what} (clock {rows[group.rank]}) "
+                f"but global rank {group.ranks[i]} runs clock {row} (words: the step's key, its "
+                "block count or block, the first host block or what the rank offers, kind)"
+                f"{_kinds_hint(group, rows)}. A call failed or was interrupted on "
                 "one rank only between two graphs, or the ranks run different code, or call "
                 "the model from several threads in different orders, or the model branches "
                 "on its data (a step cache such as diffusers' FirstBlockCache skipping blocks "
