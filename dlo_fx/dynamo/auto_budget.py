@@ -108,13 +108,11 @@ class AutoResidency:
 
     def __init__(self, runtime: Any, base: BudgetPlan, key: tuple[str, ...],
                  first: tuple[Callable, Any], build: Callable[[BudgetPlan], tuple[Callable, Any]],
-                 positions: dict[str, int], first_param: Optional[torch.Tensor],
-                 bind_positions: Sequence[int]) -> None:
+                 positions: dict[str, int], first_param: Optional[torch.Tensor]) -> None:
         self.base = base  # every block streamed: the figures every re-plan starts from
         self.key = key
         self.build = build  # plan -> (the variant's call, its GraphSchedule)
         self.positions = positions  # FQN -> position of the parameter among the arguments
-        self.bind_positions = tuple(bind_positions)  # every parameter's, as a call binds them
         self._first_position = min(positions.values(), default=None)
         # the parameter there when compiled: weakly (see backend.auto_residency)
         self._first = weakref.ref(first_param) if first_param is not None else None
@@ -222,7 +220,7 @@ class AutoResidency:
             plan = self._agreed(runtime, memory, NO_WISH, [])
             sched = self._switch(plan, runtime, key, args)[2]
         if sched is not None:
-            gather_only(sched, [args[i] for i in self.bind_positions], args)
+            gather_only(sched, [args[i] for i in sched.bound_at], args)
 
     def _switch(self, plan: BudgetPlan, runtime: Any, key: tuple,
                 args: Sequence[Any]) -> tuple[Callable, BudgetPlan, Any]:
@@ -352,9 +350,9 @@ class _Within:
         self.outer.compiled()
 
 
-def fixed_residency(run: Callable, plan: BudgetPlan, why: str) -> Callable:
-    """``run``, a graph whose resident blocks were planned once, at its compile (``why``:
-    an explicit ``device_budget``): a call that runs out of device memory raises `DeviceMemoryError`
+def fixed_residency(run: Callable, plan: BudgetPlan) -> Callable:
+    """``run``, a graph whose resident blocks were planned once, at its compile (an
+    explicit ``device_budget``): a call that runs out of device memory raises `DeviceMemoryError`
     saying so, naming what stays resident and how to plan less. dlo changes nothing (the
     plan is the one compiled, the same on every rank) and retries nothing; the slots, the
     host store and the model are intact (the failed graph's remaining schedule ran
@@ -371,7 +369,8 @@ def fixed_residency(run: Callable, plan: BudgetPlan, why: str) -> Callable:
                 f"dlo: the call ran out of device memory ({_first_line(exc)}). This graph "
                 f"keeps {len(plan.resident)} blocks resident ({blocks}; "
                 f"{plan.resident_bytes:,} B) within a device budget of "
-                f"{plan.device_budget:,} B planned once, at its compile ({why}); dlo changed "
+                f"{plan.device_budget:,} B planned once, at its compile "
+                f"(device_budget={plan.device_budget!r}); dlo changed "
                 "nothing, and nothing was retried: the slots, the host store and the model "
                 "are intact. Compile with a smaller device_budget (device_budget=None "
                 "streams every block), or reserve more for activations "

@@ -102,8 +102,8 @@ def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Opt
     mode choice are collectives, run here and not in a pass (dynamo/probes.py)."""
     budget = resolve_budget(config, runtime)
     auto_capacity = budget.auto_capacity
-    probe_for_budget(runtime, budget.device_budget if auto_capacity is None else auto_capacity,
-                     bool(params))
+    if params and (budget.device_budget is not None or auto_capacity is not None):
+        probe_for_budget(runtime)
     ctx = PassContext(config=config, example_inputs=example_inputs,
                       view=store_view(runtime, graph_params(gm, example_inputs)))
     ctx.device_budget = budget.device_budget  # None under "auto": planned per call
@@ -115,7 +115,7 @@ def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Opt
     if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
         run = auto_residency(pristine, plan, runtime, (run, schedule_of(gm)), given)
     elif plan.budget_plan is not None and plan.budget_plan.resident:
-        run = fixed_residency(run, plan.budget_plan, f"device_budget={config.device_budget!r}")
+        run = fixed_residency(run, plan.budget_plan)
     return run
 
 
@@ -215,8 +215,7 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime,
     first_param = plan.example_inputs[min(positions.values())] if positions else None
     controller = AutoResidency(runtime, plan.budget_plan,
                                tuple(p.fqn for p in plan.params), first, build, positions,
-                               first_param, [i for i, v in enumerate(plan.example_inputs)
-                                             if isinstance(v, torch.nn.Parameter)])
+                               first_param)
 
     def run(*args: Any) -> Any:
         # A function, not the object: Dynamo wraps what a backend returns with
@@ -248,6 +247,7 @@ def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, given: Mapping[str, Any]
         return compiled
     if sched is None:  # nothing streamed
         return unscheduled_call(compiled, positions)
+    sched.bound_at = tuple(positions)
     sched.direct = tuple(i for i in positions if i not in sched.arg_positions)
     sched.given = dict(given)
     budget_plan = plan.budget_plan

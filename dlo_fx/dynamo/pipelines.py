@@ -20,7 +20,6 @@ device shares] in runtime/device/shared_slots.py).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import weakref
@@ -32,7 +31,7 @@ from torch import nn
 from .backend import given_options
 from ..config import DLOConfig, same_device
 from ..loading.offload import compute_device, offload
-from ..model.guard import guard_pipeline, restore, unguard_pipeline
+from ..model.guard import guard_pipeline, restore, shadow, shadowing, unguard_pipeline
 from ..model.guard import release as release_module
 from ..model.state import peek, state_of
 from ..model.storage_dtype import take_over_hooks
@@ -170,12 +169,9 @@ def _measure_first_run(pipe: Any, modules: Sequence[nn.Module], config: DLOConfi
     runtimes = {id(rt): rt for m in modules if (rt := owner_of(m.parameters())) is not None}
     for runtime in runtimes.values():
         runtime.hold_resident = f"{type(pipe).__name__}'s first run"
-    refs = [weakref.ref(rt) for rt in runtimes.values()]
-    installed = vars(pipe).get(RUN_ENDS)
-    if isinstance(installed, functools.partial) and installed.func is _run_ended:
-        installed.args[1].extend(refs)  # compiled again: these too
-    elif installed is None and refs:
-        vars(pipe)[RUN_ENDS] = functools.partial(_run_ended, weakref.ref(pipe), refs, original)
+    if runtimes:
+        shadow(pipe, RUN_ENDS, _run_ended, [weakref.ref(rt) for rt in runtimes.values()],
+               original)
 
 
 def _run_ended(pipe_ref: Any, refs: list, original: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -190,15 +186,16 @@ def _run_ended(pipe_ref: Any, refs: list, original: Callable, *args: Any, **kwar
 def _forget_first_run(pipe: Any, refs: Optional[list] = None) -> int:
     """Stop holding the blocks of ``pipe``'s first run streamed and remove the signal
     `_measure_first_run` installed; returns 1 if it was installed."""
-    installed = vars(pipe).get(RUN_ENDS) if pipe is not None else None
-    ours = isinstance(installed, functools.partial) and installed.func is _run_ended
-    for ref in refs if refs is not None else installed.args[1] if ours else ():
+    installed = shadowing(pipe, RUN_ENDS, _run_ended)
+    if refs is None:
+        refs = installed.args[1] if installed is not None else []
+    for ref in refs:
         runtime = ref()
         if runtime is not None:
             runtime.hold_resident = None
-    if ours:
+    if installed is not None:
         del vars(pipe)[RUN_ENDS]
-    return int(ours)
+    return int(installed is not None)
 
 
 def _execute_on(pipe: Any, streamed: Sequence[str], device: torch.device) -> None:

@@ -12,7 +12,7 @@ runtime through its frozen `StoreView` (`runtime.store_view`), made after the pr
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..config import DLOConfig
 from ..planning.settle import Budget, settle_budget
@@ -50,12 +50,12 @@ def probe_runtime(runtime: Any) -> None:
     runtime.probed_bandwidths = bandwidths
 
 
-def probe_for_budget(runtime: Any, device_budget: Optional[int], has_params: bool) -> None:
-    """The device budget's probes, before planning, when there is a budget to plan
-    (``device_budget``: bytes, or the auto budget's capacity) and a runtime to measure on:
-    once per runtime, with nothing of its own in flight (the probes' exchanges run on this
-    thread, so none of the copy worker's gathers may be queued meanwhile)."""
-    if runtime is None or device_budget is None or not has_params:
+def probe_for_budget(runtime: Any) -> None:
+    """The device budget's probes, before planning a graph with a budget (bytes, or the
+    auto budget's capacity), where there is a runtime to measure on: once per runtime, with
+    nothing of its own in flight (the probes' exchanges run on this thread, so none of the
+    copy worker's gathers may be queued meanwhile)."""
+    if runtime is None:
         return
     with runtime.lock:
         runtime.machine.drain()

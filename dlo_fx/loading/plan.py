@@ -360,10 +360,9 @@ def agree_on_plan(runtime: Any, rows: Optional[list], error: Optional[BaseExcept
         raise ValueError(f"{caller} failed on global rank {rank} of the "
                          f"{group.describe()} ({message}); no rank stored anything")
     if len({d for _, d in every}) > 1:  # every rank sees it: the rows, to name the block
-        from ..runtime.ranks.agreement import Fact, differing
+        from ..runtime.ranks.agreement import differing, plan_fact
 
         plans = exchange_json([list(r) for r in rows], group, "the differing load plans")
-        fact = Fact("block plans", plans[group.rank], "Rows are parameter count, bytes, "
-                    "first FQN. Give every rank the same model and the same options",
-                    blocks=[r[2] for r in rows])
+        fact = plan_fact(plans[group.rank], "Give every rank the same model and the same "
+                         "options")
         raise ValueError(differing(group, fact, plans, f"the plan of {caller}"))

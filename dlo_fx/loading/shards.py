@@ -282,11 +282,11 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
     small = [t for t in plan.buffers + plan.resident if t.info is not None]
     for t in small:
         common[t.fqn] = materialised(t, read_tensor(t.info), torch.device("cpu")).contiguous()
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    save_file(common, str(out / COMMON), metadata={"format": FORMAT, "shard_id": shard_id})
-    with open(out / COMMON, "rb") as f:
-        common_crc = zlib.crc32(f.read())
+    data = save(common, metadata={"format": FORMAT, "shard_id": shard_id})
+    (out / COMMON).write_bytes(data)
+    common_crc = zlib.crc32(data)
     if ckpt.folder is not None and (Path(ckpt.folder) / "config.json").is_file():
         shutil.copy(Path(ckpt.folder) / "config.json", out / "config.json")
     tensors = {}

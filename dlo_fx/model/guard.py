@@ -58,7 +58,7 @@ from .state import guarded_modules, peek, state_of
 from .storage_dtype import forget_storage_marks
 
 __all__ = ["attach", "give_back", "guard_module", "guard_pipeline", "release", "restore",
-           "unguard_pipeline"]
+           "shadow", "shadowing", "unguard_pipeline"]
 
 
 def _in_store(t: torch.Tensor) -> bool:
@@ -214,20 +214,34 @@ def _guarded_lora_load(module_ref: "weakref.ReferenceType[nn.Module]", original:
     return original(module, *args, **kwargs)
 
 
+def shadow(pipe: Any, name: str, func: Callable, refs: list, *rest: Any) -> None:
+    """Put ``func`` over ``pipe``'s method ``name``, on the instance, as
+    ``partial(func, weakref to pipe, refs, *rest)``; where it is there already (the
+    pipeline compiled again), add ``refs`` to the list it holds. Nothing where the instance
+    holds something else under ``name``."""
+    installed = shadowing(pipe, name, func)
+    if installed is not None:
+        installed.args[1].extend(refs)
+    elif name not in vars(pipe):
+        vars(pipe)[name] = functools.partial(func, weakref.ref(pipe), list(refs), *rest)
+
+
+def shadowing(pipe: Any, name: str, func: Callable) -> Optional[functools.partial]:
+    """What `shadow` put over ``pipe``'s ``name`` with ``func``, or None."""
+    installed = vars(pipe).get(name) if pipe is not None else None
+    ours = isinstance(installed, functools.partial) and installed.func is func
+    return installed if ours else None
+
+
 def guard_pipeline(pipe: Any, modules: list[nn.Module]) -> None:
     """Refuse a pipeline's ``fuse_lora``/``unfuse_lora`` while any of ``modules`` (its
     compiled components) has stored weights: it fuses text encoders through peft's layers,
     which a model's guards do not reach before their first call (an adapter loaded since)."""
     for name in ("fuse_lora", "unfuse_lora"):
         original = getattr(type(pipe), name, None)
-        installed = vars(pipe).get(name)
-        if (isinstance(installed, functools.partial)
-                and installed.func is _guarded_pipe_rewrite):  # compiled again: add these
-            installed.args[1].extend(weakref.ref(m) for m in modules)
-        elif callable(original) and installed is None:
-            vars(pipe)[name] = functools.partial(_guarded_pipe_rewrite, weakref.ref(pipe),
-                                                 [weakref.ref(m) for m in modules], name,
-                                                 original)
+        if callable(original):
+            shadow(pipe, name, _guarded_pipe_rewrite, [weakref.ref(m) for m in modules],
+                   name, original)
 
 
 def _guarded_pipe_rewrite(pipe_ref: Any, refs: list, name: str, original: Callable,
@@ -418,8 +432,7 @@ def unguard_pipeline(pipe: Any) -> int:
     """Remove `guard_pipeline`'s refusals from ``pipe``; returns how many."""
     count = 0
     for name in ("fuse_lora", "unfuse_lora"):
-        installed = vars(pipe).get(name)
-        if isinstance(installed, functools.partial) and installed.func is _guarded_pipe_rewrite:
+        if shadowing(pipe, name, _guarded_pipe_rewrite) is not None:
             del vars(pipe)[name]
             count += 1
     return count

@@ -26,10 +26,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .ranks.collectives import ShardGroup, fail_reads, gather_in_place
+from .ranks.collectives import ShardGroup, gather_in_place, shard_read
 from .device.shared_slots import SharedSlots, SlotBlocks
 from .device.executor import FaultDelay
-from .host.host_store import HostStore, fill_task
+from .host.host_store import HostStore
 from .interrupts import deferred
 from .lifecycle import Lifecycle
 from .device.trace import Tracer
@@ -129,9 +129,7 @@ class SlotMachine:
                 return  # already there, or on its way (the wrap-around prefetch)
             self.slot_block[slot] = None  # unknown until the copy is issued and recorded
             flat = self.slots.buffers[slot]
-            task = fill_task(self.store, flat, block)
-            if self.store.dp > 1:  # see [Note: a read that fails before a gather]
-                task = fail_reads(self.group, task)
+            task = shard_read(self.store, self.group, flat, block)  # see collectives.py
             if self.tracer is not None:
                 task = self.tracer.timed("prefetch", block, slot, task)
             # Behind the slot's last task, which nobody may have waited on (see the Note).

@@ -68,6 +68,7 @@ class GraphSchedule(torch.nn.Module):
         self.replay: list = []  # (target, argument sources) of every schedule op, in order
         self.arg_positions: frozenset = frozenset()  # placeholders the schedule ops read
         self.direct: tuple = ()  # parameter placeholders the graph reads itself
+        self.bound_at: tuple = ()  # every parameter placeholder, as a call binds them
         self.key = 0  # clock word naming this graph (`record`)
 
     def record(self, replay: list) -> None:

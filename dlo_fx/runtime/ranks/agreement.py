@@ -200,16 +200,22 @@ def weights_fact(fingerprints: Sequence[int], names: Sequence[str]) -> Fact:
                 "64 windows of 8 bytes per block", blocks=list(names))
 
 
+def plan_fact(rows: Sequence[Sequence[Any]], hint: str) -> Fact:
+    """A block plan (``rows``: parameter count, bytes, first FQN per block) as a fact of
+    the ranks' agreement; ``hint`` says what makes the plans equal."""
+    return Fact("block plans", [list(r) for r in rows],
+                f"Rows are parameter count, bytes, first FQN. {hint}",
+                blocks=[r[2] for r in rows])
+
+
 def compile_facts(rows: Sequence[Sequence[Any]], resident: Sequence[str]) -> list[Fact]:
     """What the ranks compare when a compile stores new blocks, beside the blocks' layouts
     and fingerprints: the graph's block plan (``rows``: parameter count, bytes, first FQN
     per block) and the parameters it keeps resident."""
-    plan = Fact("block plans", [list(r) for r in rows],
-                "Rows are parameter count, bytes, first FQN. Every rank of the shard group "
-                "must compile the same model with the same options and reach the same graphs "
-                "(a model that branches on its data, such as diffusers' FirstBlockCache "
-                "skipping blocks on one rank only, needs mode='rank_local')",
-                blocks=[r[2] for r in rows])
+    plan = plan_fact(rows, "Every rank of the shard group must compile the same model with "
+                     "the same options and reach the same graphs (a model that branches on "
+                     "its data, such as diffusers' FirstBlockCache skipping blocks on one "
+                     "rank only, needs mode='rank_local')")
     kept = Fact("resident parameters", sorted(resident), "Every rank must compile the same "
                 "model with the same options (resident_bytes, device_budget)")
     return [plan, kept]
@@ -221,7 +227,7 @@ def agree_on_settings(config: DLOConfig, device: torch.device) -> None:
     with ``fault_delay_s``, the mode, ``alignment`` and the device type, over the control group
     of its ranks, and raise `ValueError` on every rank where they differ.
 
-    The weight group is made per slot setting (`SharedSlots.shard_group`), and
+    The weight group is made per slot setting (`collectives.weight_group`), and
     ``dist.new_group`` pairs the ranks' calls by count: a rank whose ``num_slots`` differs
     made a group the others did not, and every later exchange, of this model or any other,
     was paired with something else (a timeout at best; SIGABRT inside gloo when the

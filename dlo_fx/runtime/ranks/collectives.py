@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..host.host_store import HostStore, fill_task
+
 
 @dataclass
 class ShardGroup:
@@ -30,7 +32,7 @@ class ShardGroup:
     ranks: tuple[int, ...]  # global ranks, sorted: the order of the group's members
     rank: int  # index of this process in ``ranks``
     pg: Any = None  # the dedicated weight-gather process group
-    # Why this rank issues no more collectives on ``pg`` (`fail_reads`), or None
+    # Why this rank issues no more collectives on ``pg`` (`shard_read`), or None
     failed: Optional[str] = field(default=None, compare=False)
 
     @property
@@ -51,9 +53,10 @@ class ShardGroup:
                 "then load the model again in a new process")
 
 
-def fail_reads(group: ShardGroup, task: Any) -> Any:
-    """``task`` (the read of this rank's host shard into a slot, which a gather of the
-    group follows), marking ``group`` failed on this rank when it raises.
+def shard_read(store: HostStore, group: ShardGroup, flat: torch.Tensor, block: int) -> Any:
+    """The read of this rank's shard of host block ``block`` into ``flat`` (`fill_task`);
+    where the store is sharded (a gather of the group follows), marking ``group`` failed on
+    this rank when it raises.
 
     [Note: a read that fails before a gather]
     A rank whose read fails (a file truncated or rewritten while ``host_store="mmap"``
@@ -64,7 +67,8 @@ def fail_reads(group: ShardGroup, task: Any) -> Any:
     error. So the rank issues no collective on the group again (`check_in_step`): it
     raises the read's error, and the others raise when their gather times out
     (``collective_timeout_s``), as when a rank dies."""
-    if group.dp == 1:
+    task = fill_task(store, flat, block)
+    if store.dp == 1:
         return task
 
     def read() -> None:

@@ -37,11 +37,11 @@ from typing import Optional, Sequence
 import torch
 
 from ...config import same_device
-from ..ranks.collectives import ShardGroup, fail_reads, gather_in_place
+from ..ranks.collectives import ShardGroup, gather_in_place, shard_read
 from ..device.executor import Executor
 from ..ranks.clock import COPY, EAGER, HOST_READ, ClockMismatch, check_rows, exchange
 from ..ranks.forward_log import note_step
-from ..host.host_store import HostStore, fill_task
+from ..host.host_store import HostStore
 from ..interrupts import deferred
 from ..host.layout import Entry
 from ..lifecycle import Lifecycle
@@ -177,8 +177,7 @@ class WeightReads:
                 short.extend(group.ranks[i] for i, row in enumerate(rows) if not row[2])
                 if short:
                     return
-            read = fill_task(store, flat, block)
-            (fail_reads(group, read) if sharded else read)()  # see collectives.py
+            shard_read(store, group, flat, block)()  # see collectives.py
             if sharded:
                 gather_in_place(flat, host.spec.shard_bytes, group, what)
 
@@ -285,6 +284,7 @@ class WeightReads:
     def clear(self) -> None:
         """Forget every copy (the runtime is closed)."""
         self._resident.clear()
+        self._kept_blocks.clear()
         self._resident_flat = None
         self._eager_flat = None
         self._host_cache = None
