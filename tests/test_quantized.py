@@ -41,7 +41,7 @@ def test_a_quantized_weight_read_outside_the_graph_is_a_dlo_error_or_exact():
     # An eager call (the module's own forward, not the compiled call) reads op by op,
     # below the torch functions torchao implements: a dlo error naming the weight
     with pytest.raises(NotImplementedError, match=r"dlo: parameter 'x_embedder.weight' \(a "
-                       "Int8Tensor\) was read outside a compiled graph"):
+                       r"Int8Tensor\) was read outside a compiled graph"):
         with torch.no_grad():
             model.forward(**inputs())
 
