@@ -5,8 +5,9 @@ lacks one fails here with a message naming it, or answers "nothing found" where 
 is safe, not somewhere inside a call. No other module of dlo_fx names a ``torch._`` module
 or attribute. The groups: what the stored-weight representation needs (`fake_mode_of`,
 `swap_in_place`, `refuse_data_pointer`, `refuse_storage_resize`, `storage_key`,
-`DISABLED_TORCH_FUNCTION`, `is_traceable_wrapper_subclass`, the pytree helpers
-`tree_flatten`, `tree_leaves`, `tree_map`); what the backend reads of the frame Dynamo is
+`composite_kernel`, `view_tracked`, `DISABLED_TORCH_FUNCTION`,
+`is_traceable_wrapper_subclass`, the pytree helpers `tree_flatten`, `tree_leaves`,
+`tree_map`); what the backend reads of the frame Dynamo is
 compiling (`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`,
 `compiled_module_of`), and of a compiled function `dlo_fx.release` undoes
 (`compile_backend_name`); a correction to Dynamo (`install_contains_fix`); what
@@ -110,6 +111,25 @@ def refuse_storage_resize(t: torch.Tensor) -> None:
         layout = reinterpret(empty, t.shape, t.stride(), t.storage_offset())
         if torch._has_compatible_shallow_copy_type(t, layout):
             torch._C.TensorBase.data.__set__(t, layout)
+
+
+@functools.cache
+def composite_kernel(func: Any) -> Optional[Callable]:
+    """``func``'s ``CompositeImplicitAutograd`` kernel (torch's C++ one: the kernel a plain
+    tensor runs, not a Python decomposition registered beside it), or None where ``func``
+    has none. It runs the op as the ops it is made of, each dispatched on its own."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key):
+        return None
+    return functools.partial(func._op_dk, key)
+
+
+@functools.cache
+def view_tracked(func: Any) -> bool:
+    """Whether torch's view tracking (``ADInplaceOrView``) has a kernel for ``func``: it
+    makes ``func``'s outputs views of its input after any tensor subclass's dispatch."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), torch._C.DispatchKey.ADInplaceOrView)
 
 
 @functools.cache

@@ -23,9 +23,11 @@ use by a view of a device slot. Outside a graph every operation goes through
   module (every eager read copies the block again: correct, but slow);
 - a view (``p.t()``, ``p[0]``, ``p.view(...)``, ``p.as_strided(...)``) is another
   `StoredWeight`: see [Note: a view of a stored weight]. A write through it is refused too;
-- a write (an in-place op or an ``out=`` into it, ``p.data = ...``, ``copy_`` from
-  ``load_state_dict``, a LoRA merge through ``param.data``) and ``copy.deepcopy`` raise
-  ``ValueError`` naming the parameter and `dlo_fx.release`. A conversion (``p.float()``,
+- a write (an in-place op or an ``out=`` into it, each tensor of a list that a foreach or
+  fused optimizer op writes, ``p.data = ...``, ``copy_`` from ``load_state_dict``, a LoRA
+  merge through ``param.data``) and ``copy.deepcopy`` raise ``ValueError`` naming the
+  parameter and `dlo_fx.release`, before the op writes anything (a write into the
+  parameter itself also while Dynamo traces it). A conversion (``p.float()``,
   ``p.to(device)``) is a read: it returns a new tensor, as for any parameter. Converting
   the module (``module.to(...)``, ``.half()``) would replace its parameters: it is refused
   for the whole module before anything changes (`dlo_fx.model.guard`), and the
@@ -42,7 +44,6 @@ model (see [Note: when a parameter becomes a StoredWeight] in `runtime/runtime.p
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import warnings
@@ -165,7 +166,14 @@ class StoredWeight(torch.Tensor):
     # -- ways out of the tensor: copies, or refused (see [Note: no pointer to a stored
     # weight]) --------------------------------------------------------------------------------
     def numpy(self, *, force: bool = False) -> Any:  # a copy: the fetched bytes are cached
-        return _copy(self).numpy()
+        if not force:  # torch's own refusals (a device not the CPU, requires_grad, a
+            # conjugate or negative bit), raised by torch on no elements of this metadata
+            probe = torch.empty(0, dtype=self.dtype, device=self.device,
+                                requires_grad=self.requires_grad)
+            for bit, view in zip(self._dlo_bits, (aten._conj, aten._neg_view)):
+                probe = view(probe) if bit else probe
+            torch.Tensor.numpy(probe)
+        return _copy(self).numpy(force=force)
 
     def tolist(self) -> Any:
         return _read(self).tolist()
@@ -220,17 +228,50 @@ class StoredWeight(torch.Tensor):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         stored = [x for x in flat if isinstance(x, StoredWeight)]
+        _check_writes(func, args, kwargs)
         fake = torch_private.fake_mode_of(stored[0]._dlo_token)
         if fake is not None:  # Dynamo traces: fake outputs, nothing read
             with fake:
                 return func(*tree_map(_fake_like, args), **tree_map(_fake_like, kwargs))
         if func in (aten.detach.default, aten.alias.default):
             return _alias(args[0], ())
-        _check_writes(func, args, kwargs)
+        composite = torch_private.composite_kernel(func)
+        if composite is not None:  # see [Note: a composite op reaches the dispatch]
+            return _composite(func, composite, args, kwargs)
         aliased = _aliased_input(func, args)
         if aliased is not None:
             return _view(func, args, kwargs, aliased)
         return _read_op(func, args, kwargs, stored)
+
+
+# [Note: a composite op reaches the dispatch]
+# An op torch defines as other ops (``CompositeImplicitAutograd``: ``to``, ``contiguous``,
+# ``reshape``, ``flatten``, ``linear``, ``matmul``, ``chunk``) runs as those ops above the
+# dispatch, where autograd dispatches it, so a tensor subclass never sees it; under
+# ``torch.inference_mode()`` autograd is skipped and the op itself reaches
+# ``__torch_dispatch__``. Its schema says its output may alias its input (``to`` returns
+# ``self`` when nothing changes), which is not what it does when it copies: taken for a
+# view, ``p.half()`` was refused. It runs here as torch runs it for a resident parameter
+# in that mode, as its own composite kernel, whose ops come back one by one (each a
+# read, a view or a write), and so it is exact wherever it is exact outside
+# inference_mode. Writes are checked first, on the op as called: nothing it is made of
+# runs before a write into a stored weight is refused.
+def _composite(func: Any, kernel: Any, args: Any, kwargs: Any) -> Any:
+    """Composite op ``func`` run as its ``kernel``. A view it returns of a stored weight
+    that requires grad requires grad too, as torch's view tracking gives a resident
+    parameter's view under inference_mode (a leaf with no ``grad_fn``), where that
+    tracking does not follow the dispatch (it runs above it, skipping the ops the kernel
+    calls inside it)."""
+    out = kernel(*args, **kwargs)
+    if torch_private.view_tracked(func):
+        return out
+    grads = {id(x.origin) for x in tree_flatten((args, kwargs))[0]
+             if isinstance(x, StoredWeight) and x.requires_grad}
+    for o in tree_flatten(out)[0]:
+        if isinstance(o, StoredWeight) and id(o.origin) in grads and o.is_leaf \
+                and not o.requires_grad:
+            o.requires_grad_(True)
+    return out
 
 
 def _fake_like(x: Any) -> Any:
@@ -260,8 +301,10 @@ def _alias(t: StoredWeight, steps: tuple, meta: Optional[torch.Tensor] = None) -
     m = meta if meta is not None else t
     # A view of a parameter (a normal tensor) taken under inference_mode is a normal tensor
     # too: torch gives it the parameter's version counter, which an inference tensor (what
-    # the wrapper would be, made in that mode) cannot take ("Cannot set version_counter")
-    with torch.inference_mode(False) if not t.is_inference() else contextlib.nullcontext():
+    # the wrapper would be, made in that mode) cannot take ("Cannot set version_counter").
+    # Where torch makes an inference tensor of it (``view(dtype)``), so does the same op on
+    # the meta tensor of the parameter's metadata (`_meta_of`)
+    with torch.inference_mode(m.is_inference()):
         out = StoredWeight(m.shape, m.stride(), m.dtype, t.device, requires_grad=False,
                            storage_offset=m.storage_offset(), token=t._dlo_token)
     out._dlo_origin = t.origin
@@ -286,6 +329,13 @@ def _read_op(func: Any, args: Any, kwargs: Any, stored: list) -> Any:
     """``func`` run on the real values of its stored arguments. An output that shares
     the fetched bytes (an op that returns its input, ``_unsafe_view``) is copied: a
     tensor over the block would reach the other weights in it."""
+    out, fetched = _on_values(func, args, kwargs, stored)
+    return tree_map(lambda o: _unshared(o, fetched), out)
+
+
+def _on_values(func: Any, args: Any, kwargs: Any, stored: list) -> tuple[Any, set]:
+    """``func``'s outputs on the real values of its stored arguments, and the storage keys
+    of the bytes fetched for them."""
     cache: dict = {}
     fetched: set = set()
 
@@ -296,10 +346,9 @@ def _read_op(func: Any, args: Any, kwargs: Any, stored: list) -> Any:
         return value
 
     try:
-        out = func(*tree_map(real, args), **tree_map(real, kwargs))
+        return func(*tree_map(real, args), **tree_map(real, kwargs)), fetched
     except NotImplementedError as exc:
         raise _unsupported_read(func, stored, exc) from exc
-    return tree_map(lambda o: _unshared(o, fetched), out)
 
 
 def _unshared(out: Any, fetched: set) -> Any:
@@ -416,9 +465,9 @@ def _caller_level() -> int:
 # views are replayed through the subclass's own ops, and a view op that takes an explicit
 # layout (``as_strided``, ``_reshape_alias``) or another tensor is refused for it by name.
 class StoredViewError(ValueError, RuntimeError):
-    """A view op that fails on the stored parameter's metadata, raised naming it: one
-    torch refuses for the resident parameter too (a ``view`` of an incompatible shape),
-    or one that needs more than metadata (a nested-tensor view). A ``ValueError``, and a
+    """A view op of a stored parameter that torch refuses, raised naming it: one that
+    fails on the parameter's metadata and on its values too, as for the resident
+    parameter (a ``view`` of an incompatible shape). A ``ValueError``, and a
     ``RuntimeError`` as torch's own refusal is, for code that catches that."""
 
 
@@ -455,30 +504,47 @@ def _view(func: Any, args: Any, kwargs: Any, base: StoredWeight) -> Any:
                if isinstance(a, torch.Tensor) else a)
     try:
         out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-    except Exception as exc:  # torch refuses it for the resident parameter too
-        raise StoredViewError(
-            f"dlo: {func} of parameter {stored_name(base.origin)!r} (stored by dlo) failed on "
-            f"the parameter's metadata: {exc}. Where torch refuses it for a resident "
-            "parameter too, this is that refusal. " + release_advice(
-                instead="otherwise read a copy first (p.detach().clone())")) from exc
+    except Exception as exc:  # noqa: BLE001 - the values decide (see _not_a_view)
+        return _not_a_view(func, args, kwargs, base, f"it fails there: {exc}")
+    if any(isinstance(o, torch.Tensor) and
+           torch_private.storage_key(o) != torch_private.storage_key(meta_base)
+           for o in tree_flatten(out)[0]):
+        return _not_a_view(func, args, kwargs, base, "it returns a new tensor there")
     recorded = tree_map(lambda a: _SELF if a is base else a, args)
     step = (func, recorded, kwargs)
     if isinstance(out, torch.Tensor):
-        return _view_output(base, meta_base, out, step, None)
-    return type(out)(_view_output(base, meta_base, o, step, i) for i, o in enumerate(out))
+        return _view_output(base, out, step, None)
+    return type(out)(_view_output(base, o, step, i) for i, o in enumerate(out))
 
 
-def _view_output(base: StoredWeight, meta_base: torch.Tensor, out: Any, step: tuple,
-                 index: Optional[int]) -> Any:
+def _view_output(base: StoredWeight, out: Any, step: tuple, index: Optional[int]) -> Any:
     if not isinstance(out, torch.Tensor):
         return out
-    if torch_private.storage_key(out) != torch_private.storage_key(meta_base):
-        raise ValueError(
-            f"dlo: {step[0]} of parameter {stored_name(base.origin)!r} returns a tensor that "
-            "is not a view of it, which dlo cannot compute without reading it as a view. " +
-            release_advice(instead="read a copy first (p.detach().clone())"))
     _check_reach(out, base.origin)
     return _alias(base, (step + (index,),), out)
+
+
+def _not_a_view(func: Any, args: Any, kwargs: Any, base: StoredWeight, why: str) -> Any:
+    """An op whose schema says it may return a view of ``base``, but which gives none on
+    ``base``'s metadata (``why``): run on the values, where torch's own refusal is raised
+    as a `StoredViewError`, a new tensor returned, and a view of the fetched bytes refused
+    (it would not be the parameter: a write through it would be lost)."""
+    name = stored_name(base.origin)
+    stored = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, StoredWeight)]
+    try:
+        out, fetched = _on_values(func, args, kwargs, stored)
+    except Exception as exc:
+        raise StoredViewError(
+            f"dlo: {func} of parameter {name!r} (stored by dlo) is refused by torch on the "
+            f"parameter's own values and layout, as for the resident parameter: {exc}") from exc
+    if any(isinstance(o, torch.Tensor) and torch_private.storage_key(o) in fetched
+           for o in tree_flatten(out)[0]):
+        raise ValueError(
+            f"dlo: {func} of parameter {name!r} returns a view of it, which dlo computes on "
+            f"the parameter's shape, strides and dtype on the meta device, and {why}; a view "
+            "of the bytes dlo fetched for this read would not be the parameter. " +
+            release_advice(instead="read a copy first (p.detach().clone())"))
+    return out
 
 
 def _meta_of(t: torch.Tensor) -> torch.Tensor:
@@ -489,8 +555,9 @@ def _meta_of(t: torch.Tensor) -> torch.Tensor:
         o = t.origin
         end = max(end, (o.storage_offset() + storage_span(o)) * o.element_size())
     storage = torch.UntypedStorage(end, device="meta")
-    meta = torch.empty(0, dtype=t.dtype, device="meta").set_(
-        storage, t.storage_offset(), t.shape, t.stride())
+    with torch.inference_mode(t.is_inference()):  # an op on it makes views as on ``t``
+        meta = torch.empty(0, dtype=t.dtype, device="meta").set_(
+            storage, t.storage_offset(), t.shape, t.stride())
     conj, neg = t._dlo_bits if isinstance(t, StoredWeight) else (t.is_conj(), t.is_neg())
     if conj:
         meta = aten._conj(meta)
@@ -621,13 +688,18 @@ def _refusal(t: StoredWeight, action: str) -> ValueError:
 
 
 def _check_writes(func: Any, args: Any, kwargs: Any) -> None:
+    """Refuse ``func`` where it would write into a stored weight, before it writes
+    anything: every argument its schema marks written (``Tensor(a!)``, an ``out=``, and
+    each tensor of a ``Tensor(a!)[]`` list, which foreach and fused optimizer ops write
+    whole), and the source of a ``set_``."""
     schema = func._schema
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(value, StoredWeight):
-            raise _refusal(value, f"{func.__name__} would write into")
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, StoredWeight):
+                raise _refusal(t, f"{func.__name__} would write into")
     if func.overloadpacket in _SETS:  # the tensor set would share the parameter's storage
         for value in tree_flatten((args, kwargs))[0][1:]:
             if isinstance(value, StoredWeight):
