@@ -98,9 +98,14 @@ def test_the_gather_group_follows_the_topology():
     assert engine.spec.gather == "sp"  # a factory of unknown size: its share fits
 
 
-def test_a_transformer_that_cannot_split_its_sequence_is_refused_up_front(flux_root,
-                                                                         tmp_path, capsys):
+def test_a_transformer_that_cannot_split_its_sequence_is_refused_up_front(
+        flux_root, tmp_path, capsys, monkeypatch):
     from dlo_fx.apps.cli import main
+
+    def started(*args, **kwargs):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(Engine, "start", started)
 
     sd3 = tmp_path / "sd3"
     spawn(1, in_child, _save, str(sd3), "sd3")
@@ -118,6 +123,16 @@ def test_a_transformer_that_cannot_split_its_sequence_is_refused_up_front(flux_r
     err = capsys.readouterr().err
     assert status == 2 and "SD3Transformer2DModel, which has no context-parallel plan" in err
     assert "serve it with sp_size=1 (--sp 1)" in err and not (tmp_path / "out").exists()
+    # Its neighbours: a folder that is no pipeline, two gather groups named at once.
+    for folder, extra, needle in (
+            (tmp_path, [], "no model_index.json there"),
+            (sd3, ["--gather", "dp", "--option", "shard_group=[0]"],
+             "gather='dp' and options['shard_group'] both name")):
+        status = main(["generate", "--diffusers", str(folder), *extra, "--requests",
+                       str(requests), "--out", str(tmp_path / "out"), "--quiet"])
+        err = capsys.readouterr().err
+        assert status == 2 and needle in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_enable_context_parallel_refuses_what_diffusers_cannot_split():

@@ -176,11 +176,12 @@ def run_generate(args: argparse.Namespace) -> int:
             return 2
         args.pipeline = DIFFUSERS
         kwargs["path"] = os.path.abspath(args.diffusers)
-        from .diffusers_pipeline import check_context_parallel, check_up_front
+        from .diffusers_pipeline import check_up_front
 
-        try:  # sizes no memory holds, a transformer --sp cannot split: refused up front
+        # Sizes no memory holds: refused before any worker starts (as Engine(...) refuses
+        # a transformer --sp cannot split)
+        try:
             check_up_front(requests, dict(args.option))
-            check_context_parallel(args.diffusers, args.sp)
         except ValueError as exc:
             print(f"dlo-fx generate: {exc}", file=sys.stderr)
             return 2
