@@ -97,9 +97,10 @@ class DLOConfig:
     A power of two from 16 to 1 MiB. Default: ``256``."""
 
     shard_group: Any = None
-    """Ranks a block is gathered over: a ``ProcessGroup``, a list of global ranks, or
-    ``None`` for the WORLD group when ``torch.distributed`` is initialised (dp = 1
-    otherwise). Default: ``None``."""
+    """Ranks a block is gathered over: a ``ProcessGroup``, a list of global ranks, a
+    ``DeviceMesh`` (the ranks of this rank's mesh: ``mesh["sp"]`` of a mesh of your own,
+    taken as the tuple of its global ranks), or ``None`` for the WORLD group when
+    ``torch.distributed`` is initialised (dp = 1 otherwise). Default: ``None``."""
 
     collective_timeout_s: float = 300.0
     """Timeout of the weight-gather process group; a rank that dies or raises makes the
@@ -234,13 +235,17 @@ class DLOConfig:
                 "expected a sequence of callables (gm, ctx) -> gm"
             )
         group = self.shard_group
+        if _is_device_mesh(group):  # its global ranks: gathers need only those
+            group = tuple(int(r) for r in group.mesh.flatten().tolist())
+            object.__setattr__(self, "shard_group", group)
         if group is not None and not _is_process_group(group):
             if isinstance(group, (str, bytes)) or not isinstance(group, Sequence) or not all(
                 isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in group
             ) or len(set(group)) != len(group) or not group:
                 raise ValueError(
                     f"DLOConfig option 'shard_group'={group!r} is not allowed: expected "
-                    "None, a ProcessGroup, or a non-empty list of distinct global ranks"
+                    "None, a ProcessGroup, a DeviceMesh, or a non-empty list of distinct "
+                    "global ranks"
                 )
 
     @classmethod
@@ -355,6 +360,14 @@ def _is_process_group(obj: Any) -> bool:
     except ImportError:  # pragma: no cover - torch built without distributed
         return False
     return isinstance(obj, ProcessGroup)
+
+
+def _is_device_mesh(obj: Any) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(obj, DeviceMesh)
 
 
 def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:

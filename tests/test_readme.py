@@ -22,17 +22,25 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 DIFFUSERS_SECTION = "## Diffusers quick start"
 """Its snippets name a real pipeline folder: tests/test_diffusers.py runs them on a tiny
 locally built one."""
+SEQUENCE_PARALLEL_SECTION = "## Sequence parallelism"
+"""Its snippet runs on 2 ranks: `test_readme_sequence_parallel_snippet_runs_on_two_ranks`."""
 
 
-def python_snippets() -> list[tuple[int, str]]:
-    """(first line number, code) of every ```python block of README.md outside the
-    diffusers quick start."""
+def _section(text: str, title: str) -> tuple[int, int]:
+    start = text.find(title)
+    return (start, text.find("\n## ", start + 1)) if start >= 0 else (-1, -1)
+
+
+def python_snippets(section: str = "") -> list[tuple[int, str]]:
+    """(first line number, code) of every ```python block of README.md in ``section``,
+    or (no section) outside the diffusers quick start and the sequence-parallel one."""
     text = README.read_text()
-    start = text.find(DIFFUSERS_SECTION)
-    end = text.find("\n## ", start + 1) if start >= 0 else -1
+    skipped = [_section(text, title) for title in (DIFFUSERS_SECTION, SEQUENCE_PARALLEL_SECTION)]
+    start, end = _section(text, section) if section else (0, len(text))
     out = []
     for match in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
-        if start <= match.start() < end:
+        inside = start <= match.start() < end
+        if not inside or (not section and any(a <= match.start() < b for a, b in skipped)):
             continue
         out.append((text.count("\n", 0, match.start()) + 2, match.group(1)))
     return out
@@ -96,3 +104,46 @@ def test_readme_snippets_run(spawned):
 
     assert here["device"].startswith(default_device().type) and meta["device"] == "meta"
     assert here["shape"] == meta["shape"]
+
+
+def sequence_parallel_snippet(rank: int, world: int) -> dict:
+    """The sequence-parallel snippet as written, on this rank of 2 (gloo), then the same
+    transformer resident with the same context parallelism (`enable_context_parallel`
+    over the same mesh) and without any, on the same inputs; and the host bytes of the
+    snippet's transformer against a rank-local twin's."""
+    import dlo_fx
+    from dlo_fx.apps.engine.context_parallel import enable_context_parallel
+
+    (line, code), = python_snippets(SEQUENCE_PARALLEL_SECTION)
+    namespace: dict = {"__name__": "__readme__"}
+    exec(compile(code, f"README.md:{line}", "exec"), namespace)
+    cls, mesh, inputs = (namespace[k] for k in ("FluxTransformer2DModel", "mesh", "inputs"))
+
+    def built():
+        torch.manual_seed(0)
+        return cls.from_config(namespace["transformer"].config)
+
+    resident, plain = built(), built()
+    enable_context_parallel(resident, mesh)
+    local = built()
+    dlo_fx.offload(local, options={"shard_group": [rank]})
+    with torch.inference_mode():
+        expected = resident(**inputs, return_dict=False)[0]
+        alone = plain(**inputs, return_dict=False)[0]
+    shared = dlo_fx.memory_report(namespace["transformer"]).host_shard_bytes
+    whole = dlo_fx.memory_report(local).host_shard_bytes
+    out = namespace["out"]
+    return {"equal": torch.equal(out, expected), "shape": tuple(out.shape),
+            "plain_equal": torch.equal(expected, alone),
+            "plain_diff": float((expected - alone).abs().max()), "cls": cls.__name__,
+            "shared": shared, "whole": whole}
+
+
+@pytest.mark.spawned.with_args(functools.partial(spawn, 2, sequence_parallel_snippet))
+def test_readme_sequence_parallel_snippet_runs_on_two_ranks(spawned):
+    """The README's context parallelism plus offload: each rank's output equals the same
+    context-parallel transformer resident, and each rank holds half of every block."""
+    for rank, result in spawned.items():
+        assert result["equal"], (rank, result)
+        assert result["shape"] == (1, 64, 16)
+        assert result["whole"] / 2 <= result["shared"] <= result["whole"] / 2 + 3 * 256, result

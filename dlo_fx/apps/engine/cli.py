@@ -28,6 +28,8 @@ from typing import Any, Optional, Sequence
 
 REFERENCE = "dlo_fx.apps.engine.reference_pipeline:build"
 DIFFUSERS = "dlo_fx.apps.engine.diffusers_pipeline:build"
+GATHER = ("auto", "sp", "dp", "world", "none")
+"""``--gather``: `topology.GATHER_CHOICES` (this module imports no torch)."""
 
 
 def _key_value(text: str) -> tuple[str, Any]:
@@ -46,7 +48,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="JSONL file, one request object per line")
     parser.add_argument("--out", required=True, type=Path, help="output folder")
     parser.add_argument("--dp", type=int, default=1, help="replicas = requests per wave")
-    parser.add_argument("--sp", type=int, default=1, help="ranks per replica")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="ranks per replica; with --diffusers they split each request's "
+                             "sequence (diffusers' context parallelism, Ulysses)")
+    parser.add_argument("--gather", default="auto", choices=GATHER,
+                        help="ranks each rank's weights are gathered over: its replica (sp), "
+                             "one rank per replica (dp), every rank (world), none (rank-local),"
+                             " or auto: chosen from --dp, --sp and the host's RAM")
     parser.add_argument("--pipeline", default=REFERENCE,
                         help="factory 'package.module:function' (default: the reference "
                              "DiT pipeline)")
@@ -170,13 +178,15 @@ def run_generate(args: argparse.Namespace) -> int:
         kwargs["path"] = os.path.abspath(args.diffusers)
         from .diffusers_pipeline import check_up_front
 
-        try:  # sizes no memory holds: refused before any worker starts
+        # Sizes no memory holds: refused before any worker starts (as Engine(...) refuses
+        # a transformer --sp cannot split)
+        try:
             check_up_front(requests, dict(args.option))
         except ValueError as exc:
             print(f"dlo-fx generate: {exc}", file=sys.stderr)
             return 2
     common = dict(options=dict(args.option), wave_timeout_s=args.wave_timeout,
-                  pipeline_kwargs=kwargs)
+                  pipeline_kwargs=kwargs, gather=getattr(args, "gather", "auto"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         engine = serve(args.pipeline, sp_size=args.sp, num_threads=args.threads, **common)
         if engine is None:

@@ -113,13 +113,17 @@ class DiffusersPipeline:
         return to_uint8(out)
 
     def describe(self) -> dict:
-        """Memory figures of this rank's streamed components."""
+        """Memory figures of this rank's streamed components, and ``"context_parallel"``:
+        the ranks each denoiser splits its sequence over (1 where it does not)."""
         from dataclasses import asdict
 
         from ...model.memory import memory_report
 
-        return {name: asdict(memory_report(getattr(self.pipe, name)))
-                for name in self.streamed}
+        out: dict = {name: asdict(memory_report(getattr(self.pipe, name)))
+                     for name in self.streamed}
+        out["context_parallel"] = {name: _context_parallel_degree(getattr(self.pipe, name))
+                                   for name in self.streamed if name.startswith(DENOISER_PREFIXES)}
+        return out
 
 
 RESERVED = ("generator", "output_type", "return_dict", "latents")
@@ -286,6 +290,65 @@ def _rgb8(x: torch.Tensor) -> torch.Tensor:
     return (x.float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).contiguous()
 
 
+# -- sequence parallelism ------------------------------------------------------------------
+def check_context_parallel(path: Union[str, os.PathLike], sp_size: int) -> None:
+    """``ValueError`` naming the component and its class where a denoiser of the pipeline
+    in ``path`` cannot split its sequence over ``sp_size`` ranks with diffusers' context
+    parallelism (Ulysses): no context-parallel plan, or attention heads that ``sp_size``
+    does not divide. Read from ``model_index.json`` and the denoisers' ``config.json``:
+    before any worker starts."""
+    if sp_size == 1:
+        return
+    import diffusers
+
+    from .context_parallel import context_parallel_refusal
+
+    for name, (library, cls_name) in denoisers(read_model_index(path)).items():
+        cls = getattr(diffusers, cls_name, None)
+        why = ("this diffusers does not have" if cls is None
+               else context_parallel_refusal(cls, sp_size))
+        if why is None:
+            config = Path(path) / name / "config.json"
+            heads = json.loads(config.read_text()).get("num_attention_heads") \
+                if config.is_file() else None
+            if isinstance(heads, int) and heads % sp_size:
+                why = (f"has num_attention_heads={heads}, which sp_size={sp_size} does not "
+                       "divide (Ulysses hands each rank heads / sp_size of them)")
+        if why is not None:
+            raise ValueError(f"{os.fspath(path)}/model_index.json: component {name!r} is a "
+                             f"{library}.{cls_name}, which {why}; serve it with sp_size=1 "
+                             "(--sp 1) and more replicas (--dp)")
+
+
+def denoiser_bytes(path: Union[str, os.PathLike]) -> int:
+    """Bytes of the safetensors files of the denoisers of the pipeline in ``path``: what
+    the host store of every rank shares out (the engine's gather choice weighs it)."""
+    total = 0
+    for name in denoisers(read_model_index(path)):
+        total += sum(f.stat().st_size for f in (Path(path) / name).glob("*.safetensors"))
+    return total
+
+
+def _context_parallel_degree(model: Any) -> int:
+    """How many ranks ``model`` splits its sequence over (diffusers' parallel config)."""
+    config = getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)
+    return 1 if config is None else int(config.ring_degree) * int(config.ulysses_degree)
+
+
+def _split_sequence(models: Mapping[str, torch.nn.Module]) -> None:
+    """Inside an engine worker of ``sp_size > 1``: split every denoiser's sequence over
+    the replica's ranks (see context_parallel.py); nothing elsewhere."""
+    from .context_parallel import enable_context_parallel
+    from .topology import worker_context
+
+    context = worker_context()
+    if context is None or context.topology.sp_size == 1:
+        return
+    mesh = context.sp_mesh
+    for model in models.values():
+        enable_context_parallel(model, mesh)
+
+
 # -- building ----------------------------------------------------------------------------
 def read_model_index(path: Union[str, os.PathLike]) -> dict:
     """``model_index.json`` of a saved pipeline; ``ValueError`` naming what is missing."""
@@ -329,10 +392,12 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
           dtype: Union[str, torch.dtype, None] = None, text_encoders: bool = False,
           resident: Sequence[str] = ()) -> DiffusersPipeline:
     """The engine's factory for a saved diffusers pipeline (see the module docstring).
+    Inside an engine of ``sp_size > 1`` the denoisers split each request's sequence over
+    the replica's ranks (diffusers' context parallelism, Ulysses: context_parallel.py).
 
     Args:
-        options: the dlo options (the engine adds this rank's DP group as ``shard_group``
-            and its ``device``).
+        options: the dlo options (the engine adds this rank's gather group as
+            ``shard_group`` and its ``device``).
         path: the pipeline folder (``model_index.json`` and the component subfolders).
         dtype: dtype of every component (``torch_dtype`` of ``from_pretrained``, ``dtype=``
             of `dlo_fx.load`), as a torch dtype or its name; default: as saved / built.
@@ -361,6 +426,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
                              f"{library}.{cls_name}, which this diffusers does not have")
         loaded[name] = load(cls, path, subfolder=name, dtype=torch_dtype, options=options,
                             resident=resident)
+    _split_sequence(loaded)
     pipeline_cls = getattr(diffusers, index.get("_class_name", ""), diffusers.DiffusionPipeline)
     kwargs: dict[str, Any] = dict(loaded)
     if torch_dtype is not None:

@@ -55,10 +55,18 @@ class Engine:
             declares what it serves; ``clock``, ``forwards``, ``graph_key`` and ``warmup``
             let requests of any shapes share a wave (see [Note: the forward clock of a wave]).
         dp_size: number of replicas, i.e. requests per wave.
-        sp_size: ranks per replica (sequence parallelism inside the pipeline); each
-            replica's ranks run the same request. Default 1.
-        options: dlo options handed to the factory; each rank gets its DP group as
-            ``shard_group`` (strided when ``sp_size > 1``) and its ``device`` unless set.
+        sp_size: ranks per replica; each replica's ranks run the same request, and the
+            diffusers factory splits its sequence over them with diffusers' context
+            parallelism (a user factory: ``worker_context().sp_mesh``, see
+            context_parallel.py). The diffusers factory refuses a transformer that cannot,
+            naming its class, before any worker starts. Default 1.
+        gather: the ranks each rank's weights are gathered over: ``"sp"`` (its replica),
+            ``"dp"`` (one rank per replica), ``"world"``, ``"none"`` (rank-local), or
+            ``"auto"``, chosen from the topology (see [Note: the gather group of a
+            topology] in topology.py). Default ``"auto"``.
+        options: dlo options handed to the factory; each rank gets its gather group as
+            ``shard_group`` (``options["shard_group"]`` instead replaces ``"auto"``) and
+            its ``device`` unless set.
         backend: process group backend; ``None`` follows the device (gloo on CPU).
         wave_timeout_s: a wave (and the start of a generation of workers) taking longer
             fails closed. The first wave of a generation includes compilation.
@@ -77,7 +85,8 @@ class Engine:
     """
 
     def __init__(self, pipeline: Union[str, Callable[..., Any]], dp_size: int, *,
-                 sp_size: int = 1, options: Optional[Mapping[str, Any]] = None,
+                 sp_size: int = 1, gather: str = "auto",
+                 options: Optional[Mapping[str, Any]] = None,
                  backend: Optional[str] = None, wave_timeout_s: float = 600.0,
                  pipeline_kwargs: Optional[Mapping[str, Any]] = None,
                  num_threads: Optional[int] = 1, device: Optional[str] = None,
@@ -97,8 +106,12 @@ class Engine:
             raise ValueError(f"num_threads={num_threads!r} is not allowed: expected an "
                              "integer >= 1 or None")
         self.wave_timeout_s = float(wave_timeout_s)
-        self.spec = WorkerSpec(pipeline=_factory_name(pipeline), topology=self.topology,
-                               options=options, pipeline_kwargs=dict(pipeline_kwargs or {}),
+        pipeline = _factory_name(pipeline)
+        pipeline_kwargs = dict(pipeline_kwargs or {})
+        weight_bytes = _preflight(pipeline, self.topology, pipeline_kwargs)
+        self.spec = WorkerSpec(pipeline=pipeline, topology=self.topology, options=options,
+                               gather=_gather(self.topology, gather, options, weight_bytes),
+                               pipeline_kwargs=pipeline_kwargs,
                                backend=backend, device=device_type, num_threads=num_threads,
                                timeout_s=max(self.wave_timeout_s, 60.0),
                                progress=bool(progress))
@@ -294,6 +307,45 @@ def _factory_name(pipeline: Union[str, Callable[..., Any]]) -> str:
         raise ValueError(f"pipeline={pipeline!r}: module {module!r} cannot be found; check "
                          "the name and that it is importable in the workers' environment")
     return pipeline
+
+
+def _preflight(pipeline: str, topology: Topology, kwargs: Mapping[str, Any]) -> Optional[int]:
+    """What the front end checks of the diffusers factory before any worker starts (a
+    transformer that cannot split its sequence over ``sp_size`` ranks: ``ValueError``
+    naming it) and the bytes of its denoisers; ``None`` for any other factory."""
+    from .cli import DIFFUSERS
+
+    if pipeline != DIFFUSERS or "path" not in kwargs:
+        return None
+    from .diffusers_pipeline import check_context_parallel, denoiser_bytes
+
+    check_context_parallel(kwargs["path"], topology.sp_size)
+    return denoiser_bytes(kwargs["path"])
+
+
+def _gather(topology: Topology, gather: str, options: Mapping[str, Any],
+            weight_bytes: Optional[int]) -> Optional[str]:
+    """The engine's gather choice (``None``: the options' own ``shard_group``)."""
+    if "shard_group" in options:
+        if gather != "auto":
+            raise ValueError(f"gather={gather!r} and options['shard_group'] both name the "
+                             "ranks a block is gathered over; pass one of them")
+        topology.choose_gather(gather)  # checks the value
+        return None
+    return topology.choose_gather(gather, sp_share_fits=sp_share_fits(topology, weight_bytes))
+
+
+def sp_share_fits(topology: Topology, weight_bytes: Optional[int],
+                  ranks_per_node: Optional[int] = None) -> bool:
+    """Whether every rank's ``1/sp_size`` of ``weight_bytes`` fits this host's RAM, the
+    ``ranks_per_node`` (default: every rank of the engine) together; ``True`` where the
+    bytes are unknown."""
+    if weight_bytes is None:
+        return True
+    from ...runtime.probes import host_ram_bytes
+
+    ranks = ranks_per_node or topology.world_size
+    return ranks * -(-int(weight_bytes) // topology.sp_size) <= host_ram_bytes()
 
 
 def _check_seconds(name: str, value: Any) -> None:

@@ -22,6 +22,7 @@ workers by itself; the engine then fails every later wave with a message saying 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -94,7 +95,21 @@ def _report(channel: StoreWorker, report: dict) -> None:
                   report["rank"], exc, report["traceback"])
 
 
-def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
+def _agreed_gather(spec: WorkerSpec) -> str:
+    """``gather="auto"`` resolved alike on every rank: each node's ranks' shares of the
+    weights over SP fit its RAM, on every node (one MIN all-reduce over the world)."""
+    import torch.distributed as dist
+
+    from .engine import _preflight, sp_share_fits
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", spec.topology.world_size))
+    weight_bytes = _preflight(spec.pipeline, spec.topology, spec.pipeline_kwargs)
+    fits = torch.tensor([int(sp_share_fits(spec.topology, weight_bytes, ranks))])
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    return spec.topology.choose_gather("auto", sp_share_fits=bool(fits.item()))
+
+
+def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1, gather: str = "auto",
           options: Optional[Mapping[str, Any]] = None, backend: Optional[str] = None,
           wave_timeout_s: float = 600.0, pipeline_kwargs: Optional[Mapping[str, Any]] = None,
           num_threads: Optional[int] = None, device: Optional[str] = None) -> Optional[Engine]:
@@ -102,7 +117,9 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
     ``MASTER_PORT`` as one engine of ``WORLD_SIZE / sp_size`` replicas. Returns the
     `Engine` on rank 0 and ``None`` on the other ranks once it closes. The arguments are
     those of `Engine`; the control-plane secret comes from the environment (see
-    `secret_from_environment`)."""
+    `secret_from_environment`). ``gather="auto"`` is chosen alike on every node: over the
+    world wherever one node's RAM cannot hold its ranks' (``LOCAL_WORLD_SIZE``) shares of
+    the weights gathered over SP (see [Note: the gather group of a topology])."""
     import torch.distributed as dist
 
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -115,7 +132,7 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
     world = int(os.environ["WORLD_SIZE"])
     if world % sp_size:
         raise ValueError(f"sp_size={sp_size} does not divide WORLD_SIZE={world}")
-    common = dict(sp_size=sp_size, options=options, backend=backend,
+    common = dict(sp_size=sp_size, gather=gather, options=options, backend=backend,
                   wave_timeout_s=wave_timeout_s, pipeline_kwargs=pipeline_kwargs,
                   num_threads=num_threads, device=device)
     spec = Engine(pipeline, world // sp_size, **common).spec  # validates every argument
@@ -129,6 +146,9 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1,
     dist.init_process_group(process_group_backend(device_name, backend),
                             store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=timeout)
+    if spec.gather is not None and gather == "auto":
+        common["gather"] = _agreed_gather(spec)
+        spec = dataclasses.replace(spec, gather=common["gather"])
     control = dist.PrefixStore("dlo_engine", store)
     if rank == 0:
         workers = TorchrunWorkers(control, secret, spec, device_name)

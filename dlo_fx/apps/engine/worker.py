@@ -46,8 +46,12 @@ class WorkerSpec:
     """The factory, ``"package.module:function"``."""
     topology: Topology
     options: Mapping[str, Any] = field(default_factory=dict)
-    """dlo options; each rank's ``shard_group`` (its DP group) and ``device`` are added
-    unless given."""
+    """dlo options; each rank's ``shard_group`` (its group under ``gather``) and ``device``
+    are added unless given."""
+    gather: Optional[str] = "dp"
+    """The group each rank's weights are gathered over (``"sp"``, ``"dp"``, ``"world"``,
+    ``"none"``: `Topology.gather_group`), or ``None`` where ``options`` give the
+    ``shard_group``."""
     pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments of the factory after ``options``."""
     backend: Optional[str] = None
@@ -108,9 +112,11 @@ def rank_device(device: str, local_rank: int) -> str:
 
 
 def worker_options(spec: WorkerSpec, rank: int, device: str) -> dict:
-    """The dlo options of ``rank``: its DP group as shard group, its device."""
+    """The dlo options of ``rank``: its gather group as shard group (see [Note: the gather
+    group of a topology] in topology.py), its device."""
     options = dict(spec.options)
-    options.setdefault("shard_group", list(spec.topology.dp_group(rank)))
+    if spec.gather is not None:
+        options.setdefault("shard_group", list(spec.topology.gather_group(rank, spec.gather)))
     options.setdefault("device", device)
     return options
 
