@@ -14,7 +14,8 @@ compiling (`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`,
 ``compiler="inductor"`` uses (`graph_fake_mode`, `restart_with_floats_specialized`,
 `inductor_compile`, `inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); what the
 passes use to find a parameter's aliases (`storage_key`); the op targets FLOPs are counted
-on (`NN_LINEAR`); errors, compile callbacks and profiler state.
+on (`NN_LINEAR`); a tensor-parallel parameter's own local tensor (`dtensor_local`); errors,
+compile callbacks and profiler state.
 Torch itself imports none of its Dynamo or Inductor modules here until a function needs
 them, so the runtime, which uses the first group, never loads Dynamo.
 """
@@ -47,6 +48,18 @@ def fake_mode_of(t: torch.Tensor) -> Optional[Any]:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return t.fake_mode if isinstance(t, FakeTensor) else None
+
+
+def dtensor_local(t: Any) -> Optional[torch.Tensor]:
+    """The local tensor a DTensor holds (the very object, ``_local_tensor``: ``to_local()``
+    returns a new view of it), or None where ``t`` is no DTensor. dlo stores that object in
+    place (see [Note: a tensor-parallel parameter streams its local shard] in
+    runtime/weights/tensor_parallel.py)."""
+    if not isinstance(t, torch.Tensor) or type(t).__name__ != "DTensor":
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else None
 
 
 def swap_in_place(t1: torch.Tensor, t2: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_g
 from .auto_budget import AutoResidency, copy_graph, fixed_residency
 from .first_trace import traced_model, undo_failed
 from .probes import probe_for_budget, resolve_budget
+from .tensor_parallel import unwrap_dtensor_params
 from ..runtime.ranks.agreement import compile_facts
 from ..runtime.host.layout import is_composite
 from ..runtime.ranks.forward_log import note_compile
@@ -83,8 +84,10 @@ def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         made.offloaded_by_trace = weakref.ref(model)  # until a graph of it compiles
         torch_private.trace_again("dlo offloaded the model: its weights are StoredWeights now")
     # A graph without parameters gets no runtime: it streams nothing.
+    example_inputs, local_args = unwrap_dtensor_params(gm, example_inputs)
+    params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     try:
-        run = schedule_for(gm, example_inputs, runtime, config, given, params)
+        run = local_args(schedule_for(gm, example_inputs, runtime, config, given, params))
     except BaseException:
         if runtime is not None and runtime.offloaded_by_trace is not None:
             undo_failed(runtime)  # see [Note: a model compiled without offload]

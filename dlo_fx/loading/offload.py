@@ -39,6 +39,9 @@ from ..model.storage_dtype import mark_model
 from ..runtime.device import platform
 from ..runtime.weights.owners import owner_of
 from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
+from ..runtime.host.layout import storage_dtype_of
+from ..runtime.store_view import unstreamable
+from ..runtime.weights.tensor_parallel import refusal as tp_refusal, shard_fact, stored_tensor
 from .plan import (agree_on_plan, block_rows, model_targets, resident_fact, settle_mode,
                    split_params)
 
@@ -99,6 +102,7 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
     runtime = Runtime(config, device)
     split: Optional[dict[str, Any]] = None
     try:
+        check_streamable_params(model, device, config.storage_dtype)
         # See [Note: storing weights in another dtype]: marked, checked and rounded at
         # once, before the blocks are sized in their storage dtype
         mark_model([model], config.storage_dtype, device, at_start)
@@ -114,8 +118,10 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
     if inference:
         model.eval().requires_grad_(False)
     blocks = [NewBlock([t.tensor for t in b], [t.fqn for t in b]) for b in split["blocks"]]
-    indices = runtime.store_blocks(blocks, [resident_fact(split["resident"])],
-                                   f"offloading {type(model).__name__}")
+    indices = runtime.store_blocks(
+        blocks, [resident_fact(split["resident"]),
+                 shard_fact([_held(model, b.params) for b in blocks], [b.fqns[0] for b in blocks])],
+        f"offloading {type(model).__name__}")
     runtime.block_ends.update(zip(indices, split["ends"]))
     runtime.home = home
     _move_rest(model, runtime)
@@ -127,6 +133,30 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
              sum(b.shard.numel() for b in runtime.store.blocks), len(split["resident"]),
              device, time.perf_counter() - start)
     return runtime
+
+
+def check_streamable_params(model: nn.Module, device: torch.device,
+                            storage_dtype: Optional[torch.dtype] = None) -> None:
+    """ValueError naming the first parameter of ``model`` whose bytes dlo cannot lay out
+    (`store_view.unstreamable`), or, tensor-parallel, that it cannot stream on ``device``
+    (`tensor_parallel.refusal`), or in a ``storage_dtype``: asked before anything is
+    marked or laid out."""
+    for fqn, p in model.named_parameters():
+        why = tp_refusal(p, device) or unstreamable(stored_tensor(p))
+        if why is None and stored_tensor(p) is not p and (
+                storage_dtype is not None or storage_dtype_of(p) is not None):
+            why = ("is a DTensor (tensor-parallel), which dlo does not store in another "
+                   "dtype (storage_dtype, or diffusers' layerwise casting) yet; nothing was "
+                   "stored. Offload it without storage_dtype")
+        if why is not None:
+            raise ValueError(f"dlo: parameter {fqn!r} {why}")
+
+
+def _held(model: nn.Module, stored: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters of ``model`` (as its modules hold them: a DTensor) whose stored
+    tensors are ``stored``, in that order."""
+    by_id = {id(stored_tensor(p)): p for p in model.parameters()}
+    return [by_id.get(id(t), t) for t in stored]
 
 
 def check_model(model: Any) -> None:
@@ -224,7 +254,7 @@ def _move_rest(model: nn.Module, runtime: Runtime) -> None:
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for p in module._parameters.values():
-            if (p is None or id(p) in moved or p in runtime.store
+            if (p is None or id(p) in moved or stored_tensor(p) in runtime.store
                     or canonical_device(p.device) == device):
                 continue
             moved[id(p)] = p

@@ -23,6 +23,7 @@ from ..planning.blocks import Unit, partition
 from ..planning.residency import Candidate, decide_residency
 from ..runtime.ranks.agreement import Fact
 from ..runtime.host.layout import STORAGE_MARK, storage_span
+from ..runtime.weights.tensor_parallel import stored_tensor
 from ..model.storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ def _keep_fp32(fqn: str, keep: Sequence[str]) -> bool:
 
 def model_targets(module: nn.Module, dtype: Optional[torch.dtype]
                   ) -> tuple[list[Target], list[Target]]:
-    """Parameters (registration order, tied ones once) and buffers of ``module``."""
+    """Parameters (registration order, tied ones once; of a tensor-parallel parameter, its
+    local tensor) and buffers of ``module``."""
     keep = tuple(getattr(type(module), "_keep_in_fp32_modules", None) or ())
     params: dict[int, Target] = {}
     buffers: dict[int, Target] = {}
@@ -140,7 +142,9 @@ def model_targets(module: nn.Module, dtype: Optional[torch.dtype]
                 final = p.dtype
                 if dtype is not None and p.dtype.is_floating_point:
                     final = torch.float32 if _keep_fp32(dot + name, keep) else dtype
-                target = params[id(p)] = Target("param", p, final)
+                # a DTensor's local tensor (see [Note: a tensor-parallel parameter streams
+                # its local shard])
+                target = params[id(p)] = Target("param", stored_tensor(p), final)
             target.names.append((mod, name, dot + name))
         for name, b in mod._buffers.items():
             if b is None:

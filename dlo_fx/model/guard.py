@@ -54,6 +54,7 @@ from ..config import same_device
 from ..runtime.weights.owners import Owner, claim, owned_by, owner_of, runtimes_holding
 from ..runtime.weights.stored import (become_real, is_stored, mark_released, real_parameter,
                               release_advice)
+from ..runtime.weights.tensor_parallel import rebuilt, stored_tensor
 from .state import guarded_modules, peek, state_of
 from .storage_dtype import forget_storage_marks
 
@@ -63,14 +64,16 @@ __all__ = ["attach", "give_back", "guard_module", "guard_pipeline", "release", "
 
 def _in_store(t: torch.Tensor) -> bool:
     """A tensor whose weights a live dlo runtime stores (a `StoredWeight`, or a parameter
-    of a compiled graph not called yet)."""
+    of a compiled graph not called yet; of a tensor-parallel parameter, its local tensor)."""
+    t = stored_tensor(t)
     runtime = owner_of((t,))
     return runtime is not None and t in runtime.store
 
 
 def _stored(t: torch.Tensor) -> bool:
-    """A `StoredWeight` whose weights a live dlo runtime stores."""
-    return is_stored(t) and _in_store(t)
+    """A `StoredWeight` whose weights a live dlo runtime stores (or a DTensor whose local
+    tensor is one)."""
+    return is_stored(stored_tensor(t)) and _in_store(t)
 
 
 # -- .to() and every other _apply -------------------------------------------------------
@@ -146,7 +149,8 @@ def _real_weights(module: nn.Module, state_dict: dict, prefix: str, local_metada
     for name, p in module._parameters.items():
         key = prefix + name
         if p is not None and key in state_dict and _stored(p):
-            state_dict[key] = owner_of((p,)).reads.host_tensor(p)
+            local = stored_tensor(p)
+            state_dict[key] = rebuilt(p, owner_of((local,)).reads.host_tensor(local))
 
 
 # -- load_state_dict ------------------------------------------------------------------------
@@ -214,6 +218,26 @@ def _guarded_lora_load(module_ref: "weakref.ReferenceType[nn.Module]", original:
     return original(module, *args, **kwargs)
 
 
+def _guarded_parallelism(module_ref: "weakref.ReferenceType[nn.Module]", original: Callable,
+                         *args: Any, **kwargs: Any) -> Any:
+    """diffusers' ``enable_parallelism``: context parallelism runs on stored weights (it
+    splits the sequence, not the weights), tensor parallelism would distribute them:
+    refused on every rank before diffusers builds a mesh or records the config (see
+    [Note: a tensor-parallel parameter streams its local shard])."""
+    module = module_ref()
+    config = inspect.signature(original).bind(module, *args, **kwargs).arguments.get("config")
+    tp = config if type(config).__name__ == "TensorParallelConfig" else \
+        getattr(config, "tensor_parallel_config", None)
+    if tp is not None and any(_stored(p) for p in module.parameters()):
+        raise ValueError(
+            f"dlo: cannot apply tensor parallelism to {type(module).__name__} "
+            "(enable_parallelism with a TensorParallelConfig): it would distribute weights "
+            "that are in a dlo host store; nothing was changed. Apply it first, then "
+            "dlo_fx.offload(model, options) (dlo streams each rank's shard), or call "
+            "dlo_fx.release(model) first and offload again after enable_parallelism")
+    return original(module, *args, **kwargs)
+
+
 def shadow(pipe: Any, name: str, func: Callable, refs: list, *rest: Any) -> None:
     """Put ``func`` over ``pipe``'s method ``name``, on the instance, as
     ``partial(func, weakref to pipe, refs, *rest)``; where it is there already (the
@@ -253,7 +277,7 @@ def _guarded_pipe_rewrite(pipe_ref: Any, refs: list, name: str, original: Callab
 
 
 # -- installing and removing ----------------------------------------------------------------
-_SHADOWED = ("_apply", "load_lora_adapter", *_REWRITING)
+_SHADOWED = ("_apply", "load_lora_adapter", "enable_parallelism", *_REWRITING)
 
 
 def _shadows(sub: nn.Module) -> dict[str, Callable]:
@@ -268,6 +292,9 @@ def _shadows(sub: nn.Module) -> dict[str, Callable]:
     if callable(getattr(cls, "load_lora_adapter", None)):
         shadows["load_lora_adapter"] = functools.partial(_guarded_lora_load, ref,
                                                          cls.load_lora_adapter)
+    if callable(getattr(cls, "enable_parallelism", None)):
+        shadows["enable_parallelism"] = functools.partial(_guarded_parallelism, ref,
+                                                          cls.enable_parallelism)
     return shadows
 
 
@@ -277,9 +304,9 @@ def attach(runtime: Owner, modules: Sequence[nn.Module]) -> None:
     the runtime through any of them), and guard those holding stored parameters. The one
     way a model is attached, by `dlo_fx.load` and by every compile (its frame's modules and
     the models compiled around them). Idempotent."""
-    claim((p for m in modules for p in m.parameters()), runtime)
+    claim((t for m in modules for p in m.parameters() for t in (p, stored_tensor(p))), runtime)
     for module in modules:
-        if any(p in runtime.store for p in module.parameters()):
+        if any(stored_tensor(p) in runtime.store for p in module.parameters()):
             guard_module(module)
 
 
@@ -361,7 +388,7 @@ def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
     the stored weights back, close the runtimes, unguard the modules, and return them;
     None where no parameter of ``model`` is stored. The backend calls it to undo the
     offload of a model compiled without `offload` whose first graph failed to compile."""
-    params = list(dict.fromkeys(model.parameters()))
+    params = list(dict.fromkeys(stored_tensor(p) for p in model.parameters()))
     runtimes = runtimes_holding(params)
     if not runtimes:
         return None
@@ -376,7 +403,7 @@ def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
         params += [p for p in owned_by(runtimes) if id(p) not in ids]
         ids.update(id(p) for p in params)
         modules = [model, *(m for m in guarded_modules()
-                            if any(id(p) in ids for p in m.parameters()))]
+                            if any(id(stored_tensor(p)) in ids for p in m.parameters()))]
         values = []
         for p in params:  # read everything first: a failure leaves the model as it was
             runtime = owner_of((p,))

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..torch_private import is_traceable_wrapper_subclass
+from ..torch_private import dtensor_local, is_traceable_wrapper_subclass
 from .device import platform
 from .host.layout import leaf_tensors, param_bytes, span_bytes, storage_dtype_of
 from .weights.stored import is_stored
@@ -72,17 +72,16 @@ def check_streamable(param: torch.Tensor, fqn: str) -> None:
 def unstreamable(param: torch.Tensor) -> Optional[str]:
     """Why dlo cannot lay out ``param``'s bytes (the rest of a sentence that begins
     ``dlo: parameter '<fqn>'``), or None: a tensor subclass with no storage of its own that
-    does not flatten into plain tensors (``__tensor_flatten__``), or a DTensor (already
-    sharded by another framework). A traceable subclass made of plain tensors (torchao's
+    does not flatten into plain tensors (``__tensor_flatten__``). A traceable subclass made of plain tensors (torchao's
     quantized weights) streams as those tensors: see [Note: a quantized weight is its inner
-    tensors] in runtime/host/layout.py."""
+    tensors] in runtime/host/layout.py. A DTensor: its local tensor (see [Note: a
+    tensor-parallel parameter streams its local shard])."""
     if is_stored(param):
         return None
     kind = f"{type(param).__module__}.{type(param).__qualname__}"
-    if type(param).__name__ == "DTensor":
-        return ("is a DTensor, sharded by torch.distributed already; dlo shards weights itself "
-                "and nothing was stored. Compile the model with plain parameters "
-                "(full_tensor() of each) and dlo's own shard_group")
+    local = dtensor_local(param)
+    if local is not None:  # its local tensor streams: see runtime/weights/tensor_parallel.py
+        return unstreamable(local)
     if not is_traceable_wrapper_subclass(param):
         if _has_storage(param):
             return None

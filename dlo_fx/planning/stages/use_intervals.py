@@ -36,9 +36,13 @@ _VIEW_NAMES = {
 def _storages(value: object) -> Iterator[int]:
     """The storage identities (`torch_private.storage_key`) of ``value``'s tensors. A fake
     stored weight stands for the fake tensor its traced ops read (`FAKE_STAND_IN`,
-    runtime/weights/stored.py), whose storage its views share; where its ops made none, its own."""
+    runtime/weights/stored.py), whose storage its views share; where its ops made none, its own.
+    A DTensor: its local tensor's."""
     for leaf in tree_leaves(value):
-        if isinstance(leaf, torch.Tensor):
+        local = torch_private.dtensor_local(leaf)
+        if local is not None:  # a DTensor's views share its local tensor's storage
+            yield from _storages(local)
+        elif isinstance(leaf, torch.Tensor):
             for t in (vars(leaf).get(FAKE_STAND_IN), leaf):
                 if t is None:
                     continue

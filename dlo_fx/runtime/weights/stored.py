@@ -57,6 +57,7 @@ from ...torch_private import is_traceable_wrapper_subclass, tree_flatten, tree_m
 from ..host.layout import own_wrapper, storage_span
 from ..view import FAKE_STAND_IN
 from .owners import owner_of
+from .tensor_parallel import check_not_distributing
 
 aten = torch.ops.aten
 
@@ -234,6 +235,8 @@ class StoredWeight(torch.Tensor):
             with fake:
                 return func(*tree_map(_fake_like, args), **tree_map(_fake_like, kwargs))
         if func in (aten.detach.default, aten.alias.default):
+            # torch's distribute_tensor detaches first, on every rank, before it scatters
+            check_not_distributing(stored_name(args[0].origin))
             return _alias(args[0], ())
         composite = torch_private.composite_kernel(func)
         if composite is not None:  # see [Note: a composite op reaches the dispatch]
