@@ -34,25 +34,28 @@ from typing import Iterator
 
 import torch
 
+from dlo_fx.apps.engine.context_parallel import device_count_on_host
+
 
 @contextlib.contextmanager
 def cpu_parallelism() -> Iterator[None]:
     """Let diffusers' ``enable_parallelism`` (context or tensor parallelism) run on a CPU-only
     torch over gloo: see this module's docstring. Use it around the ``enable_parallelism``
-    call (the mesh and the device are resolved there); the forward needs nothing."""
+    call (the mesh and the device are resolved there); the forward needs nothing. The
+    device count is the engine's own swap (`dlo_fx.apps.engine.context_parallel`, which
+    enables context parallelism on a CPU-only torch the same way); the TP device check is
+    the tests' alone (the engine runs no tensor parallelism)."""
     if torch.accelerator.is_available():
         yield
         return
     from diffusers.hooks import tensor_parallel
 
     supported = tensor_parallel._SUPPORTED_TP_DEVICES
-    count = torch.accelerator.device_count
-    torch.accelerator.device_count = lambda: 1
     tensor_parallel._SUPPORTED_TP_DEVICES = (*supported, "cpu")
     try:
-        yield
+        with device_count_on_host():
+            yield
     finally:
-        torch.accelerator.device_count = count
         tensor_parallel._SUPPORTED_TP_DEVICES = supported
 
 

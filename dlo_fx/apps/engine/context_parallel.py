@@ -101,12 +101,12 @@ def enable_context_parallel(transformer: torch.nn.Module, mesh: Any) -> None:
         raise ValueError(f"enable_context_parallel: {cls.__module__}.{cls.__qualname__} {why}")
     config = ContextParallelConfig(ring_degree=mesh["ring"].size(),
                                    ulysses_degree=mesh["ulysses"].size(), mesh=mesh)
-    with _device_count_on_host():
+    with device_count_on_host():
         transformer.enable_parallelism(config=config)
 
 
 @contextlib.contextmanager
-def _device_count_on_host() -> Iterator[None]:
+def device_count_on_host() -> Iterator[None]:
     """``torch.accelerator.device_count()`` reads 1 inside, where torch has no
     accelerator (see [Note: context parallelism on a CPU-only torch])."""
     module = torch.accelerator
