@@ -16,6 +16,9 @@ from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.config import canonical_device, same_device
 from dlo_fx.runtime.weights.stored import is_stored
 
+import layout_cases
+from distributed import spawn
+
 
 def _model(depth: int = 3):
     return reference_dit(width=32, depth=depth, heads=2).eval().requires_grad_(False)
@@ -304,3 +307,28 @@ def test_a_view_of_a_stored_weight_keeps_its_slot_until_its_last_read(how):
         assert torch.equal(compiled(x), want)
         assert torch.equal(compiled(x), want)
     dlo_fx.release(model)
+
+
+def test_parameters_that_are_views_of_other_tensors_offload_load_compile_and_release(tmp_path):
+    """A parameter with a storage offset (q and k of one fused tensor), a transposed view,
+    a strided slice and an empty parameter: offloaded and loaded, exact eagerly and
+    compiled (a stored weight starts at its own bytes: it had the view's storage offset,
+    which Dynamo's fake copy failed to reproduce), and exact after release, each a tensor
+    of its own (`layout_cases.views_case`)."""
+    for case, got in layout_cases.views_case(0, 1, str(tmp_path)).items():
+        assert all(got), (case, got)
+
+
+def _views_on_two_ranks():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        return spawn(2, layout_cases.views_case, folder)
+
+
+@pytest.mark.spawned.with_args(_views_on_two_ranks)
+def test_parameters_that_are_views_on_two_ranks_both_modes(spawned):
+    for rank, out in spawned.items():
+        assert len(out) == 4, (rank, out)
+        for case, got in out.items():
+            assert all(got), (rank, case, got)

@@ -6,7 +6,12 @@ still behaves as that tensor: every read is exact, every write is refused, and n
 hands out the address of bytes it does not have. It becomes a `StoredWeight` in place: a
 wrapper tensor subclass (``torch.Tensor._make_wrapper_subclass``, as FSDP2's DTensor
 parameters and torchao's quantized weights are) with the parameter's shape, strides,
-dtype, device and ``requires_grad``, and no storage of its own. `become_stored` swaps its
+dtype, device and ``requires_grad``, and no storage of its own. Its storage offset is 0
+whatever the parameter's was (a view into a larger tensor: q and k cut from one fused
+tensor): the host store holds the parameter's own storage span only, and Dynamo's fake copy
+of the wrapper is rebuilt by `__tensor_unflatten__`, which is given the shape and strides
+but not the offset (an offset it then had to reproduce failed inside Dynamo, "set the storage
+of a tensor on device cpu to a storage on ... meta"). `become_stored` swaps its
 contents, as ``torch.utils.swap_tensors`` does, so the model, the host store (keyed by
 ``id``) and every reference the user holds keep pointing at it.
 
@@ -659,8 +664,7 @@ def become_stored(p: torch.Tensor, device: Optional[torch.device] = None) -> Non
         return
     with torch.inference_mode(p.is_inference()):  # an inference tensor stays one
         new = StoredWeight(p.shape, p.stride(), p.dtype, device if device is not None else p.device,
-                           requires_grad=p.requires_grad,
-                           storage_offset=p.storage_offset())
+                           requires_grad=p.requires_grad)
     vars(new).update(carried_attributes(p))
     vars(new)["_is_param"] = True
     torch_private.swap_in_place(p, new)
