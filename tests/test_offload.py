@@ -17,7 +17,7 @@ from dlo_fx.config import canonical_device, same_device
 from dlo_fx.runtime.weights.stored import is_stored
 
 import layout_cases
-from distributed import spawn
+from distributed import written_then_spawned
 
 
 def _model(depth: int = 3):
@@ -315,15 +315,13 @@ def test_parameters_that_are_views_of_other_tensors_offload_load_compile_and_rel
     compiled (a stored weight starts at its own bytes: it had the view's storage offset,
     which Dynamo's fake copy failed to reproduce), and exact after release, each a tensor
     of its own (`layout_cases.views_case`)."""
+    layout_cases.write_case(0, 1, str(tmp_path))
     for case, got in layout_cases.views_case(0, 1, str(tmp_path)).items():
         assert all(got), (case, got)
 
 
 def _views_on_two_ranks():
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        return spawn(2, layout_cases.views_case, folder)
+    return written_then_spawned(layout_cases.write_case, layout_cases.views_case)
 
 
 @pytest.mark.spawned.with_args(_views_on_two_ranks)
@@ -332,3 +330,4 @@ def test_parameters_that_are_views_on_two_ranks_both_modes(spawned):
         assert len(out) == 4, (rank, out)
         for case, got in out.items():
             assert all(got), (rank, case, got)
+
