@@ -215,6 +215,15 @@ def in_child(rank: int, world: int, fn: Callable, *args: Any) -> Any:
     return fn(*args)
 
 
+def written_then_spawned(write: Callable, case: Callable, world: int = 2,
+                         timeout: float = 240.0) -> dict[int, Any]:
+    """``write(0, 1, folder)`` on one rank into a new temporary folder, then ``case(rank,
+    world, folder)`` on ``world`` ranks: `spawn`'s answer."""
+    with tempfile.TemporaryDirectory() as folder:
+        spawn(1, write, folder)
+        return spawn(world, case, folder, timeout=timeout)
+
+
 def selected(request: Any, test: str, **params: Any) -> bool:
     """Whether the session selected ``test`` of the requesting fixture's module (with these
     parametrize values, when given)."""

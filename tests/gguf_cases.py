@@ -101,3 +101,56 @@ def ranks_case(rank: int, world: int, folder: str) -> dict:
             out[(mode, host_store)] = [torch.equal(eager, want)] + [
                 torch.equal(run(model), want) for _ in range(2)]
     return out
+
+
+def _classes(model: torch.nn.Module) -> dict:
+    """Each parameter's class and GGUF type."""
+    return {n: (type(p), getattr(p, "quant_type", None)) for n, p in model.named_parameters()}
+
+
+def release_case(rank: int, world: int, folder: str) -> dict:
+    """Every rank: the .gguf file loaded with `dlo_fx.load` (both host stores) and
+    diffusers' own load of it offloaded, each called (compiled on one rank; eagerly on
+    several, whose compiled calls `ranks_case` checks) and released; then
+    {(how, host_store, mode): [the call exact, released exact, every parameter of the
+    class and GGUF type diffusers' load has, the saved weights (``save_pretrained`` of the
+    loaded model, ``save_file`` of the state dict of diffusers' own, which diffusers does
+    not save) loaded into diffusers' load of the file exact]}."""
+    import dlo_fx
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import load_file, save_file
+    from dlo_fx.runtime.weights.owners import reset_runtimes
+
+    root = os.path.join(folder, "flux")
+    path = os.path.join(root, "transformer", "model.gguf")
+    resident = reference(path)
+    want, classes = run(resident), _classes(resident)
+    modes = ("allgather", "rank_local") if world > 1 else ("rank_local",)
+    out = {}
+    for how, host_store in (("load", "memory"), ("load", "mmap"), ("offload", "memory")):
+        for mode in modes:
+            torch._dynamo.reset()
+            reset_runtimes()
+            options = {"mode": mode, "host_store": host_store}
+            if how == "load":
+                model = dlo_fx.load(FluxTransformer2DModel, root, subfolder="transformer",
+                                    dtype=COMPUTE, options=options)
+            else:
+                model = dlo_fx.offload(reference(path), options=options)
+            if world == 1:  # compiled at dp 2 too by `ranks_case`; here the eager read
+                model.compile(backend="dlo")
+            got = [torch.equal(run(model), want)]
+            dlo_fx.release(model)
+            got += [torch.equal(run(model), want), _classes(model) == classes]
+            saved = os.path.join(folder, f"saved_{rank}")
+            if how == "load":
+                model.save_pretrained(saved)
+                weights = load_file(os.path.join(saved, "diffusion_pytorch_model.safetensors"))
+            else:
+                save_file(model.state_dict(), os.path.join(folder, f"saved_{rank}.safetensors"))
+                weights = load_file(os.path.join(folder, f"saved_{rank}.safetensors"))
+            fresh = reference(path)
+            fresh.load_state_dict(weights)
+            got.append(torch.equal(run(fresh), want) and _classes(fresh) == classes)
+            out[(how, host_store, mode)] = got
+    return out

@@ -18,7 +18,7 @@ from dlo_fx.runtime.weights.owners import runtimes_holding
 from dlo_fx.runtime.weights.stored import is_stored
 
 import gguf_cases
-from distributed import spawn
+from distributed import written_then_spawned
 from gguf_cases import COMPUTE, reference, run, write_folder, write_gguf
 from storage_cases import flux
 
@@ -159,9 +159,29 @@ def test_bad_files_are_errors_naming_the_file_tensor_or_type(tmp_path, gguf_file
 
 
 def _ranks():
-    with tempfile.TemporaryDirectory() as folder:
-        spawn(1, gguf_cases.write_case, folder)
-        return spawn(2, gguf_cases.ranks_case, folder)
+    return written_then_spawned(gguf_cases.write_case, gguf_cases.ranks_case)
+
+
+def test_release_gives_back_gguf_parameters(gguf_file):
+    """`dlo_fx.release` of the loaded file (both host stores) and of diffusers' own load of
+    it, offloaded: each parameter comes back a ``GGUFParameter`` with its ``quant_type``
+    (a plain uint8 ``Parameter`` before, whose ``as_tensor`` the next call missed), the
+    eager call is exact, and the saved weights load back exactly."""
+    folder = os.path.dirname(os.path.dirname(os.path.dirname(gguf_file)))
+    for case, got in gguf_cases.release_case(0, 1, folder).items():
+        assert all(got), (case, got)
+
+
+def _ranks_released():
+    return written_then_spawned(gguf_cases.write_case, gguf_cases.release_case, timeout=480)
+
+
+@pytest.mark.spawned.with_args(_ranks_released)
+def test_release_gives_back_gguf_parameters_on_two_ranks_both_modes(spawned):
+    for rank, out in spawned.items():
+        assert len(out) == 6, (rank, out)
+        for case, got in out.items():
+            assert all(got), (rank, case, got)
 
 
 @pytest.mark.spawned.with_args(_ranks)

@@ -186,3 +186,56 @@ def test_release_of_anything_else_says_what_it_takes():
     with pytest.raises(TypeError, match=r"dlo_fx\.release takes a torch module \(nn\.Module\) "
                                         r"or a diffusers pipeline .*not a dict"):
         dlo_fx.release({"transformer": torch.nn.Linear(2, 2)})
+
+
+class _Tagged(torch.nn.Parameter):
+    """A parameter subclass keeping its own attribute and method, as diffusers'
+    ``GGUFParameter`` and bitsandbytes' parameters do."""
+
+    def tag_twice(self) -> str:
+        return self.tag * 2
+
+
+class _Slotted(torch.nn.Parameter):
+    __slots__ = ("scale",)
+
+
+def _tagged_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3))).eval()
+    for i, layer in enumerate(model):
+        weight = torch.Tensor._make_subclass(_Tagged, layer.weight.detach(), False)
+        weight.tag = f"w{i}"
+        layer.weight = weight
+    return model.requires_grad_(False)
+
+
+@pytest.mark.parametrize("how", ["offload", "compile"])
+def test_release_gives_back_each_parameters_class_and_attributes(how):
+    """One rule for every ``nn.Parameter`` subclass ([Note: a parameter's class comes back]
+    in runtime/weights/stored.py): it comes back of its class with its attributes, the
+    values exact; a class that keeps state outside its ``__dict__`` is refused by name
+    before anything is stored."""
+    model, x = _tagged_model(), torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x)
+    options = {"block_bytes": 1, "resident_bytes": 0}
+    if how == "offload":
+        dlo_fx.offload(model, options=options)
+        options = None
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend="dlo", options=options)(x), want)
+    assert is_stored(model[1].weight)
+    dlo_fx.release(model)
+    assert [type(layer.weight) for layer in model] == [_Tagged] * 3
+    assert [layer.weight.tag_twice() for layer in model] == ["w0w0", "w1w1", "w2w2"]
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    slotted = _tagged_model()
+    slotted[1].weight = torch.Tensor._make_subclass(_Slotted, slotted[1].weight.detach(), False)
+    before = {k: v.clone() for k, v in slotted.state_dict().items()}
+    with pytest.raises(ValueError, match=r"parameter '1.weight' is a .*_Slotted, whose instances "
+                                         r"keep state outside their __dict__"):
+        dlo_fx.offload(slotted, options={"block_bytes": 1, "resident_bytes": 0})
+    assert not any(is_stored(p) for p in slotted.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in slotted.state_dict().items())

@@ -18,7 +18,7 @@ from dlo_fx.loading.shards import rank_file
 from dlo_fx.model.storage_dtype import layerwise_layers
 
 import storage_cases
-from distributed import spawn
+from distributed import written_then_spawned
 from errors import BackendCompilerFailed, original
 from storage_cases import BF16, FP8, flux, ref_model, run
 
@@ -158,9 +158,7 @@ def test_bad_storage_dtypes_are_refused_naming_the_option():
 
 
 def _ranks():
-    with tempfile.TemporaryDirectory() as folder:
-        spawn(1, storage_cases.write_case, folder)
-        return spawn(2, storage_cases.ranks_case, folder)
+    return written_then_spawned(storage_cases.write_case, storage_cases.ranks_case)
 
 
 @pytest.mark.spawned.with_args(_ranks)

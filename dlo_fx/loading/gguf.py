@@ -26,7 +26,8 @@ each ``nn.Linear`` whose weight the file quantizes for a ``GGUFLinear`` (with
 model's layer needs in the file's type, so a file made for another config is a shape
 mismatch that `plan_load` reports with the others. The stored parameter keeps
 ``quant_type`` (see [Note: a stored weight is a tensor]), and ``GGUFLinear`` dequantizes the
-slot view in the graph.
+slot view in the graph; `dlo_fx.release` gives it back as a ``GGUFParameter`` (see [Note: a
+parameter's class comes back] in runtime/weights/stored.py).
 
 Tensor names must be the model's FQNs (the diffusers layout), or be renamed to them with
 ``key_map=``. A file in a model's original layout (BFL's Flux keys) is converted by

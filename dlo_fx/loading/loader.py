@@ -66,7 +66,7 @@ from ..model.guard import attach
 from ..runtime.host.fingerprint import extent_sources, file_fingerprint
 from ..runtime.host.layout import STORAGE_MARK
 from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
-from ..runtime.weights.stored import carried_attributes, stored_parameter
+from ..runtime.weights.stored import carried_attributes, parameter_of, stored_parameter
 from .build import construct, materialised, meta_parameters
 from .shards import ShardDir, checkpoint_extents
 from ..model.storage_dtype import check_castable_pairs
@@ -172,7 +172,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
 # -- reading and registering ------------------------------------------------------------
 def _stored_like(target: Target, device: torch.device) -> nn.Parameter:
     t = target.tensor
-    p = stored_parameter(t.shape, t.stride(), target.dtype, device)
+    p = stored_parameter(t.shape, t.stride(), target.dtype, device, cls=type(t))
     vars(p).update({k: v for k, v in carried_attributes(t).items()  # a GGUFParameter's
                     if k != STORAGE_MARK})  # quant_type, but never a storage dtype twice
     if target.stored_as is not None:  # see [Note: a storage dtype] in runtime/host/layout.py
@@ -183,13 +183,9 @@ def _stored_like(target: Target, device: torch.device) -> nn.Parameter:
 def _resident_like(target: Target, value: torch.Tensor) -> nn.Parameter:
     """A resident parameter of ``value``, of the meta parameter's class (diffusers'
     ``GGUFParameter``, whose ``as_tensor`` its layer calls) and attributes."""
-    cls = type(target.tensor)
-    carried = {k: v for k, v in carried_attributes(target.tensor).items() if k != STORAGE_MARK}
-    if not carried or cls is nn.Parameter or not issubclass(cls, nn.Parameter):
-        return nn.Parameter(value, requires_grad=False)
-    p = torch.Tensor._make_subclass(cls, value, False)
-    vars(p).update(carried)
-    return p
+    return parameter_of(type(target.tensor), value, False,
+                        {k: v for k, v in carried_attributes(target.tensor).items()
+                         if k != STORAGE_MARK})
 
 
 def _install(target: Target, value: torch.Tensor) -> None:

@@ -81,11 +81,13 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
             streaming (as `dlo_fx.load`'s ``resident=``).
 
     Returns ``model``, in eval mode with ``requires_grad=False`` parameters. Raises
-    ValueError, naming the parameter and the way out, before anything changes.
+    ValueError, naming the parameter or buffer and the way out, before anything changes
+    (see [Note: what offload moves]).
     """
     config = DLOConfig.from_options(options)
-    check_model(model)
-    offload_module(model, config, compute_device(config), resident=resident, inference=True)
+    device = compute_device(config)
+    check_model(model, device)
+    offload_module(model, config, device, resident=resident, inference=True)
     return model
 
 
@@ -101,6 +103,7 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
     home = _home_device(model)
     runtime = Runtime(config, device)
     split: Optional[dict[str, Any]] = None
+    moves: Optional[Moves] = None
     try:
         check_streamable_params(model, device, config.storage_dtype)
         # See [Note: storing weights in another dtype]: marked, checked and rounded at
@@ -108,12 +111,13 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
         mark_model([model], config.storage_dtype, device, at_start)
         params, _ = model_targets(model, None)
         split = split_params(params, config, resident, "dlo_fx.offload")
+        moves = Moves(model, device, {id(t.tensor) for b in split["blocks"] for t in b})
         error: Optional[BaseException] = None
     except BaseException as exc:  # every rank raises with it, none waits for it
         error = exc
     agree_on_plan(runtime, block_rows(split["blocks"]) if split is not None else None, error,
                   "dlo_fx.offload")
-    assert split is not None  # agree_on_plan raised every planning error
+    assert split is not None and moves is not None  # agree_on_plan raised every error
     settle_mode(runtime, split["blocks"])
     if inference:
         model.eval().requires_grad_(False)
@@ -124,7 +128,7 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
         f"offloading {type(model).__name__}")
     runtime.block_ends.update(zip(indices, split["ends"]))
     runtime.home = home
-    _move_rest(model, runtime)
+    runtime.undo_moves.append(moves.apply())
     for target in split["named"]:  # no graph streams (and so stores) them either
         runtime.kept_resident[target.tensor] = NAMED_RESIDENT
     attach(runtime, [model])
@@ -159,8 +163,10 @@ def _held(model: nn.Module, stored: Sequence[torch.Tensor]) -> list[torch.Tensor
     return [by_id.get(id(t), t) for t in stored]
 
 
-def check_model(model: Any) -> None:
-    """ValueError, before anything changes, for what `offload` cannot take."""
+def check_model(model: Any, device: Optional[torch.device] = None) -> None:
+    """ValueError, before anything changes, for what `offload` cannot take (to ``device``,
+    where given: a buffer it cannot move there; `Moves` checks every member again once
+    the plan says which parameters move)."""
     from .. import torch_private
 
     if not isinstance(model, nn.Module):
@@ -188,6 +194,11 @@ def check_model(model: Any) -> None:
             "submodules, or of its torch.compile wrapper, which sets it on the module); "
             "torch cannot walk such a model (model.to, state_dict recurse forever): keep the "
             "reference outside the module, e.g. in a dict or with object.__setattr__")
+    if next(model.parameters(), None) is None:
+        raise ValueError(
+            f"dlo_fx.offload: {type(model).__name__} has no parameters, so dlo has nothing to "
+            "store (its buffers alone would move to the device, with nothing to give them "
+            "back by at release); move it with model.to(device) instead")
     seen: dict[int, str] = {}
     devices: dict[torch.device, str] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -207,6 +218,9 @@ def check_model(model: Any) -> None:
                 "to store); build the model with its weights, or load them from a "
                 "checkpoint with dlo_fx.load")
         devices.setdefault(canonical_device(p.device), fqn)
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        if device is not None and b.is_meta and device.type != "meta":
+            raise _no_values("buffer", fqn, device)
     if len(devices) > 1:
         shown = ", ".join(f"{name!r} on {d}" for d, name in devices.items())
         raise ValueError(
@@ -244,52 +258,92 @@ def _home_device(model: nn.Module) -> torch.device:
     return canonical_device(p.device) if p is not None else torch.device("cpu")
 
 
-def _move_rest(model: nn.Module, runtime: Runtime) -> None:
-    """Every parameter and buffer that is not stored onto the runtime's device: what
-    ``model.to`` does to them (the stored ones are on it already). How to put each back is
-    kept for `release` (`Runtime.undo_moves`): moved home again, or, from the meta device
-    (whose tensors hold no values), the original itself."""
-    device = runtime.device
-    keep = device.type == "meta"
-    moved: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if (p is None or id(p) in moved or stored_tensor(p) in runtime.store
-                    or canonical_device(p.device) == device):
-                continue
-            moved[id(p)] = p
-            runtime.undo_moves.append(_param_back(p, p.data if keep else None, runtime.home))
-            p.data = p.data.to(device)
-        for name, b in list(module._buffers.items()):
-            if b is None or canonical_device(b.device) == device:
-                continue
-            if id(b) not in moved:
-                moved[id(b)] = b.to(device)
-            module._buffers[name] = moved[id(b)]
-            runtime.undo_moves.append(_buffer_back(module, name, b if keep else None,
-                                                   runtime.home))
+# [Note: what offload moves]
+# Besides storing the streamed parameters, `offload` moves every other member
+# ``model.to(device)`` would move onto the compute device: the resident parameters and every
+# buffer, persistent or not (tensors held in plain attributes stay where they are, as
+# ``model.to`` leaves them). Each is moved while the plan is made, before the ranks agree
+# and before anything is stored (`Moves`): one that cannot move (a buffer on the meta
+# device, which has no values to copy) is a ValueError naming it, raised on every rank,
+# and the model is left as it was; where they all moved, the copies are put in place after
+# the blocks are stored. `release` puts each back where it was (`Moves.apply`'s undo):
+# moved back to its own device (its values then are those the model left in it), or, from
+# the meta device, whose tensors hold no values, the original tensor itself, which the
+# runtime keeps for it. A buffer held by several modules comes back one tensor again.
+class Moves:
+    """The members of ``model`` that offloading to ``device`` moves (every parameter not in
+    ``stored``, the ids of those stored, and every buffer), each already moved: see [Note:
+    what offload moves]. ValueError naming the first that cannot move."""
+
+    def __init__(self, model: nn.Module, device: torch.device, stored: set[int]) -> None:
+        self.keep = device.type == "meta"
+        self.params: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self.moved: dict[int, torch.Tensor] = {}
+        for prefix, module in model.named_modules():
+            dot = prefix + "." if prefix else ""
+            for name, p in module._parameters.items():
+                if p is None or id(stored_tensor(p)) in stored or id(p) in self.moved \
+                        or canonical_device(p.device) == device:
+                    continue
+                self.moved[id(p)] = _moved(p.data, device, "parameter", dot + name)
+                self.params.append((p, self.moved[id(p)]))
+            for name, b in module._buffers.items():
+                if b is None or canonical_device(b.device) == device:
+                    continue
+                if id(b) not in self.moved:
+                    self.moved[id(b)] = _moved(b, device, "buffer", dot + name)
+                self.buffers.append((module, name, b))
+
+    def apply(self) -> Callable[[], None]:
+        """Put every moved copy in its place; returns the undo (for `release`)."""
+        # The undo holds the modules and parameters weakly: the runtime lives as long as a
+        # parameter it stores (owners.py), and a strong reference back to the model would
+        # keep both alive for ever.
+        params = [(weakref.ref(p), p.device, p.data if self.keep else None)
+                  for p, _ in self.params]
+        buffers = [(weakref.ref(m), name, b.device, b if self.keep else None,
+                    self.moved[id(b)]) for m, name, b in self.buffers]
+        for p, value in self.params:
+            p.data = value
+        for module, name, b in self.buffers:
+            module._buffers[name] = self.moved[id(b)]
+        self.params, self.buffers, self.moved = [], [], {}
+
+        def undo() -> None:
+            for ref, home, original in params:
+                param = ref()
+                if param is not None:
+                    param.data = original if original is not None else param.data.to(home)
+            back: dict[int, torch.Tensor] = {}  # a buffer shared by modules stays shared
+            for ref, name, home, original, put in buffers:
+                holder = ref()
+                now = holder._buffers.get(name) if holder is not None else None
+                if now is None:
+                    continue
+                if id(now) not in back:
+                    back[id(now)] = (original if original is not None and now is put
+                                     else now.to(home))
+                holder._buffers[name] = back[id(now)]
+        return undo
 
 
-# The undo steps hold the model weakly: the runtime lives as long as a parameter it stores
-# (owners.py), and a strong reference back to the module would keep both alive for ever.
-def _param_back(p: torch.Tensor, original: Optional[torch.Tensor], home: torch.device
-                ) -> Callable[[], None]:
-    ref = weakref.ref(p)
+def _moved(t: torch.Tensor, device: torch.device, kind: str, fqn: str) -> torch.Tensor:
+    """``t`` on ``device``, or ValueError naming the member ``fqn`` that cannot move."""
+    if t.is_meta:
+        raise _no_values(kind, fqn, device)
+    try:
+        return t.to(device)
+    except Exception as exc:  # torch's own reason, named
+        raise ValueError(
+            f"dlo_fx.offload: cannot move {kind} {fqn!r} ({t.device}, {t.dtype}) to {device}: "
+            f"{type(exc).__name__}: {exc}; nothing was changed. Move or replace it first, "
+            "then offload the model") from exc
 
-    def undo() -> None:
-        param = ref()
-        if param is not None:
-            param.data = original if original is not None else param.data.to(home)
-    return undo
 
-
-def _buffer_back(module: nn.Module, name: str, original: Optional[torch.Tensor],
-                 home: torch.device) -> Callable[[], None]:
-    ref = weakref.ref(module)
-
-    def undo() -> None:
-        holder = ref()
-        now = holder._buffers.get(name) if holder is not None else None
-        if now is not None:
-            holder._buffers[name] = original if original is not None else now.to(home)
-    return undo
+def _no_values(kind: str, fqn: str, device: torch.device) -> ValueError:
+    return ValueError(
+        f"dlo_fx.offload: {kind} {fqn!r} is on the meta device (it has no values to move to "
+        f"{device}); nothing was changed. Build the model with its {kind}s' values (or fill "
+        "them, e.g. with load_state_dict), or load it from a checkpoint with dlo_fx.load, "
+        "then offload it")

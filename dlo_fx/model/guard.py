@@ -363,8 +363,12 @@ def release(model: nn.Module) -> nn.Module:
     """Put the weights dlo stores for ``model`` back into its parameters and free its
     runtime (host store, resident copies, and slots nothing else uses); then `restore` it.
 
-    Afterwards the module runs eagerly, can be saved, moved or cast like any module;
-    compiling it with ``backend="dlo"`` again, with any options, stores it again. Models
+    Each parameter comes back a tensor of its own, with its values and, where they are
+    dense, its strides (a transposed weight stays transposed): a parameter that was a view of
+    a larger tensor (a storage offset, a strided slice, q and k cut from one fused tensor)
+    is no view any more, so ``.to()``, ``torch.save`` and ``save_pretrained`` treat it as
+    any parameter. Afterwards the module runs eagerly, can be saved, moved or cast like any
+    module; compiling it with ``backend="dlo"`` again, with any options, stores it again. Models
     that share parameters (a layer assigned to both) share one runtime, so releasing one
     releases them all: every parameter the runtime stores gets its weights back. Every
     rank of an allgather shard group must call it (the blocks are gathered). Returns

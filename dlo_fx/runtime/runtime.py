@@ -74,7 +74,7 @@ from .interrupts import install as install_interrupt_handler
 from .host.layout import Entry, ShardSpec, leaf_entries
 from .lifecycle import Lifecycle
 from .weights.owners import claim, register, unclaim
-from .weights.stored import become_stored, is_stored
+from .weights.stored import become_stored, check_restorable, is_stored
 from .slot_machine import SlotMachine
 from .device.trace import Tracer
 from .view import KEPT_RESIDENT, NAMED_RESIDENT, READ_DIRECTLY  # noqa: F401 (re-exported)
@@ -252,6 +252,8 @@ class Runtime:
         try:
             store.reserve([(b.params, b.fqns) for b in ahead or ()])
             for block in blocks:
+                for p, fqn in zip(block.params, block.fqns):
+                    check_restorable(p, fqn)
                 entries, spec = store.layout(block.params, block.fqns)
                 extents = block.extents(entries, spec) if block.extents is not None else None
                 if check:

@@ -6,7 +6,12 @@ still behaves as that tensor: every read is exact, every write is refused, and n
 hands out the address of bytes it does not have. It becomes a `StoredWeight` in place: a
 wrapper tensor subclass (``torch.Tensor._make_wrapper_subclass``, as FSDP2's DTensor
 parameters and torchao's quantized weights are) with the parameter's shape, strides,
-dtype, device and ``requires_grad``, and no storage of its own. `become_stored` swaps its
+dtype, device and ``requires_grad``, and no storage of its own. Its storage offset is 0
+whatever the parameter's was (a view into a larger tensor: q and k cut from one fused
+tensor): the host store holds the parameter's own storage span only, and Dynamo's fake copy
+of the wrapper is rebuilt by `__tensor_unflatten__`, which is given the shape and strides
+but not the offset (an offset it then had to reproduce failed inside Dynamo, "set the storage
+of a tensor on device cpu to a storage on ... meta"). `become_stored` swaps its
 contents, as ``torch.utils.swap_tensors`` does, so the model, the host store (keyed by
 ``id``) and every reference the user holds keep pointing at it.
 
@@ -62,7 +67,7 @@ from .tensor_parallel import check_not_distributing
 aten = torch.ops.aten
 
 # Attribute names a `StoredWeight` carries in its __dict__ (beside the parameter's own).
-_OURS = ("_dlo_token", "_dlo_origin", "_dlo_steps", "_dlo_bits", "_dlo_released")
+_OURS = ("_dlo_token", "_dlo_origin", "_dlo_steps", "_dlo_bits", "_dlo_released", "_dlo_class")
 
 _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # runtimes warned about once
 _WARN_LOCK = threading.Lock()
@@ -719,10 +724,13 @@ def is_stored(t: Any) -> bool:
 
 
 def stored_parameter(shape: Any, stride: Any, dtype: torch.dtype, device: torch.device,
-                     requires_grad: bool = False) -> StoredWeight:
-    """A new parameter of this metadata whose weights will be in a host store (the loader)."""
+                     requires_grad: bool = False, cls: type = torch.nn.Parameter
+                     ) -> StoredWeight:
+    """A new parameter of this metadata whose weights will be in a host store (the loader),
+    given back as a ``cls`` (the model's parameter class: a ``GGUFParameter``) by `release`."""
     p = StoredWeight(shape, stride, dtype, device, requires_grad=requires_grad)
     p._is_param = True
+    p._dlo_class = cls
     return p
 
 
@@ -734,10 +742,10 @@ def become_stored(p: torch.Tensor, device: Optional[torch.device] = None) -> Non
         return
     with torch.inference_mode(p.is_inference()):  # an inference tensor stays one
         new = StoredWeight(p.shape, p.stride(), p.dtype, device if device is not None else p.device,
-                           requires_grad=p.requires_grad,
-                           storage_offset=p.storage_offset())
+                           requires_grad=p.requires_grad)
     vars(new).update(carried_attributes(p))
     vars(new)["_is_param"] = True
+    vars(new)["_dlo_class"] = type(p)
     torch_private.swap_in_place(p, new)
 
 
@@ -759,12 +767,54 @@ def mark_released(p: StoredWeight) -> None:
 
 
 def real_parameter(p: StoredWeight, value: torch.Tensor) -> torch.nn.Parameter:
-    """A parameter holding ``value`` with stored parameter ``p``'s attributes (those
-    others set on it: a ``GGUFParameter``'s ``quant_type``, a storage-dtype mark)."""
+    """A parameter holding ``value`` of the class stored parameter ``p`` had, with its
+    attributes (those others set on it: a ``GGUFParameter``'s ``quant_type``, a
+    storage-dtype mark): see [Note: a parameter's class comes back]."""
     with torch.inference_mode(p.is_inference()):
-        real = torch.nn.Parameter(value.detach(), requires_grad=p.requires_grad)
-    vars(real).update({k: v for k, v in vars(p).items() if k not in _OURS and k != "_is_param"})
+        return parameter_of(vars(p).get("_dlo_class", torch.nn.Parameter), value,
+                            p.requires_grad, {k: v for k, v in vars(p).items()
+                                              if k not in _OURS and k != "_is_param"})
+
+
+# [Note: a parameter's class comes back]
+# A parameter stored by dlo comes back from `dlo_fx.release` as the class it had, with the
+# instance attributes it carried (a loaded one: as the class the model built), by one rule
+# for every class: a subclass of ``nn.Parameter`` (diffusers' ``GGUFParameter``, whose
+# ``quant_type`` and ``quant_shape`` its layer reads and whose ``as_tensor`` it calls) is
+# made as such subclasses make themselves, ``Tensor._make_subclass`` over the plain value,
+# then its ``__dict__`` set; any other value is ``nn.Parameter``'s (a tensor subclass, such
+# as torchao's, rebuilt from its inner tensors, keeps its own class). So a class whose
+# instances keep state anywhere but ``__dict__`` (``__slots__``) could not be given back,
+# and is refused by name before it is stored (`check_restorable`). The loader makes its
+# resident parameters by the same rule.
+def parameter_of(cls: type, value: torch.Tensor, requires_grad: bool,
+                 attributes: dict[str, Any]) -> torch.nn.Parameter:
+    """A parameter of class ``cls`` holding ``value``, with ``attributes``: see [Note: a
+    parameter's class comes back]."""
+    value = value.detach()
+    if issubclass(cls, torch.nn.Parameter) and cls is not torch.nn.Parameter \
+            and type(value) is torch.Tensor:
+        real = torch.Tensor._make_subclass(cls, value, requires_grad)
+    else:
+        real = torch.nn.Parameter(value, requires_grad=requires_grad)
+    vars(real).update(attributes)
     return real
+
+
+def check_restorable(p: torch.Tensor, fqn: str) -> None:
+    """ValueError naming parameter ``fqn`` when its class could not be given back by
+    `release` (see [Note: a parameter's class comes back])."""
+    cls = vars(p).get("_dlo_class", type(p)) if is_stored(p) else type(p)
+    slotted = [k.__qualname__ for k in cls.__mro__
+               if "__slots__" in vars(k) and issubclass(k, torch.nn.Parameter)
+               and k is not torch.nn.Parameter]
+    if slotted:
+        raise ValueError(
+            f"dlo: parameter {fqn!r} is a {cls.__qualname__}, whose instances keep state "
+            f"outside their __dict__ (__slots__ of {', '.join(slotted)}), which dlo could not "
+            "give back to it when the model is released; nothing was stored. Make it an "
+            "nn.Parameter (or a subclass keeping its state in its __dict__) before it is "
+            "offloaded or compiled with backend='dlo'")
 
 
 def become_real(p: StoredWeight, value: torch.Tensor) -> None:
