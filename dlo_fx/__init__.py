@@ -16,11 +16,13 @@ from .dynamo.backend import SCHEDULED_OBSERVERS as _SCHEDULED_OBSERVERS
 from .dynamo.errors import DeviceMemoryError
 from .loading.loader import load
 from .loading.offload import offload
+from .model.cfg_parallel import cfg_parallel
 from .model.memory import memory_report
 from .dynamo.pipelines import compile_pipeline, release
 from .model.storage_dtype import take_over_layerwise_casting
 
-__all__ = ["DLOConfig", "DeviceMemoryError", "Engine", "Request", "Result", "compile_pipeline", "load",
+__all__ = ["DLOConfig", "DeviceMemoryError", "Engine", "Request", "Result", "cfg_parallel",
+           "compile_pipeline", "load",
            "memory_report", "offload", "release", "take_over_layerwise_casting"]
 __version__ = "0.1.0"
 

@@ -89,8 +89,8 @@ def test_the_gather_group_follows_the_topology():
     assert parser.parse_args(common + ["--gather", "world"]).gather == "world"
     with pytest.raises(ValueError, match="gather='auto' names no group"):
         topo.gather_group(0, "auto")
-    with pytest.raises(ValueError, match="gather='replica' is not allowed"):
-        Engine(DIFFUSERS, 1, sp_size=2, gather="replica")
+    with pytest.raises(ValueError, match="gather='node' is not allowed"):
+        Engine(DIFFUSERS, 1, sp_size=2, gather="node")
     with pytest.raises(ValueError, match="gather='sp' and options\\['shard_group'\\]"):
         Engine("dlo_fx.apps.engine.reference_pipeline:build", 1, sp_size=2, gather="sp",
                options={"shard_group": [0, 1]})

@@ -24,6 +24,8 @@ DIFFUSERS_SECTION = "## Diffusers quick start"
 locally built one."""
 SEQUENCE_PARALLEL_SECTION = "## Sequence parallelism"
 """Its snippet runs on 2 ranks: `test_readme_sequence_parallel_snippet_runs_on_two_ranks`."""
+CFG_SECTION = "## CFG parallel"
+"""Its snippet runs on 2 ranks: tests/cfg_cases.py, `readme_case`."""
 
 
 def _section(text: str, title: str) -> tuple[int, int]:
@@ -33,9 +35,11 @@ def _section(text: str, title: str) -> tuple[int, int]:
 
 def python_snippets(section: str = "") -> list[tuple[int, str]]:
     """(first line number, code) of every ```python block of README.md in ``section``,
-    or (no section) outside the diffusers quick start and the sequence-parallel one."""
+    or (no section) outside the diffusers quick start, the sequence-parallel and the CFG
+    sections."""
     text = README.read_text()
-    skipped = [_section(text, title) for title in (DIFFUSERS_SECTION, SEQUENCE_PARALLEL_SECTION)]
+    skipped = [_section(text, title)
+               for title in (DIFFUSERS_SECTION, SEQUENCE_PARALLEL_SECTION, CFG_SECTION)]
     start, end = _section(text, section) if section else (0, len(text))
     out = []
     for match in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):

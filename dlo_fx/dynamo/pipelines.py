@@ -31,6 +31,7 @@ from torch import nn
 from .backend import given_options
 from ..config import DLOConfig, same_device
 from ..loading.offload import compute_device, offload
+from ..model.cfg_parallel import cfg_parallel, cfg_refusal, group_ranks
 from ..model.guard import guard_pipeline, restore, shadow, shadowing, unguard_pipeline
 from ..model.guard import release as release_module
 from ..model.state import peek, state_of
@@ -60,7 +61,8 @@ def default_components(pipe: Any) -> list[str]:
 
 
 def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, None] = None,
-                     components: Optional[Sequence[str]] = None, **compile_kwargs: Any) -> Any:
+                     components: Optional[Sequence[str]] = None, cfg_group: Any = None,
+                     **compile_kwargs: Any) -> Any:
     """Compile the large torch modules of a diffusers pipeline with ``backend="dlo"``.
 
     Args:
@@ -70,6 +72,13 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         components: names of the components to compile; default: every torch module but
             the VAE (`default_components`: transformer(s) or unet, text encoder(s), image
             encoder). Name ``"vae"`` here to stream it too.
+        cfg_group: two ranks that split each batched guidance call of the denoiser(s)
+            (``transformer``, ``transformer_2``, ``unet``), one branch each, and gather the
+            noise predictions: `dlo_fx.cfg_parallel` (a list of two global ranks, a
+            ProcessGroup or a DeviceMesh). A pipeline that calls its denoiser once per
+            branch (Wan, Flux's ``true_cfg_scale``) is refused by name. Give
+            ``options["shard_group"]`` the same ranks to hold 1/2 of every block each.
+            Default None (no split).
         compile_kwargs: further ``torch.compile`` arguments (``dynamic=``, ``fullgraph=``).
 
     Returns ``pipe``, its modules compiled in place, sharing one set of slots (see [Note:
@@ -111,6 +120,7 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     given = given_options(options)
     for name in names:
         _check_same_options(pipe, name, given)
+    denoisers = _cfg_denoisers(pipe, found, cfg_group)
     device = compute_device(config)
     for name in names:
         module = getattr(pipe, name)
@@ -131,10 +141,35 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         log.info("dlo_fx.compile_pipeline: %s.%s (%s, %d parameters) compiled with "
                  "backend='dlo'", type(pipe).__name__, name, type(module).__name__,
                  sum(1 for _ in module.parameters()))
+    for name in denoisers:
+        cfg_parallel(getattr(pipe, name), cfg_group, timeout_s=config.collective_timeout_s)
     _execute_on(pipe, names, device)
     guard_pipeline(pipe, [getattr(pipe, name) for name in names])
     _measure_first_run(pipe, [getattr(pipe, name) for name in names], config)
     return pipe
+
+
+DENOISERS = ("transformer", "unet")
+"""Component name prefixes of the denoiser(s): what ``cfg_group=`` splits."""
+
+
+def _cfg_denoisers(pipe: Any, found: Mapping[str, Any], cfg_group: Any) -> list[str]:
+    """The denoisers ``cfg_group`` splits; ``ValueError`` naming the pipeline (or the group)
+    before anything changes where it cannot (see [Note: a CFG-parallel call])."""
+    if cfg_group is None:
+        return []
+    cls = type(pipe)
+    why = cfg_refusal(cls)
+    if why is not None:
+        raise ValueError(f"compile_pipeline: cfg_group={cfg_group!r}: {cls.__name__} {why}; "
+                         "nothing was changed. Run the ranks as data-parallel replicas "
+                         "(shard_group over them) or split its sequence instead")
+    names = [n for n, m in found.items() if n.startswith(DENOISERS) and isinstance(m, nn.Module)]
+    if not names:
+        raise ValueError(f"compile_pipeline: cfg_group={cfg_group!r}: {cls.__name__} has no "
+                         "transformer or unet component to split")
+    group_ranks(cfg_group)  # a bad group fails here, before anything compiles
+    return names
 
 
 RUN_ENDS = "maybe_free_model_hooks"

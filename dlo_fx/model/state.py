@@ -28,6 +28,8 @@ class ModuleState:
     compiled_with: Optional[Mapping[str, Any]] = field(default=None)
     """The options `compile_pipeline` last compiled it with, until it is released: a
     second compile with other options is refused before anything changes."""
+    cfg_parallel: Any = None
+    """The `CFGParallel` `cfg_parallel` installed on it (its hooks), or None."""
 
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, ModuleState]" = weakref.WeakKeyDictionary()

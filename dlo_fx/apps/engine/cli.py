@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 REFERENCE = "dlo_fx.apps.engine.reference_pipeline:build"
 DIFFUSERS = "dlo_fx.apps.engine.diffusers_pipeline:build"
-GATHER = ("auto", "sp", "dp", "world", "none")
+GATHER = ("auto", "sp", "cfg", "replica", "dp", "world", "none")
 """``--gather``: `topology.GATHER_CHOICES` (this module imports no torch)."""
 
 
@@ -51,10 +51,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--sp", type=int, default=1,
                         help="ranks per replica; with --diffusers they split each request's "
                              "sequence (diffusers' context parallelism, Ulysses)")
+    parser.add_argument("--cfg", type=int, default=1, choices=(1, 2),
+                        help="2: two ranks per replica split each batched guidance call, one "
+                             "branch each (dlo_fx.cfg_parallel); world = dp x cfg x sp")
     parser.add_argument("--gather", default="auto", choices=GATHER,
-                        help="ranks each rank's weights are gathered over: its replica (sp), "
-                             "one rank per replica (dp), every rank (world), none (rank-local),"
-                             " or auto: chosen from --dp, --sp and the host's RAM")
+                        help="ranks each rank's weights are gathered over: its SP group (sp), "
+                             "its CFG pair (cfg), both (replica), one rank per replica (dp), "
+                             "every rank (world), none (rank-local), or auto: chosen from "
+                             "--dp, --cfg, --sp and the host's RAM")
     parser.add_argument("--pipeline", default=REFERENCE,
                         help="factory 'package.module:function' (default: the reference "
                              "DiT pipeline)")
@@ -186,13 +190,15 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"dlo-fx generate: {exc}", file=sys.stderr)
             return 2
     common = dict(options=dict(args.option), wave_timeout_s=args.wave_timeout,
-                  pipeline_kwargs=kwargs, gather=getattr(args, "gather", "auto"))
+                  pipeline_kwargs=kwargs, gather=getattr(args, "gather", "auto"),
+                  cfg_size=getattr(args, "cfg", 1))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         engine = serve(args.pipeline, sp_size=args.sp, num_threads=args.threads, **common)
         if engine is None:
             return 0  # a worker rank: rank 0 writes the outputs
     else:
-        threads = args.threads or max(1, (os.cpu_count() or 1) // (args.dp * args.sp))
+        ranks = args.dp * args.sp * getattr(args, "cfg", 1)
+        threads = args.threads or max(1, (os.cpu_count() or 1) // ranks)
         engine = Engine(args.pipeline, args.dp, sp_size=args.sp, num_threads=threads,
                         progress=not args.quiet and terminal(sys.stderr), **common)
     progress = WaveProgress(len(requests), enabled=engine.spec.progress)

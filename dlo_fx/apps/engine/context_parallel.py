@@ -9,10 +9,11 @@ replica's device mesh. A user factory does the same with `enable_context_paralle
 
 [Note: the engine's device mesh]
 Every worker builds one `DeviceMesh` over the engine's world, collectively (every rank at
-the same point: the first `replica_mesh` of the worker), shaped ``(dp, 1, sp)`` with the
-dimensions ``("dp", "ring", "ulysses")``. The global ranks are laid out replica-major
-(topology.py), so ``mesh["ring", "ulysses"]`` is this rank's replica -- its sequence-
-parallel ranks -- and ``mesh["dp"]`` its strided DP group. The SP dimensions carry
+the same point: the first `replica_mesh` of the worker), shaped ``(dp, cfg, 1, sp)`` with
+the dimensions ``("dp", "cfg", "ring", "ulysses")``. The global ranks are laid out
+replica-major, then by guidance branch (topology.py), so ``mesh["ring", "ulysses"]`` is
+this rank's sequence-parallel ranks, ``mesh["cfg"]`` its CFG pair and ``mesh["dp"]`` its
+strided DP group. The SP dimensions carry
 diffusers' names because `ContextParallelConfig(mesh=...)` reads exactly those two (ring
 attention over ``ring``, Ulysses over ``ulysses``; their product is the SP group). Ring
 degree 1: the native attention backend, the one that runs on every device, returns no
@@ -41,7 +42,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-MESH_DIMS = ("dp", "ring", "ulysses")
+MESH_DIMS = ("dp", "cfg", "ring", "ulysses")
 """The dimensions of the engine's device mesh (see [Note: the engine's device mesh])."""
 
 _MESHES: dict = {}  # (topology, device type, id(default process group)) -> DeviceMesh
@@ -76,7 +77,8 @@ def replica_mesh(context: Any) -> Any:
     if mesh is None:
         _MESHES.clear()  # meshes of an earlier default process group: never used again
         mesh = _MESHES[key] = init_device_mesh(
-            kind, (topology.dp_size, 1, topology.sp_size), mesh_dim_names=MESH_DIMS)
+            kind, (topology.dp_size, topology.cfg_size, 1, topology.sp_size),
+            mesh_dim_names=MESH_DIMS)
     return mesh
 
 

@@ -113,16 +113,21 @@ class DiffusersPipeline:
         return to_uint8(out)
 
     def describe(self) -> dict:
-        """Memory figures of this rank's streamed components, and ``"context_parallel"``:
-        the ranks each denoiser splits its sequence over (1 where it does not)."""
+        """Memory figures of this rank's streamed components, ``"context_parallel"``: the
+        ranks each denoiser splits its sequence over (1 where it does not), and
+        ``"cfg_parallel"``: the global ranks each denoiser splits its guidance calls over
+        (empty where it does not)."""
         from dataclasses import asdict
 
+        from ...model.cfg_parallel import cfg_ranks
         from ...model.memory import memory_report
 
         out: dict = {name: asdict(memory_report(getattr(self.pipe, name)))
                      for name in self.streamed}
         out["context_parallel"] = {name: _context_parallel_degree(getattr(self.pipe, name))
                                    for name in self.streamed if name.startswith(DENOISER_PREFIXES)}
+        out["cfg_parallel"] = {name: list(cfg_ranks(getattr(self.pipe, name)) or ())
+                               for name in self.streamed if name.startswith(DENOISER_PREFIXES)}
         return out
 
 
@@ -320,6 +325,26 @@ def check_context_parallel(path: Union[str, os.PathLike], sp_size: int) -> None:
                              "(--sp 1) and more replicas (--dp)")
 
 
+def check_cfg_parallel(path: Union[str, os.PathLike], cfg_size: int) -> None:
+    """``ValueError`` naming the pipeline class of ``path`` where its guidance calls cannot
+    be split over ``cfg_size`` ranks (it calls its denoiser once per branch: Wan, Flux's
+    ``true_cfg_scale``; see [Note: a CFG-parallel call] in dlo_fx/model/cfg_parallel.py).
+    Read from ``model_index.json``: before any worker starts."""
+    if cfg_size == 1:
+        return
+    import diffusers
+
+    from ...model.cfg_parallel import cfg_refusal
+
+    name = read_model_index(path).get("_class_name", "")
+    cls = getattr(diffusers, name, None)
+    why = "is not a class this diffusers has" if cls is None else cfg_refusal(cls)
+    if why is not None:
+        raise ValueError(f"{os.fspath(path)}/model_index.json: the pipeline {name} {why}; "
+                         f"serve it with cfg_size=1 (--cfg 1) and use the ranks as replicas "
+                         "(--dp) or to split the sequence (--sp)")
+
+
 def denoiser_bytes(path: Union[str, os.PathLike]) -> int:
     """Bytes of the safetensors files of the denoisers of the pipeline in ``path``: what
     the host store of every rank shares out (the engine's gather choice weighs it)."""
@@ -333,6 +358,16 @@ def _context_parallel_degree(model: Any) -> int:
     """How many ranks ``model`` splits its sequence over (diffusers' parallel config)."""
     config = getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)
     return 1 if config is None else int(config.ring_degree) * int(config.ulysses_degree)
+
+
+def _cfg_group() -> Optional[tuple[int, ...]]:
+    """Inside an engine worker of ``cfg_size == 2``: this rank's CFG pair; else None."""
+    from .topology import worker_context
+
+    context = worker_context()
+    if context is None or context.topology.cfg_size == 1:
+        return None
+    return context.cfg_group
 
 
 def _split_sequence(models: Mapping[str, torch.nn.Module]) -> None:
@@ -369,6 +404,15 @@ def denoisers(model_index: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     return out
 
 
+def absent(model_index: Mapping[str, Any]) -> dict[str, None]:
+    """The components saved as absent (``[null, null]``: an SD3 without its T5), passed as
+    ``None``: diffusers' ``from_pretrained`` drops them from what it loads and then finds
+    a required component missing."""
+    return {name: None for name, value in model_index.items()
+            if not name.startswith("_") and isinstance(value, list) and len(value) == 2
+            and value[0] is None and value[1] is None}
+
+
 def _dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -393,7 +437,9 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
           resident: Sequence[str] = ()) -> DiffusersPipeline:
     """The engine's factory for a saved diffusers pipeline (see the module docstring).
     Inside an engine of ``sp_size > 1`` the denoisers split each request's sequence over
-    the replica's ranks (diffusers' context parallelism, Ulysses: context_parallel.py).
+    their SP group (diffusers' context parallelism, Ulysses: context_parallel.py); of
+    ``cfg_size == 2``, each batched guidance call over their CFG pair
+    (`dlo_fx.cfg_parallel`).
 
     Args:
         options: the dlo options (the engine adds this rank's gather group as
@@ -428,7 +474,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
                             resident=resident)
     _split_sequence(loaded)
     pipeline_cls = getattr(diffusers, index.get("_class_name", ""), diffusers.DiffusionPipeline)
-    kwargs: dict[str, Any] = dict(loaded)
+    kwargs: dict[str, Any] = {**absent(index), **loaded}
     if torch_dtype is not None:
         kwargs[_dtype_keyword()] = torch_dtype
     pipe = pipeline_cls.from_pretrained(os.fspath(path), **kwargs)
@@ -440,7 +486,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
                                  desc="denoising steps")
     # Offloads the text encoders from host memory and moves the rest (the VAE) to the
     # compute device: the pipeline executes there
-    compile_pipeline(pipe, options=options, components=streamed)
+    compile_pipeline(pipe, options=options, components=streamed, cfg_group=_cfg_group())
     device = compute_device(DLOConfig.from_options(options))
     return DiffusersPipeline(pipe, streamed, str(device))
 
@@ -457,7 +503,7 @@ def resident(path: Union[str, os.PathLike]) -> DiffusersPipeline:
     for name, (_, cls_name) in denoisers(index).items():
         denoiser[name] = load_state_dict(getattr(diffusers, cls_name), Path(path) / name)
     pipeline_cls = getattr(diffusers, index.get("_class_name", ""), diffusers.DiffusionPipeline)
-    pipe = pipeline_cls.from_pretrained(os.fspath(path), **denoiser)
+    pipe = pipeline_cls.from_pretrained(os.fspath(path), **absent(index), **denoiser)
     pipe.set_progress_bar_config(disable=True)
     return DiffusersPipeline(pipe)
 

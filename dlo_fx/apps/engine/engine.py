@@ -60,10 +60,18 @@ class Engine:
             parallelism (a user factory: ``worker_context().sp_mesh``, see
             context_parallel.py). The diffusers factory refuses a transformer that cannot,
             naming its class, before any worker starts. Default 1.
-        gather: the ranks each rank's weights are gathered over: ``"sp"`` (its replica),
-            ``"dp"`` (one rank per replica), ``"world"``, ``"none"`` (rank-local), or
-            ``"auto"``, chosen from the topology (see [Note: the gather group of a
-            topology] in topology.py). Default ``"auto"``.
+        cfg_size: 2 to split each batched guidance call over two ranks of a replica, one
+            branch each, the noise predictions gathered (`dlo_fx.cfg_parallel`; the world
+            is ``dp_size x cfg_size x sp_size``). The diffusers factory does it for a
+            pipeline that calls its denoiser once with the batch [uncond; cond] (SD3,
+            PixArt, Sana, LTX, ...) and refuses one that calls it per branch (Wan, Flux),
+            naming it, before any worker starts; a user factory reads
+            ``worker_context().cfg_group``. Default 1.
+        gather: the ranks each rank's weights are gathered over: ``"sp"`` (its SP group),
+            ``"cfg"`` (its CFG pair), ``"replica"`` (both), ``"dp"`` (one rank per
+            replica), ``"world"``, ``"none"`` (rank-local), or ``"auto"``, chosen from the
+            topology (see [Note: the gather group of a topology] in topology.py). Default
+            ``"auto"``.
         options: dlo options handed to the factory; each rank gets its gather group as
             ``shard_group`` (``options["shard_group"]`` instead replaces ``"auto"``) and
             its ``device`` unless set.
@@ -85,14 +93,14 @@ class Engine:
     """
 
     def __init__(self, pipeline: Union[str, Callable[..., Any]], dp_size: int, *,
-                 sp_size: int = 1, gather: str = "auto",
+                 sp_size: int = 1, cfg_size: int = 1, gather: str = "auto",
                  options: Optional[Mapping[str, Any]] = None,
                  backend: Optional[str] = None, wave_timeout_s: float = 600.0,
                  pipeline_kwargs: Optional[Mapping[str, Any]] = None,
                  num_threads: Optional[int] = 1, device: Optional[str] = None,
                  launcher: Optional[Callable[[WorkerSpec], WorkerSet]] = None,
                  progress: bool = False) -> None:
-        self.topology = Topology(dp_size, sp_size)
+        self.topology = Topology(dp_size, sp_size, cfg_size)
         _check_seconds("wave_timeout_s", wave_timeout_s)
         options = dict(options or {})
         DLOConfig.from_options(options)  # a bad option fails here, not in every worker
@@ -311,15 +319,22 @@ def _factory_name(pipeline: Union[str, Callable[..., Any]]) -> str:
 
 def _preflight(pipeline: str, topology: Topology, kwargs: Mapping[str, Any]) -> Optional[int]:
     """What the front end checks of the diffusers factory before any worker starts (a
-    transformer that cannot split its sequence over ``sp_size`` ranks: ``ValueError``
-    naming it) and the bytes of its denoisers; ``None`` for any other factory."""
-    from .cli import DIFFUSERS
+    transformer that cannot split its sequence over ``sp_size`` ranks, a pipeline whose
+    guidance calls ``cfg_size`` cannot split: ``ValueError`` naming it) and the bytes of
+    its denoisers; ``None`` for any other factory."""
+    from .cli import DIFFUSERS, REFERENCE
 
+    if pipeline == REFERENCE and topology.cfg_size > 1:
+        raise ValueError(f"cfg_size={topology.cfg_size}: the reference DiT pipeline ({REFERENCE}) "
+                         "calls its model once per guidance branch, so no call holds both "
+                         "branches to split; serve it with cfg_size=1 (--cfg 1) and more "
+                         "replicas (--dp)")
     if pipeline != DIFFUSERS or "path" not in kwargs:
         return None
-    from .diffusers_pipeline import check_context_parallel, denoiser_bytes
+    from .diffusers_pipeline import check_cfg_parallel, check_context_parallel, denoiser_bytes
 
     check_context_parallel(kwargs["path"], topology.sp_size)
+    check_cfg_parallel(kwargs["path"], topology.cfg_size)
     return denoiser_bytes(kwargs["path"])
 
 
@@ -337,7 +352,8 @@ def _gather(topology: Topology, gather: str, options: Mapping[str, Any],
 
 def sp_share_fits(topology: Topology, weight_bytes: Optional[int],
                   ranks_per_node: Optional[int] = None) -> bool:
-    """Whether every rank's ``1/sp_size`` of ``weight_bytes`` fits this host's RAM, the
+    """Whether every rank's ``1/(cfg_size x sp_size)`` of ``weight_bytes`` (its share
+    gathered over its replica) fits this host's RAM, the
     ``ranks_per_node`` (default: every rank of the engine) together; ``True`` where the
     bytes are unknown."""
     if weight_bytes is None:
@@ -345,7 +361,7 @@ def sp_share_fits(topology: Topology, weight_bytes: Optional[int],
     from ...runtime.probes import host_ram_bytes
 
     ranks = ranks_per_node or topology.world_size
-    return ranks * -(-int(weight_bytes) // topology.sp_size) <= host_ram_bytes()
+    return ranks * -(-int(weight_bytes) // topology.replica_size) <= host_ram_bytes()
 
 
 def _check_seconds(name: str, value: Any) -> None:

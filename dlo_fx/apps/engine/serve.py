@@ -109,12 +109,13 @@ def _agreed_gather(spec: WorkerSpec) -> str:
     return spec.topology.choose_gather("auto", sp_share_fits=bool(fits.item()))
 
 
-def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1, gather: str = "auto",
+def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1, cfg_size: int = 1,
+          gather: str = "auto",
           options: Optional[Mapping[str, Any]] = None, backend: Optional[str] = None,
           wave_timeout_s: float = 600.0, pipeline_kwargs: Optional[Mapping[str, Any]] = None,
           num_threads: Optional[int] = None, device: Optional[str] = None) -> Optional[Engine]:
     """Join the torchrun job described by ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
-    ``MASTER_PORT`` as one engine of ``WORLD_SIZE / sp_size`` replicas. Returns the
+    ``MASTER_PORT`` as one engine of ``WORLD_SIZE / (cfg_size x sp_size)`` replicas. Returns the
     `Engine` on rank 0 and ``None`` on the other ranks once it closes. The arguments are
     those of `Engine`; the control-plane secret comes from the environment (see
     `secret_from_environment`). ``gather="auto"`` is chosen alike on every node: over the
@@ -130,12 +131,15 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1, gather:
                          "on a single node")
     secret = secret_from_environment()
     world = int(os.environ["WORLD_SIZE"])
-    if world % sp_size:
-        raise ValueError(f"sp_size={sp_size} does not divide WORLD_SIZE={world}")
-    common = dict(sp_size=sp_size, gather=gather, options=options, backend=backend,
+    if world % (sp_size * cfg_size):
+        raise ValueError(f"cfg_size={cfg_size} x sp_size={sp_size} does not divide "
+                         f"WORLD_SIZE={world}")
+    replicas = world // (sp_size * cfg_size)
+    common = dict(sp_size=sp_size, cfg_size=cfg_size, gather=gather, options=options,
+                  backend=backend,
                   wave_timeout_s=wave_timeout_s, pipeline_kwargs=pipeline_kwargs,
                   num_threads=num_threads, device=device)
-    spec = Engine(pipeline, world // sp_size, **common).spec  # validates every argument
+    spec = Engine(pipeline, replicas, **common).spec  # validates every argument
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
     timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -152,7 +156,7 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1, gather:
     control = dist.PrefixStore("dlo_engine", store)
     if rank == 0:
         workers = TorchrunWorkers(control, secret, spec, device_name)
-        return Engine(pipeline, world // sp_size, launcher=workers.launch, **common)
+        return Engine(pipeline, replicas, launcher=workers.launch, **common)
     channel = StoreWorker(control, secret, rank, timeout_s=spec.timeout_s)
     try:
         server = WaveServer(channel, spec, rank, device_name)

@@ -157,6 +157,15 @@ def control_group(ranks: tuple[int, ...], timeout_s: float) -> ShardGroup:
     return _kept(("control", ranks), ranks, lambda: _new_group(ranks, timeout_s))
 
 
+def exchange_group(ranks: tuple[int, ...], timeout_s: float) -> ShardGroup:
+    """The `ShardGroup` of ``ranks`` (sorted) on which a model exchanges activations
+    outside its graphs (`dlo_fx.cfg_parallel`'s guidance branches): one per ranks, timeout
+    and default process group, never a weight group, so its collectives never interleave
+    with a gather."""
+    return _kept(("exchange", ranks, float(timeout_s)), ranks,
+                 lambda: _new_group(ranks, timeout_s))
+
+
 def _kept(key: tuple, spec: Any, make: Callable[[], ShardGroup]) -> ShardGroup:
     """The group kept under ``key`` and the default process group, made by ``make`` the
     first time; groups of a default process group since replaced are dropped."""

@@ -1,0 +1,145 @@
+"""CFG parallel (`dlo_fx.cfg_parallel`, ``compile_pipeline(cfg_group=...)``) on two gloo
+ranks, one spawn running every sub-case (tests/cfg_cases.py): a tiny SD3 whose batched
+guidance call is split over the pair, streamed by dlo with 1/2 of every block per rank,
+equal to the same CFG-parallel pipeline resident; the refusals; the bounded failures."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+import cfg_cases
+import diffusers_pipelines as dp
+from distributed import in_child, spawn
+from dlo_fx.apps.engine import Engine, Request, Topology
+from dlo_fx.apps.engine.cli import DIFFUSERS
+
+COMMON = dict(height=16, width=16, num_inference_steps=2, negative_prompt="blurry",
+              extra_args={"max_sequence_length": 16})
+REQUESTS = [Request(prompt="a red cat over the tree", seed=1, guidance_scale=3.0, **COMMON),
+            Request(prompt="a blue dog", seed=2, guidance_scale=1.0, **COMMON)]  # no CFG
+
+
+def _save(folder: str, kind: str = "sd3") -> None:
+    dp.BUILDERS[kind]().save_pretrained(folder)
+
+
+def _job() -> dict:
+    """Every sub-case of tests/cfg_cases.py on 2 ranks, on an SD3 pipeline saved for it."""
+    with tempfile.TemporaryDirectory() as folder:
+        spawn(1, in_child, _save, folder)
+        return spawn(2, cfg_cases.cfg_cases, folder, REQUESTS, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def sd3_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cfg") / "sd3"
+    spawn(1, in_child, _save, str(root))
+    return root
+
+
+@pytest.mark.spawned.with_args(_job)
+def test_cfg_parallel_sd3_equals_the_same_cfg_parallel_pipeline_resident(spawned):
+    for rank in (0, 1):
+        r = spawned[rank]
+        assert r["readme"], "the README's CFG-parallel snippet gave another image"
+        # streamed, each rank holding 1/2 of every block: the resident CFG-parallel
+        # pipeline's images at both resolutions (the second recompiles), on both ranks
+        assert all(torch.equal(a, b) for a, b in zip(r["dlo"], r["resident-sizes"])), rank
+        assert torch.equal(r["dlo"][0], spawned[0]["dlo"][0])
+        host, whole = r["host"]
+        assert whole / 2 <= host < 0.55 * whole, (host, whole)
+        # guidance off: batch 1, computed whole on both ranks: the plain pipeline's images
+        assert torch.equal(r["dlo-off"], r["plain-off"])
+        assert torch.equal(r["resident-off"], r["plain-off"])
+        # Against the batch of two on one rank: the guided calls' noise predictions differ
+        # in their last bits (a matrix product of B rows sums in another order than one of
+        # 2B on this CPU), the unguided calls (batch 1 both ways) are equal.
+        assert r["noise-equal"][2:] == [True, True], r["noise-equal"]
+        assert r["noise-diff"] < 1e-5
+        # refused by name before anything changes
+        for key in ("flux", "wan"):
+            kind, message = r[key]
+            assert kind == "ValueError" and "calls its denoiser twice per step" in message, key
+            assert ("FluxPipeline" if key == "flux" else "WanPipeline") in message
+            assert "nothing was changed" in message
+        assert r["two-call-unchanged"] and r["group-unchanged"]
+        for key, words in (("one-rank", "expected two distinct ranks"),
+                           ("three", "expected two distinct ranks"),
+                           ("not-mine", "does not contain this process"),
+                           ("a-word", "group='world' is not allowed"),
+                           ("not-a-module", "StableDiffusion3Pipeline is not a torch module")):
+            assert r[key][0] == "ValueError" and words in r[key][1], (key, r[key])
+        # a module of its own: split with its rotary table whole; an odd batch whole
+        assert r["split"] and r["odd"] and r["after-mismatch"] and r["removed"]
+        kind, message = r["mismatch"]
+        assert kind == "RuntimeError" and "reached different calls of _Scale" in message
+        assert "rank 0: [4, 1," in message and "rank 1: [4, 1," in message
+    # a rank whose forward raises: its peer raises too, within the pair's timeout (5 s)
+    assert spawned[1]["peer-failed"] == ("RuntimeError", "injected failure")
+    kind, message = spawned[0]["peer-failed"]
+    assert kind == "RuntimeError" and "exchanging the halves of output over the CFG pair" \
+        in message and spawned[0]["peer-failed-s"] < 30
+
+
+def test_a_pipeline_that_calls_its_denoiser_per_branch_is_named():
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline, WanPipeline
+
+    from dlo_fx.model.cfg_parallel import cfg_refusal
+
+    assert cfg_refusal(StableDiffusion3Pipeline) is None
+    assert "twice per step" in cfg_refusal(FluxPipeline)
+    assert "twice per step" in cfg_refusal(WanPipeline)
+
+
+def test_cfg_parallel_needs_torch_distributed():
+    from torch import nn
+
+    import dlo_fx
+
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        dlo_fx.cfg_parallel(nn.Linear(2, 2), [0, 1])
+
+
+def test_the_cfg_pair_follows_the_topology(tmp_path):
+    topo = Topology(dp_size=2, sp_size=2, cfg_size=2)  # replica 0: ranks 0-3, replica 1: 4-7
+    assert [topo.cfg_group(r) for r in (0, 1, 2, 5)] == [(0, 2), (1, 3), (0, 2), (5, 7)]
+    assert [topo.sp_group(r) for r in (0, 2, 7)] == [(0, 1), (2, 3), (6, 7)]
+    assert topo.dp_group(2) == (2, 6) and topo.replica_group(5) == (4, 5, 6, 7)
+    assert [topo.replies(r) for r in range(8)] == [True] + [False] * 3 + [True] + [False] * 3
+    assert [topo.gather_group(3, g) for g in ("cfg", "replica", "world")] == \
+        [(1, 3), (0, 1, 2, 3), tuple(range(8))]
+    routes = {(d, c, s): Topology(d, s, c).choose_gather()
+              for d, c, s in ((1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2), (4, 1, 1))}
+    assert routes == {(1, 2, 1): "cfg", (2, 2, 1): "cfg", (1, 2, 2): "replica",
+                      (2, 1, 2): "sp", (4, 1, 1): "dp"}
+    assert Topology(2, 1, 2).choose_gather(sp_share_fits=False) == "world"
+    with pytest.raises(ValueError, match="cfg_size=3 is not allowed: expected 1 or 2"):
+        Topology(1, 1, 3)
+    with pytest.raises(ValueError, match="reference DiT pipeline .* calls its model once "
+                       "per guidance branch"):
+        Engine("dlo_fx.apps.engine.reference_pipeline:build", 1, cfg_size=2)
+    flux = tmp_path / "flux"
+    spawn(1, in_child, _save, str(flux), "flux")
+    with pytest.raises(ValueError, match="the pipeline FluxPipeline calls its denoiser twice "
+                       "per step.*serve it with cfg_size=1 \\(--cfg 1\\)"):
+        Engine(DIFFUSERS, 1, cfg_size=2, pipeline_kwargs={"path": str(flux)})
+
+
+@pytest.mark.spawned.with_args(_job)
+def test_the_engine_at_cfg_2_equals_the_resident_cfg_parallel_pipeline(spawned, sd3_root):
+    """dp 1 x cfg 2: one request at a time on the CFG pair, every block gathered over it."""
+    with Engine(DIFFUSERS, 1, cfg_size=2, wave_timeout_s=300,
+                pipeline_kwargs={"path": str(sd3_root)}) as engine:
+        assert engine.spec.gather == "cfg"
+        results = engine.generate(REQUESTS)
+    for result, expected in zip(results, spawned[0]["engine"]):
+        assert result.ok, result.error
+        assert torch.equal(result.output["images"], expected), result.request
+        assert result.info["cfg_parallel"] == {"transformer": [0, 1]}
+        assert result.info["context_parallel"] == {"transformer": 1}
+    host = results[0].info["transformer"]["host_shard_bytes"]
+    whole, = {spawned[r]["host"][1] for r in (0, 1)}
+    assert whole / 2 <= host < 0.55 * whole, (host, whole)
