@@ -25,12 +25,12 @@ def _init(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def tiny_wan(seed: int = 0):
+def tiny_wan(seed: int = 0, heads: int = 2):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
     model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=16, in_channels=4,
         out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=3,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     )
@@ -41,18 +41,18 @@ def tiny_wan(seed: int = 0):
     return model, inputs
 
 
-def tiny_flux(seed: int = 0):
+def tiny_flux(seed: int = 0, heads: int = 2, text: int = 6):
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
     model = FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        attention_head_dim=16, num_attention_heads=heads, joint_attention_dim=32,
         pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 4, 8),
     )
     _init(model, seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    tokens, text = 16, 6
+    tokens = 16
     kwargs = dict(
         hidden_states=torch.randn(1, tokens, 16, generator=gen),
         encoder_hidden_states=torch.randn(1, text, 32, generator=gen),

@@ -232,20 +232,60 @@ def dp_tp_cases(rank: int, world: int) -> dict:
 
 
 # -- context parallelism ----------------------------------------------------------------------
-def cp_cases(rank: int, world: int) -> dict:
-    """diffusers' Ulysses context parallelism at sp ``world`` with every rank's weights
-    gathered over the same ranks, exact against the same CP model resident."""
-    from diffusers import ContextParallelConfig
+def _cp_model(name: str, mesh, heads: int):
+    """A factory of a tiny Flux or Wan whose sequence diffusers' Ulysses context parallelism
+    splits over ``mesh`` (dims "ring", "ulysses"), with ``heads`` heads (the Ulysses degree
+    divides them) and 8 text tokens (Flux splits its text too)."""
+    from dlo_fx.apps.engine.context_parallel import enable_context_parallel
+    from models import tiny_wan
 
     def factory():
-        model, kwargs = tiny_flux()
+        if name == "flux":
+            model, inputs = tiny_flux(heads=heads, text=8)
+        else:  # a tuple out (diffusers' context-parallel output hook takes no dataclass)
+            model, (hidden, timestep, text) = tiny_wan(heads=heads)
+            inputs = dict(hidden_states=hidden, timestep=timestep,
+                          encoder_hidden_states=text, return_dict=False)
         model.eval().requires_grad_(False)
-        with cpu_parallelism():
-            model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
-        return model, kwargs
+        enable_context_parallel(model, mesh)
+        return model, inputs
+    return factory
 
-    return {"flux": streamed(factory, {"mode": "allgather",
-                                       "shard_group": list(range(world))})}
+
+#: (dp, sp) topologies of one spawn's world -> the gather groups each model runs with
+#: ("sp": the replica's ranks, "dp": the strided ranks of one sp place, "world": all of
+#: them, "rank_local": none)
+CP_ROUTES = {
+    2: [((1, 2), "flux", ("sp", "rank_local")), ((1, 2), "wan", ("sp", "rank_local"))],
+    4: [((1, 4), "flux", ("sp", "rank_local")), ((1, 4), "wan", ("sp",)),
+        ((2, 2), "flux", ("sp", "dp", "world", "rank_local")), ((2, 2), "wan", ("sp", "dp"))],
+}
+
+
+def _route_options(route: str, rank: int, dp: int, sp: int) -> dict:
+    replica = rank // sp
+    groups = {"sp": [replica * sp + i for i in range(sp)],
+              "dp": [rank % sp + d * sp for d in range(dp)],
+              "world": list(range(dp * sp))}
+    if route == "rank_local":
+        return {"mode": "rank_local"}
+    return {"mode": "allgather", "shard_group": groups[route]}
+
+
+def cp_cases(rank: int, world: int) -> dict:
+    """diffusers' Ulysses context parallelism on tiny Flux and Wan at every (dp, sp) of
+    `CP_ROUTES` for ``world`` ranks, each rank's weights gathered over its replica's
+    sequence ranks, over the strided DP ranks, over all ranks, or kept rank-local: exact
+    against the same context-parallel model resident (the engine's mesh layout: replica-
+    major ranks, dims ("dp", "ring", "ulysses"))."""
+    out = {}
+    for (dp, sp), name, routes in CP_ROUTES[world]:
+        mesh = init_device_mesh("cpu", (dp, 1, sp), mesh_dim_names=("dp", "ring", "ulysses"))
+        for route in routes:
+            out[(dp, sp, name, route)] = streamed(
+                _cp_model(name, mesh["ring", "ulysses"], heads=sp),
+                {**_route_options(route, rank, dp, sp), "resident_bytes": 0})
+    return out
 
 
 __all__ = ["cp_cases", "dp_tp_cases", "tp_cases"]

@@ -68,16 +68,34 @@ def test_data_parallel_replicas_beside_tensor_parallel_gather_the_local_shard(sp
         assert gathered["host_bytes"] * 2 == local["host_bytes"], rank
 
 
-@pytest.mark.spawned.with_args(lambda: spawn(2, parallel_cases.cp_cases))
-def test_context_parallel_flux_gathered_over_its_sequence_ranks(spawned):
-    """diffusers' Ulysses context parallelism at sp 2 on a tiny Flux, every rank holding
-    1/2 of each block gathered over the same two ranks: exact against the same CP model
-    resident, two compiled calls."""
-    for rank in (0, 1):
-        r = spawned[rank]["flux"]
-        assert r["equal"] == [True, True] and r["dp"] == 2 and r["mode"] == "allgather"
-        assert r["host_bytes"] <= r["block_bytes"] / 2 + r["blocks"] * 256, rank
-        assert r["block_bytes"] <= r["full_bytes"] + r["stored"] * 256, rank
+def _check_routes(spawned, world: int) -> None:
+    for rank in range(world):
+        for (dp, sp, name, route), r in spawned[rank].items():
+            key = (rank, dp, sp, name, route)
+            assert r["equal"] == [True, True], key
+            size = {"sp": sp, "dp": dp, "world": dp * sp, "rank_local": 1}[route]
+            assert r["dp"] == size and r["mode"] == (
+                "rank_local" if route == "rank_local" else "allgather"), key
+            # 1/size of each block (padded to the alignment per block)
+            assert r["host_bytes"] <= r["block_bytes"] / size + r["blocks"] * 256, key
+            assert r["block_bytes"] <= r["full_bytes"] + r["stored"] * 256, key
+
+
+@pytest.mark.spawned.with_args(lambda: spawn(2, parallel_cases.cp_cases, timeout=600))
+def test_context_parallel_at_dp1_sp2_in_both_modes(spawned):
+    """diffusers' Ulysses context parallelism on tiny Flux and Wan at (dp, sp) = (1, 2),
+    weights gathered over the two sequence ranks or rank-local: exact against the same
+    context-parallel model resident, two compiled calls; 1/2 of each block per rank when
+    gathered."""
+    _check_routes(spawned, 2)
+
+
+@pytest.mark.spawned.with_args(lambda: spawn(4, parallel_cases.cp_cases, timeout=900))
+def test_context_parallel_at_dp1_sp4_and_dp2_sp2_over_every_gather_group(spawned):
+    """The same at (1, 4) (gathered over the four sequence ranks, and rank-local) and at
+    (2, 2), gathered over the replica's sequence ranks, over the strided DP ranks, over all
+    four, or rank-local."""
+    _check_routes(spawned, 4)
 
 
 def test_cpu_parallelism_passes_the_two_device_checks_and_restores_them():
