@@ -445,7 +445,8 @@ def test_pickles_are_refused(ckpts, tmp_path, suffix):
 def test_bad_model_argument_and_resident_name(ckpts):
     model, _ = tiny_dit()
     _expect_error("pass the class or a zero-argument factory", model, ckpts["dit"])
-    _expect_error("resident='patch_embd' names no parameter", ReferenceDiT, ckpts["dit"],
+    _expect_error("resident='patch_embd' names no parameter of the model; did you mean "
+                  "'patch_embed'\\?", ReferenceDiT, ckpts["dit"],
                   config=ckpts["config"], resident=["patch_embd"])
 
 

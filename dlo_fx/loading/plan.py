@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, TensorInfo
-from ..config import DLOConfig
+from ..config import DLOConfig, did_you_mean
 from .gguf import shape_text
 from ..planning.blocks import Unit, partition
 from ..planning.residency import Candidate, decide_residency
@@ -316,8 +316,11 @@ def _resident_set(params: list[Target], names: Sequence[str], caller: str) -> se
         hits = [t for t in params if any(fqn == name or fqn.startswith(name + ".")
                                          for _, _, fqn in t.names)]
         if not hits:
-            raise ValueError(f"{caller}: resident={name!r} names no parameter of the model "
-                             "(give parameter FQNs or module prefixes such as 'patch_embed')")
+            fqns = {fqn for t in params for _, _, fqn in t.names}
+            prefixes = {f.rsplit(".", i)[0] for f in fqns for i in range(1, f.count(".") + 1)}
+            raise ValueError(f"{caller}: resident={name!r} names no parameter of the model; "
+                             f"{did_you_mean(name, fqns | prefixes)}give parameter FQNs or "
+                             "module prefixes such as 'patch_embed'")
         keep.update(id(t) for t in hits)
     return keep
 
