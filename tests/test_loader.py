@@ -166,6 +166,24 @@ def test_dtype_cast_of_a_non_contiguous_parameter(tmp_path, ckpts):
     assert compare(model, reference, tiny_dit()[1], {})["equal"]
 
 
+def test_the_cast_log_says_why_each_cast_was_made(ckpts, tmp_path, caplog):
+    """With dtype= the log names it and the modules the class keeps in float32; "pass
+    dtype=" only where it was not passed."""
+    state = {k: v.float() if k.startswith("blocks.") else v.bfloat16()
+             for k, v in load_file(ckpts["dit"]).items()}
+    path = str(tmp_path / "mixed.safetensors")  # float32 blocks, bfloat16 time_embed
+    save_file(state, path)
+    blocks, kept = (sum(k.startswith(p) for k in state) for p in ("blocks.", "time_embed."))
+    with caplog.at_level(logging.INFO, logger="dlo_fx.loading.plan"):
+        load(MixedDiT, path, config=ckpts["config"], dtype=torch.bfloat16)
+    casts = [r.message for r in caplog.records if "cast" in r.message]
+    assert len(casts) == 1 and "pass dtype=" not in casts[0], casts
+    assert casts[0].endswith(
+        f"cast {blocks + kept} checkpoint tensor(s) while copying: {blocks} to dtype=bfloat16 "
+        f"(float32 -> bfloat16); {kept} to float32, kept so by MixedDiT._keep_in_fp32_modules "
+        "['time_embed'] (bfloat16 -> float32)"), casts
+
+
 # -- checkpoint forms --------------------------------------------------------------------------
 def test_index_file_folder_without_index_and_hf_cache(ckpts, tmp_path, monkeypatch):
     from diffusers import WanTransformer3DModel
