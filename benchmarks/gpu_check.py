@@ -436,6 +436,13 @@ def group_offload_variant(source: torch.nn.Module, device: torch.device) -> Vari
     return variant
 
 
+RSS_ADDED = ("\"host RSS added\" is cumulative: the growth of the process's RSS from just "
+             "before a variant was made to the end of its first call. A phase makes all its variants before "
+             "it calls any, so a row also counts the host memory of the variants listed after "
+             "it in its phase; a variant's own share is its figure minus the next row's.")
+"""What the table's "host RSS added" column includes (`first_call`, `markdown`)."""
+
+
 def first_call(v: Variant, kw: dict, device: torch.device, reference: Optional[torch.Tensor],
                res: Resolution) -> None:
     """The variant's first call at ``res`` (a compile for dlo), timed and compared."""
@@ -1035,7 +1042,7 @@ def markdown(result: dict) -> str:
                     f"| {_gib(v.get('host_rss_added'))} | {_f(v.get('offload_s'), '{:.1f} s')} "
                     f"| {_f(v.get('first_call_s'), '{:.1f} s')} "
                     f"| {_exact(v)} |")
-    lines.append("")
+    lines += ["", RSS_ADDED, ""]
     if flux:
         for label, into in flux["resolutions"].items():
             p = into.get("phase 1") or into.get("phase 2") or {}

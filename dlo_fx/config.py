@@ -8,10 +8,11 @@ dataclass through `DLOConfig.from_options`; an unknown key or a bad value raises
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +25,21 @@ _MODES = (None, "auto", "allgather", "rank_local")
 _COMPILERS = ("eager", "inductor")
 _HOST_STORES = ("memory", "mmap")
 _FILE_READS = ("auto", "direct", "buffered")
+
+
+def did_you_mean(unknown: Union[str, Sequence[str]], names: Iterable[str]) -> str:
+    """``"did you mean 'num_slots'? "`` for a mistyped name (each of several: ``"did you mean
+    'prompt' for 'promt'? "``), the closest of ``names`` as difflib finds it; ``""`` where
+    none is close. Every error that refuses an unknown name puts it before the list."""
+    names = list(names)
+    unknown = [unknown] if isinstance(unknown, str) else list(unknown)
+    pairs = [(u, close[0]) for u in unknown
+             for close in [difflib.get_close_matches(str(u), names, n=1)] if close]
+    if not pairs:
+        return ""
+    if len(unknown) == 1:
+        return f"did you mean {pairs[0][1]!r}? "
+    return "did you mean " + ", ".join(f"{c!r} for {u!r}" for u, c in pairs) + "? "
 
 
 @dataclass(frozen=True)
@@ -268,7 +284,7 @@ class DLOConfig:
             if key not in allowed:
                 raise ValueError(
                     f"unknown dlo option {key!r} (value {options[key]!r}); "
-                    f"allowed options: {', '.join(sorted(allowed))}"
+                    f"{did_you_mean(key, allowed)}allowed options: {', '.join(sorted(allowed))}"
                 )
         if "dump_dir" not in options and os.environ.get("DLO_FX_DUMP_DIR"):
             options["dump_dir"] = os.environ["DLO_FX_DUMP_DIR"]

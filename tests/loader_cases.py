@@ -134,3 +134,69 @@ def load_cases(rank: int, world: int, dit_path: str, dit_config, wan_dir: str,
         out["bad-rank"] = str(exc)
     out["bad-rank-blocks"] = sum(len(rt.store.blocks) for rt in live_runtimes())
     return out
+
+
+# -- a file no mapping can hold -------------------------------------------------------------
+PAD_BYTES = 1 << 30
+
+
+def padded_dit(folder: str, name: str, gap: int = 0) -> tuple[str, str, object]:
+    """The tiny DiT's file with a 1 GiB tensor ``pad`` after its weights, left a hole (a
+    sparse file: nothing written, nothing on disk), and ``gap`` bytes before ``pad`` (a
+    corrupt file: no tensor covers them). (padded path, plain path, config)."""
+    import json
+    import struct
+
+    plain, config = save_dit(folder, name=f"plain-{name}")
+    data = open(plain, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    start = len(body) + gap
+    header["pad"] = {"dtype": "U8", "shape": [PAD_BYTES], "data_offsets": [start, start + PAD_BYTES]}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = os.path.join(folder, name)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + body)
+        f.truncate(8 + len(raw) + start + PAD_BYTES)
+    return path, plain, config
+
+
+def _address_space() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def unmappable_cases(rank: int, world: int, folder: str) -> dict:
+    """Loads of a 1 GiB file under an address-space limit (RLIMIT_AS) that refuses its
+    mapping: safetensors' own (``headroom`` 256 MiB) or torch's second one over the file
+    (1.5 GiB). Per case: what safetensors said when opening the file, whether the load was
+    exact, or the load's error. The corrupt file is refused under the same limit."""
+    import resource
+
+    from safetensors import safe_open
+
+    good, plain, config = padded_dit(folder, "big.safetensors")
+    bad, _, _ = padded_dit(folder, "gap.safetensors", gap=8)
+    drop_pad = {"pad": None}
+    out = {}
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    for headroom in (256 << 20, 1536 << 20):
+        case = out[headroom] = {}
+        resource.setrlimit(resource.RLIMIT_AS, (_address_space() + headroom, hard))
+        try:
+            try:
+                with safe_open(good, framework="pt", device="cpu"):
+                    case["opened"] = "opened"
+            except Exception as exc:
+                case["opened"] = f"{type(exc).__name__}: {exc}"
+            for key, path in (("good", good), ("bad", bad)):
+                fresh()
+                try:
+                    model = load(ReferenceDiT, path, config=config, key_map=drop_pad)
+                    case[key] = same_state(model, resident_dit(plain, config))
+                except Exception as exc:
+                    case[key] = f"{type(exc).__name__}: {exc}"
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return out

@@ -16,7 +16,7 @@ SECONDS = "expected a number of seconds from 0 to"
 
 @pytest.mark.parametrize("options, named, allowed", [
     ({"num_slot": 2}, "option 'num_slot' (value 2)",
-     "allowed options: activation_reserve_bytes, alignment,"),
+     "did you mean 'num_slots'? allowed options: activation_reserve_bytes, alignment,"),
     ({"num_slots": 1}, "'num_slots'=1", "expected an integer >= 2"),
     ({"num_slots": 2.0}, "'num_slots'=2.0", "expected an integer >= 2"),
     ({"block_bytes": 0}, "'block_bytes'=0", "expected an integer >= 1"),
@@ -47,6 +47,21 @@ def test_bad_option_names_key_value_and_allowed(options, named, allowed):
     assert repr(key) in message
     assert named in message, message  # the value, as the option's own
     assert allowed in message, message
+
+
+def test_an_unknown_name_is_refused_naming_the_close_one():
+    """As Python's own NameError does: the name meant, before the list of every name."""
+    from dlo_fx.apps.engine import Limits, Request
+
+    with pytest.raises(ValueError, match=r"'dump_dri' .*; did you mean 'dump_dir'\? allowed"):
+        DLOConfig.from_options({"dump_dri": "/tmp"})
+    with pytest.raises(ValueError, match=r"'zzz' \(value 1\); allowed options"):  # none close
+        DLOConfig.from_options({"zzz": 1})
+    with pytest.raises(ValueError, match=r"field\(s\) 'promt', 'sed'; did you mean 'prompt' for "
+                                         r"'promt', 'seed' for 'sed'\? allowed fields"):
+        Request.from_dict({"promt": "x", "sed": 1})
+    with pytest.raises(ValueError, match=r"\['max_hieght'\]; did you mean 'max_height'\?"):
+        Limits.from_value({"max_hieght": 512})
 
 
 def test_unknown_option_through_torch_compile():

@@ -150,6 +150,10 @@ def test_compile_pipeline_rejects_unknown_components_and_options():
     with pytest.raises(ValueError, match=r"components='tokenizer' is a .*not a torch module; "
                                          r"its torch modules: .*transformer"):
         compile_pipeline(pipe, components=["tokenizer"])
+    with pytest.raises(ValueError, match=r"components='transfomer' is not a component of "
+                                         r"FluxPipeline, not a torch module; did you mean "
+                                         r"'transformer'\? its torch modules"):
+        compile_pipeline(pipe, components=["transfomer"])
     with pytest.raises(ValueError, match="unknown dlo option 'num_slot'"):
         compile_pipeline(pipe, options={"num_slot": 2})
     assert compile_pipeline(pipe, options={"num_slots": 2}) is pipe  # compiled in place

@@ -369,6 +369,29 @@ def test_torchrun_serve_runs_mixed_waves_of_two_shapes_exactly(spawned):
         assert torch.equal(output, alone(Request.from_dict(data))), row
 
 
+def test_showcase_says_where_it_writes_and_what_its_figures_mean(tmp_path, monkeypatch,
+                                                                 capsys):
+    """`dlo-fx demo` at a tiny size: it names its cache folder (XDG_CACHE_HOME honoured),
+    writes there, and says what it shows and why a CPU serves fewer requests/s streamed."""
+    from dlo_fx.apps.demo import CPU_COPIES
+    from dlo_fx.apps.engine import showcase
+
+    monkeypatch.delenv("DLO_FX_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert showcase.run_showcase(width=64, depth=2, heads=4, size=32, steps=1) == 0
+    printed = capsys.readouterr().out
+    root = tmp_path / "dlo-fx"
+    assert f"writing to {root}: the checkpoint (once)" in printed
+    assert "(DLO_FX_CACHE or XDG_CACHE_HOME moves it)" in printed
+    assert "What this shows: each rank holds half of every block" in printed
+    table = json.loads((root / "showcase.json").read_text())
+    assert table["bit-identical to resident"] == "True"
+    resident_rate = float(table["throughput"].split("one resident process: ")[1].split()[0])
+    slower = float(table["throughput"].split()[0]) < resident_rate
+    assert (CPU_COPIES in printed) == slower, printed
+    assert {p.name for p in root.iterdir()} >= {"showcase-dump", "showcase-out", "showcase.json"}
+
+
 @pytest.mark.spawned.with_args(_torchrun_serve)
 def test_torchrun_serve_refuses_forged_and_replayed_control_messages(spawned):
     """The same job, attacked from rank 1 through torchrun's store before the keys it

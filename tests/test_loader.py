@@ -17,7 +17,7 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import loader_cases
 from distributed import in_child, spawn
-from dlo_fx.loading.checkpoint import CheckpointError
+from dlo_fx.loading.checkpoint import CheckpointError, read_header
 from dlo_fx.loading.discover import resolve_checkpoint
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
@@ -166,6 +166,24 @@ def test_dtype_cast_of_a_non_contiguous_parameter(tmp_path, ckpts):
     assert compare(model, reference, tiny_dit()[1], {})["equal"]
 
 
+def test_the_cast_log_says_why_each_cast_was_made(ckpts, tmp_path, caplog):
+    """With dtype= the log names it and the modules the class keeps in float32; "pass
+    dtype=" only where it was not passed."""
+    state = {k: v.float() if k.startswith("blocks.") else v.bfloat16()
+             for k, v in load_file(ckpts["dit"]).items()}
+    path = str(tmp_path / "mixed.safetensors")  # float32 blocks, bfloat16 time_embed
+    save_file(state, path)
+    blocks, kept = (sum(k.startswith(p) for k in state) for p in ("blocks.", "time_embed."))
+    with caplog.at_level(logging.INFO, logger="dlo_fx.loading.plan"):
+        load(MixedDiT, path, config=ckpts["config"], dtype=torch.bfloat16)
+    casts = [r.message for r in caplog.records if "cast" in r.message]
+    assert len(casts) == 1 and "pass dtype=" not in casts[0], casts
+    assert casts[0].endswith(
+        f"cast {blocks + kept} checkpoint tensor(s) while copying: {blocks} to dtype=bfloat16 "
+        f"(float32 -> bfloat16); {kept} to float32, kept so by MixedDiT._keep_in_fp32_modules "
+        "['time_embed'] (bfloat16 -> float32)"), casts
+
+
 # -- checkpoint forms --------------------------------------------------------------------------
 def test_index_file_folder_without_index_and_hf_cache(ckpts, tmp_path, monkeypatch):
     from diffusers import WanTransformer3DModel
@@ -310,6 +328,52 @@ def test_a_file_that_is_not_safetensors_is_an_error_naming_it(ckpts, tmp_path, c
                   config=ckpts["config"], exc=CheckpointError)
 
 
+def _tiled(offsets: dict, data: int) -> tuple[dict, bytes]:
+    """A safetensors header of uint8 tensors at ``offsets`` and ``data`` zero bytes."""
+    return {k: {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]}
+            for k, (b, e) in offsets.items()}, bytes(data)
+
+
+@pytest.mark.parametrize("offsets, data, match", [
+    ({"a": (0, 4), "b": (6, 10)}, 10, r"tensor 'b' starts at data byte 6, the tensors before "
+     r"it end at data byte 4 \(a gap\)"),
+    ({"a": (0, 4), "b": (2, 6)}, 6, r"tensor 'b' starts at data byte 2, .* byte 4 \(an overlap\)"),
+    ({"a": (2, 6)}, 6, r"tensor 'a' starts at data byte 2, .* byte 0 \(a gap\)"),
+    ({"a": (0, 4)}, 6, r"its tensors end at data byte 4, 2 bytes before the end of the file"),
+], ids=["gap", "overlap", "leading", "trailing"])
+def test_tensors_that_do_not_tile_the_file_are_named(tmp_path, offsets, data, match):
+    """Checked from the header, without the mapping safetensors' own check needs."""
+    header, body = _tiled(offsets, data)
+    raw = json.dumps(header).encode()
+    path = tmp_path / "tiles.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+    with pytest.raises(CheckpointError, match=r"tiles\.safetensors: corrupt safetensors .*" + match):
+        read_header(path)
+    header, body = _tiled({"z": (0, 0), "a": (0, 4), "b": (4, 8)}, 8)  # an empty tensor too
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+    assert sorted(read_header(path)) == ["a", "b", "z"]
+
+
+def _unmappable():
+    with tempfile.TemporaryDirectory() as root:
+        return spawn(1, loader_cases.unmappable_cases, root, timeout=300)[0]
+
+
+@pytest.mark.spawned.with_args(_unmappable)
+def test_a_file_the_host_cannot_map_loads(spawned):
+    """A 1 GiB file under an address-space limit that refuses safetensors' mapping of it
+    (its own, or torch's over the file): not "re-download it", since the cause is the
+    mapping and dlo reads tensors without one; the model loads exactly. A corrupt file is
+    still refused under the same limit."""
+    own, torchs = spawned[256 << 20], spawned[1536 << 20]
+    assert own["opened"].startswith("MemoryError") and "os error 12" in own["opened"], own
+    assert "unable to mmap" in torchs["opened"], torchs
+    for case in (own, torchs):
+        assert case["good"] is True, case
+        assert "gap.safetensors: corrupt safetensors header: tensor 'pad'" in case["bad"], case
+
+
 def test_config_that_is_not_json_is_an_error_naming_it(ckpts, tmp_path):
     """A weights file passed as ``config=`` (or a binary config.json): not a bare
     UnicodeDecodeError."""
@@ -445,7 +509,8 @@ def test_pickles_are_refused(ckpts, tmp_path, suffix):
 def test_bad_model_argument_and_resident_name(ckpts):
     model, _ = tiny_dit()
     _expect_error("pass the class or a zero-argument factory", model, ckpts["dit"])
-    _expect_error("resident='patch_embd' names no parameter", ReferenceDiT, ckpts["dit"],
+    _expect_error("resident='patch_embd' names no parameter of the model; did you mean "
+                  "'patch_embed'\\?", ReferenceDiT, ckpts["dit"],
                   config=ckpts["config"], resident=["patch_embd"])
 
 

@@ -17,6 +17,13 @@ from ..model.memory import memory_report
 from .models import example_inputs, reference_dit
 
 
+CPU_COPIES = ("on a CPU the copy into a slot is a memcpy (and, with ranks, the gather of a "
+              "block's other shards is gloo over loopback TCP), on the cores that compute, so "
+              "it adds to the compute instead of hiding under it; on a GPU the copy engine and "
+              "the interconnect run beside the compute (docs/benchmarks.md)")
+"""Why a streamed run on a CPU is slower than the resident model: the demos print it."""
+
+
 def _median_latency(fn, runs: int) -> float:
     times = []
     for _ in range(runs):
@@ -49,5 +56,7 @@ def run_demo(*, width: int = 1024, depth: int = 12, heads: int = 16, size: int =
     print(f"bit-identical to the resident model: {identical}")
     print(f"latency: dlo {dlo_s * 1e3:.1f} ms, resident {ref_s * 1e3:.1f} ms, "
           f"ratio {dlo_s / ref_s:.3f} (median of {runs})")
+    if dlo_s > ref_s:
+        print(f"why slower: {CPU_COPIES}")
     print(memory_report(streamed))
     return 0 if identical else 1

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .backend import given_options
-from ..config import DLOConfig, same_device
+from ..config import DLOConfig, did_you_mean, same_device
 from ..loading.offload import compute_device, offload
 from ..model.cfg_parallel import cfg_parallel, cfg_refusal, group_ranks
 from ..model.guard import guard_pipeline, restore, shadow, shadowing, unguard_pipeline
@@ -115,8 +115,9 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
             modules = [n for n, v in found.items() if isinstance(v, nn.Module)]
             what = "is not a component" if value is None else f"is a {type(value).__name__}"
             raise ValueError(f"compile_pipeline: components={name!r} {what} of "
-                             f"{type(pipe).__name__}, not a torch module; its torch modules: "
-                             f"{', '.join(modules) or 'none'}")
+                             f"{type(pipe).__name__}, not a torch module; "
+                             f"{did_you_mean(name, modules) if value is None else ''}"
+                             f"its torch modules: {', '.join(modules) or 'none'}")
     given = given_options(options)
     for name in names:
         _check_same_options(pipe, name, given)

@@ -13,6 +13,7 @@ halfway.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "Checkpoint", "TensorInfo", "from_files", "from_index",
            "header_json", "load_error", "read_header", "refuse_pickles", "read_tensor"]
@@ -184,21 +187,56 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         if key == "__metadata__":
             continue
         out[key] = _tensor_info(path, key, meta, data_bytes, base)
+    _check_layout(path, out, base, size)
     _check_with_reader(path)
     return out
 
 
+def _check_layout(path: str, tensors: dict[str, TensorInfo], base: int, size: int) -> None:
+    """The tensors tile the data section, as safetensors' reader requires: each begins
+    where the one before it (by offset) ends, and the last ends at the end of the file (no
+    gap, overlap or trailing bytes). Checked from the header alone, so that a file no
+    mapping can hold is checked too (`_check_with_reader`)."""
+    end = base
+    for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if info.offset != end:
+            what = "an overlap" if info.offset < end else "a gap"
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor {info.key!r} starts at data byte "
+                f"{info.offset - base}, the tensors before it end at data byte {end - base} "
+                f"({what}); re-download or re-save it")
+        end = info.offset + info.nbytes
+    if end != size:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors file: its tensors end at data byte {end - base}, "
+            f"{size - end} bytes before the end of the file; re-download or re-save it")
+
+
 def _check_with_reader(path: str) -> None:
-    """Let safetensors itself check the file (offsets that overlap or leave gaps, ...).
-    Opening maps the file but touches no tensor page."""
+    """Let safetensors itself check the file (what it checks beyond `_check_layout`).
+    Opening maps the whole file but touches no tensor page. A mapping the host refuses (a
+    file larger than the address space a limit leaves: ``ENOMEM``) says nothing about the
+    file, and dlo reads tensors without one (`read_tensor`), so that check is then skipped,
+    with a log line: such a file loads, not "re-download it"."""
     from safetensors import safe_open
 
     try:
         with safe_open(path, framework="pt", device="cpu"):
             pass
     except Exception as exc:  # safetensors raises its own error types
-        raise CheckpointError(f"{path}: safetensors refuses the file ({exc}); re-download or "
-                              "re-save it") from None
+        if not _mapping_failed(exc):
+            raise CheckpointError(f"{path}: safetensors refuses the file ({exc}); "
+                                  "re-download or re-save it") from None
+        log.info("%s: safetensors cannot map the file to check it (%s); its header was checked "
+                 "without it, and its tensors are read without a mapping", path, exc)
+
+
+def _mapping_failed(exc: Exception) -> bool:
+    """Whether safetensors failed to map a file, not to accept it. It maps the file twice:
+    with a mapping of its own (a MemoryError, "Cannot allocate memory (os error 12)", or
+    another OSError where the host refuses it), and as torch's storage over the file
+    (torch's RuntimeError "unable to mmap N bytes from file <...>")."""
+    return isinstance(exc, (MemoryError, OSError)) or "unable to mmap" in str(exc)
 
 
 def _tensor_info(path: str, key: str, meta: object, data_bytes: int, base: int) -> TensorInfo:

@@ -38,7 +38,8 @@ for its floating-point dtype. Without ``dtype=`` every floating-point parameter 
 dtype the constructor gave it (float32 for a diffusers or transformers model built from its
 config); with ``dtype=`` they get that one, except diffusers' ``_keep_in_fp32_modules``. A
 checkpoint tensor of another floating-point dtype is cast while it is copied into the host
-store (one temporary of that tensor), and one log line counts the casts, so a bfloat16
+store (one temporary of that tensor), and one log line counts the casts by their cause
+(the model's dtype, ``dtype=``, or float32 for the modules kept so), so a bfloat16
 checkpoint loads without ``dtype=`` (into a float32 model: pass ``dtype=torch.bfloat16`` to
 keep half the host memory). An integer or bool tensor of another dtype is an error, since
 casting it would change its values.

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, TensorInfo
-from ..config import DLOConfig
+from ..config import DLOConfig, did_you_mean
 from .gguf import shape_text
 from ..planning.blocks import Unit, partition
 from ..planning.residency import Candidate, decide_residency
@@ -209,6 +209,28 @@ def _config_hint(module: nn.Module, wrong: int, total: int) -> str:
             "config= (or put the model's config.json next to the weights)")
 
 
+def _casts_text(casts: Sequence[tuple[torch.dtype, torch.dtype]], dtype: Optional[torch.dtype],
+                module: nn.Module) -> str:
+    """The floating-point casts a load makes, and why (see [Note: the dtype rule]): to the
+    model's own dtype (no ``dtype=``), to ``dtype=``, or to float32 for the modules the
+    class keeps in float32 (``_keep_in_fp32_modules``, whatever ``dtype=`` says)."""
+    def pairs(group: Sequence[tuple[torch.dtype, torch.dtype]]) -> str:
+        return ", ".join(sorted({f"{a} -> {b}".replace("torch.", "") for a, b in group}))
+
+    if dtype is None:
+        return (f"cast {len(casts)} checkpoint tensor(s) to the model's dtype while copying "
+                f"({pairs(casts)}); pass dtype= to choose the model's dtype")
+    given = [c for c in casts if c[1] == dtype]
+    kept = [c for c in casts if c[1] != dtype]  # float32: _keep_in_fp32_modules
+    parts = [f"{len(given)} to dtype={str(dtype).removeprefix('torch.')} ({pairs(given)})"] \
+        if given else []
+    if kept:
+        keep = list(getattr(type(module), "_keep_in_fp32_modules", None) or ())
+        parts.append(f"{len(kept)} to float32, kept so by {type(module).__name__}."
+                     f"_keep_in_fp32_modules {keep} ({pairs(kept)})")
+    return f"cast {len(casts)} checkpoint tensor(s) while copying: " + "; ".join(parts)
+
+
 def _listing(names: Sequence[str], limit: int = 10) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     more = f" (first {limit} of {len(names)})" if len(names) > limit else ""
@@ -275,10 +297,7 @@ def plan_load(module: nn.Module, ckpt: Checkpoint, cfg: DLOConfig, *,
                          f"({ckpt.describe_files()}):\n" + _summary(sections)
                          + _config_hint(module, len(missing) + len(shapes), len(params)))
     if casts:
-        pairs = sorted({f"{a} -> {b}".replace("torch.", "") for a, b in casts})
-        log.info("dlo_fx.load: %s: cast %d checkpoint tensor(s) to the model's dtype while "
-                 "copying (%s); pass dtype= to choose the model's dtype", what, len(casts),
-                 ", ".join(pairs))
+        log.info("dlo_fx.load: %s: %s", what, _casts_text(casts, dtype, module))
     if (unexpected or kept) and not strict:
         warnings.warn(f"dlo_fx.load: {what}: ignoring {len(unexpected)} unexpected key(s) "
                       f"[{_listing(unexpected, 20)}]; {len(kept)} buffer(s) keep their "
@@ -320,8 +339,11 @@ def _resident_set(params: list[Target], names: Sequence[str], caller: str) -> se
         hits = [t for t in params if any(fqn == name or fqn.startswith(name + ".")
                                          for _, _, fqn in t.names)]
         if not hits:
-            raise ValueError(f"{caller}: resident={name!r} names no parameter of the model "
-                             "(give parameter FQNs or module prefixes such as 'patch_embed')")
+            fqns = {fqn for t in params for _, _, fqn in t.names}
+            prefixes = {f.rsplit(".", i)[0] for f in fqns for i in range(1, f.count(".") + 1)}
+            raise ValueError(f"{caller}: resident={name!r} names no parameter of the model; "
+                             f"{did_you_mean(name, fqns | prefixes)}give parameter FQNs or "
+                             "module prefixes such as 'patch_embed'")
         keep.update(id(t) for t in hits)
     return keep
 

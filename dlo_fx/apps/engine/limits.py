@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Sequence
 
+from ...config import did_you_mean
 from .request import Request
 
 
@@ -88,8 +89,9 @@ class Limits:
         if isinstance(value, Mapping):
             unknown = sorted(set(value) - {f.name for f in fields(cls)})
             if unknown:
-                raise ValueError(f"unknown pipeline limit(s) {unknown}; allowed: "
-                                 f"{[f.name for f in fields(cls)]}")
+                allowed = [f.name for f in fields(cls)]
+                raise ValueError(f"unknown pipeline limit(s) {unknown}; "
+                                 f"{did_you_mean(unknown, allowed)}allowed: {allowed}")
             return cls(**value)
         raise ValueError(f"pipeline limits must be a dlo_fx.apps.engine.Limits or a dict, not "
                          f"{type(value).__name__}")

@@ -23,6 +23,8 @@ import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from ...config import did_you_mean
+
 LOCAL_FIELDS = ("prompt", "negative_prompt", "seed")
 """Fields that may differ between the requests of one wave."""
 
@@ -154,7 +156,8 @@ class Request:
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ValueError(f"unknown request field(s) {', '.join(map(repr, unknown))}; "
-                             f"allowed fields: {', '.join(sorted(allowed))}")
+                             f"{did_you_mean(unknown, allowed)}allowed fields: "
+                             f"{', '.join(sorted(allowed))}")
         if "prompt" not in data:
             raise ValueError("a request needs a 'prompt'")
         return cls(**data)
