@@ -54,7 +54,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--gather", default="auto", choices=GATHER,
                         help="ranks each rank's weights are gathered over: its replica (sp), "
                              "one rank per replica (dp), every rank (world), none (rank-local),"
-                             " or auto: chosen from --dp, --sp and the host's RAM")
+                             " or auto: chosen from --dp, --sp and the host's RAM (with "
+                             "--plan: by the planner's route model)")
+    parser.add_argument("--plan", default=None, metavar="PRESETS",
+                        help="dlo-fx plan presets of the node and workload (e.g. "
+                             "b300-8gpu,minimax-h3): --gather auto takes the gather group "
+                             "the planner chooses on their figures")
     parser.add_argument("--pipeline", default=REFERENCE,
                         help="factory 'package.module:function' (default: the reference "
                              "DiT pipeline)")
@@ -186,7 +191,8 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"dlo-fx generate: {exc}", file=sys.stderr)
             return 2
     common = dict(options=dict(args.option), wave_timeout_s=args.wave_timeout,
-                  pipeline_kwargs=kwargs, gather=getattr(args, "gather", "auto"))
+                  pipeline_kwargs=kwargs, gather=getattr(args, "gather", "auto"),
+                  plan=getattr(args, "plan", None))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         engine = serve(args.pipeline, sp_size=args.sp, num_threads=args.threads, **common)
         if engine is None:
