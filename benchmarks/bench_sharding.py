@@ -3,6 +3,14 @@ rank-local, and the cost of the auto device budget's per-call agreement, all mea
 one run.
 
     python benchmarks/bench_sharding.py [--markdown]
+    python benchmarks/bench_sharding.py --groups [--markdown]
+
+``--groups`` measures the engine's gather groups instead: 4 ranks as 2 replicas of 2
+(DP2 x SP2, `Topology(2, 2)`), each variant the same reference DiT compiled with one
+rank's ``shard_group`` of ``gather="sp"`` (the replica's pair), ``"dp"`` (the strided
+pair), ``"world"`` (all 4) and ``"none"`` (rank-local), timed interleaved the same way,
+with each rank's host bytes, all against rank-local. Every rank computes the same input
+here (no context parallelism: the gathers are what differs).
 
 Each rank is a process with one thread. Every variant is built and warmed up first, then
 the variants are timed interleaved (A B C D, A B C D, ...); a forward's latency is the
@@ -118,6 +126,84 @@ def worker(rank: int, world: int, init: str, args, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+GROUPS = ("sp", "dp", "world", "none")
+
+
+def groups_worker(rank: int, world: int, init: str, args, out_path: str) -> None:
+    """The gather groups of DP2 x SP2 (see the module docstring), on one rank."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import dlo_fx
+    from dlo_fx.apps.engine import Topology
+    from dlo_fx.apps.models import DiTConfig, example_inputs, reference_dit
+
+    topology = Topology(2, 2)
+    config = DiTConfig(width=args.width, depth=args.depth, heads=args.heads)
+    inputs = example_inputs(config, height=args.size, width=args.size, seed=0)
+    variants, models = {}, {}
+    for name in GROUPS:
+        model = reference_dit(width=args.width, depth=args.depth, heads=args.heads, seed=0)
+        options = {"shard_group": list(topology.gather_group(rank, name))}
+        variants[name] = torch.compile(model, backend="dlo", fullgraph=True, options=options)
+        models[name] = model
+    times: dict[str, list[float]] = {k: [] for k in GROUPS}
+    outputs = {}
+    for record in [False] * args.warmup + [True] * args.runs:
+        for name in GROUPS:
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = variants[name](*inputs)
+            if record:
+                times[name].append(time.perf_counter() - start)
+                outputs[name] = out
+    host = {name: dlo_fx.memory_report(models[name]).host_shard_bytes for name in GROUPS}
+    slowest, hosts = {}, {}
+    for name in GROUPS:
+        mine = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        slowest[name] = mine.tolist()
+        most = torch.tensor([host[name]], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        hosts[name] = int(most.item())
+    same = all(torch.equal(outputs[name], outputs["none"]) for name in GROUPS)
+    flag = torch.tensor([int(same)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"latency_s": slowest, "host_weight_bytes_per_rank": hosts,
+                       "bit_identical": bool(flag.item())}, f)
+    dist.destroy_process_group()
+
+
+def summarize_groups(raw: dict, args) -> dict:
+    med = {k: statistics.median(v) for k, v in raw["latency_s"].items()}
+    hb = raw["host_weight_bytes_per_rank"]
+    return {"setup": vars(args), "topology": "dp=2 x sp=2", "median_latency_s": med,
+            "host_weight_bytes_per_rank": hb,
+            "latency_over_rank_local": {k: med[k] / med["none"] for k in GROUPS},
+            "host_bytes_over_rank_local": {k: hb[k] / hb["none"] for k in GROUPS},
+            "bit_identical": raw["bit_identical"]}
+
+
+def markdown_groups(s: dict) -> str:
+    a = s["setup"]
+    med, hb = s["median_latency_s"], s["host_weight_bytes_per_rank"]
+    lat, host = s["latency_over_rank_local"], s["host_bytes_over_rank_local"]
+    names = {"sp": "sp: the replica's pair (0,1), (2,3)", "dp": "dp: the strided pair (0,2), "
+             "(1,3)", "world": "world: all 4 ranks", "none": "none: rank-local"}
+    lines = [f"Reference DiT width {a['width']}, {a['depth']} layers, bf16, "
+             f"{(a['size'] // 2) ** 2 + 8} tokens; 4 ranks (gloo) as DP2 x SP2, one thread "
+             f"each; median of {a['runs']} interleaved runs after {a['warmup']} warm-up; "
+             "latency = slowest rank; host bytes = the largest rank's.", "",
+             "| gather group | median latency | / rank-local | host weight bytes per rank "
+             "| / rank-local |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {names[k]} | {med[k] * 1e3:.1f} ms | {lat[k]:.2f} | {hb[k] / 2**20:.1f} MiB "
+              f"| {host[k]:.3f} |" for k in GROUPS]
+    lines += ["", f"- outputs bit-identical across the groups: {s['bit_identical']}"]
+    return "\n".join(lines)
+
+
 def summarize(raw: dict, args) -> dict:
     med = {k: statistics.median(v) for k, v in raw["latency_s"].items()}
     hb = raw["host_weight_bytes_per_rank"]
@@ -172,13 +258,22 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="bench-out/sharding.json")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--groups", action="store_true",
+                        help="the engine's gather groups at DP2 x SP2 (4 ranks) instead")
     args = parser.parse_args(argv)
+    target, ranks = (groups_worker, 4) if args.groups else (worker, 2)
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = os.path.join(tmp, "raw.json")
-        mp.spawn(worker, args=(2, "file://" + os.path.join(tmp, "rdzv"), args, raw_path),
-                 nprocs=2, join=True)
+        mp.spawn(target, args=(ranks, "file://" + os.path.join(tmp, "rdzv"), args, raw_path),
+                 nprocs=ranks, join=True)
         with open(raw_path) as f:
             raw = json.load(f)
+    if args.groups:
+        summary = summarize_groups(raw, args)
+        out = args.out.replace("sharding.json", "sharding-groups.json")
+        write_json(out, summary, indent=1)
+        print(markdown_groups(summary) if args.markdown else json.dumps(summary, indent=1))
+        return 0
     summary = summarize(raw, args)
     write_json(args.out, summary, indent=1)
     print(markdown(summary) if args.markdown else json.dumps(summary, indent=1))

@@ -9,6 +9,7 @@ worker starts."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 
@@ -174,3 +175,36 @@ def test_sequence_parallel_replicas_equal_the_resident_context_parallel_pipeline
         whole = reference["whole"]
         assert whole / group <= host <= whole / group + 3 * 256, (host, whole, group)
     assert sorted({r.dp_rank for r in results}) == list(range(dp_size))
+
+
+# -- a rank failing inside a graph --------------------------------------------------------
+HANG_TIMEOUT_S = 5.0
+
+
+@pytest.mark.spawned.with_args(_references)
+def test_a_rank_hanging_inside_a_graph_fails_its_wave_within_the_collective_timeout(
+        spawned, flux_root):
+    """Rank 1 hangs inside the transformer's compiled graph (tests/hanging_pipeline.py);
+    rank 0 waits in the model's next all-to-all (rank-local: no dlo collective at all),
+    which runs on the default process group at DP1xSP2. It raises within
+    ``collective_timeout_s`` (see [Note: failure inside a graph stays bounded]), not at
+    that group's own timeout (the wave timeout, 300 s here), the wave fails closed, and the
+    next wave, on fresh workers, equals the resident context-parallel pipeline."""
+    reference = spawned[0]
+    hang = dataclasses.replace(REQUESTS[0],
+                               extra_args={**REQUESTS[0].extra_args, "hang_rank": 1})
+    with Engine("hanging_pipeline:build", 1, sp_size=2, gather="none", wave_timeout_s=300,
+                options={"collective_timeout_s": HANG_TIMEOUT_S},
+                pipeline_kwargs={"path": str(flux_root)}) as engine:
+        first = engine.run_wave([REQUESTS[0]])[0]  # compiles: the hang is timed alone
+        failed = engine.run_wave([hang])[0]
+        after = engine.run_wave([REQUESTS[1]])[0]
+    assert first.ok, first.error
+    assert torch.equal(first.output["images"], reference["parallel"][0])
+    assert not failed.ok and "failed closed" in failed.error, failed.error
+    assert "worker rank 0" in failed.error and f"{HANG_TIMEOUT_S * 1000:.0f}ms" in \
+        failed.error, failed.error
+    assert HANG_TIMEOUT_S <= failed.seconds < HANG_TIMEOUT_S + 20, failed.seconds
+    assert engine.generations == 2
+    assert after.ok, after.error
+    assert torch.equal(after.output["images"], reference["parallel"][1])

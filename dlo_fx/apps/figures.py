@@ -178,6 +178,19 @@ CONSTANTS: Mapping[str, Constant] = {
         "MiniMax-H3 study: rank-local DP8xSP1 peak 20.03 GiB per GPU, less two slots of "
         "66.3/50 GB; resident input/time/final modules are counted here.",
     ),
+    "minimax_tokens": Constant(
+        32 * (768 // 16) * (1344 // 16), "1", "assumed",
+        "Video tokens of one MiniMax-H3 T2VA request (768x1344, 124 frames), assuming a "
+        "Wan-style VAE (8x spatial, 4x temporal: 32 latent frames) and 2x2 patches: "
+        "32 x 48 x 84; the audio tokens are not counted.",
+    ),
+    "minimax_heads": Constant(
+        50.0, "1", "assumed",
+        "Attention heads of 128 channels: a block of 66.3/50 GB in BF16 holds 663 M "
+        "parameters, 16 d^2 for self- and cross-attention and a 4x MLP gives d = 6437, "
+        "rounded to 50 x 128 = 6400.",
+    ),
+    "minimax_head_dim": Constant(128.0, "1", "assumed", "See minimax_heads."),
     "minimax_steps": Constant(
         49.0, "1", "measured", "MiniMax-H3 study: 50 requested steps run 49 denoising updates."
     ),

@@ -58,7 +58,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="ranks each rank's weights are gathered over: its SP group (sp), "
                              "its CFG pair (cfg), both (replica), one rank per replica (dp), "
                              "every rank (world), none (rank-local), or auto: chosen from "
-                             "--dp, --cfg, --sp and the host's RAM")
+                             "--dp, --cfg, --sp and the host's RAM (with --plan and --cfg 1: "
+                             "by the planner's route model)")
+    parser.add_argument("--plan", default=None, metavar="PRESETS",
+                        help="dlo-fx plan presets of the node and workload (e.g. "
+                             "b300-8gpu,minimax-h3): --gather auto takes the gather group "
+                             "the planner chooses on their figures")
     parser.add_argument("--pipeline", default=REFERENCE,
                         help="factory 'package.module:function' (default: the reference "
                              "DiT pipeline)")
@@ -191,7 +196,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return 2
     common = dict(options=dict(args.option), wave_timeout_s=args.wave_timeout,
                   pipeline_kwargs=kwargs, gather=getattr(args, "gather", "auto"),
-                  cfg_size=getattr(args, "cfg", 1))
+                  cfg_size=getattr(args, "cfg", 1), plan=getattr(args, "plan", None))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         engine = serve(args.pipeline, sp_size=args.sp, num_threads=args.threads, **common)
         if engine is None:

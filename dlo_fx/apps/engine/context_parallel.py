@@ -33,12 +33,31 @@ device (``ContextParallelConfig._device``, read by none of its context-parallel 
 all-to-alls run on the mesh's process groups, gloo on the CPU. The count is swapped on
 the ``torch.accelerator`` module for that call only and restored after it, also when it
 raises; with an accelerator nothing is touched.
+
+[Note: failure inside a graph stays bounded]
+A rank that fails (raises, dies or hangs) inside a compiled graph leaves its peers in the
+next collective of that graph: a weight AllGather of dlo's, on dlo's own group, whose
+timeout is ``collective_timeout_s``; or the model's own all-to-all or all-gather, on the
+groups diffusers took from the device mesh (``ulysses``, ``ring``, and ``ring x ulysses``
+flattened), whose timeout is whatever those groups were made with: torch's default for
+``new_group`` (30 min on gloo, 10 on NCCL), or, where a mesh dimension spans every rank
+(DP1 x SP_N), the default process group itself, which the engine's workers make with the
+wave timeout. A peer waiting there outlived ``collective_timeout_s`` by that much before it
+raised and the wave failed closed. So the engine gives every group of its mesh
+(`replica_mesh`) and every group diffusers' context parallelism runs on
+(`enable_context_parallel`) the engine's ``collective_timeout_s``
+(``ProcessGroup.set_timeout``: every later operation of the group): a peer raises within
+it wherever it waits, reports, and the front end fails the wave closed and starts fresh
+workers. Outside the engine, the model's groups are the user's: `enable_context_parallel`
+with ``timeout_s=`` bounds them the same way, or ``group.set_timeout(...)`` on each; dlo's
+``offload``/``load`` with a ``shard_group`` of that mesh bound only dlo's own gathers.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import datetime
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -79,17 +98,41 @@ def replica_mesh(context: Any) -> Any:
         mesh = _MESHES[key] = init_device_mesh(
             kind, (topology.dp_size, topology.cfg_size, 1, topology.sp_size),
             mesh_dim_names=MESH_DIMS)
+        bound_timeouts(mesh.get_all_groups(), context.collective_timeout_s)
     return mesh
 
 
-def enable_context_parallel(transformer: torch.nn.Module, mesh: Any) -> None:
+def bound_timeouts(groups: Iterable[Any], timeout_s: Optional[float]) -> None:
+    """Give every process group of ``groups`` the timeout ``timeout_s`` for its later
+    operations (``None``: leave them alone); see [Note: failure inside a graph stays
+    bounded]."""
+    if timeout_s is None:
+        return
+    for group in groups:
+        group.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
+
+
+def _context_parallel_groups(config: Any) -> list:
+    """The process groups a set-up ``ContextParallelConfig`` runs the model's collectives
+    on: its ring, Ulysses and flattened (ring x Ulysses) meshes'."""
+    meshes = [getattr(config, name, None)
+              for name in ("_ring_mesh", "_ulysses_mesh", "_flattened_mesh")]
+    return [mesh.get_group() for mesh in meshes if mesh is not None]
+
+
+def enable_context_parallel(transformer: torch.nn.Module, mesh: Any, *,
+                            timeout_s: Optional[float] = None) -> None:
     """Split ``transformer``'s sequence over ``mesh`` with diffusers' context parallelism
     (Ulysses over the mesh's ``"ulysses"`` dimension, ring over ``"ring"``: pass
     ``worker_context().sp_mesh``), on any device, the CPU included (see [Note: context
     parallelism on a CPU-only torch]). ``ValueError`` naming the class when it has no
     context-parallel plan. Call it before ``torch.compile``; before or after
     `dlo_fx.offload` / `dlo_fx.load`, which leave the module's hooks and attention
-    processors alone."""
+    processors alone. ``timeout_s``: the timeout of every process group the model's
+    collectives run on (pass the ``collective_timeout_s`` of dlo's options so a failed
+    rank's peers raise within it); ``None``: inside an engine worker, the engine's
+    ``collective_timeout_s``, elsewhere the groups' own (see [Note: failure inside a graph
+    stays bounded])."""
     from diffusers import ContextParallelConfig
 
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -105,6 +148,12 @@ def enable_context_parallel(transformer: torch.nn.Module, mesh: Any) -> None:
                                    ulysses_degree=mesh["ulysses"].size(), mesh=mesh)
     with device_count_on_host():
         transformer.enable_parallelism(config=config)
+    if timeout_s is None:
+        from .topology import worker_context
+
+        context = worker_context()
+        timeout_s = context.collective_timeout_s if context is not None else None
+    bound_timeouts(_context_parallel_groups(config), timeout_s)
 
 
 @contextlib.contextmanager

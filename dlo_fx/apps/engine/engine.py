@@ -72,6 +72,13 @@ class Engine:
             replica), ``"world"``, ``"none"`` (rank-local), or ``"auto"``, chosen from the
             topology (see [Note: the gather group of a topology] in topology.py). Default
             ``"auto"``.
+        plan: with ``gather="auto"``, the presets of ``dlo-fx plan`` that describe the
+            node and the workload (``"b300-8gpu,minimax-h3"``): the gather group is then
+            the one the planner's route model chooses on their figures for this topology
+            (`dlo_fx.planning.routes`, the denoisers' bytes where the engine knows them),
+            kept with its reason as ``gather_reason``. ``None`` (default): the host-memory
+            rule of [Note: the gather group of a topology]. The route model
+            prices the dp and sp routes only: with ``cfg_size`` 2 it is refused.
         options: dlo options handed to the factory; each rank gets its gather group as
             ``shard_group`` (``options["shard_group"]`` instead replaces ``"auto"``) and
             its ``device`` unless set.
@@ -99,7 +106,7 @@ class Engine:
                  pipeline_kwargs: Optional[Mapping[str, Any]] = None,
                  num_threads: Optional[int] = 1, device: Optional[str] = None,
                  launcher: Optional[Callable[[WorkerSpec], WorkerSet]] = None,
-                 progress: bool = False) -> None:
+                 progress: bool = False, plan: Optional[str] = None) -> None:
         self.topology = Topology(dp_size, sp_size, cfg_size)
         _check_seconds("wave_timeout_s", wave_timeout_s)
         options = dict(options or {})
@@ -117,8 +124,20 @@ class Engine:
         pipeline = _factory_name(pipeline)
         pipeline_kwargs = dict(pipeline_kwargs or {})
         weight_bytes = _preflight(pipeline, self.topology, pipeline_kwargs)
+        self.gather_reason = "given"
+        """Why the gather group is the one it is (the planner's reason with ``plan``)."""
+        chosen = _gather(self.topology, gather, options, weight_bytes)
+        if plan is not None and (gather != "auto" or chosen is None):
+            raise ValueError(f"plan={plan!r} chooses the gather group of gather='auto', but "
+                             + (f"gather={gather!r} names it" if gather != "auto" else
+                                "options['shard_group'] names it") + "; pass one of them")
+        if plan is not None:
+            chosen, self.gather_reason = planned_gather(self.topology, plan, weight_bytes)
+            log.info("dlo engine: gather over %s: %s", chosen, self.gather_reason)
+        elif gather == "auto" and chosen is not None:
+            self.gather_reason = "the host-memory rule of the topology"
         self.spec = WorkerSpec(pipeline=pipeline, topology=self.topology, options=options,
-                               gather=_gather(self.topology, gather, options, weight_bytes),
+                               gather=chosen,
                                pipeline_kwargs=pipeline_kwargs,
                                backend=backend, device=device_type, num_threads=num_threads,
                                timeout_s=max(self.wave_timeout_s, 60.0),
@@ -348,6 +367,35 @@ def _gather(topology: Topology, gather: str, options: Mapping[str, Any],
         topology.choose_gather(gather)  # checks the value
         return None
     return topology.choose_gather(gather, sp_share_fits=sp_share_fits(topology, weight_bytes))
+
+
+def planned_gather(topology: Topology, plan: str,
+                   weight_bytes: Optional[int] = None) -> tuple[str, str]:
+    """The gather group the planner's route model (`dlo_fx.planning.routes`) chooses for
+    ``topology`` on the figures of the ``dlo-fx plan`` presets ``plan`` (comma-separated,
+    later ones winning), the model's size from ``weight_bytes`` where known, and why."""
+    from ..study.inputs import PlanInputs
+    from ..study.presets import preset_fields
+    from ..study.prediction import route_inputs
+    from ...planning.routes import choose_route
+
+    if not isinstance(plan, str) or not plan.strip():
+        raise ValueError(f"plan={plan!r} is not allowed: expected the names of dlo-fx plan "
+                         "presets, e.g. 'b300-8gpu,minimax-h3'")
+    if topology.cfg_size > 1:
+        raise ValueError(f"plan={plan!r} with cfg_size={topology.cfg_size}: the planner's route "
+                         "model prices the dp and sp routes only; drop plan (the topology's "
+                         "rule picks the gather group) or name it with gather=")
+    names = [name.strip() for name in plan.split(",") if name.strip()]
+    fields: dict = dict(preset_fields(names))  # ValueError naming an unknown preset
+    fields.update(dp=topology.dp_size, sp=topology.sp_size, world=None)
+    if weight_bytes:
+        fields["model_gb"] = weight_bytes / 1e9
+    missing = [f for f in ("model_gb", "blocks") if f not in fields]
+    if missing:
+        raise ValueError(f"plan={plan!r} gives no {' or '.join(missing)}: add a workload "
+                         "preset (dlo-fx plan --list-presets)")
+    return choose_route(route_inputs(PlanInputs(**fields)))
 
 
 def sp_share_fits(topology: Topology, weight_bytes: Optional[int],

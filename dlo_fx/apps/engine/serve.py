@@ -113,7 +113,8 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1, cfg_siz
           gather: str = "auto",
           options: Optional[Mapping[str, Any]] = None, backend: Optional[str] = None,
           wave_timeout_s: float = 600.0, pipeline_kwargs: Optional[Mapping[str, Any]] = None,
-          num_threads: Optional[int] = None, device: Optional[str] = None) -> Optional[Engine]:
+          num_threads: Optional[int] = None, device: Optional[str] = None,
+          plan: Optional[str] = None) -> Optional[Engine]:
     """Join the torchrun job described by ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
     ``MASTER_PORT`` as one engine of ``WORLD_SIZE / (cfg_size x sp_size)`` replicas. Returns the
     `Engine` on rank 0 and ``None`` on the other ranks once it closes. The arguments are
@@ -138,7 +139,7 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1, cfg_siz
     common = dict(sp_size=sp_size, cfg_size=cfg_size, gather=gather, options=options,
                   backend=backend,
                   wave_timeout_s=wave_timeout_s, pipeline_kwargs=pipeline_kwargs,
-                  num_threads=num_threads, device=device)
+                  num_threads=num_threads, device=device, plan=plan)
     spec = Engine(pipeline, replicas, **common).spec  # validates every argument
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
@@ -150,7 +151,7 @@ def serve(pipeline: Union[str, Callable[..., Any]], *, sp_size: int = 1, cfg_siz
     dist.init_process_group(process_group_backend(device_name, backend),
                             store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=timeout)
-    if spec.gather is not None and gather == "auto":
+    if spec.gather is not None and gather == "auto" and plan is None:  # a plan: alike
         common["gather"] = _agreed_gather(spec)
         spec = dataclasses.replace(spec, gather=common["gather"])
     control = dist.PrefixStore("dlo_engine", store)

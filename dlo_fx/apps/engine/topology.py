@@ -167,6 +167,10 @@ class WorkerContext:
     device: str
     progress: bool = False
     """This worker shows the denoising steps as a progress bar (see engine/progress.py)."""
+    collective_timeout_s: Optional[float] = None
+    """The engine's ``collective_timeout_s``: the timeout of every process group of the
+    engine's device mesh and of the model's context-parallel groups (see [Note: failure
+    inside a graph stays bounded] in context_parallel.py); ``None``: their own."""
 
     @property
     def dp_rank(self) -> int:

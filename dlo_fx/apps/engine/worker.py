@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from ...config import DLOConfig
 from .channel import LocalWorker, encode_output
 from .clock import keeps_clock
 from .limits import Limits
@@ -153,11 +154,14 @@ class WaveServer:
         self.spec = spec
         self.rank = rank
         self.topology = spec.topology
+        options = worker_options(spec, rank, device)
+        timeout_s = DLOConfig.from_options(options).collective_timeout_s
         set_worker_context(WorkerContext(rank=rank, topology=self.topology, device=device,
-                                         progress=spec.progress and rank == 0))
+                                         progress=spec.progress and rank == 0,
+                                         collective_timeout_s=timeout_s))
         self._compile_s = compile_seconds()  # counting from here: the first wave's compile
         factory = load_factory(spec.pipeline)
-        self.pipeline = factory(worker_options(spec, rank, device), **dict(spec.pipeline_kwargs))
+        self.pipeline = factory(options, **dict(spec.pipeline_kwargs))
         self.mixed = keeps_clock(self.pipeline)
         self.limits = Limits.from_value(getattr(self.pipeline, "limits", None))
         self.warmed: set[str] = set()

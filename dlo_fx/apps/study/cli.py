@@ -54,6 +54,10 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--copy-overhead-ms", "copy_overhead_ms", float, "fixed per-block rank-local issue cost, ms"),
     ("--collective-overhead-ms", "collective_overhead_ms", float, "fixed per-block AllGather issue cost, ms"),
     ("--steps", "steps", int, "denoising steps per request"),
+    ("--tokens", "tokens", int, "tokens of one request's sequence (the SP all-to-all; 0: none)"),
+    ("--heads", "heads", int, "attention heads (the SP all-to-all)"),
+    ("--head-dim", "head_dim", int, "channels per attention head (the SP all-to-all)"),
+    ("--attention-layers", "attention_layers", int, "attention layers per block"),
     ("--host-ram-gb", "host_ram_gb", float, "physical host RAM, GB"),
     ("--hbm-gb", "hbm_gb", float, "device memory per rank, GB"),
 )
@@ -219,6 +223,22 @@ def _print_prediction(pred: Prediction, presets: list[str], out: TextIO) -> None
     for label, a, b, spec in rows:
         out.write(f"{label:32}{spec.format(a):>14}{spec.format(b):>14}\n")
     out.write(f"recommended: {pred.mode}\nreason: {pred.reason}\n")
+    _print_routes(pred, out)
+
+
+def _print_routes(pred: Prediction, out: TextIO) -> None:
+    """Each gather group of the topology (`dlo_fx.planning.routes`) and the one chosen."""
+    out.write(f"\ngather group (dp={pred.inputs.dp} x sp={pred.inputs.sp})\n")
+    head = ("group", "ranks", "host GB/rank", "H2D ms", "gather ms", "all-to-all ms",
+            "lock-step ms", "block ms", "fits host")
+    out.write(f"{head[0]:8}" + "".join(f"{h:>14}" for h in head[1:]) + "\n")
+    for f in pred.routes.values():
+        cells = (str(f.group), f"{f.host_bytes_per_rank / 1e9:.2f}", f"{f.h2d_s * 1e3:.2f}",
+                 f"{f.gather_s * 1e3:.2f}", f"{f.all_to_all_s * 1e3:.2f}",
+                 f"{f.lockstep_s * 1e3:.2f}", f"{f.block_s * 1e3:.2f}",
+                 "yes" if f.fits_host else "no")
+        out.write(f"{f.route:8}" + "".join(f"{c:>14}" for c in cells) + "\n")
+    out.write(f"gather over: {pred.gather}\nreason: {pred.gather_reason}\n")
 
 
 def _print_presets(out: TextIO) -> None:

@@ -102,6 +102,17 @@ class PlanInputs:
     dp = 1) or ``"world"`` (all ranks)."""
     steps: int = 50
     """Denoising steps per request, for request time and throughput."""
+    tokens: int = 0
+    """Sequence length of one request (its tokens): with ``heads`` and ``head_dim``, the
+    sequence-parallel all-to-all the gather group choice counts; 0: none counted."""
+    heads: int = 0
+    """Attention heads of the model (the all-to-all's size)."""
+    head_dim: int = 0
+    """Channels per attention head (the all-to-all's size)."""
+    attention_layers: int = 1
+    """Attention layers per block, each with its all-to-all."""
+    activation_bytes: int = 2
+    """Bytes per element of the attention's inputs and output (2: BF16)."""
     host_ram_gb: float = 2048.0
     """Physical host memory, GB."""
     hbm_gb: float = 64.0
@@ -155,6 +166,12 @@ class PlanInputs:
         if self.gather_over not in GATHER_OVER:
             raise ValueError(f"gather_over must be one of {GATHER_OVER}, got {self.gather_over!r}")
         _check_count("steps", self.steps)
+        for name in ("tokens", "heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        _check_count("attention_layers", self.attention_layers)
+        _check_count("activation_bytes", self.activation_bytes)
         _check_number("host_ram_gb", self.host_ram_gb, strict=True, hint="pass the host's RAM in GB")
         _check_number("hbm_gb", self.hbm_gb, strict=True, hint="pass the device memory in GB")
 

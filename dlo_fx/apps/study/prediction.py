@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Mapping, Union
 
 from . import model
+from ...planning.routes import RouteFigures, RouteInputs, all_to_all_bytes, choose_route, \
+    route_costs
 from .inputs import PlanInputs
 
 TIE_FRACTION = 0.005
@@ -65,6 +67,11 @@ class Prediction:
     rank_local: ModePrediction
     mode: str
     reason: str
+    routes: Mapping[str, RouteFigures] = dataclasses.field(default_factory=dict)
+    """Every gather group of the topology, priced (`dlo_fx.planning.routes`)."""
+    gather: str = ""
+    """The gather group chosen: ``"sp"``, ``"dp"``, ``"world"`` or ``"none"`` (rank-local)."""
+    gather_reason: str = ""
 
     def for_mode(self, mode: str) -> ModePrediction:
         """The prediction of ``"allgather"`` or ``"rank_local"``."""
@@ -222,7 +229,27 @@ def predict(inputs: PlanInputs) -> Prediction:
     ag = _mode(inputs, values, "allgather")
     rl = _mode(inputs, values, "rank_local")
     mode, reason = _decide(inputs, ag, rl)
-    return Prediction(inputs=inputs, allgather=ag, rank_local=rl, mode=mode, reason=reason)
+    routes = route_inputs(inputs)
+    costs = route_costs(routes)
+    gather, why = choose_route(routes, costs)
+    return Prediction(inputs=inputs, allgather=ag, rank_local=rl, mode=mode, reason=reason,
+                      routes=costs, gather=gather, gather_reason=why)
+
+
+def route_inputs(inputs: PlanInputs) -> RouteInputs:
+    """The numbers of ``inputs`` in the units of `dlo_fx.planning.routes` (the sequence-
+    parallel all-to-all of one block from ``tokens``, ``heads`` and ``head_dim``)."""
+    i, gb, ms = inputs, 1e9, 1e-3
+    a2a = i.attention_layers * all_to_all_bytes(i.tokens, i.heads, i.head_dim,
+                                                i.activation_bytes, i.sp)
+    return RouteInputs(
+        dp=i.dp, sp=i.sp, model_bytes=i.model_gb * gb, block_bytes=i.block_gb * gb,
+        blocks=i.blocks, block_compute_s=i.block_compute_ms * ms, h2d_Bps=i.h2d_gbps * gb,
+        link_Bps=i.gather_gbps * gb, host_ram_bytes=i.host_ram_gb * gb,
+        host_h2d_Bps=i.host_bandwidth_gbps * gb, sp_serial_fraction=i.sp_serial_fraction,
+        overlap_efficiency=i.overlap_efficiency, lockstep_fraction=i.lockstep_fraction,
+        copy_overhead_s=i.copy_overhead_ms * ms,
+        collective_overhead_s=i.collective_overhead_ms * ms, all_to_all_bytes=a2a)
 
 
 def recommend(what: Union[PlanInputs, Prediction]) -> tuple[str, str]:

@@ -112,8 +112,11 @@ PRESETS: Mapping[str, Preset] = {
                     "sp_serial_fraction": "minimax_sp_serial_fraction",
                     "lockstep_fraction": "minimax_lockstep_fraction",
                     "steps": "minimax_steps",
+                    "tokens": "minimax_tokens",
+                    "heads": "minimax_heads",
+                    "head_dim": "minimax_head_dim",
                 },
-                integer=["blocks", "steps"],
+                integer=["blocks", "steps", "tokens", "heads", "head_dim"],
             ),
         ),
     )
