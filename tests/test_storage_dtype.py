@@ -19,7 +19,6 @@ from dlo_fx.model.storage_dtype import layerwise_layers
 
 import storage_cases
 from distributed import spawn
-from errors import BackendCompilerFailed, original
 from storage_cases import BF16, FP8, flux, ref_model, run
 
 
@@ -151,10 +150,9 @@ def test_bad_storage_dtypes_are_refused_naming_the_option():
             dlo_fx.DLOConfig.from_options({"storage_dtype": bad})
     model = flux()
     model.compile(backend="dlo", options={"storage_dtype": torch.float4_e2m1fn_x2})
-    with pytest.raises(BackendCompilerFailed, match="cannot cast between them") as info:
+    with pytest.raises(ValueError, match="cannot cast between them") as info:
         run(model)
     assert "float4_e2m1fn_x2" in str(info.value)
-    assert isinstance(original(info.value), ValueError)
 
 
 def _ranks():
@@ -217,10 +215,8 @@ def test_a_model_frame_run_eagerly_is_refused_or_taken_over_exactly():
     model = _break_in_loop()
     before = model.inp.weight.detach().clone()
     model.compile(backend="dlo", options={"storage_dtype": FP8})
-    with torch.no_grad(), pytest.raises(BackendCompilerFailed,
-                                        match="not the start of its forward") as info:
+    with torch.no_grad(), pytest.raises(ValueError, match="not the start of its forward"):
         model(x)
-    assert isinstance(original(info.value), ValueError)
     assert torch.equal(model.inp.weight, before)  # nothing was changed
     # Prepared before compiling: exact from the first call
     torch._dynamo.reset()
