@@ -187,3 +187,44 @@ def test_release_of_anything_else_says_what_it_takes():
     with pytest.raises(TypeError, match=r"dlo_fx\.release takes a torch module \(nn\.Module\) "
                                         r"or a diffusers pipeline .*not a dict"):
         dlo_fx.release({"transformer": torch.nn.Linear(2, 2)})
+
+
+def _absent_devices() -> list[str]:
+    """Device strings this machine has nothing for: the accelerators it lacks, an index
+    past its own accelerator's (or CUDA's), and the lazy device."""
+    there = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    count = torch.accelerator.device_count() if there is not None else 0
+    kind = there.type if there is not None else "cuda"
+    spelled = ["cuda:7", "mps", "xpu", "hpu", "lazy", f"{kind}:99"]
+    return [d for d in spelled if there is None or torch.device(d).type != there.type
+            or (torch.device(d).index or 0) >= count]
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_the_option_at_every_entry(dit):
+    """Through offload, load, compile_pipeline and torch.compile's options: a ValueError
+    naming the option and what the machine has, before anything is stored (torch's raw
+    RuntimeError, "not linked with support for cuda devices", came from inside the
+    runtime's construction)."""
+    devices = _absent_devices()
+    assert "lazy" in devices
+    pipe = dp.flux()
+    for device in devices:
+        options = {"device": device}
+        named = rf"dlo option 'device'={device!r}: .*; compute on 'cpu', on 'meta'"
+        model = ReferenceDiT(dit["config"])
+        with pytest.raises(ValueError, match=named):
+            dlo_fx.offload(model, options)
+        with pytest.raises(ValueError, match=named):
+            dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"], options=options)
+        with pytest.raises(ValueError, match=named):
+            dlo_fx.compile_pipeline(pipe, options=options)
+        with pytest.raises(ValueError, match=named), torch.no_grad():
+            torch.compile(model, backend="dlo", options=options)(*dit["inputs"])
+        torch._dynamo.reset()
+        assert not any(is_stored(p) for p in model.parameters())
+        assert not any(runtimes_holding(list(m.parameters())) for m in pipe.components.values()
+                       if isinstance(m, torch.nn.Module))
+    # the same pipeline compiles exactly where the machine has the device
+    reference = dp.flux()
+    dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), dp.images(reference, "flux", cfg=False))

@@ -51,8 +51,17 @@ def compute_device(config: DLOConfig, params: Sequence[torch.Tensor] = ()) -> to
     """Where a model offloaded with ``config`` computes: ``config.device``, else where
     ``params`` are (a model compiled without offload computes on the device of its
     parameters: see [Note: a model compiled without offload] in dynamo/first_trace.py), else
-    the accelerator, else the CPU (`config.canonical_device` spelling)."""
+    the accelerator, else the CPU (`config.canonical_device` spelling). ValueError naming the
+    option where this machine has no such device, before anything is made there."""
     if config.device is not None:
+        missing = platform.missing_device(torch.device(config.device))
+        if missing is not None:
+            there = platform.accelerator()
+            raise ValueError(
+                f"dlo option 'device'={config.device!r}: {missing}; compute on 'cpu', on "
+                "'meta' (plan and trace without values)"
+                + (f", on {there.type!r} (its devices: {there.type}:0, ...)" if there else "")
+                + ", or leave device unset (the accelerator, else the CPU)")
         return canonical_device(config.device)
     return canonical_device(params[0].device if params else platform.default_device())
 
