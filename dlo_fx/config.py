@@ -72,8 +72,10 @@ class DLOConfig:
     """With ``device_budget="auto"``: the device's capacity in bytes, declared instead of
     read from the driver. It makes the planner work on the CPU or the meta device as if the
     compute device had that many bytes (tests, planning for hardware one does not have),
-    and caps the budget on an accelerator. ``None``: the free memory the driver reports
-    (no budget on the CPU or the meta device). Default: ``None``."""
+    and caps the budget on an accelerator. Below what a graph's weights need at least
+    (``num_slots`` slots of its largest block plus the parameters resident anyway) it is a
+    ``ValueError`` at the compile naming both figures. ``None``: the free memory the driver
+    reports (no budget on the CPU or the meta device). Default: ``None``."""
 
     activation_reserve_bytes: Optional[int] = None
     """With ``device_budget="auto"``: device bytes kept for activations and workspace,

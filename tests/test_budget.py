@@ -159,6 +159,29 @@ def test_budget_below_minimum_raises_before_storing():
             assert torch.equal(call(model, inputs), want)
 
 
+def test_device_memory_below_the_slots_is_refused_naming_both_figures():
+    """A declared capacity that cannot hold the slots planned and ran without a word (every
+    block streamed, on a device that could not hold them); now a ValueError naming
+    device_memory and the bytes the slots need, before the first call changes anything."""
+    ref_model, inputs = tiny_dit(depth=1)
+    with torch.no_grad():
+        want = call(ref_model, inputs)
+    model, _ = tiny_dit(depth=1)
+    dlo_fx.offload(model, {"device": "cpu", "device_memory": 1000})
+    with pytest.raises(ValueError) as info, torch.no_grad():
+        call(torch.compile(model, backend="dlo", fullgraph=True), inputs)
+    message = str(info.value)
+    assert message.startswith("dlo option device_memory=1000 (1,000 B) is below the "), message
+    assert "num_slots=2 slots of its largest block" in message and "B of slots)" in message
+    assert "device_memory >= " in message
+    dlo_fx.release(model)
+    torch._dynamo.reset()  # what the message advises: a capacity that holds the slots
+    dlo_fx.offload(model, {"device": "cpu", "device_memory": 1 << 40})
+    with torch.no_grad():
+        assert torch.equal(call(torch.compile(model, backend="dlo", fullgraph=True), inputs),
+                           want)
+
+
 def test_memory_report_and_blocks_md_show_the_resident_blocks(swept):
     r, sizes = swept["partial"], swept["full"]["block_bytes"]
     report = r["report"]
