@@ -228,3 +228,78 @@ def test_a_device_this_machine_lacks_is_refused_naming_the_option_at_every_entry
     reference = dp.flux()
     dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
     assert torch.equal(dp.images(pipe, "flux", cfg=False), dp.images(reference, "flux", cfg=False))
+
+
+def _hooked(pipe) -> list[str]:
+    """The components carrying an accelerate or diffusers hook."""
+    return [name for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)
+            and any(hasattr(s, "_hf_hook") or getattr(s, "_diffusers_hook", None) is not None
+                    for s in m.modules())]
+
+
+def test_a_pipelines_own_offloading_is_refused_while_dlo_streams_it():
+    """``enable_sequential_cpu_offload`` after `compile_pipeline` raised a raw TypeError
+    from StoredWeight.__new__ with some accelerate hooks installed; each of the pipeline's
+    offloads is now refused up front, naming dlo and dlo_fx.release, with the pipeline
+    unchanged and exact; following the advice (release, then offload) runs exactly."""
+    want = dp.images(dp.flux(), "flux", cfg=False)
+    pipe = dp.flux()
+    dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    offloads = {"enable_sequential_cpu_offload": {"device": "cpu"},
+                "enable_model_cpu_offload": {"device": "cpu"},
+                "enable_group_offload": {"onload_device": torch.device("cpu"),
+                                         "offload_type": "leaf_level"}}
+    for name, kwargs in offloads.items():
+        with pytest.raises(ValueError, match=rf"dlo: cannot call FluxPipeline\.{name}\(\): .* "
+                           r"dlo offloads this pipeline already.*nothing was changed\. .*"
+                           r"call dlo_fx\.release\(pipe\) first to offload with"):
+            getattr(pipe, name)(**kwargs)
+        assert _hooked(pipe) == []
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), want)
+    dlo_fx.release(pipe)
+    pipe.enable_model_cpu_offload(device="cpu")  # the advice: released, it offloads
+    assert _hooked(pipe) and torch.equal(dp.images(pipe, "flux", cfg=False), want)
+
+
+def test_another_offloading_installed_before_dlo_is_refused_and_its_advice_works():
+    """accelerate's hooks (a pipeline's model offload, accelerate's cpu_offload, which
+    leaves the parameters on meta: refused as "on the meta device, build the model with
+    its weights", advice that did not work) and diffusers' group offloading, met by
+    compile_pipeline or offload: a ValueError naming them before anything changes, whose
+    advice (remove the hooks, then offload) runs exactly."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+    from models import call, tiny_dit
+
+    want = dp.images(dp.flux(), "flux", cfg=False)
+    pipe = dp.flux()
+    pipe.enable_model_cpu_offload(device="cpu")
+    with pytest.raises(ValueError, match=r"FluxPipeline has accelerate's offload hooks .* "
+                       r"nothing was changed\. Remove them first: pipe\.remove_all_hooks\(\)"):
+        dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    assert not any(runtimes_holding(list(m.parameters())) for m in pipe.components.values()
+                   if isinstance(m, torch.nn.Module))
+    pipe.remove_all_hooks()
+    dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), want)
+
+    pipe = dp.flux()
+    pipe.transformer.enable_group_offload(onload_device=torch.device("cpu"),
+                                          offload_type="leaf_level")
+    with pytest.raises(ValueError, match=r"has diffusers' group offloading .* Build or load "
+                                         r"the model again without enable_group_offload"):
+        dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    assert not runtimes_holding(list(pipe.transformer.parameters()))
+
+    reference, inputs = tiny_dit(depth=1)
+    with torch.no_grad():
+        expected = call(reference, inputs)
+    model, _ = tiny_dit(depth=1)
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"ReferenceDiT has accelerate's offload hooks .* "
+                       r"accelerate\.hooks\.remove_hook_from_module\(model, recurse=True\)"):
+        dlo_fx.offload(model, {"device": "cpu"})
+    remove_hook_from_module(model, recurse=True)
+    dlo_fx.offload(model, {"device": "cpu"})
+    with torch.no_grad():
+        assert torch.equal(call(torch.compile(model, backend="dlo"), inputs), expected)

@@ -44,7 +44,7 @@ from .plan import (agree_on_plan, block_rows, model_targets, resident_fact, sett
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_model", "compute_device", "offload", "offload_module"]
+__all__ = ["check_hooks", "check_model", "compute_device", "offload", "offload_module"]
 
 
 def compute_device(config: DLOConfig, params: Sequence[torch.Tensor] = ()) -> torch.device:
@@ -167,6 +167,7 @@ def check_model(model: Any) -> None:
             "submodules, or of its torch.compile wrapper, which sets it on the module); "
             "torch cannot walk such a model (model.to, state_dict recurse forever): keep the "
             "reference outside the module, e.g. in a dict or with object.__setattr__")
+    check_hooks(model)
     seen: dict[int, str] = {}
     devices: dict[torch.device, str] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -192,6 +193,32 @@ def check_model(model: Any) -> None:
             f"dlo_fx.offload: the parameters of {type(model).__name__} are on "
             f"{len(devices)} devices ({shown}); move the model to one device first "
             "(model.to('cpu')), then offload it")
+
+
+def check_hooks(model: nn.Module) -> None:
+    """ValueError, before anything changes, where another offloading holds ``model``'s
+    weights: accelerate's hooks (``cpu_offload``, a ``device_map``, a pipeline's
+    ``enable_model_cpu_offload``/``enable_sequential_cpu_offload``: sequential offloading
+    leaves the parameters on the meta device, its hooks holding the weights) or diffusers'
+    group offloading. Their hooks move the weights around each call, which dlo cannot do
+    to weights in its host store, and dlo offloads the model itself."""
+    for name, sub in model.named_modules():
+        where = f"on {name!r}" if name else "on the model"
+        if hasattr(sub, "_hf_hook"):
+            raise ValueError(
+                f"dlo_fx.offload: {type(model).__name__} has accelerate's offload hooks "
+                f"({where}: accelerate's cpu_offload or a device_map, or a pipeline's "
+                "enable_model_cpu_offload / enable_sequential_cpu_offload), which move its "
+                "weights around each call; dlo offloads the model itself. Remove them first "
+                "(the weights come back): accelerate.hooks.remove_hook_from_module(model, "
+                "recurse=True), or pipe.remove_all_hooks() for a pipeline, then offload it")
+        registry = getattr(sub, "_diffusers_hook", None)
+        if registry is not None and registry.get_hook("group_offloading") is not None:
+            raise ValueError(
+                f"dlo_fx.offload: {type(model).__name__} has diffusers' group offloading "
+                f"({where}: enable_group_offload), which moves its weights between devices "
+                "around each call; dlo offloads the model itself. Build or load the model "
+                "again without enable_group_offload, then offload it")
 
 
 def _contains_itself(model: nn.Module) -> Optional[str]:
