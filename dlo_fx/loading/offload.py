@@ -35,7 +35,7 @@ from torch import nn
 
 from ..config import DLOConfig, canonical_device
 from ..model.guard import attach
-from ..model.storage_dtype import mark_model
+from ..model.storage_dtype import mark_model, take_over_hooks
 from ..runtime.device import platform
 from ..runtime.weights.owners import owner_of
 from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
@@ -75,8 +75,11 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
     layer per block unless ``block_bytes`` says otherwise); each streamed parameter
     becomes a `StoredWeight` on the compute device (``options["device"]``, else the
     accelerator, else the CPU); the other parameters and the buffers move to that
-    device. Then ``torch.compile(model, backend="dlo")`` (or ``model.compile(...)``)
-    streams the blocks, inheriting ``options``. ``dlo_fx.release(model)`` is the inverse:
+    device. diffusers' layerwise casting (``enable_layerwise_casting``) is taken over, as
+    `compile_pipeline` does: those layers' weights are stored in the storage dtype and cast
+    in the graph, so every call is exact against the layerwise-cast model resident. Then
+    ``torch.compile(model, backend="dlo")`` (or ``model.compile(...)``) streams the blocks,
+    inheriting ``options``. ``dlo_fx.release(model)`` is the inverse:
     the weights come back where they were.
 
     Args:
@@ -91,7 +94,9 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
     """
     config = DLOConfig.from_options(options)
     check_model(model)
-    offload_module(model, config, compute_device(config), resident=resident, inference=True)
+    device = compute_device(config)
+    take_over_hooks(model)  # see [Note: storing weights in another dtype]
+    offload_module(model, config, device, resident=resident, inference=True)
     return model
 
 

@@ -93,13 +93,12 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
                 raise ValueError(
                     f"dlo: {type(module).__name__} has diffusers' layerwise casting enabled, "
                     f"which casts each layer's weights around its call (here {fqn!r} to "
-                    f"{probe.dtype}); dlo cannot do that to weights in its host store. dlo "
-                    "stores and casts them itself: compile the pipeline with "
-                    "dlo_fx.compile_pipeline(pipe), which takes the casting over, or call "
-                    "dlo_fx.take_over_layerwise_casting(model) before "
-                    "torch.compile, or build the model without it and pass options="
-                    "{'storage_dtype': torch.float8_e4m3fn}. " + release_advice(
-                        then="to give this one its weights back"))
+                    f"{probe.dtype}); dlo cannot do that to weights in its host store (a "
+                    "model compiled with backend='dlo' before dlo_fx.offload). dlo stores "
+                    "and casts them itself, once it takes the casting over. "
+                    + release_advice(then="(the weights come back), then dlo_fx.offload(model) "
+                                          "(it takes the casting over), then compile it")
+                    + "; a pipeline: dlo_fx.compile_pipeline(pipe)")
             raise ValueError(
                 f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
                 f"{probe.dtype}{to}: parameter {fqn!r} ({p.device}, {p.dtype}{had}) has its "
