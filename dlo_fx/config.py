@@ -88,8 +88,10 @@ class DLOConfig:
     """With ``device_budget="auto"``: the device's capacity in bytes, declared instead of
     read from the driver. It makes the planner work on the CPU or the meta device as if the
     compute device had that many bytes (tests, planning for hardware one does not have),
-    and caps the budget on an accelerator. ``None``: the free memory the driver reports
-    (no budget on the CPU or the meta device). Default: ``None``."""
+    and caps the budget on an accelerator. Below what a graph's weights need at least
+    (``num_slots`` slots of its largest block plus the parameters resident anyway) it is a
+    ``ValueError`` at the compile naming both figures. ``None``: the free memory the driver
+    reports (no budget on the CPU or the meta device). Default: ``None``."""
 
     activation_reserve_bytes: Optional[int] = None
     """With ``device_budget="auto"``: device bytes kept for activations and workspace,
@@ -101,7 +103,10 @@ class DLOConfig:
     """Device the slots live on and the graph computes on, e.g. ``"cpu"``, ``"cuda:0"``,
     ``"meta"`` (plan and trace without values). ``None``: for `dlo_fx.offload`,
     `dlo_fx.load` and `compile_pipeline` the accelerator ``torch.accelerator`` reports,
-    else the CPU; for a model compiled without either, the device of its parameters.
+    else the CPU; for a model compiled without either, the device of its parameters. A
+    device this machine lacks (an accelerator it has not, an index past its count) is a
+    ``ValueError`` naming it where the device is first needed (`dlo_fx.offload`,
+    `dlo_fx.load`, `compile_pipeline`, a compile's first call), before anything is stored.
     Default: ``None``."""
 
     pin_memory: bool = True

@@ -47,7 +47,7 @@ def sharding_cases(rank: int, world: int, models: tuple[str, ...], folder: str) 
         with torch.no_grad():
             call(compiled, inputs)
         out["mismatch"] = None
-    except Exception as exc:  # BackendCompilerFailed wrapping the ValueError
+    except Exception as exc:  # the ValueError
         out["mismatch"] = described(exc)
     out.update(process_group_changes(rank, world, folder))  # last: it replaces the group
     return out

@@ -1,8 +1,9 @@
 """The error a compile or a call raised, out of Dynamo's wrapper.
 
 Dynamo wraps what a backend raises while it compiles in ``BackendCompilerFailed`` (the
-error is its ``inner_exception``; Dynamo raises it ``from None``); `CompileOptionsError`
-and what a compiled graph raises as it runs come through as they are. Tests and spawned
+error is its ``inner_exception``; Dynamo raises it ``from None``); dlo's own errors (see
+[Note: dlo's errors past Dynamo] in dlo_fx/dynamo/errors.py) and what a compiled graph
+raises as it runs come through as they are. Tests and spawned
 cases read the original error, with its notes (a failing pass adds one naming itself).
 """
 

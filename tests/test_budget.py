@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import pickle
 import tempfile
 
 import pytest
 import torch
 from safetensors.torch import save_file
+
+import dlo_fx
 
 from dlo_fx.planning.budget import BudgetPlan, minimum_bytes, plan_resident_blocks, predict_call_s
 from dlo_fx.config import DLOConfig
@@ -17,7 +20,7 @@ from dlo_fx.runtime.weights.stored import is_stored
 import budget_cases
 from budget_cases import sweep
 from distributed import in_child, spawn
-from errors import BackendCompilerFailed, original
+from errors import BackendCompilerFailed
 from loader_cases import save_dit
 from models import call, tiny_dit
 
@@ -129,19 +132,54 @@ def test_a_block_that_lengthens_the_call_is_not_kept():
 
 
 def test_budget_below_minimum_raises_before_storing():
+    """A ValueError of its own (not Dynamo's BackendCompilerFailed around it): ``except
+    ValueError`` catches it, its message comes first, and it pickles as a ValueError."""
     ref_model, inputs = tiny_dit(depth=1)  # refused before any schedule: one layer traces faster
-    model, _ = tiny_dit(depth=1)
-    compiled = torch.compile(model, backend="dlo", fullgraph=True,
-                             options={"device_budget": 1000})
-    with pytest.raises(BackendCompilerFailed) as info, torch.no_grad():
-        call(compiled, inputs)
-    inner = original(info.value)
-    assert isinstance(inner, ValueError)
-    assert "device_budget=1000" in str(inner) and "below the minimum of" in str(inner)
-    assert "num_slots=2 slots of its largest block" in str(inner)
-    assert not any(is_stored(p) for p in model.parameters())
     with torch.no_grad():
-        assert torch.equal(call(model, inputs), call(ref_model, inputs))
+        want = call(ref_model, inputs)
+    for offloaded in (False, True):
+        torch._dynamo.reset()
+        model, _ = tiny_dit(depth=1)
+        if offloaded:
+            dlo_fx.offload(model, {"device_budget": 1000})
+        compiled = torch.compile(model, backend="dlo", fullgraph=True,
+                                 options=None if offloaded else {"device_budget": 1000})
+        with pytest.raises(ValueError) as info, torch.no_grad():
+            call(compiled, inputs)
+        exc = info.value
+        assert not isinstance(exc, BackendCompilerFailed) and type(exc).__name__ == "ValueError"
+        assert str(exc).startswith("dlo option device_budget=1000 (1,000 B) is below the "
+                                   "minimum of"), str(exc)
+        assert "num_slots=2 slots of its largest block" in str(exc)
+        assert "report" not in str(exc).lower()  # no "please report a bug to PyTorch"
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is ValueError and str(again) == str(exc)
+        assert any(is_stored(p) for p in model.parameters()) == offloaded
+        with torch.no_grad():
+            assert torch.equal(call(model, inputs), want)
+
+
+def test_device_memory_below_the_slots_is_refused_naming_both_figures():
+    """A declared capacity that cannot hold the slots planned and ran without a word (every
+    block streamed, on a device that could not hold them); now a ValueError naming
+    device_memory and the bytes the slots need, before the first call changes anything."""
+    ref_model, inputs = tiny_dit(depth=1)
+    with torch.no_grad():
+        want = call(ref_model, inputs)
+    model, _ = tiny_dit(depth=1)
+    dlo_fx.offload(model, {"device": "cpu", "device_memory": 1000})
+    with pytest.raises(ValueError) as info, torch.no_grad():
+        call(torch.compile(model, backend="dlo", fullgraph=True), inputs)
+    message = str(info.value)
+    assert message.startswith("dlo option device_memory=1000 (1,000 B) is below the "), message
+    assert "num_slots=2 slots of its largest block" in message and "B of slots)" in message
+    assert "device_memory >= " in message
+    dlo_fx.release(model)
+    torch._dynamo.reset()  # what the message advises: a capacity that holds the slots
+    dlo_fx.offload(model, {"device": "cpu", "device_memory": 1 << 40})
+    with torch.no_grad():
+        assert torch.equal(call(torch.compile(model, backend="dlo", fullgraph=True), inputs),
+                           want)
 
 
 def test_memory_report_and_blocks_md_show_the_resident_blocks(swept):

@@ -26,7 +26,6 @@ import dlo_fx.apps.dump
 from dlo_fx.apps.dump.cli import add_dump_arguments, run_dump
 
 from distributed import spawn
-from errors import BackendCompilerFailed, original
 from dump_cases import (SVG, allgather_cases, delay_prefetches, dlo_lines, dump_model,
                         dump_texts, fresh, slow_blocks, small_dit, stall_total, svg_bars,
                         table_blocks, trace_blocks, traced_dump)
@@ -671,9 +670,8 @@ def test_unwritable_dump_dir_names_it(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     model, inputs = small_dit()
-    with pytest.raises(BackendCompilerFailed, match="dump_dir=.*file.*writable folder") as info:
+    with pytest.raises(ValueError, match="dump_dir=.*file.*writable folder"):
         dump_model(model, inputs, blocker, {})
-    assert isinstance(original(info.value), ValueError)
 
 
 # -- dlo-fx dump ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -253,6 +254,89 @@ def _corrupt_copy(src: str, dst: str, *, keep: int | None = None, header: bytes 
 def test_missing_path(ckpts, tmp_path):
     _expect_error("does not exist", ReferenceDiT, str(tmp_path / "nope.safetensors"),
                   config=ckpts["config"])
+
+
+def _odd_entries(folder) -> dict[str, str]:
+    """Paths in ``folder`` that are neither a file nor a folder, each with the words the
+    error must use: a FIFO, a link to /dev/zero, a socket, a loop of symbolic links (one
+    link, and two leading to each other), a link to nothing."""
+    import socket
+
+    os.mkfifo(folder / "fifo")
+    (folder / "zero").symlink_to("/dev/zero")
+    (folder / "self").symlink_to(folder / "self")
+    (folder / "a").symlink_to(folder / "b")
+    (folder / "b").symlink_to(folder / "a")
+    (folder / "dangling").symlink_to(folder / "nowhere")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(folder / "sock"))  # closed when collected; the path stays a socket
+    return {"fifo": "a FIFO", "zero": "a character device (a symbolic link to /dev/zero)",
+            "sock": "a socket", "self": "a loop of symbolic links", "a": "a loop of symbolic "
+            "links", "dangling": f"a symbolic link to '{folder / 'nowhere'}', which does not exist"}
+
+
+def test_a_path_that_is_no_file_or_folder_is_named_for_what_it_is(ckpts, tmp_path):
+    """A FIFO, a device, a socket, a symbolic link loop or a link to nothing, as the
+    checkpoint, its subfolder, one of a folder's weight files, the index or a shard it
+    names, or the config: a CheckpointError (ValueError) saying what the path is, before
+    anything is opened (a FIFO blocked the read; NotADirectoryError, or "does not exist"
+    for a loop, was what a user met). A folder without weights and an empty file are
+    named as such."""
+    from diffusers import WanTransformer3DModel
+
+    odd = _odd_entries(tmp_path)
+    for name, what in odd.items():
+        path = str(tmp_path / name)
+        _expect_error(rf"checkpoint path {re.escape(repr(path))} is {re.escape(what)}.*, not a "
+                      "file or a folder; pass a .safetensors", ReferenceDiT, path, config=ckpts["config"],
+                      exc=CheckpointError)
+        _expect_error(rf"subfolder {re.escape(repr(path))} is {re.escape(what)}", ReferenceDiT,
+                      str(tmp_path), subfolder=name, config=ckpts["config"], exc=CheckpointError)
+    for name, what in odd.items():  # one of a folder's files: the same kind of path there
+        folder = tmp_path / f"with-{name}"
+        folder.mkdir()
+        shutil.copy(ckpts["dit"], folder / "dit.safetensors")
+        more = folder / "more.safetensors"
+        if name == "fifo":
+            os.mkfifo(more)
+        elif name == "sock":
+            os.rename(tmp_path / name, more)
+        else:  # a link: to /dev/zero, to itself, to nothing
+            more.symlink_to({"zero": "/dev/zero", "dangling": str(folder / "nowhere")}.get(
+                name, more))
+        _expect_error(rf"holds more.safetensors, which is {re.escape(what[:14])}", ReferenceDiT,
+                      str(folder), config=ckpts["config"], exc=CheckpointError)
+    folder = tmp_path / "index-fifo"  # a FIFO as the index: reading it blocked for ever
+    folder.mkdir()
+    os.mkfifo(folder / "model.safetensors.index.json")
+    _expect_error("holds model.safetensors.index.json, which is a FIFO", ReferenceDiT,
+                  str(folder), config=ckpts["config"], exc=CheckpointError)
+    wan = tmp_path / "wan"  # a shard the index names, and the config.json beside
+    shutil.copytree(ckpts["wan"], wan)
+    index = json.loads(next(wan.glob("*.index.json")).read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (wan / shard).unlink()
+    (wan / shard).symlink_to("/dev/zero")
+    _expect_error(f"holds {shard}, which is a character device", WanTransformer3DModel,
+                  str(wan), exc=CheckpointError)
+    _expect_error(f"names shard file '{shard}', which is a character device",  # the index
+                  WanTransformer3DModel, str(next(wan.glob("*.index.json"))), config=str(wan),
+                  exc=CheckpointError)
+    shutil.rmtree(wan)
+    shutil.copytree(ckpts["wan"], wan)
+    (wan / "config.json").unlink()
+    os.mkfifo(wan / "config.json")
+    _expect_error(r"the config.json beside .* weights is a FIFO \(named pipe\), not a config "
+                  "file", WanTransformer3DModel, str(wan))
+    _expect_error(rf"config={re.escape(repr(str(tmp_path / 'self')))}: .* is a loop of symbolic links",
+                  WanTransformer3DModel, ckpts["wan"], config=str(tmp_path / "self"))
+    (tmp_path / "empty").mkdir()
+    _expect_error("empty holds no .safetensors file", ReferenceDiT, str(tmp_path / "empty"),
+                  config=ckpts["config"], exc=CheckpointError)
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    _expect_error(r"truncated safetensors file \(0 bytes", ReferenceDiT,
+                  str(tmp_path / "empty.safetensors"), config=ckpts["config"],
+                  exc=CheckpointError)
 
 
 def test_truncated_file(ckpts, tmp_path):

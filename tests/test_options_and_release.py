@@ -47,6 +47,7 @@ def test_load_then_compile_with_other_options_refused_with_dlo_message_first(dit
     exc = first_call_error(torch.compile(model, backend="dlo", options={"num_slots": 2}),
                            dit["inputs"])
     assert not isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)
+    assert "TORCHDYNAMO_VERBOSE" not in str(exc)  # dlo's message alone, no footer of Dynamo's
     first = str(exc).splitlines()[0]
     assert first.startswith("dlo: torch.compile options differ") and "num_slots" in first
     # nothing changed: the model compiles with the options it was loaded with
@@ -239,3 +240,119 @@ def test_release_gives_back_each_parameters_class_and_attributes(how):
         dlo_fx.offload(slotted, options={"block_bytes": 1, "resident_bytes": 0})
     assert not any(is_stored(p) for p in slotted.parameters())
     assert all(torch.equal(v, before[k]) for k, v in slotted.state_dict().items())
+
+
+def _absent_devices() -> list[str]:
+    """Device strings this machine has nothing for: the accelerators it lacks, an index
+    past its own accelerator's (or CUDA's), and the lazy device."""
+    there = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    count = torch.accelerator.device_count() if there is not None else 0
+    kind = there.type if there is not None else "cuda"
+    spelled = ["cuda:7", "mps", "xpu", "hpu", "lazy", f"{kind}:99"]
+    return [d for d in spelled if there is None or torch.device(d).type != there.type
+            or (torch.device(d).index or 0) >= count]
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_the_option_at_every_entry(dit):
+    """Through offload, load, compile_pipeline and torch.compile's options: a ValueError
+    naming the option and what the machine has, before anything is stored (torch's raw
+    RuntimeError, "not linked with support for cuda devices", came from inside the
+    runtime's construction)."""
+    devices = _absent_devices()
+    assert "lazy" in devices
+    pipe = dp.flux()
+    for device in devices:
+        options = {"device": device}
+        named = rf"dlo option 'device'={device!r}: .*; compute on 'cpu', on 'meta'"
+        model = ReferenceDiT(dit["config"])
+        with pytest.raises(ValueError, match=named):
+            dlo_fx.offload(model, options)
+        with pytest.raises(ValueError, match=named):
+            dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"], options=options)
+        with pytest.raises(ValueError, match=named):
+            dlo_fx.compile_pipeline(pipe, options=options)
+        with pytest.raises(ValueError, match=named), torch.no_grad():
+            torch.compile(model, backend="dlo", options=options)(*dit["inputs"])
+        torch._dynamo.reset()
+        assert not any(is_stored(p) for p in model.parameters())
+        assert not any(runtimes_holding(list(m.parameters())) for m in pipe.components.values()
+                       if isinstance(m, torch.nn.Module))
+    # the same pipeline compiles exactly where the machine has the device
+    reference = dp.flux()
+    dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), dp.images(reference, "flux", cfg=False))
+
+
+def _hooked(pipe) -> list[str]:
+    """The components carrying an accelerate or diffusers hook."""
+    return [name for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)
+            and any(hasattr(s, "_hf_hook") or getattr(s, "_diffusers_hook", None) is not None
+                    for s in m.modules())]
+
+
+def test_a_pipelines_own_offloading_is_refused_while_dlo_streams_it():
+    """``enable_sequential_cpu_offload`` after `compile_pipeline` raised a raw TypeError
+    from StoredWeight.__new__ with some accelerate hooks installed; each of the pipeline's
+    offloads is now refused up front, naming dlo and dlo_fx.release, with the pipeline
+    unchanged and exact; following the advice (release, then offload) runs exactly."""
+    want = dp.images(dp.flux(), "flux", cfg=False)
+    pipe = dp.flux()
+    dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    offloads = {"enable_sequential_cpu_offload": {"device": "cpu"},
+                "enable_model_cpu_offload": {"device": "cpu"},
+                "enable_group_offload": {"onload_device": torch.device("cpu"),
+                                         "offload_type": "leaf_level"}}
+    for name, kwargs in offloads.items():
+        with pytest.raises(ValueError, match=rf"dlo: cannot call FluxPipeline\.{name}\(\): .* "
+                           r"dlo offloads this pipeline already.*nothing was changed\. .*"
+                           r"call dlo_fx\.release\(pipe\) first to offload with"):
+            getattr(pipe, name)(**kwargs)
+        assert _hooked(pipe) == []
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), want)
+    dlo_fx.release(pipe)
+    pipe.enable_model_cpu_offload(device="cpu")  # the advice: released, it offloads
+    assert _hooked(pipe) and torch.equal(dp.images(pipe, "flux", cfg=False), want)
+
+
+def test_another_offloading_installed_before_dlo_is_refused_and_its_advice_works():
+    """accelerate's hooks (a pipeline's model offload, accelerate's cpu_offload, which
+    leaves the parameters on meta: refused as "on the meta device, build the model with
+    its weights", advice that did not work) and diffusers' group offloading, met by
+    compile_pipeline or offload: a ValueError naming them before anything changes, whose
+    advice (remove the hooks, then offload) runs exactly."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+    from models import call, tiny_dit
+
+    want = dp.images(dp.flux(), "flux", cfg=False)
+    pipe = dp.flux()
+    pipe.enable_model_cpu_offload(device="cpu")
+    with pytest.raises(ValueError, match=r"FluxPipeline has accelerate's offload hooks .* "
+                       r"nothing was changed\. Remove them first: pipe\.remove_all_hooks\(\)"):
+        dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    assert not any(runtimes_holding(list(m.parameters())) for m in pipe.components.values()
+                   if isinstance(m, torch.nn.Module))
+    pipe.remove_all_hooks()
+    dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), want)
+
+    pipe = dp.flux()
+    pipe.transformer.enable_group_offload(onload_device=torch.device("cpu"),
+                                          offload_type="leaf_level")
+    with pytest.raises(ValueError, match=r"has diffusers' group offloading .* Build or load "
+                                         r"the model again without enable_group_offload"):
+        dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
+    assert not runtimes_holding(list(pipe.transformer.parameters()))
+
+    reference, inputs = tiny_dit(depth=1)
+    with torch.no_grad():
+        expected = call(reference, inputs)
+    model, _ = tiny_dit(depth=1)
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"ReferenceDiT has accelerate's offload hooks .* "
+                       r"accelerate\.hooks\.remove_hook_from_module\(model, recurse=True\)"):
+        dlo_fx.offload(model, {"device": "cpu"})
+    remove_hook_from_module(model, recurse=True)
+    dlo_fx.offload(model, {"device": "cpu"})
+    with torch.no_grad():
+        assert torch.equal(call(torch.compile(model, backend="dlo"), inputs), expected)

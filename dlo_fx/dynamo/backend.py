@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import fx
 
-from .errors import CompileOptionsError
+from .errors import CompileOptionsError, surfaced
 from ..config import DLOConfig, same_device
 from ..loading.offload import compute_device, offload_module
 from ..passes import run_passes, schedule_of
@@ -55,7 +55,19 @@ torch_private.install_contains_fix()
 def dlo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                 options: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None,
                 **unused: Any) -> Callable:
-    """Schedule ``gm`` so that its parameters stream through the device slots."""
+    """Schedule ``gm`` so that its parameters stream through the device slots. dlo's own
+    errors reach the caller as raised: see [Note: dlo's errors past Dynamo] in errors.py."""
+    try:
+        return _compile(gm, example_inputs, options, mode)
+    except Exception as exc:
+        own = surfaced(exc)
+        if own is None:
+            raise
+        raise own from exc.__cause__
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
+             options: Optional[Mapping[str, Any]], mode: Optional[str]) -> Callable:
     if mode not in (None, "default"):
         raise CompileOptionsError(
             f"torch.compile mode={mode!r} is not supported by backend 'dlo' (it takes "

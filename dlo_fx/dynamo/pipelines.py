@@ -30,7 +30,7 @@ from torch import nn
 
 from .backend import given_options
 from ..config import DLOConfig, did_you_mean, same_device
-from ..loading.offload import compute_device, offload
+from ..loading.offload import check_hooks, compute_device, offload
 from ..model.cfg_parallel import cfg_parallel, cfg_refusal, group_ranks
 from ..model.guard import guard_pipeline, restore, shadow, shadowing, unguard_pipeline
 from ..model.guard import release as release_module
@@ -121,6 +121,15 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     given = given_options(options)
     for name in names:
         _check_same_options(pipe, name, given)
+    if getattr(pipe, "_all_hooks", None):  # enable_model_cpu_offload's, on every component
+        raise ValueError(
+            f"compile_pipeline: {type(pipe).__name__} has accelerate's offload hooks "
+            "(enable_model_cpu_offload), which move each component between the host and the "
+            "device around its call; dlo offloads the pipeline itself; nothing was changed. "
+            "Remove them first: pipe.remove_all_hooks(), then dlo_fx.compile_pipeline(pipe)")
+    for name in names:
+        if owner_of(getattr(pipe, name).parameters()) is None:
+            check_hooks(getattr(pipe, name))
     denoisers = _cfg_denoisers(pipe, found, cfg_group)
     device = compute_device(config)
     for name in names:

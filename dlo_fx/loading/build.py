@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, odd_path
 from .plan import Target
 
 __all__ = ["construct", "materialised", "meta_parameters"]
@@ -64,6 +64,10 @@ def _config_file(config: Any, ckpt: Checkpoint, name: str) -> Any:
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         path = os.path.join(path, name) if os.path.isdir(path) else path
+        odd = odd_path(path)
+        if odd is not None:
+            raise ValueError(f"dlo_fx.load: config={os.fspath(config)!r}: {path} is {odd}, "
+                             "not a config file; pass a config.json, a dict or a config object")
         if not os.path.isfile(path):
             raise ValueError(f"dlo_fx.load: config={os.fspath(config)!r}: no such file")
         return _read_config(path)
@@ -71,6 +75,11 @@ def _config_file(config: Any, ckpt: Checkpoint, name: str) -> Any:
         return config
     folder = ckpt.folder if ckpt.folder is not None else os.path.dirname(ckpt.files[0])
     path = os.path.join(folder, name)
+    odd = odd_path(path)
+    if odd is not None:
+        raise ValueError(f"dlo_fx.load: the {name} beside {ckpt.source!r}'s weights is {odd}, "
+                         f"not a config file; replace it with the model's {name}, or pass "
+                         "config= (a dict, a config object or a path to a config file)")
     if not os.path.isfile(path):
         raise ValueError(f"dlo_fx.load: {ckpt.source!r} has no {name} beside its weights, "
                          "so the model's configuration is unknown (building the class with "

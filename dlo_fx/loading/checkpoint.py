@@ -12,10 +12,12 @@ halfway.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,8 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "Checkpoint", "TensorInfo", "from_files", "from_index",
-           "header_json", "load_error", "read_header", "refuse_pickles", "read_tensor"]
+           "header_json", "load_error", "odd_path", "read_header", "refuse_pickles",
+           "read_tensor"]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -45,6 +48,35 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, refused, or malformed."""
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def odd_path(path: str | os.PathLike) -> Optional[str]:
+    """What ``path`` is where it names neither a regular file nor a folder, said so that
+    ``f"{path} is {odd_path(path)}"`` reads: a loop of symbolic links, a link to nothing,
+    a FIFO, a socket or a device (a link to one named with its target), a path that cannot
+    be looked at; None for a file, a folder, or nothing at all (a path that does not
+    exist). Checked before anything is opened: reading a FIFO blocks until a writer
+    comes, and a device's bytes never end."""
+    path = os.fspath(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a loop of symbolic links (each link leads back to one of them)"
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            if os.path.islink(path):
+                return f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+            return None
+        return f"a path that cannot be looked at ({exc.strerror})"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+    target = os.path.realpath(path)
+    return kind + (f" (a symbolic link to {target})" if os.path.islink(path) else "")
 
 
 @dataclass(frozen=True)
@@ -292,6 +324,10 @@ def from_index(index: Path, source: str) -> Checkpoint:
         if not name.endswith(".safetensors"):
             refuse_pickles([Path(name)], str(index))
             raise CheckpointError(f"{index}: shard {name!r} is not a .safetensors file")
+        odd = odd_path(index.parent / name)
+        if odd is not None:
+            raise CheckpointError(f"{index} names shard file {name!r}, which is {odd}, not a "
+                                  "safetensors file; put the file itself there")
         if not (index.parent / name).is_file():
             raise CheckpointError(f"{index} names shard file {name!r}, which does not exist in "
                                   f"{index.parent}; the download is incomplete")

@@ -24,7 +24,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import Checkpoint, CheckpointError, from_files, from_index, refuse_pickles
+from .checkpoint import (Checkpoint, CheckpointError, from_files, from_index, odd_path,
+                         refuse_pickles)
 from .gguf import read_gguf
 
 __all__ = ["hf_cache_dirs", "resolve_checkpoint"]
@@ -62,8 +63,22 @@ def _snapshot(repo: Path) -> Path:
                           "refs/main; pass the snapshots/<rev> folder you want")
 
 
+_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf")
+"""The names of the files a checkpoint folder is read from."""
+
+
+def _refuse_odd(path: Path, what: str) -> None:
+    """CheckpointError where ``path`` is neither a file nor a folder (`odd_path`)."""
+    odd = odd_path(path)
+    if odd is not None:
+        raise CheckpointError(f"{what} {os.fspath(path)!r} is {odd}, not a file or a folder; "
+                              "pass a .safetensors or .gguf file, a *.safetensors.index.json, "
+                              "or a folder of them")
+
+
 def _locate(source: str | os.PathLike) -> Path:
     path = Path(source).expanduser()
+    _refuse_odd(path, "checkpoint path")
     if path.exists():
         if path.is_dir() and (path / "snapshots").is_dir() and path.name.startswith("models--"):
             return _snapshot(path)
@@ -92,6 +107,7 @@ def resolve_checkpoint(source: str | os.PathLike, subfolder: Optional[str] = Non
         if not path.is_dir():
             raise CheckpointError(f"subfolder={subfolder!r} needs a folder, but {text!r} is "
                                   "a file")
+        _refuse_odd(path / subfolder, "subfolder")
         if not (path / subfolder).is_dir():
             raise CheckpointError(f"{path} has no subfolder {subfolder!r}"
                                   + _components_hint(path))
@@ -108,6 +124,12 @@ def resolve_checkpoint(source: str | os.PathLike, subfolder: Optional[str] = Non
         raise CheckpointError(f"{path}: not a .safetensors file, a *.safetensors.index.json "
                               "index or a .gguf file; dlo_fx only loads safetensors and GGUF")
     children = sorted(path.iterdir())
+    odd = [(p.name, odd_path(p)) for p in children if p.name.endswith(_SUFFIXES)]
+    odd = [(name, what) for name, what in odd if what is not None]
+    if odd:
+        raise CheckpointError(f"{path} holds {odd[0][0]}, which is {odd[0][1]}: a checkpoint's "
+                              "files must be regular files; remove it or put the file itself "
+                              "there")
     indexes = [p for p in children if p.name.endswith(".safetensors.index.json")]
     if len(indexes) > 1:
         raise CheckpointError(f"{path} holds several safetensors indexes "
@@ -134,8 +156,7 @@ def _components_hint(path: Path) -> str:
     if not index.is_file():
         return ""
     names = sorted(p.name for p in path.iterdir() if p.is_dir() and any(
-        c.name.endswith((".safetensors", ".safetensors.index.json", ".gguf"))
-        for c in p.iterdir()))
+        c.name.endswith(_SUFFIXES) for c in p.iterdir()))
     return (f"; it is a diffusers pipeline folder (model_index.json): pass subfolder= (dlo-fx shard: --subfolder) one of "
             f"{', '.join(map(repr, names)) or '(none holds safetensors)'}, e.g. "
             "dlo_fx.load(FluxTransformer2DModel, root, subfolder='transformer')")

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..config import DLOConfig, canonical_device
 from ..model.guard import attach
-from ..model.storage_dtype import mark_model
+from ..model.storage_dtype import mark_model, take_over_hooks
 from ..runtime.device import platform
 from ..runtime.weights.owners import owner_of
 from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
@@ -47,15 +47,24 @@ from .plan import (agree_on_plan, block_rows, model_targets, resident_fact, sett
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_model", "compute_device", "offload", "offload_module"]
+__all__ = ["check_hooks", "check_model", "compute_device", "offload", "offload_module"]
 
 
 def compute_device(config: DLOConfig, params: Sequence[torch.Tensor] = ()) -> torch.device:
     """Where a model offloaded with ``config`` computes: ``config.device``, else where
     ``params`` are (a model compiled without offload computes on the device of its
     parameters: see [Note: a model compiled without offload] in dynamo/first_trace.py), else
-    the accelerator, else the CPU (`config.canonical_device` spelling)."""
+    the accelerator, else the CPU (`config.canonical_device` spelling). ValueError naming the
+    option where this machine has no such device, before anything is made there."""
     if config.device is not None:
+        missing = platform.missing_device(torch.device(config.device))
+        if missing is not None:
+            there = platform.accelerator()
+            raise ValueError(
+                f"dlo option 'device'={config.device!r}: {missing}; compute on 'cpu', on "
+                "'meta' (plan and trace without values)"
+                + (f", on {there.type!r} (its devices: {there.type}:0, ...)" if there else "")
+                + ", or leave device unset (the accelerator, else the CPU)")
         return canonical_device(config.device)
     return canonical_device(params[0].device if params else platform.default_device())
 
@@ -69,8 +78,11 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
     layer per block unless ``block_bytes`` says otherwise); each streamed parameter
     becomes a `StoredWeight` on the compute device (``options["device"]``, else the
     accelerator, else the CPU); the other parameters and the buffers move to that
-    device. Then ``torch.compile(model, backend="dlo")`` (or ``model.compile(...)``)
-    streams the blocks, inheriting ``options``. ``dlo_fx.release(model)`` is the inverse:
+    device. diffusers' layerwise casting (``enable_layerwise_casting``) is taken over, as
+    `compile_pipeline` does: those layers' weights are stored in the storage dtype and cast
+    in the graph, so every call is exact against the layerwise-cast model resident. Then
+    ``torch.compile(model, backend="dlo")`` (or ``model.compile(...)``) streams the blocks,
+    inheriting ``options``. ``dlo_fx.release(model)`` is the inverse:
     the weights come back where they were.
 
     Args:
@@ -87,6 +99,7 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
     config = DLOConfig.from_options(options)
     device = compute_device(config)
     check_model(model, device)
+    take_over_hooks(model)  # see [Note: storing weights in another dtype]
     offload_module(model, config, device, resident=resident, inference=True)
     return model
 
@@ -199,6 +212,7 @@ def check_model(model: Any, device: Optional[torch.device] = None) -> None:
             f"dlo_fx.offload: {type(model).__name__} has no parameters, so dlo has nothing to "
             "store (its buffers alone would move to the device, with nothing to give them "
             "back by at release); move it with model.to(device) instead")
+    check_hooks(model)
     seen: dict[int, str] = {}
     devices: dict[torch.device, str] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -227,6 +241,32 @@ def check_model(model: Any, device: Optional[torch.device] = None) -> None:
             f"dlo_fx.offload: the parameters of {type(model).__name__} are on "
             f"{len(devices)} devices ({shown}); move the model to one device first "
             "(model.to('cpu')), then offload it")
+
+
+def check_hooks(model: nn.Module) -> None:
+    """ValueError, before anything changes, where another offloading holds ``model``'s
+    weights: accelerate's hooks (``cpu_offload``, a ``device_map``, a pipeline's
+    ``enable_model_cpu_offload``/``enable_sequential_cpu_offload``: sequential offloading
+    leaves the parameters on the meta device, its hooks holding the weights) or diffusers'
+    group offloading. Their hooks move the weights around each call, which dlo cannot do
+    to weights in its host store, and dlo offloads the model itself."""
+    for name, sub in model.named_modules():
+        where = f"on {name!r}" if name else "on the model"
+        if hasattr(sub, "_hf_hook"):
+            raise ValueError(
+                f"dlo_fx.offload: {type(model).__name__} has accelerate's offload hooks "
+                f"({where}: accelerate's cpu_offload or a device_map, or a pipeline's "
+                "enable_model_cpu_offload / enable_sequential_cpu_offload), which move its "
+                "weights around each call; dlo offloads the model itself. Remove them first "
+                "(the weights come back): accelerate.hooks.remove_hook_from_module(model, "
+                "recurse=True), or pipe.remove_all_hooks() for a pipeline, then offload it")
+        registry = getattr(sub, "_diffusers_hook", None)
+        if registry is not None and registry.get_hook("group_offloading") is not None:
+            raise ValueError(
+                f"dlo_fx.offload: {type(model).__name__} has diffusers' group offloading "
+                f"({where}: enable_group_offload), which moves its weights between devices "
+                "around each call; dlo offloads the model itself. Build or load the model "
+                "again without enable_group_offload, then offload it")
 
 
 def _contains_itself(model: nn.Module) -> Optional[str]:

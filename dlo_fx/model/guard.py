@@ -27,8 +27,9 @@ modules that hold stored parameters get these guards:
   anything changes (instance attributes shadowing the class's method): LoRA's fusing (a
   model's ``fuse_lora``/``unfuse_lora``, peft's layer ``merge``/``unmerge``),
   ``load_lora_adapter(..., hotswap=True)``, diffusers' ``enable_layerwise_casting`` and
-  ``enable_group_offload``; a compiled pipeline's ``fuse_lora``/``unfuse_lora``
-  (`guard_pipeline`) refuse while a component's weights are stored. Refused one weight at
+  ``enable_group_offload``; a compiled pipeline's ``fuse_lora``/``unfuse_lora`` and its
+  offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``,
+  ``enable_group_offload``: `guard_pipeline`) refuse while a component's weights are stored. Refused one weight at
   a time, each would change the small resident weights (LoRA's adapters, norms) before the
   first stored one refused. A plain ``load_lora_adapter`` runs: the next call stores the
   new adapter like any new parameter; ``fuse_qkv_projections`` runs too (it reads the q, k
@@ -95,13 +96,12 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
                 raise ValueError(
                     f"dlo: {type(module).__name__} has diffusers' layerwise casting enabled, "
                     f"which casts each layer's weights around its call (here {fqn!r} to "
-                    f"{probe.dtype}); dlo cannot do that to weights in its host store. dlo "
-                    "stores and casts them itself: compile the pipeline with "
-                    "dlo_fx.compile_pipeline(pipe), which takes the casting over, or call "
-                    "dlo_fx.take_over_layerwise_casting(model) before "
-                    "torch.compile, or build the model without it and pass options="
-                    "{'storage_dtype': torch.float8_e4m3fn}. " + release_advice(
-                        then="to give this one its weights back"))
+                    f"{probe.dtype}); dlo cannot do that to weights in its host store (a "
+                    "model compiled with backend='dlo' before dlo_fx.offload). dlo stores "
+                    "and casts them itself, once it takes the casting over. "
+                    + release_advice(then="(the weights come back), then dlo_fx.offload(model) "
+                                          "(it takes the casting over), then compile it")
+                    + "; a pipeline: dlo_fx.compile_pipeline(pipe)")
             raise ValueError(
                 f"dlo: cannot convert {type(module).__name__} to {probe.device} / "
                 f"{probe.dtype}{to}: parameter {fqn!r} ({p.device}, {p.dtype}{had}) has its "
@@ -257,11 +257,24 @@ def shadowing(pipe: Any, name: str, func: Callable) -> Optional[functools.partia
     return installed if ours else None
 
 
+_PIPELINE_OFFLOADS = {
+    "enable_model_cpu_offload": "it moves each component between the host and the device "
+                                "around its call, with accelerate hooks",
+    "enable_sequential_cpu_offload": "it moves each layer's weights between the host and the "
+                                     "device around its call, with accelerate hooks",
+    "enable_group_offload": "it moves the components' weights between devices in groups",
+}
+"""A pipeline's own offloading, which would move (and re-wrap) the weights dlo streams."""
+_PIPELINE_GUARDED = ("fuse_lora", "unfuse_lora", *_PIPELINE_OFFLOADS)
+
+
 def guard_pipeline(pipe: Any, modules: list[nn.Module]) -> None:
-    """Refuse a pipeline's ``fuse_lora``/``unfuse_lora`` while any of ``modules`` (its
-    compiled components) has stored weights: it fuses text encoders through peft's layers,
-    which a model's guards do not reach before their first call (an adapter loaded since)."""
-    for name in ("fuse_lora", "unfuse_lora"):
+    """Refuse, while any of ``modules`` (its compiled components) has stored weights, a
+    pipeline's ``fuse_lora``/``unfuse_lora`` (it fuses text encoders through peft's layers,
+    which a model's guards do not reach before their first call: an adapter loaded since)
+    and its offloading (`_PIPELINE_OFFLOADS`: its hooks rebuilt each stored parameter as a
+    plain one, a raw TypeError, after installing some hooks), before anything changes."""
+    for name in _PIPELINE_GUARDED:
         original = getattr(type(pipe), name, None)
         if callable(original):
             shadow(pipe, name, _guarded_pipe_rewrite, [weakref.ref(m) for m in modules],
@@ -272,8 +285,19 @@ def _guarded_pipe_rewrite(pipe_ref: Any, refs: list, name: str, original: Callab
                           *args: Any, **kwargs: Any) -> Any:
     pipe = pipe_ref()
     if any(_stored(p) for ref in refs if ref() is not None for p in ref().parameters()):
-        raise _refusal(type(pipe).__name__, name)
+        raise _offload_refusal(pipe, name) if name in _PIPELINE_OFFLOADS else \
+            _refusal(type(pipe).__name__, name)
     return original(pipe, *args, **kwargs)
+
+
+def _offload_refusal(pipe: Any, name: str) -> ValueError:
+    return ValueError(
+        f"dlo: cannot call {type(pipe).__name__}.{name}(): {_PIPELINE_OFFLOADS[name]}, and "
+        "dlo offloads this pipeline already: it streams its compiled components' weights "
+        "from a dlo host store, so they are never all on the device; nothing was changed. "
+        + release_advice(instead="run the pipeline as it is",
+                         then=f"to offload with {name}() instead of dlo (the pipeline then "
+                              "runs without dlo)", target="pipe"))
 
 
 # -- installing and removing ----------------------------------------------------------------
@@ -462,7 +486,7 @@ def restore(module: nn.Module) -> int:
 def unguard_pipeline(pipe: Any) -> int:
     """Remove `guard_pipeline`'s refusals from ``pipe``; returns how many."""
     count = 0
-    for name in ("fuse_lora", "unfuse_lora"):
+    for name in _PIPELINE_GUARDED:
         if shadowing(pipe, name, _guarded_pipe_rewrite) is not None:
             del vars(pipe)[name]
             count += 1

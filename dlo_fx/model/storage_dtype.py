@@ -22,8 +22,8 @@ and what a read outside the graph returns.
 diffusers' own hooks cannot run on a compiled model: each one casts its module's
 parameters with ``module.to()`` around every call, which breaks Dynamo's graph at every
 layer (with any backend, up to the recompile limit) and would rewrite the stored weights.
-`take_over_layerwise_casting` replaces them before the model is compiled
-(`dlo_fx.compile_pipeline` calls it): it removes each layer's hook, puts the parameter back
+`take_over_layerwise_casting` replaces them before the model is stored (`dlo_fx.offload`
+and `dlo_fx.compile_pipeline` call it; once the weights are stored it is refused): it removes each layer's hook, puts the parameter back
 in the compute dtype (the fp8 values, exactly) and marks it to be stored in the hook's
 storage dtype.
 """
@@ -39,6 +39,7 @@ from torch import nn
 
 from ..runtime.host.layout import STORAGE_MARK as _MARK
 from ..runtime.host.layout import is_composite, storage_dtype_of
+from ..runtime.weights.owners import runtimes_holding
 from ..runtime.weights.stored import is_stored
 from ..torch_private import swap_in_place
 
@@ -123,7 +124,18 @@ def take_over_layerwise_casting(root: nn.Module) -> int:
     [Note: storing weights in another dtype]); returns the number of layers taken over.
     Call it before the model is compiled: the hooks' ``module.to()`` calls break Dynamo's
     graph. A model without the hooks is left as it is, with a warning: it streams its
-    weights in their own dtype."""
+    weights in their own dtype. A model whose weights dlo stores already is refused:
+    `dlo_fx.offload` and `compile_pipeline` take the casting over themselves."""
+    if runtimes_holding(list(root.parameters())):
+        hooked = any(_hook_of(m) is not None for m in root.modules())
+        raise ValueError(
+            f"dlo: take_over_layerwise_casting: the weights of this {type(root).__name__} are "
+            "in a dlo host store already (offloaded, loaded or compiled), where diffusers' "
+            "casting cannot be taken over; nothing was changed. " + (
+                "Call dlo_fx.release(model) first, then dlo_fx.offload(model), which takes "
+                "the casting over, then compile it" if hooked else
+                "dlo_fx.offload and dlo_fx.compile_pipeline take the casting over "
+                "themselves: drop this call (or make it before dlo_fx.offload)"))
     count = take_over_hooks(root)
     if count == 0:
         warnings.warn(
@@ -139,10 +151,10 @@ def take_over_hooks(root: nn.Module) -> int:
     every component, most of which have no hooks)."""
     count = 0
     for module in root.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        hook = registry.get_hook("layerwise_casting") if registry is not None else None
+        hook = _hook_of(module)
         if hook is None:
             continue
+        registry = module._diffusers_hook
         # The hook refuses to be removed (it would have to cast the fp8 weights back,
         # which it cannot do without loss); dlo keeps the fp8 values, so nothing is lost.
         hook.deinitalize_hook = lambda module: module
@@ -159,6 +171,12 @@ def take_over_hooks(root: nn.Module) -> int:
             swap_in_place(p, value)  # the same object, in the compute dtype
         count += 1
     return count
+
+
+def _hook_of(module: nn.Module) -> Optional[object]:
+    """diffusers' layerwise-casting hook on ``module`` itself, or None."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return registry.get_hook("layerwise_casting") if registry is not None else None
 
 
 def forget_storage_marks(root: nn.Module) -> int:

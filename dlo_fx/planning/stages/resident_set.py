@@ -16,7 +16,8 @@ the settled blocks are handed to the budget planner
 its compute time from the FLOPs of the nodes it spans (`dlo_fx.planning.flops`) over the measured
 matmul rate (see `block_compute_seconds`). The blocks it keeps resident get the reason
 ``device_budget: ...``; a budget below the minimum (slots for the largest block plus the
-parameters resident anyway) raises ``ValueError`` here, before anything is stored.
+parameters resident anyway) raises ``ValueError`` here, before anything is stored, and so
+does a declared ``device_memory`` below it (a device that cannot hold the slots).
 
 Before/after: no graph change; fills ``ctx.resident``, ``ctx.streamed``, ``ctx.budget``,
 ``ctx.layers``, ``ctx.budget_plan`` and each resident parameter's ``reason``.
@@ -123,6 +124,16 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
         always = sum(c.nbytes for c, r in zip(cands, reasons)
                      if r is not None and (c.first is None or c.first >= 0))
         minimum = minimum_bytes(sizes, num_slots, always)
+        if auto is not None and ctx.config.device_memory is not None and auto < minimum:
+            raise ValueError(
+                f"dlo option device_memory={ctx.config.device_memory!r} ({auto:,} B) is below "
+                f"the {minimum:,} B this graph's weights need on the device at least: "
+                f"num_slots={num_slots} slots of its largest block "
+                f"({max(sizes, default=0):,} B, {num_slots * max(sizes, default=0):,} B of "
+                f"slots) plus {always:,} B of parameters resident anyway, before any "
+                "activation; declare the device's real capacity (device_memory >= "
+                f"{minimum}, or None to read it from the driver), or lower num_slots / "
+                "block_bytes")
         if auto is not None:  # every block streams at the first call: it measures
             budget_now, capacity = auto, 0
         elif budget < minimum:

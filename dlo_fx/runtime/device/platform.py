@@ -31,6 +31,23 @@ def default_device() -> torch.device:
     return accelerator() or torch.device("cpu")
 
 
+def missing_device(device: torch.device) -> Optional[str]:
+    """Why dlo cannot compute on ``device`` on this machine (a clause naming what it has
+    instead), or None where it can: the CPU, the meta device, and the accelerator this build
+    uses, at an index it has."""
+    if device.type in HOST_LIKE:
+        return None
+    acc = accelerator()
+    if acc is None:
+        return f"PyTorch here has no {device.type} device (no accelerator: the CPU only)"
+    if device.type != acc.type:
+        return f"this machine's accelerator is {acc.type}, not {device.type}"
+    count = torch.get_device_module(acc.type).device_count()
+    if device.index is not None and not 0 <= device.index < count:
+        return f"this machine has {count} {acc.type} device(s) ({acc.type}:0 to {acc.type}:{count - 1})"
+    return None
+
+
 def exchange_device(pg) -> torch.device:
     """Where small control tensors for process group ``pg`` must live: the CPU when the
     group's backend serves CPU tensors (gloo), the current accelerator otherwise."""
