@@ -77,7 +77,8 @@ def failure_text(exc: BaseException) -> str:
 
 
 # What the engine's workers preload with the diffusers factory, and this harness.
-_PRELOAD = [*workers._PRELOAD, "diffusers", workers._DIFFUSERS, "distributed", "rank_warmup"]
+_PRELOAD = [*workers._PRELOAD, "diffusers", "dlo_fx.apps.engine.diffusers_pipeline", "distributed",
+            "rank_warmup"]
 
 
 def _context() -> Any:

@@ -26,10 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REFERENCE = "dlo_fx.apps.engine.reference_pipeline:build"
-DIFFUSERS = "dlo_fx.apps.engine.diffusers_pipeline:build"
-GATHER = ("auto", "sp", "cfg", "replica", "dp", "world", "none")
-"""``--gather``: `topology.GATHER_CHOICES` (this module imports no torch)."""
+from .factories import DIFFUSERS, REFERENCE
+from .topology import GATHER_CHOICES
 
 
 def _key_value(text: str) -> tuple[str, Any]:
@@ -54,7 +52,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--cfg", type=int, default=1, choices=(1, 2),
                         help="2: two ranks per replica split each batched guidance call, one "
                              "branch each (dlo_fx.cfg_parallel); world = dp x cfg x sp")
-    parser.add_argument("--gather", default="auto", choices=GATHER,
+    parser.add_argument("--gather", default="auto", choices=GATHER_CHOICES,
                         help="ranks each rank's weights are gathered over: its SP group (sp), "
                              "its CFG pair (cfg), both (replica), one rank per replica (dp), "
                              "every rank (world), none (rank-local), or auto: chosen from "

@@ -65,6 +65,7 @@ MESH_DIMS = ("dp", "cfg", "ring", "ulysses")
 """The dimensions of the engine's device mesh (see [Note: the engine's device mesh])."""
 
 _MESHES: dict = {}  # (topology, device type, id(default process group)) -> DeviceMesh
+_WORKER_TIMEOUT_S: dict = {}  # id(default process group) -> the engine's collective_timeout_s
 
 
 def context_parallel_refusal(cls: type, sp_size: int) -> Optional[str]:
@@ -95,6 +96,8 @@ def replica_mesh(context: Any) -> Any:
     mesh = _MESHES.get(key)
     if mesh is None:
         _MESHES.clear()  # meshes of an earlier default process group: never used again
+        _WORKER_TIMEOUT_S.clear()
+        _WORKER_TIMEOUT_S[id(dist.group.WORLD)] = context.collective_timeout_s
         mesh = _MESHES[key] = init_device_mesh(
             kind, (topology.dp_size, topology.cfg_size, 1, topology.sp_size),
             mesh_dim_names=MESH_DIMS)
@@ -130,7 +133,8 @@ def enable_context_parallel(transformer: torch.nn.Module, mesh: Any, *,
     `dlo_fx.offload` / `dlo_fx.load`, which leave the module's hooks and attention
     processors alone. ``timeout_s``: the timeout of every process group the model's
     collectives run on (pass the ``collective_timeout_s`` of dlo's options so a failed
-    rank's peers raise within it); ``None``: inside an engine worker, the engine's
+    rank's peers raise within it); ``None``: in an engine worker that built the engine's
+    mesh (`replica_mesh`, ``worker_context().sp_mesh``), the engine's
     ``collective_timeout_s``, elsewhere the groups' own (see [Note: failure inside a graph
     stays bounded])."""
     from diffusers import ContextParallelConfig
@@ -149,10 +153,9 @@ def enable_context_parallel(transformer: torch.nn.Module, mesh: Any, *,
     with device_count_on_host():
         transformer.enable_parallelism(config=config)
     if timeout_s is None:
-        from .topology import worker_context
+        import torch.distributed as dist
 
-        context = worker_context()
-        timeout_s = context.collective_timeout_s if context is not None else None
+        timeout_s = _WORKER_TIMEOUT_S.get(id(dist.group.WORLD))
     bound_timeouts(_context_parallel_groups(config), timeout_s)
 
 

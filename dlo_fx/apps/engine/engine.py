@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from ...config import DLOConfig
+from .factories import DIFFUSERS, REFERENCE
 from .limits import Limits
 from .request import Request, check_wave, plan_waves
 from .result import Result
@@ -341,7 +342,6 @@ def _preflight(pipeline: str, topology: Topology, kwargs: Mapping[str, Any]) -> 
     transformer that cannot split its sequence over ``sp_size`` ranks, a pipeline whose
     guidance calls ``cfg_size`` cannot split: ``ValueError`` naming it) and the bytes of
     its denoisers; ``None`` for any other factory."""
-    from .cli import DIFFUSERS, REFERENCE
 
     if pipeline == REFERENCE and topology.cfg_size > 1:
         raise ValueError(f"cfg_size={topology.cfg_size}: the reference DiT pipeline ({REFERENCE}) "

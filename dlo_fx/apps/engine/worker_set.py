@@ -20,6 +20,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from .channel import LocalFront, Message, decode_output, new_secret
+from .factories import DIFFUSERS
 from .limits import Limits
 from .request import Request
 from .worker import WorkerSpec, split_factory, spawned_worker
@@ -235,15 +236,15 @@ class WorkerSet:
 # end's pid itself (`worker.watch_front_end`).
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "dlo_fx.dynamo.backend",
             "dlo_fx.apps.engine.worker")
-_DIFFUSERS = "dlo_fx.apps.engine.diffusers_pipeline"
 
 
 def worker_context(pipeline: str) -> Any:
     """The multiprocessing context local workers start from (see the Note above)."""
     ctx = mp.get_context("forkserver")
     preload = list(_PRELOAD)
-    if split_factory(pipeline)[0] == _DIFFUSERS:
-        preload += ["diffusers", _DIFFUSERS]
+    module = split_factory(DIFFUSERS)[0]
+    if split_factory(pipeline)[0] == module:
+        preload += ["diffusers", module]
     # Applies when this call starts the server; a running server keeps its modules (all
     # the more imported: a worker imports what it misses).
     ctx.set_forkserver_preload(preload)
