@@ -77,6 +77,41 @@ def group_cases(rank: int, world: int) -> dict:
     return {**out, "auto": auto, "auto_reason": runtime_reason}
 
 
+def _peak_rss_reset() -> int:
+    """Reset this process's peak RSS (``VmHWM``) to its RSS now, and return that."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def host_gather_case(rank: int, world: int, shard_bytes: int) -> dict:
+    """A block gathered on the host (gloo): exact, and the peak RSS it adds to the
+    process (``VmHWM``, reset just before) -- gloo's AllGather held a second block."""
+    from dlo_fx.runtime.ranks.collectives import gather_in_place, resolve_shard_group
+
+    group = resolve_shard_group(None, 60.0)
+    flat = torch.zeros(shard_bytes * world, dtype=torch.uint8)
+    out = {}
+    for turn in ("warm", "measured"):  # the first gather opens the group's connections
+        flat.zero_()
+        flat[rank * shard_bytes : (rank + 1) * shard_bytes].fill_(rank + 1)
+        expected = torch.arange(1, world + 1, dtype=torch.uint8).repeat_interleave(shard_bytes)
+        before = _peak_rss_reset()
+        gather_in_place(flat, shard_bytes, group, f"a {turn} test block")
+        out[turn] = {"equal": torch.equal(flat, expected),
+                     "peak_growth": _status_bytes("VmHWM") - before}
+        del expected
+    return out
+
+
 # -- failures ----------------------------------------------------------------------------
 def _fail_here(how: str, rank: int) -> None:
     if dist.get_rank() != rank:

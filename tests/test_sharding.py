@@ -126,6 +126,22 @@ def test_world_four_gathers_over_two_groups(spawned):
     assert len({results[r]["dit"]["mode"] for r in range(4)}) == 1
 
 
+HOST_GATHER_SHARD = 32 << 20
+
+
+@pytest.mark.spawned.with_args(lambda: spawn(2, dist_cases.host_gather_case, HOST_GATHER_SHARD))
+def test_a_host_gather_holds_no_second_copy_of_the_block(spawned):
+    """A block gathered into a host slot (gloo) is completed in place: gloo's AllGather
+    received into a new tensor of the whole block and copied out of it, so every rank
+    peaked a whole gathered block above its slots (see [Note: a gather of host tensors]).
+    The growth is read from the kernel's peak RSS (VmHWM, reset before the gather)."""
+    block = 2 * HOST_GATHER_SHARD
+    for rank in (0, 1):
+        for turn, r in spawned[rank].items():
+            assert r["equal"], (rank, turn)
+        assert spawned[rank]["measured"]["peak_growth"] < block // 8, (rank, spawned[rank])
+
+
 FAILURE_TIMEOUT_S = 5.0
 
 

@@ -136,11 +136,19 @@ def anon_memory() -> dict[str, Optional[int]]:
 
 def tree_pss(root_pid: int) -> int:
     """PSS summed over ``root_pid`` and all its descendants (bytes)."""
-    total = 0
+    return tree_rollup(root_pid, ("Pss",))["Pss"]
+
+
+def tree_rollup(root_pid: int, fields: tuple[str, ...]) -> dict[str, int]:
+    """``fields`` of `smaps_rollup` (``Pss``, ``Pss_Anon``, ``Locked`` ...) each summed over
+    ``root_pid`` and all its descendants (bytes)."""
+    total = dict.fromkeys(fields, 0)
     stack = [root_pid]
     while stack:
         pid = stack.pop()
-        total += smaps_rollup(pid).get("Pss", 0)
+        roll = smaps_rollup(pid)
+        for key in fields:
+            total[key] += roll.get(key, 0)
         try:
             with open(f"/proc/{pid}/task/{pid}/children") as f:
                 stack.extend(int(c) for c in f.read().split())

@@ -196,12 +196,28 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def gather_in_place(flat: torch.Tensor, shard_bytes: int, group: ShardGroup, what: str) -> None:
-    """Complete ``flat[: dp * shard_bytes]`` from every rank's slice, in place."""
+    """Complete ``flat[: dp * shard_bytes]`` from every rank's slice, in place.
+
+    [Note: a gather of host tensors]
+    Gloo's AllGather (the backend of host tensors) is not in place: it receives into a new
+    tensor of the whole output and then copies each slice out of it, so every gather of a
+    block on the host held that block twice, and the host peaked a gathered block above
+    its slots and shards on every rank (docs/benchmarks.md, "CPU: loading"). A host
+    ``flat`` is completed by one broadcast per member instead, each from that member's
+    slice into the same slice on every rank: the bytes each rank receives are the same,
+    nothing is allocated or copied, and on two or four gloo ranks it took a quarter to
+    one times the AllGather's time (in ascending rank order on every rank, as one
+    collective). A device tensor keeps the device's AllGather, which is in place."""
     out = flat[: shard_bytes * group.dp]
     mine = out[group.rank * shard_bytes : (group.rank + 1) * shard_bytes]
     group.check_in_step(f"the AllGather of {what}")
     try:
-        _all_gather_single(out, mine, group=group.pg)
+        if out.device.type == "cpu":
+            for i, source in enumerate(group.ranks):
+                dist.broadcast(out[i * shard_bytes : (i + 1) * shard_bytes], src=source,
+                               group=group.pg)
+        else:
+            _all_gather_single(out, mine, group=group.pg)
     except Exception as exc:  # a rank died, raised, or timed out
         raise RuntimeError(f"dlo: AllGather of {what} over the {group.describe()} failed on "
                            f"global rank {group.ranks[group.rank]}: {exc}") from exc
