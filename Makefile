@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test zoo bench clean
+.PHONY: demo test test-fast zoo bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(VENV)/.base
 # in-process tests run: tests/conftest.py).
 test: $(VENV)/.test
 	$(PY) -m pytest -q
+
+# Before each commit: the in-process tests of the contract files, about 2.5 minutes on 2 cores
+# (FAST_FILES in tests/conftest.py); `make test` before the change lands.
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -m fast
 
 # The diffusers zoo alone (tests/test_zoo.py), at dp 1 and 2, both modes: the 30 classes
 # `make test` runs and the rest of the release's transformer classes with their variants

@@ -43,6 +43,8 @@ def pytest_configure(config):
         "markers", "gpu: on the accelerator (tests/test_gpu.py; skipped where none exists)")
     config.addinivalue_line(
         "markers", "spawned(job): the test checks what job() returns; see tests/conftest.py")
+    config.addinivalue_line(
+        "markers", "fast: the subset to run before each commit (FAST_FILES in tests/conftest.py)")
 
 
 def _keep_pytest_off_torch_trace_log():
@@ -77,7 +79,23 @@ def _job(item):
     return marker.args[0] if marker is not None else None
 
 
+# The fast subset (``make test-fast``, ``pytest -m fast``): the in-process tests of the files
+# that hold the project's contracts (options, the stored weight's reads and writes, offload and
+# release, the backend and its passes, the golden schedules, planning, loading, the parallel
+# routes' single-process checks), about 2.5 minutes on 2 cores. No spawned job and no zoo: a
+# change to the gathers, the engine or a model class still wants `make test` before it lands.
+FAST_FILES = frozenset({
+    "test_config.py", "test_stored_writes.py", "test_stored_read_contexts.py",
+    "test_stored_weight.py", "test_passes.py", "test_golden.py", "test_policy.py",
+    "test_routes.py", "test_offload.py", "test_backend.py", "test_flops.py",
+    "test_runtime_parts.py", "test_options_and_release.py", "test_loader.py",
+    "test_cfg_parallel.py", "test_parallel.py"})
+
+
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        if item.path.name in FAST_FILES and _job(item) is None:
+            item.add_marker(pytest.mark.fast)
     items.sort(key=lambda item: _job(item) is not None)  # stable: spawned tests last, in order
 
 
