@@ -226,6 +226,20 @@ def compile_backend_name(fn: Any) -> Optional[str]:
     return None
 
 
+def compiled_call(module: torch.nn.Module) -> Optional[Callable]:
+    """What ``module(...)`` calls in place of ``_call_impl`` (``module.compile``'s
+    ``_compiled_call_impl`` on the instance), or None."""
+    return vars(module).get("_compiled_call_impl")
+
+
+def set_compiled_call(module: torch.nn.Module, fn: Optional[Callable]) -> None:
+    """Make ``module(...)`` call ``fn`` (None: ``_call_impl`` again)."""
+    if fn is None:
+        vars(module).pop("_compiled_call_impl", None)
+    else:
+        module._compiled_call_impl = fn
+
+
 def compiled_module_of(value: Any) -> Optional[torch.nn.Module]:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) wraps, else None."""
     from torch._dynamo.eval_frame import OptimizedModule

@@ -46,6 +46,33 @@ class _Scale(nn.Module):
         return (out,)
 
 
+def _wan_pipeline() -> type:
+    from diffusers import WanPipeline
+    return WanPipeline
+
+
+class ThreeCallWan(_wan_pipeline()):
+    """A pipeline that calls its denoiser a third time per step (as LTX-2's
+    ``cache_context("uncond_stg")``): two ranks cannot hold its three branches."""
+
+    def __call__(self, *args, **kwargs):
+        with self.transformer.cache_context("uncond_stg"):
+            pass
+        return super().__call__(*args, **kwargs)
+
+
+def _flux_pipeline() -> type:
+    from diffusers import FluxPipeline
+    return FluxPipeline
+
+
+class UnnamedTrueCFG(_flux_pipeline()):
+    """A ``true_cfg_scale`` loop whose two calls have no cache_context names to pair them."""
+
+    def __call__(self, prompt=None, true_cfg_scale: float = 1.0, **kwargs):
+        return super().__call__(prompt=prompt, true_cfg_scale=true_cfg_scale, **kwargs)
+
+
 def engine_references(folder: str, requests: list) -> list:
     """The saved pipeline in ``folder`` resident, its transformer CFG-parallel over ranks 0
     and 1, as the engine's diffusers factory serves ``requests``: what the engine at
@@ -113,15 +140,15 @@ def cfg_cases(rank: int, world: int, folder: str, requests: list) -> dict:
     whole = sum(p.numel() * p.element_size() for p in dp.sd3().transformer.parameters())
     out["host"] = (report.host_shard_bytes, whole)
 
-    # Refused by name before anything changes.
-    flux, wan = dp.flux(), dp.wan()
-    out["flux"] = _refused(lambda: dlo_fx.compile_pipeline(flux, cfg_group=[0, 1]))
-    out["wan"] = _refused(lambda: dlo_fx.compile_pipeline(wan, cfg_group=[0, 1]))
-    out["two-call-unchanged"] = (owner_of(flux.transformer.parameters()) is None
-                                 and owner_of(wan.transformer.parameters()) is None
-                                 and not flux.transformer._forward_pre_hooks)
+    # Refused by name before anything changes: three calls a step, two without names.
+    three, unnamed = ThreeCallWan(**dp.wan().components), UnnamedTrueCFG(**dp.flux().components)
+    out["three"] = _refused(lambda: dlo_fx.compile_pipeline(three, cfg_group=[0, 1]))
+    out["unnamed"] = _refused(lambda: dlo_fx.compile_pipeline(unnamed, cfg_group=[0, 1]))
+    out["two-call-unchanged"] = (owner_of(three.transformer.parameters()) is None
+                                 and owner_of(unnamed.transformer.parameters()) is None
+                                 and not three.transformer._forward_pre_hooks)
     sd3 = dp.sd3()
-    for key, group in (("one-rank", [rank]), ("not-mine", [2, 3]), ("three", [0, 1, 2]),
+    for key, group in (("one-rank", [rank]), ("not-mine", [2, 3]), ("three-ranks", [0, 1, 2]),
                        ("a-word", "world")):
         out[key] = _refused(lambda: dlo_fx.compile_pipeline(sd3, cfg_group=group))
     out["group-unchanged"] = (owner_of(sd3.transformer.parameters()) is None

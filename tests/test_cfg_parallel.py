@@ -60,14 +60,16 @@ def test_cfg_parallel_sd3_equals_the_same_cfg_parallel_pipeline_resident(spawned
         assert r["noise-equal"][2:] == [True, True], r["noise-equal"]
         assert r["noise-diff"] < 1e-5
         # refused by name before anything changes
-        for key in ("flux", "wan"):
+        for key, words in (("three", "ThreeCallWan calls its denoiser more than twice per "
+                                     "step (cache_context 'uncond_stg' besides"),
+                           ("unnamed", "UnnamedTrueCFG calls its denoiser once per guidance "
+                                       "branch without diffusers' cache_context")):
             kind, message = r[key]
-            assert kind == "ValueError" and "calls its denoiser twice per step" in message, key
-            assert ("FluxPipeline" if key == "flux" else "WanPipeline") in message
+            assert kind == "ValueError" and words in message, (key, message)
             assert "nothing was changed" in message
         assert r["two-call-unchanged"] and r["group-unchanged"]
         for key, words in (("one-rank", "expected two distinct ranks"),
-                           ("three", "expected two distinct ranks"),
+                           ("three-ranks", "expected two distinct ranks"),
                            ("not-mine", "does not contain this process"),
                            ("a-word", "group='world' is not allowed"),
                            ("not-a-module", "StableDiffusion3Pipeline is not a torch module")):
@@ -84,14 +86,22 @@ def test_cfg_parallel_sd3_equals_the_same_cfg_parallel_pipeline_resident(spawned
         in message and spawned[0]["peer-failed-s"] < 30
 
 
-def test_a_pipeline_that_calls_its_denoiser_per_branch_is_named():
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline, WanPipeline
+def test_the_pipelines_cfg_parallel_cannot_serve_are_named():
+    """Batched (SD3) and two calls named "cond"/"uncond" (Wan, Flux, Qwen-Image,
+    HunyuanVideo) are served; a third call per step (LTX-2) is named."""
+    import diffusers
 
-    from dlo_fx.model.cfg_parallel import cfg_refusal
+    from dlo_fx.model.cfg_parallel import calls_per_branch, cfg_refusal
 
-    assert cfg_refusal(StableDiffusion3Pipeline) is None
-    assert "twice per step" in cfg_refusal(FluxPipeline)
-    assert "twice per step" in cfg_refusal(WanPipeline)
+    for name in ("StableDiffusion3Pipeline", "FluxPipeline", "WanPipeline",
+                 "QwenImagePipeline", "HunyuanVideoPipeline"):
+        assert cfg_refusal(getattr(diffusers, name)) is None, name
+    assert not calls_per_branch(diffusers.StableDiffusion3Pipeline)
+    assert calls_per_branch(diffusers.WanPipeline) and calls_per_branch(diffusers.FluxPipeline)
+    assert "more than twice per step (cache_context 'uncond_modality', 'uncond_stg'" in \
+        cfg_refusal(diffusers.LTX2Pipeline)
+    assert "more than twice per step" in cfg_refusal(cfg_cases.ThreeCallWan)
+    assert "without diffusers' cache_context" in cfg_refusal(cfg_cases.UnnamedTrueCFG)
 
 
 def test_cfg_parallel_needs_torch_distributed():
@@ -119,12 +129,15 @@ def test_the_cfg_pair_follows_the_topology(tmp_path):
     with pytest.raises(ValueError, match="cfg_size=3 is not allowed: expected 1 or 2"):
         Topology(1, 1, 3)
     with pytest.raises(ValueError, match="reference DiT pipeline .* calls its model once "
-                       "per guidance branch"):
+                       "per guidance branch, without diffusers' cache_context names"):
         Engine("dlo_fx.apps.engine.reference_pipeline:build", 1, cfg_size=2)
     flux = tmp_path / "flux"
     spawn(1, in_child, _save, str(flux), "flux")
-    with pytest.raises(ValueError, match="the pipeline FluxPipeline calls its denoiser twice "
-                       "per step.*serve it with cfg_size=1 \\(--cfg 1\\)"):
+    Engine(DIFFUSERS, 1, cfg_size=2, pipeline_kwargs={"path": str(flux)})  # two calls: served
+    index = flux / "model_index.json"  # the same folder, named as LTX-2's pipeline
+    index.write_text(index.read_text().replace('"FluxPipeline"', '"LTX2Pipeline"'))
+    with pytest.raises(ValueError, match="the pipeline LTX2Pipeline calls its denoiser more "
+                       "than twice per step.*serve it with cfg_size=1 \\(--cfg 1\\)"):
         Engine(DIFFUSERS, 1, cfg_size=2, pipeline_kwargs={"path": str(flux)})
 
 

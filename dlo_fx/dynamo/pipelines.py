@@ -31,6 +31,7 @@ from torch import nn
 from .backend import given_options
 from ..config import DLOConfig, did_you_mean, same_device
 from ..loading.offload import check_hooks, compute_device, offload
+from ..model.cfg_pairs import cache_refusal
 from ..model.cfg_parallel import cfg_parallel, cfg_refusal, group_ranks
 from ..model.guard import guard_pipeline, restore, shadow, shadowing, unguard_pipeline
 from ..model.guard import release as release_module
@@ -72,11 +73,12 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
         components: names of the components to compile; default: every torch module but
             the VAE (`default_components`: transformer(s) or unet, text encoder(s), image
             encoder). Name ``"vae"`` here to stream it too.
-        cfg_group: two ranks that split each batched guidance call of the denoiser(s)
-            (``transformer``, ``transformer_2``, ``unet``), one branch each, and gather the
-            noise predictions: `dlo_fx.cfg_parallel` (a list of two global ranks, a
-            ProcessGroup or a DeviceMesh). A pipeline that calls its denoiser once per
-            branch (Wan, Flux's ``true_cfg_scale``) is refused by name. Give
+        cfg_group: two ranks that compute the guidance branches of the denoiser(s)
+            (``transformer``, ``transformer_2``, ``unet``), one branch each, and exchange
+            the noise predictions: `dlo_fx.cfg_parallel` (a list of two global ranks, a
+            ProcessGroup or a DeviceMesh): a batched call split, the two calls of a step
+            (Wan, Flux's ``true_cfg_scale``) paired. A pipeline with a third call per step,
+            or diffusers' cache enabled on a denoiser, is refused by name. Give
             ``options["shard_group"]`` the same ranks to hold 1/2 of every block each.
             Default None (no split).
         compile_kwargs: further ``torch.compile`` arguments (``dynamic=``, ``fullgraph=``).
@@ -178,6 +180,11 @@ def _cfg_denoisers(pipe: Any, found: Mapping[str, Any], cfg_group: Any) -> list[
     if not names:
         raise ValueError(f"compile_pipeline: cfg_group={cfg_group!r}: {cls.__name__} has no "
                          "transformer or unet component to split")
+    for name in names:
+        why = cache_refusal(found[name])
+        if why is not None:
+            raise ValueError(f"compile_pipeline: cfg_group={cfg_group!r}: {name}: {why}; "
+                             "nothing was changed")
     group_ranks(cfg_group)  # a bad group fails here, before anything compiles
     return names
 

@@ -480,6 +480,10 @@ def restore(module: nn.Module) -> int:
             if torch_private.compile_backend_name(value) in DLO_BACKENDS:
                 del vars(sub)[name]
                 count += 1
+            elif torch_private.compile_backend_name(
+                    getattr(value, "__wrapped__", None)) in DLO_BACKENDS:
+                value.__wrapped__ = None  # cfg_parallel's call around it stays
+                count += 1
     return count
 
 

@@ -50,8 +50,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="ranks per replica; with --diffusers they split each request's "
                              "sequence (diffusers' context parallelism, Ulysses)")
     parser.add_argument("--cfg", type=int, default=1, choices=(1, 2),
-                        help="2: two ranks per replica split each batched guidance call, one "
-                             "branch each (dlo_fx.cfg_parallel); world = dp x cfg x sp")
+                        help="2: two ranks per replica compute the guidance branches, one "
+                             "each (dlo_fx.cfg_parallel: a batched call split, two calls per "
+                             "step paired); world = dp x cfg x sp")
     parser.add_argument("--gather", default="auto", choices=GATHER_CHOICES,
                         help="ranks each rank's weights are gathered over: its SP group (sp), "
                              "its CFG pair (cfg), both (replica), one rank per replica (dp), "

@@ -108,18 +108,42 @@ class DiffusersPipeline:
 
     def __call__(self, request: Request) -> dict:
         kwargs = call_arguments(request, self._params, type(self.pipe).__name__)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._unguided_whole(kwargs):
             out = self.pipe(**kwargs)
         return to_uint8(out)
+
+    def _unguided_whole(self, kwargs: dict) -> Any:
+        """Where the pipeline calls its denoiser once per guidance branch and ``kwargs``
+        turn guidance off (one call a step, nothing to pair): its CFG-parallel denoisers
+        compute every call whole on both ranks (`computed_whole`), as diffusers decides
+        (``guidance_scale > 1``; with ``true_cfg_scale``: above 1 and a negative prompt)."""
+        import contextlib
+
+        from ...model.cfg_parallel import calls_per_branch, computed_whole
+
+        if not calls_per_branch(type(self.pipe)):
+            return contextlib.nullcontext()
+        if "true_cfg_scale" in self._params:
+            guided = (float(kwargs.get("true_cfg_scale", 1.0)) > 1.0
+                      and bool(kwargs.get("negative_prompt")))
+        else:
+            default = self._params.get("guidance_scale")
+            scale = kwargs.get("guidance_scale", None if default is None else default.default)
+            guided = scale is not None and float(scale) > 1.0
+        if guided:
+            return contextlib.nullcontext()
+        return computed_whole([getattr(self.pipe, n) for n in self.streamed
+                               if n.startswith(DENOISER_PREFIXES)])
 
     def describe(self) -> dict:
         """Memory figures of this rank's streamed components, ``"context_parallel"``: the
         ranks each denoiser splits its sequence over (1 where it does not), and
         ``"cfg_parallel"``: the global ranks each denoiser splits its guidance calls over
-        (empty where it does not)."""
+        (empty where it does not), ``"cfg_pairs"``: how many guidance pairs of two calls
+        each denoiser deferred and computed whole so far (empty where none)."""
         from dataclasses import asdict
 
-        from ...model.cfg_parallel import cfg_ranks
+        from ...model.cfg_parallel import cfg_pair_counts, cfg_ranks
         from ...model.memory import memory_report
 
         out: dict = {name: asdict(memory_report(getattr(self.pipe, name)))
@@ -128,6 +152,8 @@ class DiffusersPipeline:
                                    for name in self.streamed if name.startswith(DENOISER_PREFIXES)}
         out["cfg_parallel"] = {name: list(cfg_ranks(getattr(self.pipe, name)) or ())
                                for name in self.streamed if name.startswith(DENOISER_PREFIXES)}
+        out["cfg_pairs"] = {name: cfg_pair_counts(getattr(self.pipe, name))
+                            for name in self.streamed if name.startswith(DENOISER_PREFIXES)}
         return out
 
 
@@ -326,10 +352,10 @@ def check_context_parallel(path: Union[str, os.PathLike], sp_size: int) -> None:
 
 
 def check_cfg_parallel(path: Union[str, os.PathLike], cfg_size: int) -> None:
-    """``ValueError`` naming the pipeline class of ``path`` where its guidance calls cannot
-    be split over ``cfg_size`` ranks (it calls its denoiser once per branch: Wan, Flux's
-    ``true_cfg_scale``; see [Note: a CFG-parallel call] in dlo_fx/model/cfg_parallel.py).
-    Read from ``model_index.json``: before any worker starts."""
+    """``ValueError`` naming the pipeline class of ``path`` where its guidance branches
+    cannot be put on ``cfg_size`` ranks (`cfg_refusal`: a third denoiser call per step, or
+    two without the ``cache_context`` names that pair them). Read from
+    ``model_index.json``: before any worker starts."""
     if cfg_size == 1:
         return
     import diffusers
@@ -438,8 +464,8 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     """The engine's factory for a saved diffusers pipeline (see the module docstring).
     Inside an engine of ``sp_size > 1`` the denoisers split each request's sequence over
     their SP group (diffusers' context parallelism, Ulysses: context_parallel.py); of
-    ``cfg_size == 2``, each batched guidance call over their CFG pair
-    (`dlo_fx.cfg_parallel`).
+    ``cfg_size == 2``, the guidance branches over their CFG pair (`dlo_fx.cfg_parallel`:
+    a batched call split, the two calls of a step paired).
 
     Args:
         options: the dlo options (the engine adds this rank's gather group as

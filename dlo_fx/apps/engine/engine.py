@@ -61,13 +61,14 @@ class Engine:
             parallelism (a user factory: ``worker_context().sp_mesh``, see
             context_parallel.py). The diffusers factory refuses a transformer that cannot,
             naming its class, before any worker starts. Default 1.
-        cfg_size: 2 to split each batched guidance call over two ranks of a replica, one
-            branch each, the noise predictions gathered (`dlo_fx.cfg_parallel`; the world
+        cfg_size: 2 to compute the guidance branches on two ranks of a replica, one
+            branch each, the noise predictions exchanged (`dlo_fx.cfg_parallel`; the world
             is ``dp_size x cfg_size x sp_size``). The diffusers factory does it for a
             pipeline that calls its denoiser once with the batch [uncond; cond] (SD3,
-            PixArt, Sana, LTX, ...) and refuses one that calls it per branch (Wan, Flux),
-            naming it, before any worker starts; a user factory reads
-            ``worker_context().cfg_group``. Default 1.
+            PixArt, Sana, LTX, ...: split) and for one that calls it once per branch (Wan,
+            Flux's ``true_cfg_scale``: the two calls paired), and refuses one with a third
+            call per step (LTX-2), naming it, before any worker starts; a user factory
+            reads ``worker_context().cfg_group``. Default 1.
         gather: the ranks each rank's weights are gathered over: ``"sp"`` (its SP group),
             ``"cfg"`` (its CFG pair), ``"replica"`` (both), ``"dp"`` (one rank per
             replica), ``"world"``, ``"none"`` (rank-local), or ``"auto"``, chosen from the
@@ -340,14 +341,14 @@ def _factory_name(pipeline: Union[str, Callable[..., Any]]) -> str:
 def _preflight(pipeline: str, topology: Topology, kwargs: Mapping[str, Any]) -> Optional[int]:
     """What the front end checks of the diffusers factory before any worker starts (a
     transformer that cannot split its sequence over ``sp_size`` ranks, a pipeline whose
-    guidance calls ``cfg_size`` cannot split: ``ValueError`` naming it) and the bytes of
+    guidance branches ``cfg_size`` cannot put on two ranks: ``ValueError`` naming it) and the bytes of
     its denoisers; ``None`` for any other factory."""
 
     if pipeline == REFERENCE and topology.cfg_size > 1:
         raise ValueError(f"cfg_size={topology.cfg_size}: the reference DiT pipeline ({REFERENCE}) "
-                         "calls its model once per guidance branch, so no call holds both "
-                         "branches to split; serve it with cfg_size=1 (--cfg 1) and more "
-                         "replicas (--dp)")
+                         "calls its model once per guidance branch, without diffusers' "
+                         "cache_context names that pair the two calls of a step; serve it "
+                         "with cfg_size=1 (--cfg 1) and more replicas (--dp)")
     if pipeline != DIFFUSERS or "path" not in kwargs:
         return None
     from .diffusers_pipeline import check_cfg_parallel, check_context_parallel, denoiser_bytes

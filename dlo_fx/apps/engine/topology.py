@@ -4,8 +4,8 @@ A replica is the ``cfg_size x sp_size`` ranks that compute one request. Global r
 laid out replica-major, then by guidance branch, then by sequence-parallel rank: rank
 ``d * cfg_size * sp_size + c * sp_size + s`` is SP rank ``s`` of guidance branch ``c``
 of replica ``d``. So the ``sp_size`` ranks of one sequence-parallel group are
-consecutive, a CFG pair (``cfg_size == 2``: the two ranks that split a batched guidance
-call, `dlo_fx.cfg_parallel`) is strided by ``sp_size``, and a DP group (one rank per
+consecutive, a CFG pair (``cfg_size == 2``: the two ranks that compute one guidance
+branch each, `dlo_fx.cfg_parallel`) is strided by ``sp_size``, and a DP group (one rank per
 replica) by ``cfg_size * sp_size``; never ``range(dp_size)`` unless the replica is one
 rank.
 
