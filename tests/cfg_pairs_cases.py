@@ -150,6 +150,12 @@ def transformer_case(rank: int) -> dict:
     model.disable_cache()
     out["counts"] = dict(__import__("dlo_fx.model.state", fromlist=["peek"]).peek(
         model).cfg_parallel.pairs.counts)
+    # compiled after cfg_parallel: module.compile replaced the pairing; said, not computed
+    late = dp.wan().transformer
+    dlo_fx.cfg_parallel(late, [0, 1], timeout_s=30)
+    late.compile(backend="eager")
+    with torch.no_grad(), late.cache_context("cond"):
+        out["compiled-after"] = _refused(lambda: late(**cond, return_dict=False))
     dlo_fx.cfg_parallel(model, None)
     out["removed"] = (not model._forward_pre_hooks and "_compiled_call_impl" not in vars(model)
                       and model._diffusers_hook.get_hook("dlo_fx_cfg_context") is None)

@@ -58,6 +58,9 @@ def test_the_pending_prediction_and_the_pair_refusals(spawned):
             "has diffusers' cache enabled" in message and "nothing was changed" in message
         assert r["cache-pipeline-unchanged"]
         assert r["removed"]
+        kind, message = r["compiled-after"]
+        assert kind == "RuntimeError" and "the module was compiled (module.compile) after " \
+            "cfg_parallel" in message, message
         # pairs="order": a module without cache_context
         assert r["order"]
         assert r["pairs-bad"][0] == "ValueError" and "pairs='odd' is not allowed" in r["pairs-bad"][1]

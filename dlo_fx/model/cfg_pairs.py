@@ -54,7 +54,9 @@ How pairs are found (``pairs=``): ``"context"`` (the default) reads the name of 
 `ContextProbe`, to which diffusers hands each context as it does to its cache hooks):
 "cond" and "uncond" calls pair, whichever comes first; any other call (no context,
 "cond_uncond") is a batched call (the batched scheme, [Note: a CFG-parallel call]).
-``"order"`` pairs every two calls, for a loop without ``cache_context``. A "cond" call while
+``"order"`` pairs every two calls, for a loop without ``cache_context``; it is asked for,
+never a fallback: a module without the names may be a batched pipeline's, whose calls are
+one per step, and pairing two steps would defer a prediction the scheduler reads at once. A "cond" call while
 a pair is open (guidance off: one call per step) starts a new pair; the open one's pending
 prediction is never filled, and its first use raised already. diffusers' cache hooks
 (FirstBlockCache, ...) decide per call from the call's own earlier activations, so with
