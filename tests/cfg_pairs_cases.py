@@ -150,6 +150,20 @@ def transformer_case(rank: int) -> dict:
     model.disable_cache()
     out["counts"] = dict(__import__("dlo_fx.model.state", fromlist=["peek"]).peek(
         model).cfg_parallel.pairs.counts)
+    # a torch.compile wrapper (OptimizedModule) made CFG-parallel: the wrapped module's
+    # cache_context names the calls
+    wrapped = torch.compile(dp.wan().transformer, backend="eager")
+    dlo_fx.cfg_parallel(wrapped, [0, 1], timeout_s=30)
+    with torch.no_grad():
+        for _ in range(2):
+            with wrapped.cache_context("cond"):
+                a = wrapped(**cond, return_dict=False)[0]
+            with wrapped.cache_context("uncond"):
+                b = wrapped(**uncond, return_dict=False)[0]
+    out["optimized-module"] = (torch.equal(a, expected(cond, return_dict=False)[0]),
+                               torch.equal(b, expected(uncond, return_dict=False)[0]),
+                               __import__("dlo_fx.model.cfg_parallel", fromlist=["x"])
+                               .cfg_pair_counts(wrapped))
     # compiled after cfg_parallel: module.compile replaced the pairing; said, not computed
     late = dp.wan().transformer
     dlo_fx.cfg_parallel(late, [0, 1], timeout_s=30)

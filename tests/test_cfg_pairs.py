@@ -58,6 +58,7 @@ def test_the_pending_prediction_and_the_pair_refusals(spawned):
             "has diffusers' cache enabled" in message and "nothing was changed" in message
         assert r["cache-pipeline-unchanged"]
         assert r["removed"]
+        assert r["optimized-module"] == (True, True, {"deferred": 1, "whole": 1})
         kind, message = r["compiled-after"]
         assert kind == "RuntimeError" and "the module was compiled (module.compile) after " \
             "cfg_parallel" in message, message
