@@ -267,3 +267,29 @@ def test_cli_number_mode_flags_its_placeholders(capsys):
     status, text = _cli(capsys, "--model-gb", "23.8", "--blocks", "57", "--block-compute-ms",
                         "12", "--h2d-gbps", "50", "--gather-gbps", "100")
     assert status == 0 and "placeholder" not in text
+
+
+def test_gpu_check_prints_the_plans_prediction_beside_each_measured_row():
+    """benchmarks/gpu_check.py's printing path, on a result as a run writes it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_check
+
+    cfg = gpu_check.sizes(True, 5)
+    label = cfg.resolutions[0].label
+    variants = {"resident": {"step_ms": 2.0}, "dlo 2 slots": {"step_ms": 4.0},
+                "dlo auto budget": {"step_ms": 3.0}, "group offload": {"step_ms": 9.0}}
+    result = {"flux": {"weight_bytes": 10_000_000, "resolutions": {label: {"variants": variants}}}}
+    hardware, note = gpu_check.plan_hardware(None, "NVIDIA H200")
+    assert hardware == "h200" and gpu_check.plan_hardware(None, "NVIDIA H100 PCIe")[0] == "h100-pcie"
+    checks = gpu_check.Checks(apply_targets=False)
+    gpu_check.add_predictions(result, cfg, hardware, note, checks)
+    assert checks.failures == []
+    for name in ("resident", "dlo 2 slots", "dlo auto budget"):
+        plan = variants[name]["plan"]
+        assert plan["predicted_step_ms"] > 0 and plan["hardware"] == "h200"
+        assert plan["measured_over_plan"] == variants[name]["step_ms"] / plan["predicted_step_ms"]
+    assert "plan" not in variants["group offload"]
+    assert gpu_check._predicted(variants["dlo 2 slots"]).endswith(f"({variants['dlo 2 slots']['plan']['bound']})")
