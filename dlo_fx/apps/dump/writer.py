@@ -116,7 +116,10 @@ def _render(dump: GraphDump, peers: Sequence[GraphDump],
     stalls = summarize(my_spans, lambda h: (mine[h], f"{rows[mine[h]].fqns[0]} .. "
                                                     f"{rows[mine[h]].fqns[-1]}"))
     _write(dump.folder / "blocks.md", blocks_markdown(dump, stalls))
-    title = (f"dlo graph {dump.index}: {len(dump.blocks)} blocks, {dump.num_slots} slots, "
+    kept = len(dump.budget_plan.resident) if dump.budget_plan is not None else 0
+    blocks = (f"{len(dump.blocks)} streamed blocks, {kept} resident" if kept
+              else f"{len(dump.blocks)} blocks")
+    title = (f"dlo graph {dump.index}: {blocks}, {dump.num_slots} slots, "
              f"{dump.mode}" + (f" (rank {dump.rank} of {dump.dp})" if dump.dp > 1 else ""))
     _write(dump.folder / "timeline.svg", render_svg(dump, simulate(dump, timing), timing, title))
     if my_spans:

@@ -11,7 +11,7 @@ from typing import Union
 from ...planning.simulate import CallState, block_program, simulate_call
 from ..dump.blocks_md import blocks_markdown
 from ..dump.record import BlockRow, GraphDump, ResidentRow
-from ..dump.svg import render_svg
+from ..dump.svg import render_svg, resident_runs
 from ..dump.timeline import Bar, Prediction, Timing
 
 __all__ = ["format_bytes", "format_seconds", "plan_table", "write_plan"]
@@ -52,7 +52,8 @@ def plan_table(plan) -> str:
         ("ranks", f"dp={plan.dp}, mode {plan.mode} ({plan.mode_reason})"),
         ("blocks", f"{plan.num_blocks} (largest {format_bytes(largest)})"
                    + (f"; the forward reads {n}" if n != plan.num_blocks else "")),
-        ("resident blocks", f"{r} of {n}" + (f": {_runs(plan.resident_blocks)}" if r else "")),
+        ("resident blocks", f"{r} of {n}" + (f": {resident_runs(plan.resident_blocks)}"
+                                               if r else "")),
         ("resident parameters", f"{len(plan.resident_parameters)}, "
                                 f"{format_bytes(dev['resident parameters'])}"),
         ("slots", f"{plan.num_slots} x largest block = {format_bytes(plan.slot_bytes)}"),
@@ -82,19 +83,6 @@ def plan_table(plan) -> str:
     lines.append(f"  memory {format_bytes(hw.memory_bytes)}  [{_source(plan, 'memory_bytes')}]")
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
-
-
-def _runs(indices) -> str:
-    """``"0-3, 7, 9-12"``."""
-    out, items = [], sorted(indices)
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(f"{items[i]}" if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def _dump(plan, folder: Path) -> GraphDump:
