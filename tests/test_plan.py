@@ -90,6 +90,12 @@ def test_plan_counts_the_flops_and_chooses_the_resident_blocks_the_compile_does(
     assert compile_plan.compute_s == planned.compute_s
     assert compile_plan.resident == planned.resident_blocks
     assert 0 < len(planned.resident_blocks) < planned.num_blocks
+    # the meta device measures nothing, and its compile does not say it did
+    assert compile_plan.figures.startswith("meta device's")
+    from dlo_fx.apps.dump.blocks_md import _resident_blocks
+    assert "measured" not in "\n".join(_resident_blocks(compile_plan))
+    (memory,) = runtime.device_memory.values()
+    assert memory.peaks.found_as.startswith("0: the meta device has no allocator")
     dlo_fx.release(streamed)
 
 
@@ -154,6 +160,9 @@ def test_hardware_presets_and_declared_hardware():
                                                     {"bfloat16": 1e12}, GIB))
     with pytest.raises(ValueError, match="memory_bytes"):
         Hardware("bad", 1.0, 1.0, {"float32": 1.0}, 0)
+    with pytest.raises(ValueError, match=r"needs flops_per_s, memory_bytes \(it was given "
+                                         r"gather_gbps, h2d_gbps\)"):
+        dlo_fx.plan(meta, kwargs, hardware={"h2d_gbps": 1.0, "gather_gbps": 1.0})
 
 
 def test_auto_budget_plans_residency_for_the_targets_memory():

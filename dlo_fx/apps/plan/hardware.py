@@ -152,6 +152,11 @@ def hardware_of(spec: Union[str, Hardware, Mapping[str, Any]]) -> Hardware:
         if unknown:
             raise ValueError(f"dlo_fx.plan: hardware has no field(s) {unknown}; "
                              f"{did_you_mean(unknown, names)}its fields: {', '.join(sorted(names))}")
+        missing = sorted(n for n in ("h2d_gbps", "gather_gbps", "flops_per_s", "memory_bytes")
+                         if n not in spec)
+        if missing:
+            raise ValueError(f"dlo_fx.plan: hardware needs {', '.join(missing)} (it was given "
+                             f"{', '.join(sorted(spec)) or 'nothing'})")
         return Hardware(**{"name": "custom", **spec})
     raise ValueError(f"dlo_fx.plan: hardware={spec!r} is not allowed: give a preset name "
                      f"({', '.join(HARDWARE)}), a dlo_fx.apps.plan.Hardware or a dict of its "
