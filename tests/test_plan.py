@@ -248,6 +248,10 @@ def test_cli_plans_a_model_from_its_config(tmp_path, capsys):
     assert status == 2 and "--device-memory '24 parsecs' is not a size" in text
     status, text = _cli(capsys, "--model", "diffusers:UNet2DModel", "--config", str(tmp_path))
     assert status == 2 and "no inputs are known for UNet2DModel" in text
+    status, text = _cli(capsys, "--model", "diffusers:FluxTransformer2DModel", "--config",
+                        str(tmp_path), "--block-compute-ms", "5", "--json")
+    assert status == 2 and ("--block-compute-ms, --json are for the number-only mode; with "
+                            "--model") in text
 
 
 def test_cli_plans_wan_with_frames(tmp_path, capsys):
@@ -276,6 +280,9 @@ def test_cli_number_mode_flags_its_placeholders(capsys):
     status, text = _cli(capsys, "--model-gb", "23.8", "--blocks", "57", "--block-compute-ms",
                         "12", "--h2d-gbps", "50", "--gather-gbps", "100")
     assert status == 0 and "placeholder" not in text
+    status, text = _cli(capsys, "--model-gb", "23.8", "--blocks", "57", "--hardware", "h200",
+                        "--height", "512")
+    assert status == 2 and "--hardware, --height need --model" in text
 
 
 def test_gpu_check_prints_the_plans_prediction_beside_each_measured_row():

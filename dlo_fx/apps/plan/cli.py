@@ -50,15 +50,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "diffusers:WanTransformer3DModel")
     g.add_argument("--config", dest="config", default=None, metavar="PATH",
                    help="its config.json, or a model folder holding it (or transformer/config.json)")
-    g.add_argument("--hardware", dest="hardware", default="h200",
+    g.add_argument("--hardware", dest="hardware", default=None,
                    help=f"the target (default: h200; choices: {', '.join(HARDWARE)})")
-    g.add_argument("--height", dest="height", type=int, default=1024, help="image height, px")
-    g.add_argument("--width", dest="width", type=int, default=1024, help="image width, px")
+    g.add_argument("--height", dest="height", type=int, default=None,
+                   help="image height, px (default: 1024)")
+    g.add_argument("--width", dest="width", type=int, default=None,
+                   help="image width, px (default: 1024)")
     g.add_argument("--frames", dest="frames", type=int, default=None,
                    help="video frames (video models; default: 81)")
-    g.add_argument("--text-tokens", dest="text_tokens", type=int, default=512,
+    g.add_argument("--text-tokens", dest="text_tokens", type=int, default=None,
                    help="prompt tokens the text encoder gives (default: 512)")
-    g.add_argument("--dtype", dest="dtype", default="bfloat16",
+    g.add_argument("--dtype", dest="dtype", default=None,
                    help="the model's dtype (default: bfloat16)")
     g.add_argument("--device-memory", dest="device_memory", default=None, metavar="SIZE",
                    help="device memory to plan for instead of the hardware's, e.g. 24GiB")
@@ -133,8 +135,24 @@ def _config_file(path: str) -> Path:
                      "transformer/ folder")
 
 
+MODEL_DEFAULTS = {"hardware": "h200", "height": 1024, "width": 1024, "text_tokens": 512,
+                  "dtype": "bfloat16"}
+MODEL_ONLY = ("config", "hardware", "height", "width", "frames", "text_tokens", "dtype",
+              "device_memory", "device_budget", "out")
+"""The options that mean something only with ``--model`` (given without it: refused)."""
+
+
+def model_only_given(args: argparse.Namespace) -> list[str]:
+    """The ``--model``-only options given (their flags)."""
+    return ["--" + name.replace("_", "-") for name in MODEL_ONLY
+            if getattr(args, name, None) is not None]
+
+
 def build_from_config(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     """The model of ``--model``/``--config`` on the meta device, and its inputs."""
+    for name, value in MODEL_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     if args.config is None:
         raise ValueError("--model needs --config (the model's config.json or its folder)")
     cls = _class(args.model)

@@ -270,6 +270,23 @@ def _print_presets(out: TextIO) -> None:
             out.write(f"  {field} = {v.value:g}  [{v.source}]\n")
 
 
+def _refuse_numbers(args: argparse.Namespace) -> None:
+    """ValueError naming the number-only options given with ``--model``, which plans from
+    the model itself (only --dp and --num-slots apply to both)."""
+    given = [flag for flag, field, _, _ in _OPTIONS
+             if field not in ("dp", "num_slots") and getattr(args, field, None) is not None]
+    given += [flag for flag, dest in (("--preset", "preset"), ("--gather-over", "gather_over"),
+                                      ("--json", "json"), ("--table", "table"),
+                                      ("--formulas", "formulas"),
+                                      ("--list-presets", "list_presets"))
+              if getattr(args, dest, None)]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the "
+                         "number-only mode; with --model the plan takes the model's own "
+                         "blocks, FLOPs and memory and the --hardware figures: drop "
+                         f"{'it' if len(given) == 1 else 'them'}, or drop --model")
+
+
 def run_plan(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
     """Run the ``plan`` command for parsed arguments; returns the exit status."""
     out = out or sys.stdout
@@ -278,6 +295,7 @@ def run_plan(args: argparse.Namespace, out: Optional[TextIO] = None, err: Option
         if getattr(args, "model", None) is not None:
             from ..plan.cli import run_model_plan
 
+            _refuse_numbers(args)
             return run_model_plan(args, out)
         if getattr(args, "list_presets", False):
             _print_presets(out)
@@ -296,6 +314,13 @@ def run_plan(args: argparse.Namespace, out: Optional[TextIO] = None, err: Option
             else:
                 _print_table(rows, out)
             return 0
+        from ..plan.cli import model_only_given
+
+        alone = model_only_given(args)
+        if alone:
+            raise ValueError(f"{', '.join(alone)} need{'s' if len(alone) == 1 else ''} "
+                             "--model (a model planned from its config); the number-only "
+                             "mode takes --model-gb and --blocks")
         fields, names = _collect(args)
         pred = predict(PlanInputs(**fields))
     except ValueError as exc:
