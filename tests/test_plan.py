@@ -58,7 +58,7 @@ def test_plan_on_meta_gives_the_blocks_offload_makes_on_meta_and_on_the_cpu(make
     dlo_fx.release(on_cpu)
 
 
-def test_plan_counts_the_flops_and_chooses_the_resident_blocks_the_compile_does():
+def test_plan_counts_the_flops_and_chooses_the_resident_blocks_the_compile_does(tmp_path):
     """The compile on the meta device with the same figures (a declared device_memory, the
     same rates) plans the same FLOPs per block and keeps the same blocks resident."""
     from dlo_fx.runtime import probes
@@ -76,6 +76,7 @@ def test_plan_counts_the_flops_and_chooses_the_resident_blocks_the_compile_does(
         patch.setattr(probes, "probe_bandwidths", lambda device, group, nbytes=0: (1.0, 1.0))
         patch.setattr(probes, "probe_matmul_flops", lambda device, dtype, group: 1e10)
         patch.setattr(resident_set, "probed_flops", lambda view, dtype: 1e10)
+        patch.setenv("DLO_FX_DUMP_DIR", str(tmp_path))
         streamed = dlo_fx.offload(model, {**options, "device": "meta",
                                           "device_memory": memory})
         compiled = torch.compile(streamed, backend="dlo")
@@ -94,6 +95,11 @@ def test_plan_counts_the_flops_and_chooses_the_resident_blocks_the_compile_does(
     assert compile_plan.figures.startswith("meta device's")
     from dlo_fx.apps.dump.blocks_md import _resident_blocks
     assert "measured" not in "\n".join(_resident_blocks(compile_plan))
+    # the auto budget's variant is dumped as a variant of graph 0, not as a graph 1
+    variant = f"budget_{len(planned.resident_blocks)}_of_{planned.num_blocks}_resident"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph_0"]
+    assert (tmp_path / "graph_0" / variant / "timeline.svg").is_file()
+    assert "(device_budget variant)" in (tmp_path / "graph_0" / variant / "timeline.svg").read_text()
     (memory,) = runtime.device_memory.values()
     assert memory.peaks.found_as.startswith("0: the meta device has no allocator")
     dlo_fx.release(streamed)
