@@ -879,6 +879,79 @@ def wan_section(cfg: Sizes, device: torch.device, checks: Checks, result: dict) 
     free_memory(device)
 
 
+# -- the plan's prediction beside each measured row ---------------------------------------
+PLAN_OPTIONS: dict[str, Any] = {
+    "dlo 2 slots": {"num_slots": 2, "device_budget": None},
+    "dlo 3 slots": {"num_slots": 3, "device_budget": None},
+    "dlo fp8": {"num_slots": 2, "device_budget": None, "storage_dtype": torch.float8_e4m3fn},
+    "dlo auto budget": {},  # the default options, as the variant
+    "dlo half budget": "half",  # device_budget = half the model's bytes, as the variant
+    "resident": "resident",  # nothing copied: the plan's compute alone
+}
+"""The dlo_fx.plan options of each measured variant (group offloading is not dlo's)."""
+
+
+def plan_hardware(requested: Optional[str], device_name: str) -> tuple[Optional[str], str]:
+    """The dlo_fx.plan preset to predict this device with, and a note: ``--hardware``,
+    else the preset the device's name names, else (on the CPU) the H200's, which shows the
+    printing path only."""
+    if requested:
+        return requested, f"--hardware {requested}"
+    key = "".join(ch for ch in device_name.lower() if ch.isalnum())
+    for token, name in (("h200", "h200"), ("h100pcie", "h100-pcie"), ("h100", "h100-sxm"),
+                        ("b200", "b200"), ("b300", "b300"), ("a100", "a100-80gb"),
+                        ("l40s", "l40s"), ("4090", "rtx-4090"), ("910b", "ascend-910b3")):
+        if token in key:
+            return name, f"the {name} preset (from the device name {device_name!r})"
+    if device_name == "cpu":
+        return "h200", "the h200 preset: no preset describes a CPU, so this only shows the path"
+    return None, f"no preset matches {device_name!r}; pass --hardware"
+
+
+def add_predictions(result: dict, cfg: Sizes, hardware: Optional[str], note: str,
+                    checks: Checks) -> None:
+    """``dlo_fx.plan``'s prediction for each measured dlo row (and the resident one), on
+    the meta device at the row's inputs: stored in the row as ``plan``."""
+    result["plan_hardware"] = {"preset": hardware, "why": note}
+    if hardware is None:
+        return
+    from dlo_fx.apps.plan import plan
+
+    meta = torch.device("meta")
+    weight_bytes = result.get("flux", {}).get("weight_bytes", 0)
+    sections = []
+    if result.get("flux"):
+        by_label = {r.label: r for r in cfg.resolutions}
+        sections += [("FluxTransformer2DModel", cfg.flux, flux_inputs(cfg.flux, by_label[label], meta),
+                      into["variants"]) for label, into in result["flux"]["resolutions"].items()]
+    if result.get("wan"):
+        sections.append(("WanTransformer3DModel", cfg.wan,
+                         wan_inputs(cfg.wan, cfg.wan_latents, cfg.wan_text, meta),
+                         result["wan"]["variants"]))
+    for cls_name, config, kw, variants in sections:
+        for name, row in variants.items():
+            options = PLAN_OPTIONS.get(name)
+            if options is None:
+                continue
+            opts = {"num_slots": 2, "device_budget": None} if options == "resident" else \
+                {"device_budget": weight_bytes // 2} if options == "half" else options
+            try:
+                model = build(cls_name, config, meta)
+                planned = plan(model, kw, hardware=hardware, options=opts)
+            except Exception as exc:
+                traceback.print_exc()
+                checks.check(False, f"plan of {cls_name} {name}: {type(exc).__name__}: {exc}")
+                continue
+            step = sum(planned.compute_s) if options == "resident" else planned.predicted_step_s
+            row["plan"] = {"hardware": hardware, "predicted_step_ms": step * 1e3,
+                           "bound": "compute" if options == "resident" else planned.bound,
+                           "resident_blocks": len(planned.resident_blocks),
+                           "num_blocks": planned.num_blocks,
+                           "device_bytes": planned.device_bytes["total"]}
+            if row.get("step_ms"):
+                row["plan"]["measured_over_plan"] = row["step_ms"] / (step * 1e3)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="default: the accelerator, else cpu")
@@ -900,6 +973,9 @@ def main(argv=None) -> int:
                         help="make streamed models with dlo_fx.load of a temporary file, even "
                              "where dlo_fx.offload exists")
     parser.add_argument("--no-child", action="store_true", help="skip the host-RSS child")
+    parser.add_argument("--hardware", default=None,
+                        help="the dlo_fx.plan preset whose prediction each row prints "
+                             "(default: the one the device's name names)")
     parser.add_argument("--child", choices=["rss"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -972,6 +1048,12 @@ def main(argv=None) -> int:
     except Exception as exc:
         traceback.print_exc()
         checks.check(False, f"gpu_check stopped: {type(exc).__name__}: {exc}")
+    try:
+        add_predictions(result, cfg, *plan_hardware(args.hardware, result["device_name"]),
+                        checks)
+    except Exception as exc:
+        traceback.print_exc()
+        checks.check(False, f"the plan's predictions: {type(exc).__name__}: {exc}")
     save()
     if _TMP is not None:  # the stand-in's files (a forked caller may never run atexit)
         _TMP.cleanup()
@@ -1007,6 +1089,11 @@ def _exact(v: dict) -> str:
     return "yes" if same else "NO"
 
 
+def _predicted(v: dict) -> str:
+    p = v.get("plan")
+    return "-" if not p else f"{p['predicted_step_ms']:.1f} ms ({p['bound']})"
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     tiny = ", tiny sizes" if result["sizes"] == "tiny" else ""
@@ -1023,10 +1110,10 @@ def markdown(result: dict) -> str:
         lines.append("")
     flux = result.get("flux")
     rows = [("flux", flux)] + ([("wan", result["wan"])] if "wan" in result else [])
-    head = ("| model | resolution | label | variant | step | / resident | / pinned-copy floor "
-            "| / group offload | device peak | host RSS added | offload/load | first call "
-            "| exact |")
-    lines += [head, "|" + " --- |" * 13]
+    head = ("| model | resolution | label | variant | step | predicted (plan) | / predicted "
+            "| / resident | / pinned-copy floor | / group offload | device peak | host RSS added "
+            "| offload/load | first call | exact |")
+    lines += [head, "|" + " --- |" * 15]
     for kind, sec in rows:
         if not sec:
             continue
@@ -1037,12 +1124,19 @@ def markdown(result: dict) -> str:
                 lines.append(
                     f"| {'FLUX.1-dev' if kind == 'flux' else 'Wan2.1-14B'} | {label} | "
                     f"{into.get('label') or '-'} | {name} | {_f(v.get('step_ms'), '{:.1f} ms')} "
+                    f"| {_predicted(v)} | {_f(v.get('plan', {}).get('measured_over_plan'))} "
                     f"| {_f(v.get('over_resident'))} | {_f(v.get('over_floor'))} "
                     f"| {_f(v.get('over_group_offload'))} | {_gib(v.get('device_peak'))} "
                     f"| {_gib(v.get('host_rss_added'))} | {_f(v.get('offload_s'), '{:.1f} s')} "
                     f"| {_f(v.get('first_call_s'), '{:.1f} s')} "
                     f"| {_exact(v)} |")
     lines += ["", RSS_ADDED, ""]
+    hw = result.get("plan_hardware")
+    if hw:
+        lines += [f"\"predicted (plan)\": `dlo_fx.plan` of the same model on the meta device at "
+                  f"the row's inputs and options, for {hw['why']} (its figures, nothing this "
+                  "run measured), with what bounds it; \"/ predicted\": measured over predicted.",
+                  ""]
     if flux:
         for label, into in flux["resolutions"].items():
             p = into.get("phase 1") or into.get("phase 2") or {}

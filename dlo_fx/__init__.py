@@ -7,7 +7,8 @@ the current block's compute.
 This module holds what users call. The library is in one package per stage (planning,
 runtime, passes, loading, model, dynamo; see docs/architecture.md, "Layout"); what is
 built on it is in `dlo_fx.apps`: schedule dumps, stalls and traces in `dlo_fx.apps.dump`,
-the planning study in `dlo_fx.apps.study`, the engine in `dlo_fx.apps.engine`, the
+the planning study in `dlo_fx.apps.study`, `dlo_fx.plan` (a model planned for hardware
+one does not have) in `dlo_fx.apps.plan`, the engine in `dlo_fx.apps.engine`, the
 reference DiT in `dlo_fx.apps.models`.
 """
 
@@ -23,7 +24,7 @@ from .model.storage_dtype import take_over_layerwise_casting
 
 __all__ = ["DLOConfig", "DeviceMemoryError", "Engine", "Request", "Result", "cfg_parallel",
            "compile_pipeline", "load",
-           "memory_report", "offload", "release", "take_over_layerwise_casting"]
+           "memory_report", "offload", "plan", "release", "take_over_layerwise_casting"]
 __version__ = "0.1.0"
 
 _ENGINE = ("Engine", "Request", "Result")
@@ -48,4 +49,8 @@ def __getattr__(name: str):
         from .apps import engine
 
         return getattr(engine, name)
+    if name == "plan":  # a model planned for hardware it does not run on (apps/plan)
+        from .apps.plan import plan
+
+        return plan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

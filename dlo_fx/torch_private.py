@@ -15,7 +15,8 @@ compiling (`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`,
 `inductor_compile`, `inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); what the
 passes use to find a parameter's aliases (`storage_key`); the op targets FLOPs are counted
 on (`NN_LINEAR`); a tensor-parallel parameter's own local tensor (`dtensor_local`); errors,
-compile callbacks and profiler state.
+compile callbacks and profiler state; the ATen-level mode `dlo_fx.plan` traces a forward
+under (`TorchDispatchMode`).
 Torch itself imports none of its Dynamo or Inductor modules here until a function needs
 them, so the runtime, which uses the first group, never loads Dynamo.
 """
@@ -33,6 +34,9 @@ from torch import fx
 # Tensor-subclass and pytree helpers torch keeps in private modules (the stored weight's
 # dispatch flattens its arguments; layout and planning recognise a wrapper subclass).
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+# The mode `dlo_fx.plan` runs a model's forward under on the meta device (every ATen op,
+# its arguments and outputs: the graph it counts FLOPs on, the storages it counts bytes of).
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 #: ``__torch_function__`` of a tensor subclass that opts out of torch-function dispatch.

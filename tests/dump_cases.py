@@ -47,13 +47,15 @@ def normalise(text: str, folder: Path) -> str:
 def dlo_lines(schedule_py: str) -> str:
     """The schedule of a schedule.py without the compute: its header comments and one
     ``<node>  # dlo: ...`` line per schedule node and slot view, in graph order."""
-    out = []
+    out, comment = [], None
     for line in schedule_py.splitlines():
         if line.startswith("#"):
             out.append(line)
-        elif "  # dlo: " in line:
-            code, comment = line.split("  # dlo: ", 1)
-            out.append(f"{code.strip().split(' = ')[0]}  # dlo: {comment}")
+        elif line.lstrip().startswith("# dlo: "):  # the node's annotation, on the line above it
+            comment = line.split("# dlo: ", 1)[1]
+        elif comment is not None:
+            out.append(f"{line.strip().split(' = ')[0]}  # dlo: {comment}")
+            comment = None
     return "\n".join(out) + "\n"
 
 

@@ -15,6 +15,7 @@ import dlo_fx
 from dlo_fx.planning.budget import BudgetPlan, minimum_bytes, plan_resident_blocks, predict_call_s
 from dlo_fx.config import DLOConfig
 from dlo_fx.apps.dump.blocks_md import blocks_markdown
+from dlo_fx.apps.dump.svg import resident_runs
 from dlo_fx.runtime.weights.stored import is_stored
 
 import budget_cases
@@ -267,7 +268,9 @@ def test_timeline_and_blocks_md_show_resident_blocks(swept, tmp_path):
     assert sorted(int(p.get("data-resident-block")) for p in markers) == plan.resident
     title = root.find(f"{SVG}title").text
     assert (f"device_budget keeps {len(plan.resident)} of {len(plan.block_bytes)} blocks "
-            "resident (never copied): " + ", ".join(f"R{g}" for g in plan.resident)) in title
+            "resident (never copied): " + resident_runs(plan.resident)) in title
+    assert (f"{len(plan.block_bytes) - len(plan.resident)} streamed blocks, "
+            f"{len(plan.resident)} resident") in title
     # Only the streamed blocks are copied: one H2D bar per graph block, none for the rest.
     bars = svg_bars(folder / "timeline.svg")
     streamed = len(plan.block_bytes) - len(plan.resident)

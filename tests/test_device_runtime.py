@@ -107,6 +107,7 @@ def test_gpu_check_runs_on_cpu(spawned):
         assert res["phase 1"]["floor_ms"] > 0
         dlo = res["variants"]["dlo 2 slots"]
         assert dlo["bit_identical"] is True and dlo["over_resident"] > 0 and dlo["over_floor"] > 0
+        assert dlo["plan"]["predicted_step_ms"] > 0 and dlo["plan"]["hardware"] == "h200"
         assert res["variants"]["dlo auto budget"]["bit_identical"] is True
         assert "group offload (CPU: no streams)" in res["variants"]
     assert first["variants"]["dlo 3 slots"]["bit_identical"] is True

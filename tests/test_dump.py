@@ -86,7 +86,7 @@ then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 """)
         self.assertExpectedInline(texts["schedule.py"], """\
 # dlo schedule of graph 0: 4 blocks, 2 slots, mode rank_local.
-# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
+# Each schedule node follows a line '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
 # a wait also lists the parameters it covers. dlo_fx_runtime_graph_ops_<kind> is
 # dlo_fx.runtime.graph.ops.<kind>; _dlo is the graph's schedule. Statements that only free
 # values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
@@ -148,17 +148,24 @@ def forward(
     l_self_modules_proj_out_parameters_weight_ = L_self_modules_proj_out_parameters_weight_
     l_self_modules_proj_out_parameters_bias_ = L_self_modules_proj_out_parameters_bias_
     _dlo = self._dlo
-    prefetch_b0 = dlo_fx_runtime_graph_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=33984
-    prefetch_b1 = dlo_fx_runtime_graph_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=8384
+    # dlo: prefetch block=0 slot=0 bytes=33984
+    prefetch_b0 = dlo_fx_runtime_graph_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)
+    # dlo: prefetch block=1 slot=1 bytes=8384
+    prefetch_b1 = dlo_fx_runtime_graph_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_)
     to = l_latents_.to(torch.bfloat16)
     x = to.reshape(1, 4, 2, 2, 2, 2)
     permute = x.permute(0, 2, 4, 3, 5, 1)
     reshape_1 = permute.reshape(1, 4, 16)
-    wait_b0 = dlo_fx_runtime_graph_ops_wait(_dlo, 0)  # dlo: wait block=0 slot=0 bytes=33984 covers patch_embed.weight, patch_embed.bias, time_embed.0.weight, time_embed.0.bias
-    patch_embed_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_weight_)  # dlo: slot_view patch_embed.weight (1024 B)
-    patch_embed_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_bias_)  # dlo: slot_view patch_embed.bias (64 B)
-    time_embed_0_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_time_embed_modules_0_parameters_weight_)  # dlo: slot_view time_embed.0.weight (32768 B)
-    time_embed_0_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: slot_view time_embed.0.bias (128 B)
+    # dlo: wait block=0 slot=0 bytes=33984 covers patch_embed.weight, patch_embed.bias, time_embed.0.weight, time_embed.0.bias
+    wait_b0 = dlo_fx_runtime_graph_ops_wait(_dlo, 0)
+    # dlo: slot_view patch_embed.weight (1024 B)
+    patch_embed_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_weight_)
+    # dlo: slot_view patch_embed.bias (64 B)
+    patch_embed_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_patch_embed_parameters_bias_)
+    # dlo: slot_view time_embed.0.weight (32768 B)
+    time_embed_0_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_time_embed_modules_0_parameters_weight_)
+    # dlo: slot_view time_embed.0.bias (128 B)
+    time_embed_0_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 0, wait_b0, l_self_modules_time_embed_modules_0_parameters_bias_)
     image = torch._C._nn.linear(reshape_1, patch_embed_weight, patch_embed_bias)
     steps = torch.arange(128, dtype = torch.float32, device = device(type='cpu'))
     mul = -9.210340371976184 * steps
@@ -172,36 +179,57 @@ def forward(
     sin = torch.sin(args)
     cat = torch.cat((cos, sin), dim = -1)
     input_1 = torch._C._nn.linear(cat, time_embed_0_weight, time_embed_0_bias)
-    swap_slot_b0 = dlo_fx_runtime_graph_ops_swap_slot(_dlo, 0)  # dlo: swap_slot block=0 slot=0 bytes=33984
-    prefetch_b2 = dlo_fx_runtime_graph_ops_prefetch(_dlo, 2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_, l_self_modules_blocks_modules_0_parameters_fc2_weight_, l_self_modules_blocks_modules_0_parameters_fc2_bias_)  # dlo: prefetch block=2 slot=0 bytes=37824
+    # dlo: swap_slot block=0 slot=0 bytes=33984
+    swap_slot_b0 = dlo_fx_runtime_graph_ops_swap_slot(_dlo, 0)
+    # dlo: prefetch block=2 slot=0 bytes=37824
+    prefetch_b2 = dlo_fx_runtime_graph_ops_prefetch(_dlo, 2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_, l_self_modules_blocks_modules_0_parameters_fc2_weight_, l_self_modules_blocks_modules_0_parameters_fc2_bias_)
     input_2 = torch.nn.functional.silu(input_1, inplace = False)
-    wait_b1 = dlo_fx_runtime_graph_ops_wait(_dlo, 1)  # dlo: wait block=1 slot=1 bytes=8384 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias
-    time_embed_2_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_2_parameters_weight_)  # dlo: slot_view time_embed.2.weight (4096 B)
-    time_embed_2_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_2_parameters_bias_)  # dlo: slot_view time_embed.2.bias (128 B)
-    text_proj_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_text_proj_parameters_weight_)  # dlo: slot_view text_proj.weight (4096 B)
-    text_proj_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_text_proj_parameters_bias_)  # dlo: slot_view text_proj.bias (64 B)
+    # dlo: wait block=1 slot=1 bytes=8384 covers time_embed.2.weight, time_embed.2.bias, text_proj.weight, text_proj.bias
+    wait_b1 = dlo_fx_runtime_graph_ops_wait(_dlo, 1)
+    # dlo: slot_view time_embed.2.weight (4096 B)
+    time_embed_2_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_2_parameters_weight_)
+    # dlo: slot_view time_embed.2.bias (128 B)
+    time_embed_2_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_time_embed_modules_2_parameters_bias_)
+    # dlo: slot_view text_proj.weight (4096 B)
+    text_proj_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_text_proj_parameters_weight_)
+    # dlo: slot_view text_proj.bias (64 B)
+    text_proj_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 1, wait_b1, l_self_modules_text_proj_parameters_bias_)
     input_3 = torch._C._nn.linear(input_2, time_embed_2_weight, time_embed_2_bias)
     temb = input_3.to(torch.bfloat16)
     to_2 = l_text_.to(torch.bfloat16)
     text_tokens = torch._C._nn.linear(to_2, text_proj_weight, text_proj_bias)
-    swap_slot_b1 = dlo_fx_runtime_graph_ops_swap_slot(_dlo, 1)  # dlo: swap_slot block=1 slot=1 bytes=8384
-    prefetch_b3 = dlo_fx_runtime_graph_ops_prefetch(_dlo, 3, l_self_modules_final_ada_ln_parameters_weight_, l_self_modules_final_ada_ln_parameters_bias_, l_self_modules_proj_out_parameters_weight_, l_self_modules_proj_out_parameters_bias_)  # dlo: prefetch block=3 slot=1 bytes=5280
+    # dlo: swap_slot block=1 slot=1 bytes=8384
+    swap_slot_b1 = dlo_fx_runtime_graph_ops_swap_slot(_dlo, 1)
+    # dlo: prefetch block=3 slot=1 bytes=5280
+    prefetch_b3 = dlo_fx_runtime_graph_ops_prefetch(_dlo, 3, l_self_modules_final_ada_ln_parameters_weight_, l_self_modules_final_ada_ln_parameters_bias_, l_self_modules_proj_out_parameters_weight_, l_self_modules_proj_out_parameters_bias_)
     cond = torch.nn.functional.silu(temb)
     x_1 = torch.cat((text_tokens, image), dim = 1)
-    wait_b2 = dlo_fx_runtime_graph_ops_wait(_dlo, 2)  # dlo: wait block=2 slot=0 bytes=37824 covers blocks.0.adaLN.weight, blocks.0.adaLN.bias, blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias
-    blocks_0_adaLN_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_)  # dlo: slot_view blocks.0.adaLN.weight (12288 B)
-    blocks_0_adaLN_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_)  # dlo: slot_view blocks.0.adaLN.bias (384 B)
-    blocks_0_qkv_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_)  # dlo: slot_view blocks.0.qkv.weight (6144 B)
-    blocks_0_qkv_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_)  # dlo: slot_view blocks.0.qkv.bias (192 B)
-    blocks_0_proj_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_)  # dlo: slot_view blocks.0.proj.weight (2048 B)
-    blocks_0_proj_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_)  # dlo: slot_view blocks.0.proj.bias (64 B)
-    blocks_0_fc1_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_)  # dlo: slot_view blocks.0.fc1.weight (8192 B)
-    blocks_0_fc1_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_)  # dlo: slot_view blocks.0.fc1.bias (256 B)
-    blocks_0_fc2_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_parameters_fc2_weight_)  # dlo: slot_view blocks.0.fc2_weight (8192 B)
-    blocks_0_fc2_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_parameters_fc2_bias_)  # dlo: slot_view blocks.0.fc2_bias (64 B)
+    # dlo: wait block=2 slot=0 bytes=37824 covers blocks.0.adaLN.weight, blocks.0.adaLN.bias, blocks.0.qkv.weight, blocks.0.qkv.bias, blocks.0.proj.weight, blocks.0.proj.bias, blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2_weight, blocks.0.fc2_bias
+    wait_b2 = dlo_fx_runtime_graph_ops_wait(_dlo, 2)
+    # dlo: slot_view blocks.0.adaLN.weight (12288 B)
+    blocks_0_adaLN_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_weight_)
+    # dlo: slot_view blocks.0.adaLN.bias (384 B)
+    blocks_0_adaLN_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_ada_ln_parameters_bias_)
+    # dlo: slot_view blocks.0.qkv.weight (6144 B)
+    blocks_0_qkv_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_)
+    # dlo: slot_view blocks.0.qkv.bias (192 B)
+    blocks_0_qkv_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_qkv_parameters_bias_)
+    # dlo: slot_view blocks.0.proj.weight (2048 B)
+    blocks_0_proj_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_proj_parameters_weight_)
+    # dlo: slot_view blocks.0.proj.bias (64 B)
+    blocks_0_proj_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_proj_parameters_bias_)
+    # dlo: slot_view blocks.0.fc1.weight (8192 B)
+    blocks_0_fc1_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_fc1_parameters_weight_)
+    # dlo: slot_view blocks.0.fc1.bias (256 B)
+    blocks_0_fc1_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_modules_fc1_parameters_bias_)
+    # dlo: slot_view blocks.0.fc2_weight (8192 B)
+    blocks_0_fc2_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_parameters_fc2_weight_)
+    # dlo: slot_view blocks.0.fc2_bias (64 B)
+    blocks_0_fc2_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 2, wait_b2, l_self_modules_blocks_modules_0_parameters_fc2_bias_)
     linear_4 = torch._C._nn.linear(cond, blocks_0_adaLN_weight, blocks_0_adaLN_bias)
     view = linear_4.view(1, 6, 32)
-    modulation_table = dlo_fx_runtime_graph_ops_resident(_dlo, l_self_parameters_modulation_table_)  # dlo: resident modulation_table (384 B)
+    # dlo: resident modulation_table (384 B)
+    modulation_table = dlo_fx_runtime_graph_ops_resident(_dlo, l_self_parameters_modulation_table_)
     mod = view + modulation_table
     unbind = mod.unbind(1)
     shift1 = unbind[0]
@@ -268,16 +296,23 @@ def forward(
     h = torch._C._nn.gelu(linear_7, approximate = 'tanh')
     getitem_22 = gate2[(slice(None, None, None), None, slice(None, None, None))]
     linear_8 = torch._C._nn.linear(h, blocks_0_fc2_weight, blocks_0_fc2_bias)
-    swap_slot_b2 = dlo_fx_runtime_graph_ops_swap_slot(_dlo, 2)  # dlo: swap_slot block=2 slot=0 bytes=37824
-    prefetch_b0_wrap = dlo_fx_runtime_graph_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)  # dlo: prefetch block=0 slot=0 bytes=33984 wrap-around
+    # dlo: swap_slot block=2 slot=0 bytes=37824
+    swap_slot_b2 = dlo_fx_runtime_graph_ops_swap_slot(_dlo, 2)
+    # dlo: prefetch block=0 slot=0 bytes=33984 wrap-around
+    prefetch_b0_wrap = dlo_fx_runtime_graph_ops_prefetch(_dlo, 0, l_self_modules_patch_embed_parameters_weight_, l_self_modules_patch_embed_parameters_bias_, l_self_modules_time_embed_modules_0_parameters_weight_, l_self_modules_time_embed_modules_0_parameters_bias_)
     mul_14 = getitem_22 * linear_8
     x_3 = x_2 + mul_14
     x_4 = x_3[(slice(None, None, None), slice(8, None, None))]
-    wait_b3 = dlo_fx_runtime_graph_ops_wait(_dlo, 3)  # dlo: wait block=3 slot=1 bytes=5280 covers final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
-    final_adaLN_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_weight_)  # dlo: slot_view final_adaLN.weight (4096 B)
-    final_adaLN_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_bias_)  # dlo: slot_view final_adaLN.bias (128 B)
-    proj_out_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_weight_)  # dlo: slot_view proj_out.weight (1024 B)
-    proj_out_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_bias_)  # dlo: slot_view proj_out.bias (32 B)
+    # dlo: wait block=3 slot=1 bytes=5280 covers final_adaLN.weight, final_adaLN.bias, proj_out.weight, proj_out.bias
+    wait_b3 = dlo_fx_runtime_graph_ops_wait(_dlo, 3)
+    # dlo: slot_view final_adaLN.weight (4096 B)
+    final_adaLN_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_weight_)
+    # dlo: slot_view final_adaLN.bias (128 B)
+    final_adaLN_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_final_ada_ln_parameters_bias_)
+    # dlo: slot_view proj_out.weight (1024 B)
+    proj_out_weight = dlo_fx_runtime_graph_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_weight_)
+    # dlo: slot_view proj_out.bias (32 B)
+    proj_out_bias = dlo_fx_runtime_graph_ops_slot_view(_dlo, 3, wait_b3, l_self_modules_proj_out_parameters_bias_)
     linear_9 = torch._C._nn.linear(cond, final_adaLN_weight, final_adaLN_bias)
     chunk_2 = linear_9.chunk(2, dim = -1)
     shift = chunk_2[0]
@@ -289,8 +324,10 @@ def forward(
     getitem_27 = shift[(slice(None, None, None), None, slice(None, None, None))]
     add_10 = mul_15 + getitem_27
     x_5 = torch._C._nn.linear(add_10, proj_out_weight, proj_out_bias)
-    swap_slot_b3 = dlo_fx_runtime_graph_ops_swap_slot(_dlo, 3)  # dlo: swap_slot block=3 slot=1 bytes=5280
-    prefetch_b1_wrap = dlo_fx_runtime_graph_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_)  # dlo: prefetch block=1 slot=1 bytes=8384 wrap-around
+    # dlo: swap_slot block=3 slot=1 bytes=5280
+    swap_slot_b3 = dlo_fx_runtime_graph_ops_swap_slot(_dlo, 3)
+    # dlo: prefetch block=1 slot=1 bytes=8384 wrap-around
+    prefetch_b1_wrap = dlo_fx_runtime_graph_ops_prefetch(_dlo, 1, l_self_modules_time_embed_modules_2_parameters_weight_, l_self_modules_time_embed_modules_2_parameters_bias_, l_self_modules_text_proj_parameters_weight_, l_self_modules_text_proj_parameters_bias_)
     x_6 = x_5.reshape(1, 2, 2, 2, 2, 4)
     permute_2 = x_6.permute(0, 5, 1, 3, 2, 4)
     reshape_4 = permute_2.reshape(1, 4, 4, 4)
@@ -346,7 +383,7 @@ then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 """)
         self.assertExpectedInline(dlo_lines(texts["schedule.py"]), """\
 # dlo schedule of graph 0: 4 blocks, 3 slots, mode rank_local.
-# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
+# Each schedule node follows a line '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
 # a wait also lists the parameters it covers. dlo_fx_runtime_graph_ops_<kind> is
 # dlo_fx.runtime.graph.ops.<kind>; _dlo is the graph's schedule. Statements that only free
 # values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
@@ -415,7 +452,7 @@ then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 """)
         self.assertExpectedInline(dlo_lines(texts["schedule.py"]), """\
 # dlo schedule of graph 0: 4 blocks, 2 slots, mode allgather, dp 2.
-# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
+# Each schedule node follows a line '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
 # a wait also lists the parameters it covers. dlo_fx_runtime_graph_ops_<kind> is
 # dlo_fx.runtime.graph.ops.<kind>; _dlo is the graph's schedule. Statements that only free
 # values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
@@ -498,7 +535,7 @@ then call `dlo_fx.apps.dump.flush(model)` (it also runs when the process exits).
 """)
         self.assertExpectedInline(dlo_lines(texts["schedule.py"]), """\
 # dlo schedule of graph 0: 4 blocks, 3 slots, mode allgather, dp 2.
-# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
+# Each schedule node follows a line '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block bytes>';
 # a wait also lists the parameters it covers. dlo_fx_runtime_graph_ops_<kind> is
 # dlo_fx.runtime.graph.ops.<kind>; _dlo is the graph's schedule. Statements that only free
 # values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.
@@ -613,7 +650,7 @@ def test_delaying_prefetches_adds_stall(tmp_path):
     delayed = stall_total((slow, delay_prefetches), tmp_path / "delayed", fault_delay_s=0.02)
     assert delayed > normal + 0.05, (normal, delayed)
     schedule = (tmp_path / "delayed" / "graph_0" / "schedule.py").read_text()
-    order = [line.split(" = ")[0].strip() for line in schedule.splitlines()
+    order = [line.split("  # dlo: ")[0] for line in dlo_lines(schedule).splitlines()
              if "# dlo: prefetch" in line or "# dlo: wait" in line]
     assert order.index("prefetch_b2") > order.index("wait_b1")  # issued after block 1 started
 
@@ -725,3 +762,42 @@ def test_cli_model_with_inputs_function_and_errors(tmp_path, capsys):
     assert "'block_bytes'=0" in capsys.readouterr().err
     assert cli("--compute-gbps", "0") == 2
     assert "compute_gbps" in capsys.readouterr().err
+
+
+def test_timeline_reads_outside_a_browser_at_any_size():
+    """Seconds from 1,000 ms (not ``9.58e+03 ms``), hex colours (viewers outside browsers
+    draw ``hsl()`` black), the resident blocks as ranges and the subtitle wrapped to the
+    picture's width, the title counting streamed and resident blocks apart."""
+    import re
+    import xml.etree.ElementTree as ET
+
+    from dlo_fx.apps.dump import svg
+    from dlo_fx.apps.plan import Hardware
+    from models import tiny_flux
+
+    assert svg._ms(9.58) == "9.58 s" and svg._ms(0.0123) == "12.3 ms"
+    assert all(re.fullmatch(r"#[0-9a-f]{6}", svg._colour(b)) for b in range(40))
+    assert svg.resident_runs([0, 1, 2, 5, 7, 8]) == "R0-R2, R5, R7-R8"
+    model, inputs = tiny_flux()
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    hw = Hardware("slow", 0.0002, 1.0, {"float32": 1e8}, memory_bytes=(1 << 30) + 300_000)
+    plan = dlo_fx.plan(model.to("meta"), meta, hardware=hw, options={"block_bytes": 4_000})
+    assert len(plan.resident_blocks) > 8 and plan.predicted_step_s > 1.0
+    text = svg.render_svg(*_plan_picture(plan))
+    assert "hsl(" not in text and "e+0" not in text
+    root = ET.fromstring(text)
+    lines = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")
+             if t.text and ("predicted" in t.text or t.text.startswith(("R", "resident")))]
+    assert all(len(line) <= svg.SUBTITLE_CHARS for line in lines), lines
+    assert f"{svg.resident_runs(plan.resident_blocks)}" in root.find(
+        "{http://www.w3.org/2000/svg}title").text
+
+
+def _plan_picture(plan):
+    from dlo_fx.apps.plan import report
+    from dlo_fx.apps.dump.timeline import Timing
+
+    dump = report._dump(plan, Path("unused"))
+    prediction, _ = report._prediction(plan)
+    timing = Timing(tuple(plan.h2d_s), tuple(plan.gather_s), tuple(plan.compute_s), "test")
+    return dump, prediction, timing, "title"

@@ -24,6 +24,7 @@ from dlo_fx.apps import cli
 from dlo_fx.loading.checkpoint import CheckpointError
 from dlo_fx.config import DLOConfig
 from dlo_fx.loading.loader import load
+from dlo_fx.model.memory import memory_report
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.loading.shards import MANIFEST, ShardDir, tensor_offsets, write_shard_dir
 from file_store_cases import served
@@ -73,6 +74,10 @@ def test_dit_served_from_its_file_bit_identical(ckpts, options):
     # blocks are read tensor by tensor, fc2_weight converted, and all of it counted.
     assert stats["split_block_reads"] > 0 and stats["tensor_reads"] > stats["split_block_reads"]
     assert stats["converted"] >= 3 and stats["bytes"] > 0 and stats["split_seconds"] > 0
+    report = memory_report(model)  # the shards are in files, not missing
+    assert report.host_shard_bytes == 0 and report.host_file_bytes > 0
+    line = next(x for x in str(report).splitlines() if x.startswith("host_shard_bytes"))
+    assert "-100.0%" not in line and "read from files" in line, line
 
 
 def test_wan_folder_and_dtype_cast_served_from_files(ckpts):

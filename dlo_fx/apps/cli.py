@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .study.cli import add_plan_arguments
 
-    plan = sub.add_parser("plan", help="predict memory and time of both modes")
+    plan = sub.add_parser("plan", help="plan a model from its config for a hardware target "
+                          "(--model), or predict both modes from numbers")
     add_plan_arguments(plan)
     for command in sub.choices.values():  # -v after the command too
         command.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP,

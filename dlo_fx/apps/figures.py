@@ -208,6 +208,102 @@ CONSTANTS: Mapping[str, Constant] = {
         "Fitted with minimax_block_compute_ms: the AllGather cost that grows with the "
         "number of replicas (+2.2% throughput at DP4xSP2, -4.1% at DP8xSP1).",
     ),
+    # --- accelerators `dlo_fx.plan` plans for (`dlo_fx.apps.plan.hardware`) ------------
+    # Memory as published (GB); FLOP rates dense (no sparsity), per GPU; gather rates are
+    # the device link's bytes per second each way, which an AllGather's ring delivers.
+    "h200_h2d_gbps": Constant(
+        55.4, "GB/s", "measured",
+        "docs/benchmarks.md, H200 run of benchmarks/gpu_check.py: pinned host-to-device "
+        "copies at 55.4 GB/s (the pinned-copy floor of FLUX.1-dev's 23.80 GB, 429.8 ms).",
+    ),
+    "pcie5_h2d_gbps": Constant(
+        55.4, "GB/s", "derived",
+        "PCIe Gen5 x16: 64 GB/s each way on paper; what the H200 run measured on its Gen5 "
+        "link (h200_h2d_gbps, 0.866 of paper).",
+    ),
+    "pcie4_h2d_gbps": Constant(
+        32.0 * 55.4 / 64.0, "GB/s", "derived",
+        "PCIe Gen4 x16: 32 GB/s each way on paper, at the share the H200 run reached on "
+        "Gen5 (0.866).",
+    ),
+    "h200_bf16_flops": Constant(
+        74.38e12 / 0.1715, "FLOP/s", "fitted",
+        "docs/benchmarks.md, H200: FLUX.1-dev at 1,024^2 resident, 171.5 ms per step; "
+        "dlo_fx.plan counts 74.38 TFLOP of matmuls and attention in that step: 434 "
+        "TFLOP/s, 44% of the 989 TFLOP/s dense BF16 spec (the rest: elementwise work, "
+        "launch gaps, kernels below peak).",
+    ),
+    "matmul_efficiency": Constant(
+        74.38e12 / 0.1715 / 989e12, "1", "derived",
+        "h200_bf16_flops / the H200's 989 TFLOP/s dense BF16 spec: the share of a spec "
+        "FLOP rate a DiT step reaches, applied to every other accelerator's spec rates.",
+    ),
+    "nvlink4_gbps": Constant(
+        450.0, "GB/s", "spec",
+        "NVLink 4 (H100 SXM, H200): 900 GB/s per GPU both directions together, 450 each way.",
+    ),
+    "nvlink3_gbps": Constant(
+        300.0, "GB/s", "spec",
+        "NVLink 3 (A100 SXM) and the H100 PCIe's NVLink bridge: 600 GB/s both directions, "
+        "300 each way.",
+    ),
+    "pcie4_gather_gbps": Constant(
+        25.0, "GB/s", "assumed",
+        "No NVLink (L40S, RTX 4090): an AllGather goes over PCIe Gen4 (through the host "
+        "where peer-to-peer is disabled, as on GeForce cards), about 25 GB/s.",
+    ),
+    "hccs_gather_gbps": Constant(
+        196.0, "GB/s", "assumed",
+        "Ascend 910B HCCS: 7 links of 56 GB/s, 392 GB/s both directions, 196 each way; "
+        "the collective's efficiency is not known here.",
+    ),
+    "h100_sxm_hbm_gb": Constant(80.0, "GB", "spec", "NVIDIA H100 SXM5: 80 GB HBM3."),
+    "h100_sxm_bf16_tflops": Constant(989.0, "TFLOP/s", "spec",
+                                     "NVIDIA H100 SXM5 datasheet: BF16/FP16 Tensor Core "
+                                     "1,979 TFLOP/s with sparsity, 989 dense; FP32 67."),
+    "h100_sxm_fp32_tflops": Constant(67.0, "TFLOP/s", "spec", "NVIDIA H100 SXM5: FP32 67 TFLOP/s."),
+    "h100_pcie_hbm_gb": Constant(80.0, "GB", "spec", "NVIDIA H100 PCIe: 80 GB HBM2e."),
+    "h100_pcie_bf16_tflops": Constant(756.0, "TFLOP/s", "spec",
+                                      "NVIDIA H100 PCIe datasheet: BF16/FP16 Tensor Core "
+                                      "1,513 TFLOP/s with sparsity, 756 dense."),
+    "h100_pcie_fp32_tflops": Constant(51.0, "TFLOP/s", "spec", "NVIDIA H100 PCIe: FP32 51 TFLOP/s."),
+    "h200_hbm_gb": Constant(
+        139.0 * GIB, "GB", "measured",
+        "docs/benchmarks.md: the H200 of the gpu_check run, a 139 GiB device as torch sees "
+        "it (141 GB HBM3e on the datasheet).",
+    ),
+    "h200_fp32_tflops": Constant(67.0, "TFLOP/s", "spec", "NVIDIA H200 SXM: FP32 67 TFLOP/s."),
+    "b200_hbm_gb": Constant(180.0, "GB", "spec", "NVIDIA HGX B200: 1,440 GB HBM3e over 8 GPUs, 180 GB each."),
+    "b200_bf16_tflops": Constant(2250.0, "TFLOP/s", "spec",
+                                 "NVIDIA HGX B200: BF16/FP16 Tensor Core 4.5 PFLOP/s with "
+                                 "sparsity per GPU, 2.25 dense."),
+    "b200_fp32_tflops": Constant(75.0, "TFLOP/s", "spec", "NVIDIA HGX B200: FP32 75 TFLOP/s per GPU."),
+    "b300_bf16_tflops": Constant(2250.0, "TFLOP/s", "spec",
+                                 "NVIDIA HGX B300: BF16/FP16 Tensor Core 2.25 PFLOP/s dense per GPU "
+                                 "(as B200; Blackwell Ultra adds FP4, not BF16)."),
+    "b300_fp32_tflops": Constant(75.0, "TFLOP/s", "spec", "NVIDIA HGX B300: FP32 75 TFLOP/s per GPU."),
+    "a100_hbm_gb": Constant(80.0, "GB", "spec", "NVIDIA A100 80GB SXM: 80 GB HBM2e."),
+    "a100_bf16_tflops": Constant(312.0, "TFLOP/s", "spec",
+                                 "NVIDIA A100 datasheet: BF16/FP16 Tensor Core 312 TFLOP/s dense."),
+    "a100_fp32_tflops": Constant(19.5, "TFLOP/s", "spec", "NVIDIA A100: FP32 19.5 TFLOP/s."),
+    "l40s_gddr_gb": Constant(48.0, "GB", "spec", "NVIDIA L40S: 48 GB GDDR6."),
+    "l40s_bf16_tflops": Constant(362.05, "TFLOP/s", "spec",
+                                 "NVIDIA L40S datasheet: BF16/FP16 Tensor Core 733 TFLOP/s with "
+                                 "sparsity, 362 dense."),
+    "l40s_fp32_tflops": Constant(91.6, "TFLOP/s", "spec", "NVIDIA L40S: FP32 91.6 TFLOP/s."),
+    "rtx4090_gddr_gb": Constant(24.0, "GB", "spec", "NVIDIA GeForce RTX 4090: 24 GB GDDR6X."),
+    "rtx4090_bf16_tflops": Constant(165.2, "TFLOP/s", "spec",
+                                    "NVIDIA Ada whitepaper, RTX 4090: BF16/FP16 Tensor Core with "
+                                    "FP32 accumulate 165.2 TFLOP/s dense (330.3 with FP16 "
+                                    "accumulate, which torch's matmuls do not use)."),
+    "rtx4090_fp32_tflops": Constant(82.6, "TFLOP/s", "spec", "NVIDIA RTX 4090: FP32 82.6 TFLOP/s."),
+    "ascend_910b3_fp16_tflops": Constant(
+        313.0, "TFLOP/s", "assumed",
+        "Ascend 910B3: about 313 TFLOP/s FP16/BF16 dense as commonly quoted for the 910B "
+        "series (Huawei publishes 910B figures per SKU only in part).",
+    ),
+    "ascend_910b3_fp32_tflops": Constant(
+        75.0, "TFLOP/s", "assumed", "Ascend 910B3 FP32: about a quarter of FP16, assumed."),
 }
 """All documented constants by name."""
 

@@ -139,6 +139,10 @@ class AutoResidency:
             capacity = runtime.config.device_memory or self.base.device_budget
             memory = runtime.device_memory[key] = DeviceMemory(
                 capacity=capacity, reserve=runtime.config.activation_reserve_bytes)
+            if runtime.device.type == "meta":  # no allocator: nothing is measured there
+                memory.peaks.found_as = ("given by activation_peak_of on the meta device"
+                                         if runtime.activation_peak_of is not None else
+                                         "0: the meta device has no allocator to measure")
         return runtime, key, memory
 
     def __call__(self, *args: Any) -> Any:

@@ -65,6 +65,9 @@ class MemoryReport:
     """``(input shapes, peak bytes)`` of every shape measured, per graph."""
     weights_budget_bytes: Optional[int] = None
     """What the device budget lets the weights use (summed over the model's graphs)."""
+    host_file_bytes: int = 0
+    """Of this rank's host shards, the bytes read from the checkpoint's files each time
+    (``host_store="mmap"``), not held in ``host_shard_bytes``."""
     budget_lines: tuple = ()
     """How each graph's budget was found and which blocks it keeps resident and why
     (bytes, predicted time per call before and after); out-of-memory errors met."""
@@ -82,7 +85,11 @@ class MemoryReport:
             line = f"{name:<{width}}  {_fmt(name, value)}"
             if self.predicted and name in self.predicted:
                 model = self.predicted[name]
-                line += f"   model {model / 2**20:.1f} MiB ({(value - model) / max(model, 1):+.1%})"
+                files = self.host_file_bytes if name == "host_shard_bytes" else 0
+                line += (f"   model {model / 2**20:.1f} MiB "
+                         f"({(value + files - model) / max(model, 1):+.1%}"
+                         + (f", with the {files / 2**20:.1f} MiB read from files)" if files
+                            else ")"))
             lines.append(line)
         if self.predicted_s_per_call is not None:
             measured = self.measured_s_per_call
@@ -152,7 +159,8 @@ def memory_report(model: torch.nn.Module) -> MemoryReport:
         num_slots=num_slots,
         slot_bytes=slot_bytes,
         resident_bytes=resident,
-        host_shard_bytes=sum(b.shard.numel() for b in blocks),
+        host_shard_bytes=sum(b.shard.numel() for b in blocks if b.source is None),
+        host_file_bytes=sum(b.shard_nbytes for b in blocks if b.source is not None),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         rss_bytes=host["rss"], pss_bytes=host["pss"], private_bytes=host["private"],
         shared_bytes=host["shared"], cgroup_current_bytes=cgroup["current"],

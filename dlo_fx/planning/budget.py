@@ -68,6 +68,9 @@ class BudgetPlan:
     flops_per_s: dict[str, float] = field(default_factory=dict)  # measured, per dtype
     # device_budget="auto": how the weights budget was found (dlo_fx.planning.device_memory)
     budget_lines: list[str] = field(default_factory=list)
+    # where the rates come from: "measured" (the backend's probes), or a hardware target's
+    # figures (`dlo_fx.plan`, which measures nothing)
+    figures: str = "measured"
 
     @property
     def streamed_copy_s(self) -> float:
@@ -80,10 +83,10 @@ class BudgetPlan:
         return sum(self.compute_s)
 
     def describe_rates(self) -> str:
-        """The measured figures the plan used, for reports."""
+        """The figures the plan used (measured, or a hardware target's), for reports."""
         rates = ", ".join(f"{d} {_flops(r)}" for d, r in self.flops_per_s.items())
         return (f"H2D {self.h2d_gbps:.2f} GB/s, AllGather {self.gather_gbps:.2f} GB/s, "
-                f"matmul {rates or 'not measured (compute taken as 0)'}")
+                f"matmul {rates or f'not {self.figures} (compute taken as 0)'}")
 
     @property
     def resident_bytes(self) -> int:

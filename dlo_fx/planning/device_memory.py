@@ -102,6 +102,9 @@ class ActivationPeaks:
     """Activation peaks measured per input shape, and the prediction for a new shape."""
 
     measured: dict = field(default_factory=dict)  # ShapeKey -> (elements, peak bytes)
+    # how a recorded peak was found: "measured" on a device with an allocator; on the meta
+    # device, which has none, it is given (a hook) or 0, and never called measured
+    found_as: str = "measured"
 
     def record(self, key: ShapeKey, elements: int, peak: int) -> None:
         self.measured[key] = (int(elements), max(int(peak), 0))
@@ -110,7 +113,7 @@ class ActivationPeaks:
         """(peak bytes, how it was found) for ``key``: measured, or scaled per element
         from the largest shape measured (rounded up); None when nothing was measured."""
         if key in self.measured:
-            return self.measured[key][1], "measured"
+            return self.measured[key][1], self.found_as
         if not self.measured:
             return None
         ref_elements, ref_peak = max(self.measured.values())

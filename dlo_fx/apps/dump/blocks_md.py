@@ -28,14 +28,15 @@ def _resident_blocks(plan) -> list[str]:
              f"for the largest block + parameters resident anyway), {_b(plan.capacity)} B "
              "left for whole blocks, chosen to minimise the predicted time per call (a steady",
              "call; equal choices spread through the stack so each resident block's compute",
-             "runs while the next streamed block copies), from the measured figures",
+             "runs while the next streamed block copies), from the "
+             f"{plan.figures} figures",
              f"({plan.describe_rates()}). Predicted "
              f"{plan.streamed_s * 1e3:.3f} ms per call with every block streamed, "
              f"{plan.predicted_s * 1e3:.3f} ms with these resident.",
              *([f"Per call: copies {_ms(sum(plan.copy_s))} ms with every block streamed, "
                 f"{_ms(plan.streamed_copy_s)} ms with these resident; compute "
                 f"{_ms(plan.compute_total_s)} ms ({sum(plan.flops) / 1e9:.3g} GFLOP of "
-                "matmuls, attention and convolutions at the measured matmul rate)."]
+                f"matmuls, attention and convolutions at the {plan.figures} matmul rate)."]
                if plan.copy_s else []),
              "Blocks are numbered before the resident ones are taken out.",
              *([""] + [f"device_budget='auto': {line}" for line in plan.budget_lines]
@@ -62,8 +63,10 @@ def blocks_markdown(dump: GraphDump, stalls: Optional[StallSummary] = None) -> s
     blocks, resident = dump.blocks, dump.resident
     slot_bytes = max((b.slot_bytes for b in blocks), default=0)
     sharded = dump.mode == "allgather"
+    head = (f"# Plan for {dump.predicted} (predicted): blocks and resident set"
+            if dump.predicted else f"# Graph {dump.index}: blocks and resident set")
     lines = [
-        f"# Graph {dump.index}: blocks and resident set",
+        head,
         "",
         f"- mode: {dump.mode}" + (f", rank {dump.rank} of a {dump.dp}-rank shard group"
                                    if sharded else "")
@@ -99,6 +102,8 @@ def blocks_markdown(dump: GraphDump, stalls: Optional[StallSummary] = None) -> s
         lines.append(f"| total ({len(resident)}) | {_b(sum(r.nbytes for r in resident))} | |")
     else:
         lines.append("Every parameter of this graph is streamed.")
+    if dump.predicted:  # no run: its predicted stalls are in the timeline
+        return "\n".join(lines) + "\n"
     lines += ["", "## Measured stalls", ""]
     if stalls is None or not stalls.waits:
         lines.append(NO_TRACE)

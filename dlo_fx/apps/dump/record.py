@@ -95,6 +95,8 @@ class GraphDump:
     flushed_spans: int = 0  # spans seen by the last flush
     graph_id: int = -1  # GraphSchedule.graph: the tag of this graph's spans
     budget_plan: Optional[BudgetPlan] = None  # with the device_budget option
+    predicted: str = ""  # the hardware a plan predicts for (`dlo_fx.plan`): no graph ran
+    variant_of: Optional["GraphDump"] = None  # the graph an auto-budget variant re-plans
 
     @property
     def runtime(self) -> Optional[Runtime]:

@@ -2,9 +2,11 @@
 
 The code is ``gm.code`` as FX generates it, with two edits for reading: the statements
 that free intermediate values early (``;  x = y = None``) are dropped, and every node
-that carries ``node.meta["dlo"]`` gets a trailing ``# dlo: ...`` comment (kind, block,
-slot, bytes; the parameters it covers for ``wait``), in the words of
-`dlo_fx.apps.dump.schedule_text.describe`.
+that carries ``node.meta["dlo"]`` follows a ``# dlo: ...`` comment line of its own (kind,
+block, slot, bytes; the parameters it covers for ``wait``), in the words of
+`dlo_fx.apps.dump.schedule_text.describe`: a prefetch of a FLUX.1-dev block names its
+parameters in a statement of thousands of characters, and a comment at its end is out of
+sight.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def annotated_code(gm: fx.GraphModule, dump: GraphDump) -> str:
     lines = [
         f"# dlo schedule of graph {dump.index}: {len(dump.blocks)} blocks, "
         f"{dump.num_slots} slots, mode {mode}.",
-        "# Schedule nodes end with '# dlo: <kind> block=<graph block> slot=<slot> bytes=<block "
-        "bytes>';",
+        "# Each schedule node follows a line '# dlo: <kind> block=<graph block> slot=<slot> "
+        "bytes=<block bytes>';",
         "# a wait also lists the parameters it covers. dlo_fx_runtime_graph_ops_<kind> is",
         "# dlo_fx.runtime.graph.ops.<kind>; _dlo is the graph's schedule. Statements that only free",
         "# values early ('x = None') are left out. Blocks, slots and bytes: blocks.md.",
@@ -37,6 +39,7 @@ def annotated_code(gm: fx.GraphModule, dump: GraphDump) -> str:
         line = _FREE.sub("", line.rstrip())
         match = _ASSIGN.match(line)
         if match is not None and match.group(1) in metas:
-            line += "  # dlo: " + describe(metas[match.group(1)])
+            indent = line[:len(line) - len(line.lstrip())]
+            lines.append(f"{indent}# dlo: {describe(metas[match.group(1)])}")
         lines.append(line)
     return "\n".join(lines) + "\n"

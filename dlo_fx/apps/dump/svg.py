@@ -13,7 +13,9 @@ it is never copied.
 
 from __future__ import annotations
 
+import colorsys
 import math
+import textwrap
 from xml.sax.saxutils import escape
 
 from .record import GraphDump
@@ -31,14 +33,35 @@ RESIDENT_BLOCK = "#8a8a8a"
 LANES = (("compute", "compute"), ("h2d", "H2D copy"), ("allgather", "AllGather"))
 
 
+SUBTITLE_CHARS = 170
+"""A subtitle line longer than this wraps (11 px sans-serif across the picture's width)."""
+
+
 def _colour(block: int) -> str:
+    """A hex colour (an SVG viewer outside a browser may not read ``hsl()``: black bars)."""
     hue = 35 + (block * 137.508) % 290  # golden angle: neighbours differ; red is for stalls
-    return f"hsl({hue:.0f},50%,66%)"
+    r, g, b = colorsys.hls_to_rgb(hue / 360, 0.66, 0.50)
+    return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
 
 
 def _ms(seconds: float) -> str:
+    """``"12.3 ms"``; seconds from 1,000 ms (``"9.58 s"``), microseconds below 0.01 ms."""
     ms = seconds * 1e3
+    if ms >= 1000:
+        return f"{seconds:.3g} s"
     return f"{ms:.3g} ms" if ms >= 0.01 else f"{seconds * 1e6:.3g} us"
+
+
+def resident_runs(blocks) -> str:
+    """``"R0-R3, R7"``: the resident blocks, consecutive ones as a range."""
+    out, items, i = [], sorted(blocks), 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(f"R{items[i]}" if i == j else f"R{items[i]}-R{items[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 def _ticks(total: float) -> list[float]:
@@ -58,9 +81,6 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
     plot_w = WIDTH - LEFT - RIGHT
     total = prediction.total_s or 1e-9
     x = lambda t: LEFT + t / total * plot_w  # noqa: E731
-    lanes_y = {name: TOP + i * (LANE_H + LANE_GAP) for i, (name, _) in enumerate(LANES)}
-    height = TOP + len(LANES) * (LANE_H + LANE_GAP) + 56
-    height += 18 if dump.budget_plan is not None and dump.budget_plan.resident else 0
     call = "steady call (first blocks prefetched by the previous call)" if prediction.steady \
         else "first call"
     subtitle = (f"predicted {call}: {_ms(prediction.total_s)}, stalls "
@@ -69,16 +89,21 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
     kept = list(plan.resident) if plan is not None else []
     if plan is not None:
         subtitle += (f"; device_budget keeps {len(kept)} of {len(plan.block_bytes)} blocks "
-                     f"resident (never copied): "
-                     + (", ".join(f"R{g}" for g in kept) if kept else "none"))
+                     f"resident (never copied): " + (resident_runs(kept) if kept else "none"))
+    lines = textwrap.wrap(subtitle, SUBTITLE_CHARS) or [""]
+    top = TOP + 16 * (len(lines) - 1)
+    lanes_y = {name: top + i * (LANE_H + LANE_GAP) for i, (name, _) in enumerate(LANES)}
+    height = top + len(LANES) * (LANE_H + LANE_GAP) + 56
+    height += 18 if dump.budget_plan is not None and dump.budget_plan.resident else 0
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
         f"<title>{escape(title)}. {escape(subtitle)}. {escape(timing.source)}</title>",
         f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="white"/>',
         f'<text x="10" y="20" font-size="14" font-weight="bold">{escape(title)}</text>',
-        f'<text x="10" y="38">{escape(subtitle)}</text>',
-        f'<text x="10" y="54" fill="#555">{escape(timing.source)}</text>',
+        *(f'<text x="10" y="{38 + 16 * i}">{escape(line)}</text>'
+          for i, line in enumerate(lines)),
+        f'<text x="10" y="{54 + 16 * (len(lines) - 1)}" fill="#555">{escape(timing.source)}</text>',
     ]
     for name, label in LANES:
         y = lanes_y[name]
@@ -132,7 +157,7 @@ def render_svg(dump: GraphDump, prediction: Prediction, timing: Timing, title: s
         if w >= 7 * len(label) + 4:
             out.append(f'<text x="{x0 + w / 2:.2f}" y="{y + LANE_H / 2 + 4}" '
                        f'text-anchor="middle">{label}</text>')
-    axis_y = TOP + len(LANES) * (LANE_H + LANE_GAP) + 4
+    axis_y = top + len(LANES) * (LANE_H + LANE_GAP) + 4
     out.append(f'<line x1="{LEFT}" y1="{axis_y}" x2="{LEFT + plot_w}" y2="{axis_y}" '
                f'stroke="#333"/>')
     for t in _ticks(prediction.total_s):

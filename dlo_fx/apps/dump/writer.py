@@ -65,15 +65,18 @@ def write_dump(gm: fx.GraphModule, ctx: PassContext, runtime: Optional[Runtime],
     See [Note: dump folders]. Raises ValueError naming the folder when it can't be written.
     """
     root = _root(dump_dir)
+    base = _variant_of(ctx, runtime) if getattr(ctx, "variant", False) else None
     with _LOCK:
         key = str(root.resolve())
-        index = _NEXT.get(key, 0)
-        _NEXT[key] = index + 1
-    folder = root / f"graph_{index}"
+        index = base.index if base is not None else _NEXT.get(key, 0)
+        if base is None:
+            _NEXT[key] = index + 1
+    folder = root / f"graph_{index}" if base is None else _variant_folder(base, ctx)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "trace.json").unlink(missing_ok=True)  # from an earlier process
         dump = snapshot(gm, ctx, runtime, index, folder)
+        dump.variant_of = base
         _write(folder / "schedule.py", annotated_code(gm, dump))
     except OSError as exc:
         raise ValueError(
@@ -88,6 +91,25 @@ def write_dump(gm: fx.GraphModule, ctx: PassContext, runtime: Optional[Runtime],
     log.info("dlo: wrote the dump of graph %d (%d blocks) to %s", index, len(dump.blocks),
              folder)
     return folder
+
+
+def _variant_of(ctx: PassContext, runtime: Optional[Runtime]) -> Optional[GraphDump]:
+    """The dump of the graph an auto-budget variant re-plans: the latest one of the same
+    runtime with the same blocks that is no variant itself (None: write it as a graph)."""
+    fqns = getattr(ctx.budget_plan, "fqns", None)
+    with _LOCK:
+        for d in reversed(_DUMPS):
+            if (d.variant_of is None and d.runtime is runtime and d.budget_plan is not None
+                    and d.budget_plan.fqns == fqns):
+                return d
+    return None
+
+
+def _variant_folder(base: GraphDump, ctx: PassContext) -> Path:
+    """``graph_<n>/budget_<k>_of_<m>_resident``: a variant of graph n, inside its folder
+    (a ``graph_<n>`` folder of its own would read as a graph break)."""
+    plan = ctx.budget_plan
+    return base.folder / f"budget_{len(plan.resident)}_of_{len(plan.block_bytes)}_resident"
 
 
 # -- rendering -----------------------------------------------------------------------------
@@ -116,7 +138,11 @@ def _render(dump: GraphDump, peers: Sequence[GraphDump],
     stalls = summarize(my_spans, lambda h: (mine[h], f"{rows[mine[h]].fqns[0]} .. "
                                                     f"{rows[mine[h]].fqns[-1]}"))
     _write(dump.folder / "blocks.md", blocks_markdown(dump, stalls))
-    title = (f"dlo graph {dump.index}: {len(dump.blocks)} blocks, {dump.num_slots} slots, "
+    kept = len(dump.budget_plan.resident) if dump.budget_plan is not None else 0
+    blocks = (f"{len(dump.blocks)} streamed blocks, {kept} resident" if kept
+              else f"{len(dump.blocks)} blocks")
+    variant = " (device_budget variant)" if dump.variant_of is not None else ""
+    title = (f"dlo graph {dump.index}{variant}: {blocks}, {dump.num_slots} slots, "
              f"{dump.mode}" + (f" (rank {dump.rank} of {dump.dp})" if dump.dp > 1 else ""))
     _write(dump.folder / "timeline.svg", render_svg(dump, simulate(dump, timing), timing, title))
     if my_spans:

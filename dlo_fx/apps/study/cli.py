@@ -97,6 +97,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     out.add_argument("--formulas", dest="formulas", action="store_true", help="print the model's formulas")
     out.add_argument("--list-presets", dest="list_presets", action="store_true",
                      help="list the presets and their constants")
+    from ..plan.cli import add_model_arguments
+
+    add_model_arguments(parser)
     return parser
 
 
@@ -191,7 +194,24 @@ def _print_table(rows: list[dict], out: TextIO) -> None:
     out.write("GB = 10^9 bytes; host peaks are at load; 'pub' = DLO write-up estimate (AllGather, Ascend).\n")
 
 
-def _print_prediction(pred: Prediction, presets: list[str], out: TextIO) -> None:
+PLACEHOLDERS = {"block_compute_ms": ("generic_block_compute_ms", "--block-compute-ms"),
+                "h2d_gbps": ("generic_h2d_gbps", "--h2d-gbps"),
+                "gather_gbps": ("generic_gather_gbps", "--gather-gbps")}
+"""Inputs whose default is an assumed placeholder, not a figure of any machine or model."""
+
+
+def placeholders(fields: dict) -> dict[str, str]:
+    """The placeholder inputs in use (neither given nor set by a preset), each with what to
+    do about it."""
+    from ..figures import CONSTANTS
+
+    return {field: (f"{CONSTANTS[name].value:g} {CONSTANTS[name].unit} is a placeholder "
+                    f"({name}, assumed); give {flag}, or plan a real model with --model")
+            for field, (name, flag) in PLACEHOLDERS.items() if field not in fields}
+
+
+def _print_prediction(pred: Prediction, presets: list[str], out: TextIO,
+                      assumed: Optional[dict[str, str]] = None) -> None:
     i, ag, rl = pred.inputs, pred.allgather, pred.rank_local
     out.write(
         f"DLO plan: {i.model_gb:g} GB in {i.blocks} blocks (largest {i.block_gb:.2f} GB), "
@@ -223,6 +243,8 @@ def _print_prediction(pred: Prediction, presets: list[str], out: TextIO) -> None
     for label, a, b, spec in rows:
         out.write(f"{label:32}{spec.format(a):>14}{spec.format(b):>14}\n")
     out.write(f"recommended: {pred.mode}\nreason: {pred.reason}\n")
+    for field, text in (assumed or {}).items():
+        out.write(f"placeholder: {field} = {text}\n")
     _print_routes(pred, out)
 
 
@@ -248,11 +270,33 @@ def _print_presets(out: TextIO) -> None:
             out.write(f"  {field} = {v.value:g}  [{v.source}]\n")
 
 
+def _refuse_numbers(args: argparse.Namespace) -> None:
+    """ValueError naming the number-only options given with ``--model``, which plans from
+    the model itself (only --dp and --num-slots apply to both)."""
+    given = [flag for flag, field, _, _ in _OPTIONS
+             if field not in ("dp", "num_slots") and getattr(args, field, None) is not None]
+    given += [flag for flag, dest in (("--preset", "preset"), ("--gather-over", "gather_over"),
+                                      ("--json", "json"), ("--table", "table"),
+                                      ("--formulas", "formulas"),
+                                      ("--list-presets", "list_presets"))
+              if getattr(args, dest, None)]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the "
+                         "number-only mode; with --model the plan takes the model's own "
+                         "blocks, FLOPs and memory and the --hardware figures: drop "
+                         f"{'it' if len(given) == 1 else 'them'}, or drop --model")
+
+
 def run_plan(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
     """Run the ``plan`` command for parsed arguments; returns the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
     try:
+        if getattr(args, "model", None) is not None:
+            from ..plan.cli import run_model_plan
+
+            _refuse_numbers(args)
+            return run_model_plan(args, out)
         if getattr(args, "list_presets", False):
             _print_presets(out)
             return 0
@@ -270,17 +314,26 @@ def run_plan(args: argparse.Namespace, out: Optional[TextIO] = None, err: Option
             else:
                 _print_table(rows, out)
             return 0
+        from ..plan.cli import model_only_given
+
+        alone = model_only_given(args)
+        if alone:
+            raise ValueError(f"{', '.join(alone)} need{'s' if len(alone) == 1 else ''} "
+                             "--model (a model planned from its config); the number-only "
+                             "mode takes --model-gb and --blocks")
         fields, names = _collect(args)
         pred = predict(PlanInputs(**fields))
     except ValueError as exc:
         err.write(f"plan: error: {exc}\n")
         return 2
+    assumed = placeholders(fields)
     if args.json:
         data = pred.to_dict()
         data["presets"] = names
+        data["placeholders"] = assumed
         out.write(json.dumps(data, indent=2) + "\n")
     else:
-        _print_prediction(pred, names, out)
+        _print_prediction(pred, names, out, assumed)
     return 1 if pred.mode == "none" else 0
 
 

@@ -124,6 +124,7 @@ class GraphPlan:
     mode: Optional[str]  # the runtime's mode (settled when it stored its blocks), None: no runtime
     ran: tuple[str, ...]  # the planning stages, in order
     schedule: Any = None  # the runtime's GraphSchedule insert_schedule attaches (the backend's)
+    variant: bool = False  # the auto budget's re-plan of a graph planned before (forced_plan)
 
     @classmethod
     def freeze(cls, ctx: PassContext) -> "GraphPlan":
@@ -133,7 +134,8 @@ class GraphPlan:
                    streamed=tuple(ctx.streamed), blocks=tuple(ctx.blocks), budget=ctx.budget,
                    layers=ctx.layers, budget_plan=ctx.budget_plan,
                    escaping=frozenset(ctx.escaping),
-                   mode=view.mode if view is not None else None, ran=tuple(ctx.ran))
+                   mode=view.mode if view is not None else None, ran=tuple(ctx.ran),
+                   variant=ctx.forced_plan is not None)
 
     def with_schedule(self, schedule: Any) -> "GraphPlan":
         """The plan with the `GraphSchedule` (dlo_fx/runtime/graph/ops.py) `insert_schedule`

@@ -175,8 +175,13 @@ def _budget_chooser(gm: fx.GraphModule, ctx: PassContext,
         flops, compute_s = block_compute_seconds(costs, spans, rates.__getitem__)
         copy_s = [copy_seconds(n, dp=dp, allgather=allgather, h2d_gbps=h2d,
                                gather_gbps=min(gather, 1e6)) for n in sizes]
+        on_meta = view is not None and view.device.type == "meta"
         plan = BudgetPlan(device_budget=budget_now, minimum=minimum, capacity=capacity,
                           h2d_gbps=h2d, gather_gbps=gather,
+                          # the meta device copies and computes nothing: its probes'
+                          # figures are no machine's (dlo_fx.plan plans for one)
+                          figures=("meta device's (no machine's: plan for a device with "
+                                   "dlo_fx.plan)") if on_meta else "measured",
                           labels=[f"{cands[b[0]].name} .. {cands[b[-1]].name}" for b in blocks],
                           fqns=names,
                           copy_s=copy_s, compute_s=compute_s, flops=flops,
