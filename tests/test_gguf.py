@@ -76,14 +76,14 @@ def test_planning_leaves_the_graph_and_the_schedule_drops_as_tensor():
     real_plan, real_run = backend.plan_graph, backend.run_passes
     planned, scheduled = [], []
 
-    def plan_spy(gm, ctx):
+    def plan_spy(gm, ctx, debug=False):
         before = gm.code
-        plan = real_plan(gm, ctx)
+        plan = real_plan(gm, ctx, debug)
         planned.append((before, gm.code))
         return plan
 
-    def run_spy(gm, plan, extra=()):
-        out = real_run(gm, plan, extra)
+    def run_spy(gm, plan, extra=(), debug=False):
+        out = real_run(gm, plan, extra, debug)
         scheduled.append(out.code)
         return out
 
