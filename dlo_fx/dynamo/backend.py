@@ -83,13 +83,13 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
         if conflicts:  # before anything changes: see [Note: options belong to a verb]
             raise CompileOptionsError(str(conflict_error(conflicts, COMPILE_VERB)))
         config = runtime.config
-    else:
-        config = DLOConfig.from_options(made_with)
-        runtime = None
+    else:  # no runtime: the graph streams nothing, or its model was never offloaded
+        config, runtime = DLOConfig(), None
     if compile_options.compiler == "inductor":  # may trace the frame again; nothing is made yet
         torch_private.restart_with_floats_specialized(gm)
     note_compile()  # a forward that compiles is not replayed gather-only (forward_log.py)
     if runtime is None and params:  # see [Note: a model compiled without offload]
+        config = DLOConfig.from_options(made_with)  # of the runtime this compile makes
         check_inference_only(gm, example_inputs, lambda p: p.numel() * p.element_size()
                              > max(config.resident_bytes, 0))
         model, at_start = traced_model(params)
