@@ -1,8 +1,23 @@
-"""`DLOConfig`: every option of the `dlo` backend, frozen and validated.
+"""The options of dlo, frozen and validated, each given to the verb that uses it.
 
-`torch.compile(model, backend="dlo", options={...})` maps the options dict onto this
-dataclass through `DLOConfig.from_options`; an unknown key or a bad value raises
-`ValueError` naming the key, the value and what is allowed.
+[Note: options belong to a verb]
+An option is given where what it shapes is made, and nowhere else. `DLOConfig` holds what
+a model's runtime needs (slots, blocks, mode, host store, device, budget): it is given
+where the runtime is made, ``dlo_fx.offload(model, options)``, ``dlo_fx.load(...,
+options=...)`` or ``compile_pipeline(pipe, options=...)``, and every compile of the model
+uses it. `CompileOptions` holds what one compile needs (``compiler``, ``trace``,
+``dump_dir``, ``debug_passes``, ``user_passes``): it is given to ``torch.compile(model,
+backend="dlo", options=...)``, and each compile has its own (none inherited from the
+runtime, none replacing the runtime's). A compile option given to ``offload`` or ``load``
+is a ``ValueError`` naming ``torch.compile`` (`option_error`), raised before anything
+changes, so no option is ever dropped. A runtime option given to ``torch.compile`` of a
+model whose runtime exists is accepted only with the value the runtime has (the old
+spelling, one dict passed to both verbs, drops nothing); another value raises naming the
+verbs that make a runtime (`runtime_conflicts`, `conflict_error`), at the compile and
+wherever Dynamo reuses its graph for another model (`GraphSchedule.bind`).
+``compile_pipeline`` (and the engine, which calls it) makes the runtimes and compiles: it
+takes both kinds in one dict and hands each its half (`split_options`). An unknown key or
+a bad value raises ``ValueError`` naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -44,7 +59,8 @@ def did_you_mean(unknown: Union[str, Sequence[str]], names: Iterable[str]) -> st
 
 @dataclass(frozen=True)
 class DLOConfig:
-    """Options of the `dlo` torch.compile backend."""
+    """Options of a model's runtime: given where the runtime is made (`dlo_fx.offload`,
+    `dlo_fx.load`, `compile_pipeline`), used by every compile of the model."""
 
     mode: Mode = None
     """How a block reaches the device. ``"allgather"``: each rank of the shard group keeps
@@ -127,26 +143,6 @@ class DLOConfig:
     """Timeout of the weight-gather process group; a rank that dies or raises makes the
     others raise within it. More than 0 and at most a week (604800). Default: ``300.0``."""
 
-    dump_dir: Optional[str] = None
-    """Folder to write schedule dumps into (``DLO_FX_DUMP_DIR`` sets it too).
-    Default: ``None``."""
-
-    trace: bool = False
-    """Record measured spans of every schedule node (for ``trace.json``).
-    Default: ``False``."""
-
-    debug_passes: bool = False
-    """Log the graph before and after every planning stage and pass at DEBUG level on the
-    ``dlo_fx.passes`` logger (``DLO_FX_DEBUG_PASSES=1`` sets it too). Default: ``False``."""
-
-    user_passes: tuple[Callable, ...] = field(default=())
-    """Extra FX passes ``(gm, plan) -> gm`` run after scheduling; they see
-    ``node.meta["dlo"]`` and the graph's frozen ``GraphPlan`` (blocks, resident set, mode),
-    and may add nodes, not move or drop schedule nodes. Default: ``()``."""
-
-    compiler: Compiler = "eager"
-    """How the compute between schedule nodes runs. Default: ``"eager"``."""
-
     host_store: HostStoreKind = "memory"
     """Where this rank's host shards live. ``"memory"``: copied into process memory
     (pinned where the platform supports it) at load. ``"mmap"``: served from the
@@ -173,13 +169,8 @@ class DLOConfig:
     host do not fit in the memory available to the page cache. See
     `dlo_fx.runtime.host.file_reads`. Default: ``"auto"``."""
 
-    fault_delay_s: float = 0.0
-    """Fault injection: delay every prefetch by a random time in ``[0, fault_delay_s]``
-    to prove that ``wait`` orders the slot. From 0 to 60. Default: ``0.0``."""
-
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
-        _check_choice("compiler", self.compiler, _COMPILERS)
         _check_choice("host_store", self.host_store, _HOST_STORES)
         _check_choice("file_reads", self.file_reads, _FILE_READS)
         _check_int("num_slots", self.num_slots, minimum=2)
@@ -217,21 +208,9 @@ class DLOConfig:
                 f"DLOConfig option 'alignment'={self.alignment!r} is not allowed: "
                 f"it must be a power of two from 16 to {MAX_ALIGNMENT} (1 MiB)"
             )
-        for name in ("pin_memory", "trace", "debug_passes"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"DLOConfig option {name!r}={getattr(self, name)!r} is not allowed: "
-                    "expected True or False"
-                )
-        for name, most in (("collective_timeout_s", MAX_TIMEOUT_S),
-                           ("fault_delay_s", MAX_FAULT_DELAY_S)):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or not 0 <= value <= most):
-                raise ValueError(
-                    f"DLOConfig option {name!r}={value!r} is not allowed: "
-                    f"expected a number of seconds from 0 to {most}"
-                )
+        _check_bool("DLOConfig", "pin_memory", self.pin_memory)
+        check_seconds("DLOConfig option 'collective_timeout_s'", self.collective_timeout_s,
+                      MAX_TIMEOUT_S)
         if self.collective_timeout_s == 0:
             raise ValueError(
                 "DLOConfig option 'collective_timeout_s'=0 is not allowed: expected > 0"
@@ -244,17 +223,6 @@ class DLOConfig:
                     f"DLOConfig option 'device'={self.device!r} is not allowed: {exc}; "
                     "expected a torch device string such as 'cpu' or 'cuda:0'"
                 ) from None
-        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
-            raise ValueError(
-                f"DLOConfig option 'dump_dir'={self.dump_dir!r} is not allowed: expected a path"
-            )
-        if not isinstance(self.user_passes, tuple) or not all(
-            callable(p) for p in self.user_passes
-        ):
-            raise ValueError(
-                f"DLOConfig option 'user_passes'={self.user_passes!r} is not allowed: "
-                "expected a sequence of callables (gm, ctx) -> gm"
-            )
         group = self.shard_group
         if _is_device_mesh(group):  # its global ranks: gathers need only those
             group = tuple(int(r) for r in group.mesh.flatten().tolist())
@@ -270,27 +238,71 @@ class DLOConfig:
                 )
 
     @classmethod
-    def from_options(cls, options: Optional[Mapping[str, Any]] = None) -> "DLOConfig":
-        """Build a config from a ``torch.compile(..., options=...)`` dict.
+    def from_options(cls, options: Union[Mapping[str, Any], "DLOConfig", None] = None, *,
+                     verb: str = "dlo_fx.offload") -> "DLOConfig":
+        """The runtime's options from the dict given to ``verb`` (`dlo_fx.offload`,
+        `dlo_fx.load`, ``dlo-fx shard``); a compile option there raises naming
+        ``torch.compile`` (see [Note: options belong to a verb])."""
+        if isinstance(options, DLOConfig):
+            return options
+        options = _checked(options, cls, verb)
+        if isinstance(options.get("shard_group"), list):
+            options["shard_group"] = tuple(options["shard_group"])
+        return cls(**options)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of one ``torch.compile(model, backend="dlo", options=...)``: how the graph
+    is compiled and what it records; the model's runtime (`DLOConfig`) is untouched."""
+
+    dump_dir: Optional[str] = None
+    """Folder to write schedule dumps into (``DLO_FX_DUMP_DIR`` sets it too).
+    Default: ``None``."""
+
+    trace: bool = False
+    """Record measured spans of every schedule node (for ``trace.json``).
+    Default: ``False``."""
+
+    debug_passes: bool = False
+    """Log the graph before and after every planning stage and pass at DEBUG level on the
+    ``dlo_fx.passes`` logger (``DLO_FX_DEBUG_PASSES=1`` sets it too). Default: ``False``."""
+
+    user_passes: tuple[Callable, ...] = field(default=())
+    """Extra FX passes ``(gm, plan) -> gm`` run after scheduling; they see
+    ``node.meta["dlo"]`` and the graph's frozen ``GraphPlan`` (blocks, resident set, mode),
+    and may add nodes, not move or drop schedule nodes. Default: ``()``."""
+
+    compiler: Compiler = "eager"
+    """How the compute between schedule nodes runs. Default: ``"eager"``."""
+
+    def __post_init__(self) -> None:
+        _check_choice("compiler", self.compiler, _COMPILERS, "CompileOptions")
+        _check_bool("CompileOptions", "trace", self.trace)
+        _check_bool("CompileOptions", "debug_passes", self.debug_passes)
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise ValueError(f"CompileOptions option 'dump_dir'={self.dump_dir!r} is not "
+                             "allowed: expected a path")
+        if not isinstance(self.user_passes, tuple) or not all(
+            callable(p) for p in self.user_passes
+        ):
+            raise ValueError(
+                f"CompileOptions option 'user_passes'={self.user_passes!r} is not allowed: "
+                "expected a sequence of callables (gm, plan) -> gm"
+            )
+
+    @classmethod
+    def from_options(cls, options: Union[Mapping[str, Any], "CompileOptions", None] = None, *,
+                     verb: str = "torch.compile(backend='dlo')") -> "CompileOptions":
+        """The compile's options from the dict given to ``torch.compile``; a runtime option
+        there raises naming the verbs that make a runtime.
 
         Environment variables fill what the dict leaves unset: ``DLO_FX_DUMP_DIR`` and
         ``DLO_FX_DEBUG_PASSES``.
         """
-        if isinstance(options, DLOConfig):
+        if isinstance(options, CompileOptions):
             return options
-        if options is not None and not isinstance(options, Mapping):
-            raise ValueError(
-                f"dlo options={options!r} is not allowed: expected a mapping of option names "
-                "to values (a dict) or a DLOConfig"
-            )
-        options = dict(options or {})
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        for key in options:
-            if key not in allowed:
-                raise ValueError(
-                    f"unknown dlo option {key!r} (value {options[key]!r}); "
-                    f"{did_you_mean(key, allowed)}allowed options: {', '.join(sorted(allowed))}"
-                )
+        options = _checked(options, cls, verb)
         if "dump_dir" not in options and os.environ.get("DLO_FX_DUMP_DIR"):
             options["dump_dir"] = os.environ["DLO_FX_DUMP_DIR"]
         if "debug_passes" not in options and os.environ.get("DLO_FX_DEBUG_PASSES"):
@@ -298,34 +310,101 @@ class DLOConfig:
         if "user_passes" in options and not isinstance(options["user_passes"], tuple):
             passes = options["user_passes"]
             options["user_passes"] = tuple(passes) if isinstance(passes, (list, tuple)) else passes
-        if isinstance(options.get("shard_group"), list):
-            options["shard_group"] = tuple(options["shard_group"])
         return cls(**options)
 
-    def differing(self, given: Mapping[str, Any]) -> list[str]:
-        """The options in ``given`` (as passed to ``torch.compile``) that ask for something
-        other than this config in what the model's runtime was built with, one line each
-        (empty when they agree). Per-compile options (`PER_COMPILE_OPTIONS`) never differ."""
-        other = DLOConfig.from_options(given)
-        lines = []
-        for name in given:
-            if name in PER_COMPILE_OPTIONS:
-                continue
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if name == "device":
-                same = mine is None or theirs is None or same_device(mine, theirs)
-            elif name == "shard_group" and (_is_process_group(mine) or _is_process_group(theirs)):
-                same = mine is theirs
-            else:
-                same = mine == theirs
-            if not same:
-                lines.append(f"{name}={theirs!r} (the model's runtime has {name}={mine!r})")
-        return lines
 
-    def merged(self, given: Mapping[str, Any]) -> "DLOConfig":
-        """This config with the per-compile options of ``given`` replaced."""
-        other = DLOConfig.from_options(given)
-        return dataclasses.replace(self, **{n: getattr(other, n) for n in PER_COMPILE_OPTIONS})
+RUNTIME_OPTIONS = tuple(f.name for f in dataclasses.fields(DLOConfig))
+"""What a model's runtime is made with: given to `dlo_fx.offload`, `dlo_fx.load`,
+`compile_pipeline`."""
+
+COMPILE_OPTIONS = tuple(f.name for f in dataclasses.fields(CompileOptions))
+"""What one compile needs: given to ``torch.compile(model, backend="dlo", options=...)``
+(and `compile_pipeline`, which compiles)."""
+
+RUNTIME_VERBS = ("dlo_fx.offload(model, options), dlo_fx.load(..., options=...) or "
+                 "dlo_fx.compile_pipeline(pipe, options=...)")
+COMPILE_VERB = "torch.compile(model, backend='dlo', options=...)"
+
+
+def option_error(key: str, value: Any, verb: str) -> ValueError:
+    """The error for option ``key`` given to ``verb``, which does not take it: it names
+    the verb the option belongs to, or the options there are (an unknown key)."""
+    if key in RUNTIME_OPTIONS:
+        return ValueError(
+            f"dlo option {key!r}={value!r} shapes the model's runtime, which {verb} does not "
+            f"make: give it where the runtime is made, {RUNTIME_VERBS} (see [Note: options "
+            "belong to a verb])")
+    if key in COMPILE_OPTIONS:
+        return ValueError(
+            f"dlo option {key!r}={value!r} belongs to each compile, not to {verb}: give it to "
+            f"{COMPILE_VERB} (or dlo_fx.compile_pipeline, which compiles)")
+    every = (*RUNTIME_OPTIONS, *COMPILE_OPTIONS)
+    return ValueError(f"unknown dlo option {key!r} (value {value!r}); "
+                      f"{did_you_mean(key, every)}allowed options: "
+                      f"{', '.join(sorted(RUNTIME_OPTIONS))} (the runtime's: {RUNTIME_VERBS}); "
+                      f"{', '.join(sorted(COMPILE_OPTIONS))} (a compile's: {COMPILE_VERB})")
+
+
+def runtime_conflicts(given: Mapping[str, Any], config: "DLOConfig") -> list[str]:
+    """The runtime options in ``given`` that ask for something other than ``config`` (a
+    runtime's), one line each; none where they agree. Runtime options given again with
+    the runtime's own values (the same dict passed to ``offload`` and ``torch.compile``, as
+    before options had a verb) drop nothing, and are accepted where a runtime exists."""
+    asked = DLOConfig.from_options(given)
+    return [f"{key}={getattr(asked, key)!r} (the runtime has {key}={getattr(config, key)!r})"
+            for key in given if not _same(key, getattr(asked, key), getattr(config, key))]
+
+
+def conflict_error(conflicts: Sequence[str], verb: str, what: str = "the model") -> ValueError:
+    """The error for runtime options given to ``verb`` that the runtime of ``what``, made
+    before, does not have (`runtime_conflicts`)."""
+    return ValueError(
+        f"dlo: {verb}: runtime options differ from those the runtime of {what} was made "
+        f"with: {'; '.join(conflicts)}; nothing was changed. Runtime options are given where "
+        f"the runtime is made ({RUNTIME_VERBS}): give {verb} the runtime's values or none "
+        f"(compile options alone: {', '.join(COMPILE_OPTIONS)}), or dlo_fx.release {what} "
+        "and make its runtime again with the new ones (see [Note: options belong to a verb])")
+
+
+def _same(key: str, mine: Any, theirs: Any) -> bool:
+    if key == "device":
+        return mine is None or theirs is None or same_device(mine, theirs)
+    return mine is theirs or mine == theirs
+
+
+def split_options(options: Union[Mapping[str, Any], DLOConfig, None],
+                  verb: str = "dlo_fx.compile_pipeline") -> tuple[dict, dict]:
+    """``options`` given to a verb that makes runtimes and compiles (`compile_pipeline`,
+    the engine) as (runtime options, compile options), each a dict; an unknown key raises.
+    Both halves are validated here, before anything is made."""
+    if isinstance(options, DLOConfig):
+        return {f: getattr(options, f) for f in RUNTIME_OPTIONS}, {}
+    options = _mapping(options, verb)
+    for key, value in options.items():
+        if key not in RUNTIME_OPTIONS and key not in COMPILE_OPTIONS:
+            raise option_error(key, value, verb)
+    runtime = {k: v for k, v in options.items() if k in RUNTIME_OPTIONS}
+    compile_ = {k: v for k, v in options.items() if k in COMPILE_OPTIONS}
+    DLOConfig.from_options(runtime, verb=verb)
+    CompileOptions.from_options(compile_, verb=verb)
+    return runtime, compile_
+
+
+def _mapping(options: Any, verb: str) -> dict:
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(f"{verb}: dlo options={options!r} are not allowed: expected a "
+                         "mapping of option names to values (a dict)")
+    return dict(options or {})
+
+
+def _checked(options: Any, cls: type, verb: str) -> dict:
+    """``options`` as a dict of ``cls``'s fields; any other key raises (`option_error`)."""
+    options = _mapping(options, verb)
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    for key, value in options.items():
+        if key not in allowed:
+            raise option_error(key, value, verb)
+    return options
 
 
 MAX_SLOTS = 64
@@ -338,15 +417,6 @@ multiple of it, so each costs up to that many bytes of padding."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest ``collective_timeout_s`` (a week): longer ones overflow the process group's
 timeout, and a hang that long is no timeout."""
-
-MAX_FAULT_DELAY_S = 60.0
-"""Longest ``fault_delay_s``: a test delay, not a sleep that outlives the process."""
-
-PER_COMPILE_OPTIONS = ("dump_dir", "debug_passes", "user_passes", "compiler", "trace")
-"""Options each ``torch.compile`` call may set for itself. Every other option shapes the
-model's runtime (host store layout, slots, mode, blocks) and is given once: at
-``dlo_fx.load`` or at the first compile; later compiles inherit it."""
-
 
 def canonical_device(device: Any) -> torch.device:
     """The one spelling of a device every check, key and message uses: the CPU and the
@@ -391,12 +461,27 @@ def _is_device_mesh(obj: Any) -> bool:
     return isinstance(obj, DeviceMesh)
 
 
-def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
+def _check_choice(name: str, value: Any, allowed: Sequence[str],
+                  kind: str = "DLOConfig") -> None:
     if value not in allowed:
         raise ValueError(
-            f"DLOConfig option {name!r}={value!r} is not allowed: expected one of "
+            f"{kind} option {name!r}={value!r} is not allowed: expected one of "
             f"{', '.join(repr(a) for a in allowed)}"
         )
+
+
+def _check_bool(kind: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{kind} option {name!r}={value!r} is not allowed: expected True or False")
+
+
+def check_seconds(what: str, value: Any, most: float) -> None:
+    """``ValueError`` naming ``what`` unless ``value`` is a finite number of seconds from 0
+    to ``most``."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 <= value <= most):
+        raise ValueError(f"{what}={value!r} is not allowed: expected a number of seconds "
+                         f"from 0 to {most}")
 
 
 def _floating_dtype(value: Any) -> torch.dtype:

@@ -11,6 +11,8 @@ import struct
 
 import torch
 
+import dlo_fx
+from dlo_fx.runtime.device.executor import fault_delay
 from dlo_fx.loading.loader import load
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.loading.shards import write_shard_dir
@@ -192,12 +194,13 @@ def failure_stays_with_its_model(rank: int, world: int, root: str, files: dict,
     path = os.path.join(root, f"a-{fault_delay_s}.safetensors")
     save_file({k: v.contiguous() for k, v in big.state_dict().items()}, path)
     big_inputs = example_inputs(big.config, batch=1, height=8, width=8, seed=1)
-    options = {"host_store": "mmap", "num_slots": 2, "fault_delay_s": fault_delay_s}
+    options = {"host_store": "mmap", "num_slots": 2}
     config, inputs = files["config"], tiny_dit()[1]
     out: dict = {}
     fresh()
-    a = torch.compile(load(ReferenceDiT, path, config=big.config, options=options,
-                           resident=SHARED), backend="dlo")
+    with fault_delay(fault_delay_s):
+        a = torch.compile(load(ReferenceDiT, path, config=big.config, options=options,
+                               resident=SHARED), backend="dlo")
     with torch.no_grad():
         expected = call(big.eval(), big_inputs)
         out["a-first"] = outcome(lambda: torch.equal(call(a, big_inputs), expected))
@@ -211,8 +214,9 @@ def failure_stays_with_its_model(rank: int, world: int, root: str, files: dict,
                                  for _ in range(2)]
         reference, built_inputs = tiny_dit(depth=2, seed=5)
         built, _ = tiny_dit(depth=2, seed=5)
-        c = torch.compile(built, backend="dlo", options={"num_slots": 2,
-                                                         "fault_delay_s": fault_delay_s})
+        with fault_delay(fault_delay_s):
+            dlo_fx.offload(built, {"num_slots": 2})
+        c = torch.compile(built, backend="dlo")
         want = call(reference, built_inputs)
         out["built"] = [outcome(lambda: torch.equal(call(c, built_inputs), want))
                         for _ in range(2)]

@@ -178,12 +178,18 @@ def slow_blocks(seconds: float):
     return slow_blocks_pass
 
 
-def stall_total(passes: tuple, dump_dir: Path, calls: int = 2, **options) -> float:
-    """Measured stall seconds of a 4-layer DiT over ``calls`` traced calls."""
+def stall_total(passes: tuple, dump_dir: Path, calls: int = 2, delay_s: float = 0.0,
+                **options) -> float:
+    """Measured stall seconds of a 4-layer DiT over ``calls`` traced calls, each copy
+    delayed by up to ``delay_s`` (`fault_delay`)."""
+    from dlo_fx.runtime.device.executor import fault_delay
+
     fresh()
     model = reference_dit(width=64, depth=4, heads=4, seed=0)
     inputs = example_inputs(model.config, batch=1, height=8, width=8)
-    dump_model(model, inputs, dump_dir, {"trace": True, "user_passes": passes, **options}, calls)
+    with fault_delay(delay_s):
+        dump_model(model, inputs, dump_dir, {"trace": True, "user_passes": passes, **options},
+                   calls)
     return dlo_fx.apps.dump.stall_summary(model).total_ns / 1e9
 
 

@@ -193,8 +193,13 @@ def run(layout: str, options: dict, *, ckpt: str = "", calls: int = 2, **kw) -> 
     x = inputs()
     with torch.no_grad():
         expected = call(ref, x)
-    model = (dlo_fx.load(lambda: construct(layout, **kw), ckpt, options=options) if ckpt
-             else build(layout, **kw))
+    from dlo_fx.config import split_options
+
+    if ckpt:  # each option to its verb: the runtime's to load, the compile's to the compile
+        runtime_options, options = split_options(options)
+        model = dlo_fx.load(lambda: construct(layout, **kw), ckpt, options=runtime_options)
+    else:
+        model = build(layout, **kw)
     compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True)
     with torch.no_grad():
         equal = all(torch.equal(call(compiled, x), expected) for _ in range(calls))

@@ -78,14 +78,17 @@ def call(model, inputs):
 
 def run_dlo(factory, options=None, *, calls=2, fullgraph=True, offload=False, **kw):
     """Reference output of a resident model, and `calls` outputs of a dlo-compiled twin
-    (offloaded first with ``offload``, else stored by its first call)."""
+    (offloaded first with ``offload``, else stored by its first call), each option given
+    to its verb."""
+    from dlo_fx.config import split_options
+
     ref_model, inputs = factory(**kw)
     with torch.no_grad():
         ref = call(ref_model, inputs)
     model, _ = factory(**kw)
     if offload:
-        dlo_fx.offload(model, options=options)
-        options = None  # inherited
+        runtime_options, options = split_options(options)
+        dlo_fx.offload(model, options=runtime_options)
     compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
     with torch.no_grad():
         outs = [call(compiled, inputs) for _ in range(calls)]

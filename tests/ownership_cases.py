@@ -15,6 +15,8 @@ import traceback
 from typing import Iterator
 
 import torch
+
+from dlo_fx.runtime.device.executor import fault_delay
 from safetensors.torch import load_file, save_file
 
 import dlo_fx
@@ -384,8 +386,8 @@ def _forked(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
     child, the parent's model refuses a compiled call, an eager fetch and release, naming
     the fork (a call waited forever on a copy no thread ran there), and a model loaded in
     the child runs exactly. The parent's model is unaffected."""
-    options = {**OPTIONS, "fault_delay_s": 0.001}  # every copy on the executor's thread
-    model = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=options)
+    with fault_delay(0.001):  # every copy on the executor's thread
+        model = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=OPTIONS)
     compiled = torch.compile(model, backend="dlo")
 
     def exact(module) -> bool:
@@ -404,7 +406,8 @@ def _forked(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
             x = torch.zeros(1, linear.in_features, dtype=linear.weight.dtype)
             answer = {"call": _error(lambda: exact(compiled)), "eager": _error(lambda: linear(x)),
                       "release": _error(lambda: dlo_fx.release(model))}
-            fresh = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=options)
+            with fault_delay(0.001):
+                fresh = dlo_fx.load(ReferenceDiT, dit_path, config=cfg, options=OPTIONS)
             answer["fresh"] = [exact(torch.compile(fresh, backend="dlo")) for _ in range(2)]
         except BaseException as exc:  # shown by the test, instead of "no answer"
             answer = {"child_error": error_text(exc)}

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+import dlo_fx
+from dlo_fx.runtime.device.executor import fault_delay
 from dlo_fx.apps.engine.clock import ForwardClock
 from dlo_fx.runtime.ranks.clock import ClockMismatch
 from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
@@ -117,9 +119,10 @@ def _interrupted_waits(rank: int, rounds: int = 8) -> dict:
     with torch.no_grad():
         ref = call(ref_model, inputs)
     model, _ = tiny_dit(depth=4)
-    options = {"mode": "allgather", "block_bytes": 20_000, "fault_delay_s": 0.01,
-               "collective_timeout_s": 60}
-    compiled = torch.compile(model, backend="dlo", fullgraph=True, options=options)
+    options = {"mode": "allgather", "block_bytes": 20_000, "collective_timeout_s": 60}
+    with fault_delay(0.01):
+        dlo_fx.offload(model, options)
+    compiled = torch.compile(model, backend="dlo", fullgraph=True)
     rng = random.Random(rank)
     calls, after, interrupted = [], [], 0
     with torch.no_grad(), ctrl_c_raises():

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+from dlo_fx.runtime.device.executor import fault_delay
 import dlo_fx
 from dlo_fx.planning.blocks import layer_key
 from dlo_fx.runtime.host.layout import span_bytes
@@ -103,9 +104,10 @@ def test_diffusers_with_forced_graph_breaks(name, num_slots):
         assert torch.equal(out, ref)
 
 
+@fault_delay(0.01)
 def test_fault_injection_keeps_bit_identity():
     """Random delays on every copy: `wait` alone must order each slot."""
-    ref, outs, _ = run_dlo(tiny_dit, {"fault_delay_s": 0.01, "block_bytes": 20_000}, calls=3)
+    ref, outs, _ = run_dlo(tiny_dit, {"block_bytes": 20_000}, calls=3)
     for out in outs:
         assert torch.equal(out, ref)
 

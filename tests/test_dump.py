@@ -642,12 +642,12 @@ def test_untraced_timeline_is_predicted_from_bytes(tmp_path):
 def test_delaying_prefetches_adds_stall(tmp_path):
     """A user pass that issues each prefetch one block later makes compute wait longer.
 
-    Copies are made slow (``fault_delay_s``: up to 20 ms each, the same seeded delays in
+    Copies are made slow (`fault_delay`: up to 20 ms each, the same seeded delays in
     both runs) and each block's compute at least 30 ms long, so the normal schedule hides
     the copy of block b+1 behind block b while the delayed one waits for it in full."""
     slow = slow_blocks(0.03)
-    normal = stall_total((slow,), tmp_path / "normal", fault_delay_s=0.02)
-    delayed = stall_total((slow, delay_prefetches), tmp_path / "delayed", fault_delay_s=0.02)
+    normal = stall_total((slow,), tmp_path / "normal", delay_s=0.02)
+    delayed = stall_total((slow, delay_prefetches), tmp_path / "delayed", delay_s=0.02)
     assert delayed > normal + 0.05, (normal, delayed)
     schedule = (tmp_path / "delayed" / "graph_0" / "schedule.py").read_text()
     order = [line.split("  # dlo: ")[0] for line in dlo_lines(schedule).splitlines()

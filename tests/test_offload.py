@@ -7,6 +7,9 @@ the right shape. Bad inputs are refused before anything changes."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +17,7 @@ from torch import nn
 import dlo_fx
 from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.config import canonical_device, same_device
+from dlo_fx.runtime.weights.owners import owner_of
 from dlo_fx.runtime.weights.stored import is_stored
 
 import layout_cases
@@ -219,11 +223,20 @@ def flux_inputs(transformer) -> dict:
 
 def test_an_offloaded_model_that_moved_buffers_is_collected():
     """What `release` needs to undo a move is held weakly: the model, its runtime and its
-    host store go with the last reference to the model (tests/conftest.py checks)."""
+    host store go with the last reference to the model (tests/conftest.py checks every
+    test's runtimes too)."""
     model = _model(2)
     dlo_fx.offload(model, options={"device": "meta"})  # buffers move: undo steps kept
     with torch.inference_mode():
-        torch.compile(model, backend="dlo")(*_on(example_inputs(model.config), "meta"))
+        out = torch.compile(model, backend="dlo")(*_on(example_inputs(model.config), "meta"))
+    assert out.device.type == "meta"
+    runtime = owner_of(model.parameters())
+    assert runtime is not None and len(runtime.store.blocks) > 0
+    gone = [weakref.ref(model), weakref.ref(runtime), weakref.ref(runtime.store)]
+    del model, runtime
+    torch._dynamo.reset()
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None, None]
 
 
 def test_a_model_compiled_without_offload_is_offloaded_by_its_first_graph():

@@ -12,7 +12,7 @@ import torch
 import diffusers_pipelines as dp
 import dlo_fx
 from dlo_fx.apps.models import ReferenceDiT
-from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
+from dlo_fx.runtime.weights.owners import live_runtimes, reset_runtimes, runtimes_holding
 from dlo_fx.runtime.weights.stored import is_stored
 from loader_cases import resident_dit, save_dit
 from dlo_fx.apps.models import example_inputs
@@ -49,11 +49,23 @@ def test_load_then_compile_with_other_options_refused_with_dlo_message_first(dit
     assert not isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)
     assert "TORCHDYNAMO_VERBOSE" not in str(exc)  # dlo's message alone, no footer of Dynamo's
     first = str(exc).splitlines()[0]
-    assert first.startswith("dlo: torch.compile options differ") and "num_slots" in first
+    assert first.startswith("dlo: torch.compile(backend='dlo'): runtime options differ from "
+                            "those the runtime of the model was made with: num_slots=2")
     # nothing changed: the model compiles with the options it was loaded with
     with torch.no_grad():
         out = torch.compile(model, backend="dlo")(*dit["inputs"])
     assert torch.equal(out, dit["expected"])
+
+
+@pytest.mark.parametrize("option", [{"dump_dir": "dumps"}, {"trace": True}])
+def test_a_compile_option_given_to_load_is_refused_before_anything_is_stored(dit, option):
+    """``dump_dir`` and ``trace`` given to load were kept and never read (no dump, no
+    trace); now refused naming the verb they belong to, before the checkpoint is read."""
+    key = next(iter(option))
+    with pytest.raises(ValueError, match=rf"'{key}'=.* belongs to each compile, not to "
+                                         r"dlo_fx.load: give it to torch.compile"):
+        dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"], options=option)
+    assert live_runtimes() == []
 
 
 def test_unsupported_mode_refused_with_dlo_message_first(dit):
@@ -73,8 +85,8 @@ def test_second_compile_pipeline_with_other_options_refused_before_anything_chan
     dlo_fx.compile_pipeline(pipe, options={"num_slots": 2})
     compiled_call = pipe.transformer._compiled_call_impl
     # offloaded by the first compile_pipeline: the runtime holds the options already
-    with pytest.raises(ValueError, match=r"FluxPipeline\.\w+ differ from those its runtime "
-                                         r"was built with .*: num_slots"):
+    with pytest.raises(ValueError, match=r"runtime of FluxPipeline\.\w+ \(release pipe\) was "
+                                         r"made with: num_slots=3"):
         dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
     assert pipe.transformer._compiled_call_impl is compiled_call  # not compiled again
     with pytest.raises(ValueError, match="mode='max-autotune' is not supported"):
@@ -82,10 +94,36 @@ def test_second_compile_pipeline_with_other_options_refused_before_anything_chan
     expected = dp.images(reference, "flux", cfg=False)
     assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
     # after calls too; the same options (or none) compile again
-    with pytest.raises(ValueError, match=r"differ from those its runtime was built with"):
+    with pytest.raises(ValueError, match=r"differ from those the runtime of FluxPipeline"):
         dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
     dlo_fx.compile_pipeline(pipe)
     assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+
+
+def test_compile_pipeline_hands_each_option_to_its_verb():
+    """compile_pipeline makes the runtimes and compiles: of one dict, the runtime's options
+    reach each component's runtime and the compile's each compile (none dropped, none
+    replacing the other); the same runtime options with other compile options compile
+    again."""
+    reference, pipe = dp.flux(), dp.flux()
+    seen = set()
+
+    def record(gm, plan):
+        seen.add(plan.config.num_slots)
+        return gm
+
+    dlo_fx.compile_pipeline(pipe, options={"num_slots": 3, "trace": True,
+                                           "user_passes": [record]})
+    expected = dp.images(reference, "flux", cfg=False)
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+    assert seen == {3}  # the runtime's options, with the compile's user pass
+    assert _slots(pipe) == {"transformer": 3, "text_encoder": 3, "text_encoder_2": 3}
+    runtime = runtimes_holding(list(pipe.transformer.parameters()))[0]
+    assert runtime.machine.tracer is not None
+    seen.clear()
+    dlo_fx.compile_pipeline(pipe, options={"num_slots": 3, "user_passes": [record]})
+    assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
+    assert seen == {3}
 
 
 def test_release_of_a_pipeline_then_save_and_cast(tmp_path):
@@ -135,7 +173,7 @@ def test_a_pipeline_released_after_a_refused_compile_a_move_and_lora_compiles_an
     reference, pipe = dp.flux(), dp.flux()
     dlo_fx.compile_pipeline(pipe, options={"num_slots": 2})
     dp.images(pipe, "flux", cfg=False)
-    with pytest.raises(ValueError, match=r"differ from those its runtime was built with"):
+    with pytest.raises(ValueError, match=r"differ from those the runtime of FluxPipeline"):
         dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
     pipe.to("cpu")  # its own device: the stored weights stay where they are
     for transformer in (reference.transformer, pipe.transformer):

@@ -23,8 +23,8 @@ def compile_capture(model, inputs, options=None, fullgraph=True):
     ctxs, gms = [], []
     real = backend.run_passes
 
-    def spy(gm, ctx, extra=()):
-        out = real(gm, ctx, extra)
+    def spy(gm, ctx, extra=(), debug=False):
+        out = real(gm, ctx, extra, debug)
         ctxs.append(ctx)
         gms.append(out)
         return out

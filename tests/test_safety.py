@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+from dlo_fx.runtime.device.executor import fault_delay
 import dlo_fx
 
 from dlo_fx.apps.models import example_inputs
@@ -60,8 +61,9 @@ def test_inline_copy_waits_for_the_slots_last_gather():
     ex.shutdown()
 
 
+@fault_delay(0.002)
 def test_two_threads_many_calls_are_exact():
-    compiled, inputs, ref, _ = _compiled(tiny_dit, {"block_bytes": 20_000, "fault_delay_s": 0.002},
+    compiled, inputs, ref, _ = _compiled(tiny_dit, {"block_bytes": 20_000},
                                          graph_break=True)
     other_inputs = tuple(t + 1 if t.is_floating_point() else t for t in inputs)
     with torch.no_grad():
@@ -84,13 +86,13 @@ def test_two_threads_many_calls_are_exact():
     assert len(results) == 24 and all(results)
 
 
+@fault_delay(0.001)
 def test_two_models_of_one_class_on_two_threads():
     """Dynamo shares one graph between two models of a class, each called on its own
     thread: a call bound the graph to its model's runtime while the other thread's call
     ran it, which then read the first model's store (setStorage out of bounds, or the
     other model's weights). Each call now holds the graph for its bind and run."""
-    models = [_compiled(tiny_dit, {"fault_delay_s": 0.001}, fullgraph=True, seed=seed)
-              for seed in (0, 1)]
+    models = [_compiled(tiny_dit, {}, fullgraph=True, seed=seed) for seed in (0, 1)]
     with torch.no_grad():
         for compiled, inputs, ref, _ in models:
             assert torch.equal(call(compiled, inputs), ref)  # the second reuses the graph
@@ -146,8 +148,7 @@ def test_eager_calls_while_another_thread_compiles():
         assert is_stored(layer.weight)
         with _compile_session():  # what a compile holds
             assert torch.compiler.is_compiling()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # "read outside a graph"
+            with pytest.warns(RuntimeWarning, match="read outside a scheduled graph"):
                 got = layer(x)
                 whole = model(*inputs)
         assert torch.equal(got, ref_layer(x)) and is_stored(layer.weight)
@@ -192,12 +193,13 @@ def test_a_load_on_another_thread_grows_the_slots_only_between_graphs(tmp_path):
                            big(*big_inputs))
 
 
+@fault_delay(0.002)
 def test_release_on_another_thread_waits_for_the_running_graph():
     """`dlo_fx.release` while another thread calls the model in a loop: release waits for
     the graph that thread is running; a call bound just before a release raises a
     RuntimeError that says so (it raised an AttributeError from deep in the runtime); every
     other call is exact, and the model stores its weights again on its next call."""
-    compiled, inputs, ref, model = _compiled(tiny_dit, {"fault_delay_s": 0.002}, depth=6)
+    compiled, inputs, ref, model = _compiled(tiny_dit, {}, depth=6)
     with torch.no_grad():
         call(compiled, inputs)
     results: list = []
@@ -236,11 +238,11 @@ def test_release_on_another_thread_waits_for_the_running_graph():
     assert any(is_stored(p) for p in model.parameters())
 
 
+@fault_delay(0.01)
 def test_interrupts_at_random_points_leave_the_runtime_consistent():
     """Ctrl-C (``_thread.interrupt_main``) at random times, many while ``wait`` blocks on a
     delayed copy; the next call is exact every time and the runtime never closes."""
-    compiled, inputs, ref, model = _compiled(tiny_dit, {"block_bytes": 20_000, "fault_delay_s": 0.01},
-                                             depth=4)
+    compiled, inputs, ref, model = _compiled(tiny_dit, {"block_bytes": 20_000}, depth=4)
     with torch.no_grad(), ctrl_c_raises():
         # Compiles, then traces once more for the stored weights: not the time a call takes
         assert torch.equal(call(compiled, inputs), ref)

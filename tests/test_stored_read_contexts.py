@@ -20,8 +20,14 @@ from torch import nn
 import dlo_fx
 from dlo_fx.runtime.weights.stored import is_stored
 
-# every read here is outside a graph: "read outside a scheduled graph ... slow"
-pytestmark = pytest.mark.filterwarnings("ignore:dlo. the weights of module:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def read_outside_a_graph_warns():
+    """Every read here is outside a graph: dlo warns that each such read copies the block
+    from the host store (once per model), and every test here meets that warning."""
+    with pytest.warns(RuntimeWarning, match="read outside a scheduled graph"):
+        yield
 
 CONTEXTS = {"plain": contextlib.nullcontext, "no_grad": torch.no_grad,
             "inference_mode": torch.inference_mode}

@@ -4,13 +4,13 @@ Registered under the ``torch_dynamo_backends`` entry point, so
 ``torch.compile(model, backend="dlo", options={...})`` works without importing dlo_fx.
 Each graph Dynamo captures is scheduled on its own; every graph of one model shares the
 model's `Runtime` (its host store; slots and executor shared per device), found from
-the model's parameters. Options are given once: a model loaded with options compiles
-without any and inherits them (see [Note: the model owns its runtime]).
+the model's parameters. Each compile takes its own options (`CompileOptions`); the model's
+runtime was made with its own (`DLOConfig`) by `dlo_fx.offload` or `dlo_fx.load` (see
+[Note: options belong to a verb] in config.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
@@ -20,7 +20,8 @@ import torch
 from torch import fx
 
 from .errors import CompileOptionsError, surfaced
-from ..config import DLOConfig, same_device
+from ..config import (CompileOptions, DLOConfig, conflict_error, runtime_conflicts, same_device,
+                      split_options)
 from ..loading.offload import compute_device, offload_module
 from ..passes import run_passes, schedule_of
 from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
@@ -32,7 +33,7 @@ from ..runtime.ranks.agreement import compile_facts
 from ..runtime.host.layout import is_composite
 from ..runtime.ranks.forward_log import note_compile
 from ..runtime.graph.graph_call import compile_clock, note_graph, run_graph
-from ..runtime.graph.ops import GraphSchedule, conflict_message
+from ..runtime.graph.ops import GraphSchedule
 from ..runtime.weights.owners import claim, owner_of
 from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
 from ..runtime.store_view import store_view
@@ -42,10 +43,10 @@ from ..runtime.weights.stored import is_stored
 
 log = logging.getLogger(__name__)
 
-#: Called with ``(gm, plan, runtime, config)`` once a graph is scheduled and committed.
+#: Called with ``(gm, plan, runtime, compile_options)`` once a graph is scheduled and committed.
 #: The package root registers the schedule-dump writer (``dump_dir``), an application the
 #: backend does not import itself.
-SCHEDULED_OBSERVERS: list[Callable[[fx.GraphModule, Any, Any, DLOConfig], None]] = []
+SCHEDULED_OBSERVERS: list[Callable[[fx.GraphModule, Any, Any, CompileOptions], None]] = []
 
 # Before Dynamo traces anything for this backend: see [Note: `x in list` with a symbolic
 # element] (a model skipping blocks by a list argument took the wrong branch).
@@ -73,22 +74,22 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
             f"torch.compile mode={mode!r} is not supported by backend 'dlo' (it takes "
             "mode=None or 'default'); drop mode= and use options={'compiler': 'inductor'} "
             "to compile the compute with Inductor")
-    given = given_options(options)
+    made_with, compile_options = given_options(options)
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     runtime = owner_of(params)
     if runtime is not None and not runtime.closed:
         runtime.check_process()  # a forked child: before any pass probes or gathers
-        differing = runtime.config.differing(given)
-        if differing:  # before anything changes
-            raise CompileOptionsError(conflict_message(differing))
-        config = runtime.config.merged(given)
-    else:
-        config = DLOConfig.from_options(options)
-        runtime = None
-    if config.compiler == "inductor":  # may trace the frame again; nothing is made yet
+        conflicts = runtime_conflicts(made_with, runtime.config)
+        if conflicts:  # before anything changes: see [Note: options belong to a verb]
+            raise CompileOptionsError(str(conflict_error(conflicts, COMPILE_VERB)))
+        config = runtime.config
+    else:  # no runtime: the graph streams nothing, or its model was never offloaded
+        config, runtime = DLOConfig(), None
+    if compile_options.compiler == "inductor":  # may trace the frame again; nothing is made yet
         torch_private.restart_with_floats_specialized(gm)
     note_compile()  # a forward that compiles is not replayed gather-only (forward_log.py)
     if runtime is None and params:  # see [Note: a model compiled without offload]
+        config = DLOConfig.from_options(made_with)  # of the runtime this compile makes
         check_inference_only(gm, example_inputs, lambda p: p.numel() * p.element_size()
                              > max(config.resident_bytes, 0))
         model, at_start = traced_model(params)
@@ -99,7 +100,8 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
     example_inputs, local_args = unwrap_dtensor_params(gm, example_inputs)
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     try:
-        run = local_args(schedule_for(gm, example_inputs, runtime, config, given, params))
+        run = local_args(schedule_for(gm, example_inputs, runtime, config,
+                                      compile_options, tuple(made_with.items()), params))
     except BaseException:
         if runtime is not None and runtime.offloaded_by_trace is not None:
             undo_failed(runtime)  # see [Note: a model compiled without offload]
@@ -110,11 +112,14 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
 
 def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Optional[Runtime],
-                 config: DLOConfig, given: Mapping[str, Any], params: list) -> Callable:
+                 config: DLOConfig, compile_options: CompileOptions,
+                 made_with: tuple, params: list) -> Callable:
     """Plan ``gm`` onto ``runtime``'s stored blocks, write and commit the schedule, and
     return the graph's call (wrapped in the auto budget's re-plans where it applies).
     Plan (no collective), settle mode="auto", then write the schedule: the probes and the
-    mode choice are collectives, run here and not in a pass (dynamo/probes.py)."""
+    mode choice are collectives, run here and not in a pass (dynamo/probes.py).
+    ``made_with``: the runtime options the compile was given (`runtime_conflicts` checks
+    them again for every runtime a call binds)."""
     budget = resolve_budget(config, runtime)
     auto_capacity = budget.auto_capacity
     if params and (budget.device_budget is not None or auto_capacity is not None):
@@ -124,11 +129,12 @@ def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Opt
     ctx.device_budget = budget.device_budget  # None under "auto": planned per call
     ctx.auto_capacity = auto_capacity
     pristine = copy_graph(gm) if auto_capacity is not None and params else None
-    plan = with_schedule(plan_graph(gm, ctx), runtime)  # the mode: settled at the offload
-    gm, run = schedule_and_commit(gm, plan, runtime, example_inputs, given,
+    plan = with_schedule(plan_graph(gm, ctx, compile_options.debug_passes), runtime,
+                         compile_options.trace, made_with)  # the mode: settled at offload
+    gm, run = schedule_and_commit(gm, plan, runtime, example_inputs, compile_options,
                                   lambda: claim(params, runtime))
     if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
-        run = auto_residency(pristine, plan, runtime, (run, schedule_of(gm)), given)
+        run = auto_residency(pristine, plan, runtime, (run, schedule_of(gm)), compile_options)
     elif plan.budget_plan is not None and plan.budget_plan.resident:
         run = fixed_residency(run, plan.budget_plan)
     return run
@@ -140,19 +146,22 @@ def graph_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[torc
     return [value for _, value in param_placeholders(gm, example_inputs)]
 
 
-def with_schedule(plan: GraphPlan, runtime: Optional[Runtime]) -> GraphPlan:
+def with_schedule(plan: GraphPlan, runtime: Optional[Runtime], trace: bool = False,
+                  made_with: tuple = ()) -> GraphPlan:
     """``plan`` with the runtime's `GraphSchedule` for it (its mode settled), which
-    `insert_schedule` writes into the graph; a plan without a runtime schedules nothing."""
+    `insert_schedule` writes into the graph; a plan without a runtime schedules nothing.
+    ``trace`` and ``made_with``: the compile's (see `GraphSchedule`)."""
     if runtime is None:
         return plan
     k = plan.config.num_slots
     return plan.with_schedule(GraphSchedule(
         runtime=runtime, slot_of=[b.index % k for b in plan.blocks],
-        fqns=[[p.fqn for p in b.params] for b in plan.blocks], config=plan.config))
+        fqns=[[p.fqn for p in b.params] for b in plan.blocks], trace=trace,
+        made_with=made_with))
 
 
 def schedule_and_commit(gm: fx.GraphModule, plan: GraphPlan, runtime: Optional[Runtime],
-                        example_inputs: Sequence[Any], given: Mapping[str, Any],
+                        example_inputs: Sequence[Any], compile_options: CompileOptions,
                         then: Optional[Callable[[], None]] = None
                         ) -> tuple[fx.GraphModule, Callable]:
     """Write ``plan`` into ``gm`` (`schedule_graph`), commit its blocks to ``runtime`` and
@@ -160,7 +169,7 @@ def schedule_and_commit(gm: fx.GraphModule, plan: GraphPlan, runtime: Optional[R
     one compares plans), tell the observers (the dump writer, registered by the package
     root), and return the scheduled graph and its call. The compile and the auto budget's
     re-plans (`auto_residency`) both end here."""
-    gm, compiled = schedule_graph(gm, plan, example_inputs)
+    gm, compiled = schedule_graph(gm, plan, example_inputs, compile_options)
     if runtime is not None:
         with runtime.lock:
             runtime.machine.drain()
@@ -168,21 +177,21 @@ def schedule_and_commit(gm: fx.GraphModule, plan: GraphPlan, runtime: Optional[R
             if then is not None:
                 then()
     for observe in SCHEDULED_OBSERVERS:
-        observe(gm, plan, runtime, plan.config)
-    return gm, scheduled_call(gm, plan, given, example_inputs, compiled)
+        observe(gm, plan, runtime, compile_options)
+    return gm, scheduled_call(gm, plan, example_inputs, compiled)
 
 
-def schedule_graph(gm: fx.GraphModule, plan: GraphPlan,
-                   example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, Callable]:
+def schedule_graph(gm: fx.GraphModule, plan: GraphPlan, example_inputs: Sequence[Any],
+                   compile_options: CompileOptions) -> tuple[fx.GraphModule, Callable]:
     """Write ``plan`` into ``gm`` (the schedule and the user's passes), check it, and
     compile its compute (Inductor pieces when asked): before `commit`, so a failure leaves
     the model intact."""
-    gm = run_passes(gm, plan, extra=plan.config.user_passes)
+    gm = run_passes(gm, plan, compile_options.user_passes, compile_options.debug_passes)
     streamed = {id(p.param) for b in plan.blocks for p in b.params}
     check_inference_only(gm, plan.example_inputs, lambda p: id(p) in streamed,
                          {id(p.param): p.fqn for p in plan.params})
     compiled = gm.forward
-    if plan.config.compiler == "inductor":
+    if compile_options.compiler == "inductor":
         from ..inductor import compile_pieces
 
         check_no_subclass_weights(plan, plan.schedule.runtime if plan.schedule else None)
@@ -192,7 +201,7 @@ def schedule_graph(gm: fx.GraphModule, plan: GraphPlan,
 
 
 def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime,
-                   first: tuple[Callable, Any], given: Mapping[str, Any]) -> Callable:
+                   first: tuple[Callable, Any], compile_options: CompileOptions) -> Callable:
     """``first`` (every block streamed: its call and its `GraphSchedule`) wrapped in the
     auto device budget's re-plans: each
     resident set is scheduled from a copy of ``pristine`` (the graph before the passes),
@@ -219,11 +228,13 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime,
         ctx = PassContext(config=config, example_inputs=example_inputs,
                           view=store_view(runtime, graph_params(gm, example_inputs)))
         ctx.forced_plan = forced
-        plan = with_schedule(plan_graph(gm, ctx), runtime)
+        plan = with_schedule(plan_graph(gm, ctx, compile_options.debug_passes), runtime,
+                             compile_options.trace, made_with)
         # every block is stored already: the commit runs no collective
-        gm, call = schedule_and_commit(gm, plan, runtime, example_inputs, given)
+        gm, call = schedule_and_commit(gm, plan, runtime, example_inputs, compile_options)
         return call, schedule_of(gm)
 
+    made_with = tuple(first[1].made_with.items())  # each variant binds as the first does
     where = {id(v): i for i, v in enumerate(plan.example_inputs)
              if isinstance(v, torch.nn.Parameter)}
     positions = {p.fqn: where[id(p.param)] for p in plan.params if id(p.param) in where}
@@ -240,19 +251,23 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime,
     return run
 
 
-def given_options(options: Any) -> dict[str, Any]:
-    """The options a compile call set itself (validated), as a dict."""
-    if isinstance(options, DLOConfig):
-        return {f.name: getattr(options, f.name) for f in dataclasses.fields(DLOConfig)}
+COMPILE_VERB = "torch.compile(backend='dlo')"
+
+
+def given_options(options: Any) -> tuple[dict[str, Any], CompileOptions]:
+    """The options a compile call was given, validated: the runtime options among them (a
+    dict, for a model compiled without offload: see [Note: a model compiled without
+    offload]) and its `CompileOptions`."""
+    if isinstance(options, CompileOptions):
+        return {}, options
     try:
-        DLOConfig.from_options(options)
+        made_with, compile_options = split_options(options, COMPILE_VERB)
+        return made_with, CompileOptions.from_options(compile_options)
     except ValueError as exc:  # the user's input: raised past Dynamo, not wrapped by it
         raise CompileOptionsError(str(exc)) from None
-    return dict(options or {})
 
 
-def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, given: Mapping[str, Any],
-                   example_inputs: Sequence[Any], compiled: Callable) -> Callable:
+def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, example_inputs: Sequence[Any], compiled: Callable) -> Callable:
     """``compiled``, each call bound to the runtime of the parameters it is called with
     (`GraphSchedule.bind`: Dynamo reuses a graph for other models of the same class) and
     run under that runtime's lock and collective clock (graph_call.py)."""
@@ -264,7 +279,6 @@ def scheduled_call(gm: fx.GraphModule, plan: GraphPlan, given: Mapping[str, Any]
         return unscheduled_call(compiled, positions)
     sched.bound_at = tuple(positions)
     sched.direct = tuple(i for i in positions if i not in sched.arg_positions)
-    sched.given = dict(given)
     budget_plan = plan.budget_plan
 
     def run(*args: Any) -> Any:

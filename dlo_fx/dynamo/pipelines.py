@@ -13,7 +13,8 @@ weights, with no error.
 
 The components run one after the other within a pipeline call (text encoders, then the
 denoising loop, then the VAE), never at the same time, and are compiled with the same
-options: each keeps its own host store, and they share one set of ``num_slots`` device
+options (each half where it belongs: see [Note: options belong to a verb] in config.py):
+each keeps its own host store, and they share one set of ``num_slots`` device
 slots, sized for the largest block of any of them (see [Note: what a model owns and what a
 device shares] in runtime/device/shared_slots.py).
 """
@@ -28,17 +29,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .backend import given_options
-from ..config import DLOConfig, did_you_mean, same_device
+from ..config import (DLOConfig, conflict_error, did_you_mean, runtime_conflicts, same_device,
+                      split_options)
 from ..loading.offload import check_hooks, compute_device, offload
 from ..model.cfg_pairs import cache_refusal
 from ..model.cfg_parallel import cfg_parallel, cfg_refusal, group_ranks
 from ..model.guard import guard_pipeline, restore, shadow, shadowing, unguard_pipeline
 from ..model.guard import release as release_module
-from ..model.state import peek, state_of
 from ..model.storage_dtype import take_over_hooks
 from ..runtime.weights.owners import owner_of, runtimes_holding
-from ..runtime.weights.stored import release_advice
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,10 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     Args:
         pipe: a ``diffusers.DiffusionPipeline`` (anything with a ``components`` dict of
             named modules works).
-        options: the dlo options, the same for every component (see `DLOConfig`).
+        options: the dlo options, the same for every component, of both kinds: those of
+            each component's runtime (`DLOConfig`, given to the `dlo_fx.offload` of each
+            component not stored yet) and those of its compile (`CompileOptions`, given to
+            its ``torch.compile``). See [Note: options belong to a verb].
         components: names of the components to compile; default: every torch module but
             the VAE (`default_components`: transformer(s) or unet, text encoder(s), image
             encoder). Name ``"vae"`` here to stream it too.
@@ -94,11 +96,14 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     there; the modules are set to eval mode and ``requires_grad=False`` (dlo streams
     weights for inference only).
 
-    Raises ValueError naming an unknown or non-module component, a bad option, or options
-    that differ from those a component was loaded or compiled with (before anything
-    changes: the pipeline keeps working as it was; `release` it first to change them).
+    Raises ValueError naming an unknown or non-module component, a bad option, or runtime
+    options that differ from those a component's runtime was made with (`dlo_fx.load`,
+    `dlo_fx.offload`, an earlier compile_pipeline), before anything changes: the pipeline
+    keeps working as it was; `release` it first to change them.
     """
-    config = DLOConfig.from_options(options)  # a bad option fails here, before anything compiles
+    # a bad option fails here, before anything compiles
+    runtime_options, compile_options = split_options(options)
+    config = DLOConfig.from_options(runtime_options)
     if "backend" in compile_kwargs or "options" in compile_kwargs:
         raise ValueError("compile_pipeline: pass the dlo options as options=...; the "
                          "backend is always 'dlo'")
@@ -120,9 +125,8 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
                              f"{type(pipe).__name__}, not a torch module; "
                              f"{did_you_mean(name, modules) if value is None else ''}"
                              f"its torch modules: {', '.join(modules) or 'none'}")
-    given = given_options(options)
     for name in names:
-        _check_same_options(pipe, name, given)
+        _check_runtime(pipe, name, runtime_options)
     if getattr(pipe, "_all_hooks", None):  # enable_model_cpu_offload's, on every component
         raise ValueError(
             f"compile_pipeline: {type(pipe).__name__} has accelerate's offload hooks "
@@ -136,7 +140,6 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
     device = compute_device(config)
     for name in names:
         module = getattr(pipe, name)
-        state_of(module).compiled_with = given
         module.eval().requires_grad_(False)
         taken = take_over_hooks(module)  # see [Note: storing weights in another dtype]
         if taken:
@@ -144,12 +147,13 @@ def compile_pipeline(pipe: Any, *, options: Union[Mapping[str, Any], DLOConfig, 
                      "taken over (stored in their storage dtype, cast in the graph)",
                      type(pipe).__name__, name, taken)
         if owner_of(module.parameters()) is None:  # not loaded nor offloaded yet
-            offload(module, options)  # before anything traces: see offload.py
-        module.compile(backend="dlo", options=options, **compile_kwargs)
+            offload(module, runtime_options)  # before anything traces: see offload.py
+        module.compile(backend="dlo", options=compile_options, **compile_kwargs)
         for method in ENTRY_METHODS:
             if callable(getattr(type(module), method, None)) and method not in vars(module):
                 setattr(module, method, torch.compile(getattr(module, method), backend="dlo",
-                                                      options=options, **compile_kwargs))
+                                                      options=compile_options,
+                                                      **compile_kwargs))
         log.info("dlo_fx.compile_pipeline: %s.%s (%s, %d parameters) compiled with "
                  "backend='dlo'", type(pipe).__name__, name, type(module).__name__,
                  sum(1 for _ in module.parameters()))
@@ -269,26 +273,14 @@ def _execute_on(pipe: Any, streamed: Sequence[str], device: torch.device) -> Non
                      type(pipe).__name__, name, device)
 
 
-def _check_same_options(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
-    """``ValueError`` when ``given`` asks component ``name`` for other options than its
-    runtime was built with (`dlo_fx.load`, a first call) or it was compiled with."""
-    module = getattr(pipe, name)
-    runtime = owner_of(module.parameters())
-    if runtime is not None and not runtime.closed:
-        config, where = runtime.config, ("its runtime was built with (dlo_fx.load, "
-                                          "dlo_fx.offload or compile_pipeline)")
-    elif (state := peek(module)) is not None and state.compiled_with is not None:
-        config = DLOConfig.from_options(state.compiled_with)
-        where = "a previous compile_pipeline gave it"
-    else:
-        return
-    differing = config.differing(given)
-    if differing:
-        raise ValueError(f"compile_pipeline: options for {type(pipe).__name__}.{name} differ "
-                         f"from those {where}: {'; '.join(differing)}; nothing was changed. "
-                         "Options are given once. " + release_advice(
-                             instead="pass the same options (or none, to keep them)",
-                             target="pipe"))
+def _check_runtime(pipe: Any, name: str, given: Mapping[str, Any]) -> None:
+    """``ValueError`` when the runtime options ``given`` differ from those component
+    ``name``'s runtime was made with: they would not reach it."""
+    runtime = owner_of(getattr(pipe, name).parameters())
+    conflicts = runtime_conflicts(given, runtime.config) if runtime is not None else []
+    if conflicts and not runtime.closed:
+        raise conflict_error(conflicts, "compile_pipeline",
+                             f"{type(pipe).__name__}.{name} (release pipe)")
 
 
 def release(target: Any) -> Any:
@@ -303,7 +295,6 @@ def release(target: Any) -> Any:
     options. Raises ValueError when nothing in ``target`` is dlo's (no weights stored, no
     compile to undo), and TypeError for anything but a module or a pipeline."""
     if isinstance(target, nn.Module):
-        _forget(target)
         return release_module(target)
     found = getattr(target, "components", None)
     if not isinstance(found, Mapping):
@@ -312,13 +303,12 @@ def release(target: Any) -> Any:
                         f"{type(target).__name__}")
     modules = {n: m for n, m in found.items() if isinstance(m, nn.Module)}
     stored = [n for n, m in modules.items() if runtimes_holding(list(m.parameters()))]
-    undone = sum(_forget(m) for m in modules.values())
     for name in stored:
         module = modules[name]
         if runtimes_holding(list(module.parameters())):  # a shared runtime may be gone
             release_module(module)
         log.info("dlo_fx.release: %s.%s released", type(target).__name__, name)
-    undone += (sum(restore(m) for m in modules.values()) + unguard_pipeline(target)
+    undone = (sum(restore(m) for m in modules.values()) + unguard_pipeline(target)
                + _forget_first_run(target))
     if not stored and not undone:
         raise ValueError(f"dlo_fx.release: no component of {type(target).__name__} "
@@ -326,18 +316,6 @@ def release(target: Any) -> Any:
                          "in a dlo host store or a dlo compile to undo (was it compiled "
                          "with compile_pipeline, or its transformer loaded with dlo_fx.load?)")
     return target
-
-
-def _forget(module: nn.Module) -> int:
-    """Forget the options `compile_pipeline` gave ``module``; returns how many modules had
-    some."""
-    count = 0
-    for sub in module.modules():
-        state = peek(sub)
-        if state is not None and state.compiled_with is not None:
-            state.compiled_with = None
-            count += 1
-    return count
 
 
 def _components(pipe: Any) -> dict[str, Any]:

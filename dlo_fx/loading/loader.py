@@ -116,8 +116,9 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
             value its constructor gave it. Missing parameters are always an error.
         options: the dlo options (dict or `DLOConfig`) of the module's runtime, on
             ``options["device"]`` (default: the accelerator ``torch.accelerator``
-            reports, else the CPU). ``torch.compile(model, backend="dlo")``
-            inherits them; a compile that passes different ones raises ValueError.
+            reports, else the CPU). Every compile of the module uses them; a compile
+            option here (``compiler``, ``trace``, ``dump_dir``, ...) raises ValueError
+            naming ``torch.compile``, where it belongs.
         resident: FQNs or module prefixes (``"patch_embed"``) of parameters to materialise
             on the device instead of streaming, on top of those smaller than
             ``options["resident_bytes"]``. Needed for parameters that code Dynamo runs
@@ -132,7 +133,7 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     problems) before anything is registered, naming the file, key or parameter at fault.
     """
     start = time.perf_counter()
-    cfg = DLOConfig.from_options(options)
+    cfg = DLOConfig.from_options(options, verb="dlo_fx.load")
     device = compute_device(cfg)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dlo_fx.load: dtype={dtype!r} is not a floating-point torch.dtype")

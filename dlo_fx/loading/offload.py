@@ -81,14 +81,16 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
     device. diffusers' layerwise casting (``enable_layerwise_casting``) is taken over, as
     `compile_pipeline` does: those layers' weights are stored in the storage dtype and cast
     in the graph, so every call is exact against the layerwise-cast model resident. Then
-    ``torch.compile(model, backend="dlo")`` (or ``model.compile(...)``) streams the blocks,
-    inheriting ``options``. ``dlo_fx.release(model)`` is the inverse:
+    ``torch.compile(model, backend="dlo")`` (or ``model.compile(...)``) streams the blocks
+    with this runtime, each compile with its own compile options. ``dlo_fx.release(model)`` is the inverse:
     the weights come back where they were.
 
     Args:
         model: an ``nn.Module`` whose parameters are on one device (the host or the
             compute device), not compiled yet.
-        options: the dlo options (dict or `DLOConfig`) of the model's runtime.
+        options: the options of the model's runtime (dict or `DLOConfig`); a compile
+            option (``compiler``, ``trace``, ``dump_dir``, ...) raises ValueError naming
+            ``torch.compile``, where it belongs (see [Note: options belong to a verb]).
         resident: FQNs or module prefixes of parameters to keep on the device instead of
             streaming (as `dlo_fx.load`'s ``resident=``).
 
@@ -96,7 +98,7 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
     ValueError, naming the parameter or buffer and the way out, before anything changes
     (see [Note: what offload moves]).
     """
-    config = DLOConfig.from_options(options)
+    config = DLOConfig.from_options(options, verb="dlo_fx.offload")
     device = compute_device(config)
     check_model(model, device)
     take_over_hooks(model)  # see [Note: storing weights in another dtype]

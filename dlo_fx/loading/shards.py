@@ -228,7 +228,7 @@ def write_shard_dir(model: Any, checkpoint: str | os.PathLike, out: str | os.Pat
 
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dlo-fx shard: --dp {dp!r} must be an integer >= 1")
-    cfg = DLOConfig.from_options(options)
+    cfg = DLOConfig.from_options(options, verb="dlo-fx shard")
     ckpt = resolve_checkpoint(checkpoint, subfolder)
     if is_gguf(ckpt):
         raise NotImplementedError(

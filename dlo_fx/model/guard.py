@@ -455,8 +455,7 @@ def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
 # After `release`, nothing on the module makes it compile or run with dlo's options
 # again: a model compiled again takes any options. Besides the weights, a compile leaves:
 # ``module.compile(backend="dlo", options=...)``'s compiled ``_compiled_call_impl`` holding
-# those options (kept, a call after release would store the weights again with them, and a
-# compile with other options would be refused as differing from that runtime);
+# those options (kept, a call after release would store the weights again);
 # `compile_pipeline`'s compiled methods as instance attributes (a VAE's
 # ``encode``/``decode``) and its guard on the pipeline's LoRA fusing; and ``storage_dtype``'s
 # marks on the parameters. `restore` removes them. Not undone: ``eval()`` and

@@ -1,16 +1,16 @@
 """`ModuleState`: what dlo knows about one module, in one object reachable from it.
 
 One object per module (FSDP2 keeps its per-module state the same way), not one weak map
-per fact: the guards `guard_module` installed on it (guard.py) and the options
-`compile_pipeline` compiled it with (pipelines.py). Held in one weak map, so a module
+per fact: the guards `guard_module` installed on it (guard.py) and the CFG split
+`cfg_parallel` installed (cfg_parallel.py). Held in one weak map, so a module
 dlo touched is collected as any other, and forgotten with its state.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 from torch import nn
 
@@ -25,9 +25,6 @@ class ModuleState:
     """The hook handles `guard_module` installed on it; None while it is not guarded."""
     state_hooked: bool = False
     """Its ``state_dict`` post-hook (`guard._real_weights`) is among ``guards``."""
-    compiled_with: Optional[Mapping[str, Any]] = field(default=None)
-    """The options `compile_pipeline` last compiled it with, until it is released: a
-    second compile with other options is refused before anything changes."""
     cfg_parallel: Any = None
     """The `CFGParallel` `cfg_parallel` installed on it (its hooks), or None."""
 

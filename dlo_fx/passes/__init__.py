@@ -25,10 +25,11 @@ Pass = Callable[[fx.GraphModule, GraphPlan], fx.GraphModule]
 PIPELINE: tuple[Pass, ...] = (insert_schedule,)
 
 
-def run_passes(gm: fx.GraphModule, plan: GraphPlan, extra: tuple[Pass, ...] = ()) -> fx.GraphModule:
+def run_passes(gm: fx.GraphModule, plan: GraphPlan, extra: tuple[Pass, ...] = (),
+               debug: bool = False) -> fx.GraphModule:
     """Write ``plan`` into ``gm`` (`insert_schedule`), then run ``extra`` passes (user passes
-    see ``node.meta["dlo"]`` and the plan)."""
-    gm = run_steps((*PIPELINE, *extra), gm, plan, plan.config.debug_passes, list(plan.ran))
+    see ``node.meta["dlo"]`` and the plan); ``debug`` logs the graph around each."""
+    gm = run_steps((*PIPELINE, *extra), gm, plan, debug, list(plan.ran))
     gm.recompile()
     return gm
 

@@ -66,7 +66,7 @@ from .ranks.agreement import (Fact, agree, agree_on_settings, layout_digest, run
                               weights_fact)
 from .ranks.collectives import ShardGroup, weight_group
 from .device.shared_slots import shared_slots
-from .device.executor import FaultDelay
+from .device.executor import FaultDelay, fault_delay_s
 from .host.fingerprint import block_fingerprint
 from .host.file_store import FileStore
 from .host.host_store import HostStore
@@ -105,7 +105,7 @@ class Runtime:
         self.device = device  # canonical, as `loading.offload.compute_device` resolves it
         # See [Note: what a model owns and what a device shares].
         self.shared = shared_slots(device, config.num_slots)
-        fault_delay = FaultDelay(config.fault_delay_s, self.shared.executor)  # a test option
+        fault_delay = FaultDelay(fault_delay_s(), self.shared.executor)  # a test hook
         self.life = Lifecycle(self.shared.lock)  # see [Note: a forked process] in lifecycle.py
         agree_on_settings(config, device)  # before the group these settings pick is made
         self.group: ShardGroup = weight_group(self.shared.key, config.shard_group,
@@ -122,7 +122,7 @@ class Runtime:
         self.token = next(_TOKENS)  # tells this runtime apart from the others on its slots
         self.reads = WeightReads(self.store, device, self.group, self.executor, self.life)
         self.machine = SlotMachine(self.store, self.shared, self.group,
-                                   Tracer() if config.trace else None,
+                                   None,
                                    fault_delay, self.token, self.life, self.reads)
         register(self)
         self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.planning.budget

@@ -127,20 +127,25 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, str]:
 def run_dump(args: argparse.Namespace) -> int:
     """Compile, run and dump as ``args`` says; print what was written."""
     from . import dumps, flush, stall_summary
+    from ...loading.offload import offload
+    from ...runtime.weights.owners import owner_of
 
     try:
         assume = Assumptions(h2d_gbps=args.h2d_gbps, gather_gbps=args.gather_gbps,
                              compute_gbps=args.compute_gbps)
         model, inputs, what = build_model(args)
         options = {"num_slots": args.slots, "resident_bytes": args.resident_bytes,
-                   "mode": args.mode, "dump_dir": args.out, "trace": args.trace}
+                   "mode": args.mode}
         if args.block_bytes is not None:
             options["block_bytes"] = args.block_bytes
         if args.calls < 1:
             raise ValueError(f"--calls {args.calls} must be at least 1")
         model.eval().requires_grad_(False)
         before = len(dumps())
-        compiled = torch.compile(model, backend="dlo", options=options, fullgraph=args.fullgraph)
+        if owner_of(model.parameters()) is None:  # a model dlo_fx.load made has its runtime
+            offload(model, options)
+        compiled = torch.compile(model, backend="dlo", fullgraph=args.fullgraph,
+                                 options={"dump_dir": args.out, "trace": args.trace})
         with torch.inference_mode():
             for _ in range(args.calls):
                 compiled(**inputs) if isinstance(inputs, dict) else compiled(*inputs)

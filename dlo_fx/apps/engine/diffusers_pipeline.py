@@ -478,12 +478,13 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     """
     import diffusers
 
-    from ...config import DLOConfig
+    from ...config import DLOConfig, split_options
     from ...dynamo.pipelines import compile_pipeline
     from ...loading.loader import load
     from ...loading.offload import compute_device
 
     options = dict(options or {})
+    runtime_options = split_options(options, "the engine's diffusers pipeline")[0]
     torch_dtype = _dtype(dtype)
     index = read_model_index(path)
     found = denoisers(index)
@@ -496,7 +497,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
         if cls is None:
             raise ValueError(f"{os.fspath(path)}/model_index.json: component {name!r} is a "
                              f"{library}.{cls_name}, which this diffusers does not have")
-        loaded[name] = load(cls, path, subfolder=name, dtype=torch_dtype, options=options,
+        loaded[name] = load(cls, path, subfolder=name, dtype=torch_dtype, options=runtime_options,
                             resident=resident)
     _split_sequence(loaded)
     pipeline_cls = getattr(diffusers, index.get("_class_name", ""), diffusers.DiffusionPipeline)
@@ -513,7 +514,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     # Offloads the text encoders from host memory and moves the rest (the VAE) to the
     # compute device: the pipeline executes there
     compile_pipeline(pipe, options=options, components=streamed, cfg_group=_cfg_group())
-    device = compute_device(DLOConfig.from_options(options))
+    device = compute_device(DLOConfig.from_options(runtime_options))
     return DiffusersPipeline(pipe, streamed, str(device))
 
 

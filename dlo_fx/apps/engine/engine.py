@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ...config import DLOConfig
+from ...config import split_options
 from .factories import DIFFUSERS, REFERENCE
 from .limits import Limits
 from .request import Request, check_wave, plan_waves
@@ -49,12 +49,14 @@ class Engine:
             ``"package.module:function"`` (or that function itself). It is called as
             ``factory(options, **pipeline_kwargs)`` and returns a callable
             ``pipeline(request) -> Tensor | dict[str, Tensor]``; typically it builds or
-            ``dlo_fx.load``\\ s the DiT, compiles it with
-            ``torch.compile(model, backend="dlo", options=options)`` and wraps it in a
-            sampling loop. An optional ``pipeline.describe() -> dict`` is attached to
-            every reply as `Result.info`; an optional ``pipeline.limits`` (`Limits`)
-            declares what it serves; ``clock``, ``forwards``, ``graph_key`` and ``warmup``
-            let requests of any shapes share a wave (see [Note: the forward clock of a wave]).
+            ``dlo_fx.load``\\ s the DiT, gives each option to its verb
+            (`dlo_fx.config.split_options`: the runtime's to ``dlo_fx.load`` or
+            ``dlo_fx.offload``, the compile's to ``torch.compile(model, backend="dlo",
+            options=...)``) and wraps the model in a sampling loop. An optional
+            ``pipeline.describe() -> dict`` is attached to every reply as `Result.info`;
+            an optional ``pipeline.limits`` (`Limits`) declares what it serves;
+            ``clock``, ``forwards``, ``graph_key`` and ``warmup`` let requests of any
+            shapes share a wave (see [Note: the forward clock of a wave]).
         dp_size: number of replicas, i.e. requests per wave.
         sp_size: ranks per replica; each replica's ranks run the same request, and the
             diffusers factory splits its sequence over them with diffusers' context
@@ -81,9 +83,10 @@ class Engine:
             kept with its reason as ``gather_reason``. ``None`` (default): the host-memory
             rule of [Note: the gather group of a topology]. The route model
             prices the dp and sp routes only: with ``cfg_size`` 2 it is refused.
-        options: dlo options handed to the factory; each rank gets its gather group as
-            ``shard_group`` (``options["shard_group"]`` instead replaces ``"auto"``) and
-            its ``device`` unless set.
+        options: dlo options of both kinds (a runtime's and a compile's, as
+            `compile_pipeline` takes them) handed to the factory; each rank gets its
+            gather group as ``shard_group`` (``options["shard_group"]`` instead replaces
+            ``"auto"``) and its ``device`` unless set.
         backend: process group backend; ``None`` follows the device (gloo on CPU).
         wave_timeout_s: a wave (and the start of a generation of workers) taking longer
             fails closed. The first wave of a generation includes compilation.
@@ -112,7 +115,7 @@ class Engine:
         self.topology = Topology(dp_size, sp_size, cfg_size)
         _check_seconds("wave_timeout_s", wave_timeout_s)
         options = dict(options or {})
-        DLOConfig.from_options(options)  # a bad option fails here, not in every worker
+        split_options(options, "dlo_fx.Engine")  # a bad option fails here, not in every worker
         device = device or options.get("device") or "cpu"
         try:
             device_type = torch.device(device).type

@@ -198,18 +198,23 @@ def build(options: Optional[Mapping[str, Any]] = None, *,
     the model is loaded from it with ``dlo_fx.load``, and ``width``/``depth``/``heads``/
     ``seed`` are ignored; otherwise it is built in memory from ``seed``, identically on
     every rank. ``options`` are the dlo options (the engine adds this rank's DP group as
-    ``shard_group``: AllGather mode when dp > 1). ``fault_hooks`` turns the test hooks
-    of the module docstring on.
+    ``shard_group``: AllGather mode when dp > 1), each half given where it belongs: the
+    runtime's to `dlo_fx.load` or `dlo_fx.offload`, the compile's to ``torch.compile``.
+    ``fault_hooks`` turns the test hooks of the module docstring on.
     """
-    options = dict(options or {})
+    from ...config import split_options
+    from ...loading.offload import offload
+
+    runtime_options, compile_options = split_options(options, "the engine's reference DiT")
     if checkpoint is not None:
-        model = load_dit(checkpoint, options)
+        model = load_dit(checkpoint, runtime_options)
     else:
-        model = reference_dit(width=width, depth=depth, heads=heads, seed=seed)
-    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True,
+        model = offload(reference_dit(width=width, depth=depth, heads=heads, seed=seed),
+                        runtime_options)
+    compiled = torch.compile(model, backend="dlo", options=compile_options, fullgraph=True,
                              dynamic=False)
-    return ReferencePipeline(compiled, model.config, model, dump_dir=options.get("dump_dir"),
-                             fault_hooks=fault_hooks)
+    return ReferencePipeline(compiled, model.config, model,
+                             dump_dir=compile_options.get("dump_dir"), fault_hooks=fault_hooks)
 
 
 def resident(*, checkpoint: Optional[Union[str, os.PathLike]] = None, width: int = 256,

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from ...config import DLOConfig
+from ...config import DLOConfig, split_options
 from .channel import LocalWorker, encode_output
 from .clock import keeps_clock
 from .limits import Limits
@@ -155,7 +155,7 @@ class WaveServer:
         self.rank = rank
         self.topology = spec.topology
         options = worker_options(spec, rank, device)
-        timeout_s = DLOConfig.from_options(options).collective_timeout_s
+        timeout_s = DLOConfig.from_options(split_options(options)[0]).collective_timeout_s
         set_worker_context(WorkerContext(rank=rank, topology=self.topology, device=device,
                                          progress=spec.progress and rank == 0,
                                          collective_timeout_s=timeout_s))

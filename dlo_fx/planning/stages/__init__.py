@@ -59,9 +59,10 @@ def run_steps(steps: Sequence[Callable], gm: fx.GraphModule, arg, debug: bool,
     return gm
 
 
-def plan_graph(gm: fx.GraphModule, ctx: PassContext) -> GraphPlan:
-    """Run the planning stages on ``ctx`` (a fresh `PassContext`) and freeze the plan."""
-    run_steps(PLANNING, gm, ctx, ctx.config.debug_passes, ctx.ran)
+def plan_graph(gm: fx.GraphModule, ctx: PassContext, debug: bool = False) -> GraphPlan:
+    """Run the planning stages on ``ctx`` (a fresh `PassContext`) and freeze the plan;
+    ``debug`` (the compile's ``debug_passes``) logs the graph around each."""
+    run_steps(PLANNING, gm, ctx, debug, ctx.ran)
     return GraphPlan.freeze(ctx)
 
 

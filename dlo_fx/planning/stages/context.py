@@ -60,7 +60,7 @@ class GraphBlock:
 
 @dataclass
 class PassContext:
-    config: DLOConfig
+    config: DLOConfig  # the runtime's options
     example_inputs: Sequence[Any]
     view: Optional[StoreView] = None  # the runtime's, when compiling for a model
     params: list[ParamInfo] = field(default_factory=list)
@@ -110,7 +110,7 @@ class GraphPlan:
     the device budget's plan and the mode. `insert_schedule` writes it into the graph;
     user passes and the dump read it."""
 
-    config: DLOConfig
+    config: DLOConfig  # the runtime's options (see [Note: options belong to a verb])
     example_inputs: Sequence[Any]
     view: Optional[StoreView]  # the runtime's when the graph was planned (None: no runtime)
     params: tuple[ParamInfo, ...]

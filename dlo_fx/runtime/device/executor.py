@@ -17,7 +17,7 @@ Both keep one contract, driven by `Runtime` (see [Note: slot reuse and stream or
 
 `CpuExecutor`: one background worker thread runs every task in issue order, so every rank
 issues its collectives in one order; ``wait`` blocks on the task. A copy given a
-``delay_s`` (`FaultDelay`, the ``fault_delay_s`` option) runs on the worker after that
+``delay_s`` (`FaultDelay`, the `fault_delay` test hook) runs on the worker after that
 delay, which proves that ``wait`` is what orders a slot.
 
 `DeviceExecutor`: a copy stream for H2D and a comm stream for the AllGather; compute
@@ -28,15 +28,17 @@ lifetime (slots are only reallocated after ``sync()``), so no buffer is reused e
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
 from . import platform
+from ...config import check_seconds
 
 
 class CpuExecutor:
@@ -184,8 +186,33 @@ def make_executor(device: torch.device, num_slots: int) -> Executor:
     return DeviceExecutor(device, num_slots)
 
 
+MAX_FAULT_DELAY_S = 60.0
+"""Longest injected delay: a test delay, not a sleep that outlives the process."""
+
+_fault_delay_s = 0.0  # set by `fault_delay` only: read when a runtime is made
+
+
+@contextlib.contextmanager
+def fault_delay(max_s: float) -> Iterator[None]:
+    """Test hook, not an option: every runtime made inside delays each copy it issues by up
+    to ``max_s`` seconds (`FaultDelay`), to prove that ``wait`` orders the slot. Several
+    ranks must set the same figure (the ranks compare it when a runtime is made)."""
+    global _fault_delay_s
+    check_seconds("dlo fault_delay max_s", max_s, MAX_FAULT_DELAY_S)
+    before, _fault_delay_s = _fault_delay_s, float(max_s)
+    try:
+        yield
+    finally:
+        _fault_delay_s = before
+
+
+def fault_delay_s() -> float:
+    """The delay `fault_delay` set (0.0: none), as a runtime made now takes it."""
+    return _fault_delay_s
+
+
 class FaultDelay:
-    """Fault injection (the ``fault_delay_s`` option), one per runtime: a random delay in
+    """Fault injection (the `fault_delay` test hook), one per runtime: a random delay in
     ``[0, max_s]`` for each copy the runtime issues, from a generator seeded alike in every
     runtime (the same delays in every run). It belongs to the runtime, not to the slots and
     executor it shares with the other models on its device: a test option does not decide
@@ -194,7 +221,7 @@ class FaultDelay:
 
     def __init__(self, max_s: float, executor: Executor, seed: int = 0) -> None:
         if max_s and not isinstance(executor, CpuExecutor):
-            raise NotImplementedError("fault_delay_s is a CPU-runtime option; on a device the "
+            raise NotImplementedError("fault_delay is a CPU-runtime test hook; on a device the "
                                       "streams order the slots")
         self.max_s = max_s
         self._rng = random.Random(seed)

@@ -17,7 +17,7 @@ import functools
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.fx.node import has_side_effect
@@ -26,7 +26,7 @@ from ..ranks.clock import word
 from ..weights.owners import owner_of
 from ..slot_machine import SlotMachine
 from ..runtime import Runtime
-from ..weights.stored import release_advice
+from ...config import conflict_error, runtime_conflicts
 from ...torch_private import profiler_enabled
 
 
@@ -40,17 +40,18 @@ class GraphSchedule(torch.nn.Module):
     node, so the graph prints and lints like any other.
     """
 
-    def __init__(self, runtime: Runtime, slot_of: list[int], fqns: list[list[str]],
-                 config: Optional[Any] = None) -> None:
+    def __init__(self, runtime: Runtime, slot_of: list[int], fqns: list[list[str]], *,
+                 trace: bool = False, made_with: Sequence[tuple[str, Any]] = ()) -> None:
         super().__init__()
         self.runtime = runtime
-        # the compile's: the runtime's, with the options each compile sets for itself
-        self.config = config if config is not None else runtime.config
-        if self.config.trace:  # a per-compile option: the runtime may not record yet
+        self.trace = trace  # the compile's option: the runtime may not record yet
+        if trace:
             runtime.machine.trace()
+        # runtime options the compile was given: a runtime bound later must have them
+        self.made_with = dict(made_with)
         self.mode = runtime.mode
+        self.num_slots = runtime.config.num_slots  # as the graph was scheduled
         self._device = runtime.device
-        self.given: Mapping[str, Any] = {}  # the options the compile call passed itself
         self.slot_of = slot_of
         self.fqns = fqns
         self.bound = [-1] * len(slot_of)
@@ -108,8 +109,8 @@ class GraphSchedule(torch.nn.Module):
         Dynamo reuses one graph for every model of the same class compiled with the same
         options, so the runtime is found from the parameters on every call. No runtime is
         made here: parameters no live runtime stores (a model released and called through
-        a graph Dynamo kept) raise. Options the compile call gave that differ from the
-        owning runtime's are refused before anything runs.
+        a graph Dynamo kept) raise, as do runtime options the compile was given that the
+        bound runtime does not have (see [Note: options belong to a verb]).
         """
         runtime = self._runtime_ref()
         if runtime is not None and params and owner_of(params[:1]) is runtime:
@@ -123,31 +124,22 @@ class GraphSchedule(torch.nn.Module):
                 "dlo_fx.release, or is another model of the class never offloaded); offload "
                 "the model again (dlo_fx.offload(model, options)) or compile it again after "
                 "torch._dynamo.reset()")
-        if self.given:
-            differing = runtime.config.differing(self.given)
-            if differing:
-                raise ValueError(conflict_message(differing))
+        conflicts = runtime_conflicts(self.made_with, runtime.config)
+        if conflicts:
+            raise conflict_error(conflicts, "torch.compile(backend='dlo')")
         if runtime.slots.num_slots < len(set(self.slot_of)):
             raise ValueError(
                 f"dlo: this graph was scheduled for {len(set(self.slot_of))} slots but the "
                 f"model it is called with has a runtime of {runtime.slots.num_slots} "
                 "(num_slots); compile each model with its own options, or call "
                 "torch._dynamo.reset() before compiling this one")
-        if self.config.trace:
+        if self.trace:
             runtime.machine.trace()
         self.runtime = runtime
         return runtime
 
     def extra_repr(self) -> str:
-        return f"blocks={len(self.slot_of)}, slots={self.config.num_slots}"
-
-
-def conflict_message(differing: Sequence[str]) -> str:
-    return ("dlo: torch.compile options differ from the options this model's runtime was "
-            "built with (at dlo_fx.load or its first compile): " + "; ".join(differing) +
-            ". Options are given once. " +
-            release_advice(instead="compile with options=None to inherit them",
-                           then="and load or compile again"))
+        return f"blocks={len(self.slot_of)}, slots={self.num_slots}"
 
 
 # [Note: profiler spans]

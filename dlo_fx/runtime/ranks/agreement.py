@@ -17,7 +17,7 @@ that shape the gathers are compared in one exchange:
   from (per-rank folders of two runs differ there).
 
 The settings that pick a runtime's weight group (``num_slots``, the timeout, the shard
-group) and ``fault_delay_s`` are compared once more, earlier, when the runtime is made and
+group) and the `fault_delay` test hook are compared once more, earlier, when the runtime is made and
 before it takes that group (`agree_on_settings`, on a control group of the same ranks):
 ``dist.new_group`` pairs the ranks' calls by count, so a group made on one rank only would
 pair every later exchange with something else. Both exchanges share the comparison and
@@ -44,7 +44,7 @@ import torch
 
 from ...config import DLOConfig
 from .collectives import ShardGroup, control_group, exchange_json, shard_ranks
-from ..device.executor import Executor
+from ..device.executor import Executor, fault_delay_s
 from ..device.shared_slots import SlotPool
 
 __all__ = ["Agreeing", "Fact", "agree", "agree_on_settings", "compile_facts", "layout_digest",
@@ -224,7 +224,7 @@ def compile_facts(rows: Sequence[Sequence[Any]], resident: Sequence[str]) -> lis
 def agree_on_settings(config: DLOConfig, device: torch.device) -> None:
     """Before a runtime takes its weight group: compare the settings that decide which
     group, slots and executor it gets (``num_slots``, the timeout, the sorted shard group),
-    with ``fault_delay_s``, the mode, ``alignment`` and the device type, over the control group
+    with the `fault_delay` test hook, the mode, ``alignment`` and the device type, over the control group
     of its ranks, and raise `ValueError` on every rank where they differ.
 
     The weight group is made per slot setting (`collectives.weight_group`), and
@@ -250,7 +250,7 @@ def agree_on_settings(config: DLOConfig, device: torch.device) -> None:
         Fact("num_slots", config.num_slots, same),
         Fact("alignment", config.alignment, same),
         Fact("collective_timeout_s", float(config.collective_timeout_s), same),
-        Fact("fault_delay_s", float(config.fault_delay_s), same),
+        Fact("fault_delay", fault_delay_s(), same),
         Fact("device type", str(getattr(device, "type", device)),
              "compute on the same kind of device on every rank"),
     ]

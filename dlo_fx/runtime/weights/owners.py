@@ -6,9 +6,9 @@ A runtime lives exactly as long as the parameters it stores, and is found only f
 only lasting strong reference to the runtime (graphs hold theirs weakly between calls, the
 store keeps parameter ids only). So the runtime, its host store and, with the last runtime
 on the device, the slots and the executor's thread go when the model's parameters are
-collected, and `torch._dynamo.reset()` has nothing to free. Options are the runtime's: a
-model loaded with options compiles with none and inherits them; a compile whose options
-differ is refused before anything changes (`DLOConfig.differing`).
+collected, and `torch._dynamo.reset()` has nothing to free. The runtime's options are
+given where it is made, and every compile of the model uses them (see [Note: options
+belong to a verb] in config.py).
 
 This module sits below the runtime (`runtime.py` registers itself here, and a stored
 weight's reads find their runtime here: `stored.py`), so it knows a runtime only as an
