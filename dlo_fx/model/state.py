@@ -1,7 +1,7 @@
 """`ModuleState`: what dlo knows about one module, in one object reachable from it.
 
 One object per module (FSDP2 keeps its per-module state the same way), not one weak map
-per fact: the guards `guard_module` installed on it (guard.py) and the options
+per fact: the guards `guard_module` installed on it and its inputs' device check (guard.py) and the options
 `compile_pipeline` compiled it with (pipelines.py). Held in one weak map, so a module
 dlo touched is collected as any other, and forgotten with its state.
 """
@@ -25,6 +25,9 @@ class ModuleState:
     """The hook handles `guard_module` installed on it; None while it is not guarded."""
     state_hooked: bool = False
     """Its ``state_dict`` post-hook (`guard._real_weights`) is among ``guards``."""
+    input_check: Any = None
+    """The handle of its inputs' device check (`input_device.check_input_devices`), on the
+    root module a model was attached as; None elsewhere."""
     compiled_with: Optional[Mapping[str, Any]] = field(default=None)
     """The options `compile_pipeline` last compiled it with, until it is released: a
     second compile with other options is refused before anything changes."""

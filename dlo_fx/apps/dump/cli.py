@@ -127,6 +127,8 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, str]:
 def run_dump(args: argparse.Namespace) -> int:
     """Compile, run and dump as ``args`` says; print what was written."""
     from . import dumps, flush, stall_summary
+    from ...loading.offload import offload
+    from ...runtime.weights.owners import owner_of
 
     try:
         assume = Assumptions(h2d_gbps=args.h2d_gbps, gather_gbps=args.gather_gbps,
@@ -140,6 +142,8 @@ def run_dump(args: argparse.Namespace) -> int:
             raise ValueError(f"--calls {args.calls} must be at least 1")
         model.eval().requires_grad_(False)
         before = len(dumps())
+        if owner_of(model.parameters()) is None:  # where its parameters are
+            offload(model, {**options, "device": str(next(model.parameters()).device)})
         compiled = torch.compile(model, backend="dlo", options=options, fullgraph=args.fullgraph)
         with torch.inference_mode():
             for _ in range(args.calls):

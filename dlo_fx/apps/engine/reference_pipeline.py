@@ -201,11 +201,14 @@ def build(options: Optional[Mapping[str, Any]] = None, *,
     ``shard_group``: AllGather mode when dp > 1). ``fault_hooks`` turns the test hooks
     of the module docstring on.
     """
+    from ...loading.offload import offload
+
     options = dict(options or {})
     if checkpoint is not None:
         model = load_dit(checkpoint, options)
-    else:
-        model = reference_dit(width=width, depth=depth, heads=heads, seed=seed)
+    else:  # made dlo's before it is compiled, as `load_dit` does for a checkpoint
+        model = offload(reference_dit(width=width, depth=depth, heads=heads, seed=seed),
+                        options)
     compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True,
                              dynamic=False)
     return ReferencePipeline(compiled, model.config, model, dump_dir=options.get("dump_dir"),
