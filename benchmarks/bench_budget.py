@@ -50,17 +50,17 @@ def budget_sweep(width: int, depth: int, heads: int, hw: int, device: torch.devi
 
     inputs = example_inputs(model().config, batch=1, height=hw, width=hw, seed=1,
                             device=device)
-    probe = model()
-    c = torch.compile(probe, backend="dlo", options={"device_budget": 10**15})
+    probe = dlo_fx.offload(model(), {"device": device, "device_budget": 10**15})
+    c = torch.compile(probe, backend="dlo")
     ref = c(*inputs)
     (plan,) = runtimes_holding(list(probe.parameters()))[0].budget_plans.values()
     total = sum(plan.block_bytes)
     variants: dict[str, Callable[[], Any]] = {}
     models, info = [], {}
     for f in fractions:
-        m = model()
         budget = plan.minimum + total * f // 100
-        compiled = torch.compile(m, backend="dlo", options={"device_budget": budget})
+        m = dlo_fx.offload(model(), {"device": device, "device_budget": budget})
+        compiled = torch.compile(m, backend="dlo")
         assert torch.equal(compiled(*inputs), ref), f"budget {f}%: output differs"
         report = dlo_fx.memory_report(m)
         info[f"{f}%"] = {"device_budget": budget, "resident_blocks": report.num_resident_blocks,

@@ -124,6 +124,7 @@ def compile_pair(p: dict, dlo_options: Optional[dict] = None):
     resident, inputs = build(p)
     streamed, _ = build(p)
     eager_c = torch.compile(resident, backend="eager")
+    dlo_fx.offload(streamed, {"device": "cpu", **(dlo_options or {})})  # where the inputs are
     dlo_c = torch.compile(streamed, backend="dlo", options=dict(dlo_options or {}))
     ref = eager_c(*inputs)
     out = dlo_c(*inputs)
@@ -277,7 +278,7 @@ def fig_slots(p: dict) -> list[Figure]:
     for depth in p["depths"]:
         fresh()
         model, inputs = build(p, depth)
-        torch.compile(model, backend="dlo")(*inputs)
+        torch.compile(dlo_fx.offload(model, {"device": "cpu"}), backend="dlo")(*inputs)
         r = dlo_fx.memory_report(model)
         rows[depth] = {"num_blocks": r.num_blocks, "num_slots": r.num_slots,
                        "max_block_bytes": r.max_block_bytes, "slot_bytes": r.slot_bytes,
@@ -342,6 +343,8 @@ def compile_once(p: dict, backend: str, depth: int, steady: int) -> dict:
     """First-call latency minus the median steady-state call, for a fresh model."""
     fresh()
     model, inputs = build(p, depth)
+    if backend == "dlo":
+        dlo_fx.offload(model, {"device": "cpu"})  # where the inputs are
     compiled = torch.compile(model, backend=backend)
     gc.collect()
     first = T.timed_call(caller(compiled, inputs))

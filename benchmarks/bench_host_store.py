@@ -107,11 +107,12 @@ def _warm_dynamo() -> None:
 
     import torch
 
+    import dlo_fx
     from dlo_fx.apps.models import example_inputs, reference_dit
     from dlo_fx.runtime.weights.owners import reset_runtimes
 
     with torch.inference_mode():
-        tiny = reference_dit(width=64, depth=2, heads=4)
+        tiny = dlo_fx.offload(reference_dit(width=64, depth=2, heads=4), {"device": "cpu"})
         torch.compile(tiny, backend="dlo")(*example_inputs(tiny.config, batch=1, height=8, width=8))
     torch._dynamo.reset()
     reset_runtimes()

@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 import _timing as T  # noqa: E402
 
+import dlo_fx  # noqa: E402
 from dlo_fx.inductor import STATS  # noqa: E402
 from dlo_fx.apps.models import example_inputs, reference_dit  # noqa: E402
 from dlo_fx.runtime.weights.owners import reset_runtimes  # noqa: E402
@@ -69,6 +70,8 @@ def compiled_variants(p: dict) -> tuple[dict, dict, Any]:
              "resident_eager": ("eager", None)}
     for name, (backend, options) in specs.items():
         model, inputs = build(p)
+        if backend == "dlo":
+            dlo_fx.offload(model, {"device": "cpu"})  # where the inputs are
         kw = {"options": options} if options is not None else {}
         fn = torch.compile(model, backend=backend, fullgraph=True, **kw)
         start = time.perf_counter()

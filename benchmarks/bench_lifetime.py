@@ -20,6 +20,7 @@ import time
 
 import torch
 
+import dlo_fx
 from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.runtime.weights.owners import runtimes_holding
 
@@ -35,7 +36,7 @@ def rounds(n: int) -> tuple[int, list[int]]:
         model = reference_dit(width=256, depth=4, heads=4, seed=i, dtype=torch.float32)
         inputs = inputs or example_inputs(model.config, batch=1, height=8, width=8, seed=1)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        compiled = torch.compile(model, backend="dlo")
+        compiled = torch.compile(dlo_fx.offload(model, {"device": "cpu"}), backend="dlo")
         with torch.no_grad():
             compiled(*inputs)
         del model, compiled
@@ -48,7 +49,7 @@ def bind_cost(repeats: int) -> tuple[float, float]:
     """(median seconds per bind, median seconds per compiled call)."""
     model = reference_dit(width=256, depth=4, heads=4, seed=0, dtype=torch.float32)
     inputs = example_inputs(model.config, batch=1, height=8, width=8, seed=1)
-    compiled = torch.compile(model, backend="dlo")
+    compiled = torch.compile(dlo_fx.offload(model, {"device": "cpu"}), backend="dlo")
     with torch.no_grad():
         for _ in range(3):
             compiled(*inputs)

@@ -66,6 +66,7 @@ def _figures(model) -> dict:
 def part1(p: dict) -> dict:
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
+    import dlo_fx
     from dlo_fx.apps.models.reference_dit import example_inputs
     from dlo_fx.model.storage_dtype import layerwise_layers
 
@@ -91,7 +92,8 @@ def part1(p: dict) -> dict:
     options = {"bf16": {}, "fp8": {"storage_dtype": FP8}, "int8": {}}
     compiled = {}
     for name, model in models.items():
-        compiled[name] = torch.compile(model, backend="dlo", options=options[name])
+        dlo_fx.offload(model, {"device": "cpu", **options[name]})  # where the inputs are
+        compiled[name] = torch.compile(model, backend="dlo")
         got = [compiled[name](*inputs) for _ in range(2)]
         assert all(torch.equal(g, want[name]) for g in got), f"{name}: not bit-identical"
     samples = interleaved({n: (lambda c=c: c(*inputs)) for n, c in compiled.items()},

@@ -119,10 +119,10 @@ class DLOConfig:
     """Device the slots live on and the graph computes on, e.g. ``"cpu"``, ``"cuda:0"``,
     ``"meta"`` (plan and trace without values). ``None``: for `dlo_fx.offload`,
     `dlo_fx.load` and `compile_pipeline` the accelerator ``torch.accelerator`` reports,
-    else the CPU; for a model compiled without either, the device of its parameters. A
+    else the CPU. A
     device this machine lacks (an accelerator it has not, an index past its count) is a
     ``ValueError`` naming it where the device is first needed (`dlo_fx.offload`,
-    `dlo_fx.load`, `compile_pipeline`, a compile's first call), before anything is stored.
+    `dlo_fx.load`, `compile_pipeline`), before anything is stored.
     Default: ``None``."""
 
     pin_memory: bool = True

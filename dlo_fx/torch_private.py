@@ -7,10 +7,8 @@ or attribute. The groups: what the stored-weight representation needs (`fake_mod
 `swap_in_place`, `refuse_data_pointer`, `refuse_storage_resize`, `storage_key`,
 `composite_kernel`, `view_tracked`, `DISABLED_TORCH_FUNCTION`,
 `is_traceable_wrapper_subclass`, the pytree helpers `tree_flatten`, `tree_leaves`,
-`tree_map`); what the backend reads of the frame Dynamo is
-compiling (`compiling_frame_locals`, `traced_modules`, `is_dynamo_code`,
-`compiled_module_of`), and of a compiled function `dlo_fx.release` undoes
-(`compile_backend_name`); a correction to Dynamo (`install_contains_fix`); what
+`tree_map`); what `dlo_fx.offload` and `dlo_fx.release` read of a compiled module or
+function (`compiled_module_of`, `compile_backend_name`); a correction to Dynamo (`install_contains_fix`); what
 ``compiler="inductor"`` uses (`graph_fake_mode`, `restart_with_floats_specialized`,
 `inductor_compile`, `inductor_config_key`, `storage_key`, `GRAD_MODE_TARGETS`); what the
 passes use to find a parameter's aliases (`storage_key`); the op targets FLOPs are counted
@@ -156,61 +154,7 @@ def _reinterpret_tensor() -> Optional[Callable]:
     return getattr(torch.ops.inductor, "_reinterpret_tensor", None)
 
 
-# -- the frame Dynamo is compiling (backend.py) ------------------------------------------
-def _current_tx() -> Any:
-    """Dynamo's instruction translator of the frame being compiled; None outside Dynamo."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    if not callable(getattr(InstructionTranslator, "current_tx", None)):
-        raise RuntimeError("dlo: this torch's Dynamo has no InstructionTranslator.current_tx; "
-                           "dlo cannot find the module it compiles (to claim and guard it)")
-    try:
-        return InstructionTranslator.current_tx()
-    except AttributeError:  # its thread-local is unset: no frame is being compiled
-        return None
-
-
-def compiling_frame_locals() -> Optional[dict]:
-    """The locals of the frame Dynamo is compiling, or None outside a compile."""
-    tx = _current_tx()
-    return None if tx is None else dict(tx.f_locals)
-
-
-def compiling_frame_name() -> Optional[str]:
-    """The code name of the frame Dynamo is compiling (``forward``, or a resume function
-    Dynamo made after a graph break), or None outside a compile."""
-    tx = _current_tx()
-    return None if tx is None else getattr(getattr(tx, "f_code", None), "co_name", None)
-
-
-def traced_modules() -> list[tuple[torch.nn.Module, str]]:
-    """``(module, source name)`` of every module the frame being compiled traced, from
-    Dynamo's tracker cache (``G['model']``, ``L['pipe'].transformer``); empty on a torch
-    without it."""
-    try:
-        from torch._dynamo.variables.nn_module import (NNModuleVariable,
-                                                       UnspecializedNNModuleVariable)
-
-        trackers = list(_current_tx().output.variable_tracker_cache.items())
-    except (ImportError, AttributeError, RuntimeError):  # another torch: nothing found
-        return []
-    found = []
-    for source, vt in trackers:
-        module = getattr(vt, "value", None) if isinstance(
-            vt, (NNModuleVariable, UnspecializedNNModuleVariable)) else None
-        name = getattr(source, "name", None)
-        if isinstance(module, torch.nn.Module) and isinstance(name, str):
-            found.append((module, name))
-    return found
-
-
-def is_dynamo_code(code: Any) -> bool:
-    """Whether ``code`` is a code object Dynamo made for a frame it compiled."""
-    from torch._dynamo.utils import orig_code_map
-
-    return code in orig_code_map
-
-
+# -- a compiled function or module (release, offload) ----------------------------------
 def compile_backend_name(fn: Any) -> Optional[str]:
     """The name of the backend a ``torch.compile`` wrapper of a function compiles with
     (``module.compile``'s ``_compiled_call_impl``, a compiled bound method): Dynamo's
@@ -465,20 +409,6 @@ def restart_with_floats_specialized(gm: fx.GraphModule) -> None:
         TensorifyState.specialize(name)
     if names:
         raise TensorifyScalarRestartAnalysis
-
-
-def trace_again(reason: str) -> None:
-    """Have Dynamo trace the frame it is compiling again, from its first instruction (the
-    one restart a backend may raise past Dynamo's wrapping: its tensorified-float restart,
-    raised with nothing newly specialized). See [Note: a model compiled without offload]
-    in dynamo/first_trace.py."""
-    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-
-    tx = _current_tx()
-    log = getattr(tx, "speculation_log", None)
-    if log is not None:  # the next trace takes other branches (stored weights): none replayed
-        log.clear()
-    raise TensorifyScalarRestartAnalysis(restart_reason=reason)
 
 
 def graph_break() -> None:

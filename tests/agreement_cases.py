@@ -20,7 +20,7 @@ from dlo_fx.runtime.host.host_store import HostStore
 from dlo_fx.runtime.weights.stored import is_stored
 from errors import error_text
 from loader_cases import SHARED, fresh, resident_dit, save_dit
-from models import call, tiny_dit
+from models import call, offloaded, tiny_dit
 
 STORES = ("memory", "mmap")
 
@@ -60,7 +60,7 @@ def _built_equal(options: dict, seed: int = 0) -> bool:
     fresh()
     reference, inputs = tiny_dit(seed=seed)
     model, _ = tiny_dit(seed=seed)
-    compiled = torch.compile(model, backend="dlo", options=options)
+    compiled = torch.compile(offloaded(model, options), backend="dlo", options=options)
     with torch.no_grad():
         expected = call(reference, inputs)
         return all(torch.equal(call(compiled, inputs), expected) for _ in range(3))
@@ -104,13 +104,13 @@ def agreement_cases(rank: int, world: int, files: dict) -> dict:
 
 
 def _store_fails_on_one_rank(rank: int, options: dict) -> dict:
-    """A compile whose host store fails on rank 1 only (an injected failure to pin a shard):
-    both ranks raise together, the model keeps its real parameters, and calling it again
-    compiles and is exact on both (see [Note: storing blocks] in runtime/runtime.py)."""
+    """An offload whose host store fails on rank 1 only (an injected failure to pin a
+    shard): both ranks raise together, the model keeps its real parameters, and offloading
+    it again then compiling is exact on both (see [Note: storing blocks] in
+    runtime/runtime.py)."""
     fresh()
     reference, inputs = tiny_dit()
     model, _ = tiny_dit()
-    compiled = torch.compile(model, backend="dlo", options=options)
     real_add = HostStore.add_block
 
     def failing_add(self, *args, **kw):
@@ -119,14 +119,18 @@ def _store_fails_on_one_rank(rank: int, options: dict) -> dict:
     if rank == 1:
         HostStore.add_block = failing_add
     try:
-        with torch.no_grad():
-            first = outcome(lambda: call(compiled, inputs))
+        first = outcome(lambda: offloaded(model, options))
     finally:
         HostStore.add_block = real_add
     intact = not any(is_stored(p) for p in model.parameters())
     with torch.no_grad():
         expected = call(reference, inputs)
-        again = outcome(lambda: [torch.equal(call(compiled, inputs), expected) for _ in range(2)])
+
+        def again():
+            compiled = torch.compile(offloaded(model, options), backend="dlo", options=options)
+            return [torch.equal(call(compiled, inputs), expected) for _ in range(2)]
+
+        again = outcome(again)
     return {"first": first, "intact": intact, "again": again}
 
 
@@ -215,7 +219,7 @@ def failure_stays_with_its_model(rank: int, world: int, root: str, files: dict,
         reference, built_inputs = tiny_dit(depth=2, seed=5)
         built, _ = tiny_dit(depth=2, seed=5)
         with fault_delay(fault_delay_s):
-            dlo_fx.offload(built, {"num_slots": 2})
+            offloaded(built, {"num_slots": 2})
         c = torch.compile(built, backend="dlo")
         want = call(reference, built_inputs)
         out["built"] = [outcome(lambda: torch.equal(call(c, built_inputs), want))

@@ -11,7 +11,7 @@ from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime.weights.stored import is_stored
 from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
-from models import call, tiny_dit
+from models import call, offloaded, tiny_dit
 
 DEPTH = 6
 
@@ -34,7 +34,7 @@ def run(options: dict, *, checkpoint: Optional[str] = None, calls: int = 2) -> d
     with torch.no_grad():
         ref = call(ref_model, inputs)
     if checkpoint is None:
-        model, _ = tiny_dit(depth=DEPTH)
+        model = offloaded(tiny_dit(depth=DEPTH)[0], options)
     else:
         model = dlo_fx.load(lambda: ReferenceDiT(ref_model.config), checkpoint, options=options)
     compiled = torch.compile(model, backend="dlo", fullgraph=True, options=options)

@@ -13,7 +13,7 @@ from torch.fx.node import has_side_effect
 from dlo_fx.runtime.weights.owners import reset_runtimes
 
 from errors import described, error_text
-from models import MODELS, call, run_dlo, runtime_figures, tiny_dit
+from models import MODELS, call, offloaded, run_dlo, runtime_figures, tiny_dit
 
 
 def _fresh() -> None:
@@ -35,15 +35,15 @@ def sharding_cases(rank: int, world: int, models: tuple[str, ...], folder: str) 
             out[(name, mode)] = run_model(name, {"mode": mode})
     out[("dit-break", "allgather")] = run_model("dit", {"mode": "allgather", "num_slots": 3},
                                                 fullgraph=False, calls=3, graph_break=True)
-    out["offload"] = {(name, mode): run_model(name, {"mode": mode}, offload=True)
+    out["offload"] = {(name, mode): run_model(name, {"mode": mode})
                       for name in ("dit", "flux") for mode in ("allgather", "rank_local")}
     # Ranks that schedule different plans must all raise, naming the block, not hang.
     _fresh()
     model, inputs = tiny_dit()
     budget = 20_000 if rank == 0 else 60_000
-    compiled = torch.compile(model, backend="dlo", fullgraph=True,
-                             options={"block_bytes": budget, "collective_timeout_s": 30})
-    try:
+    try:  # the ranks plan the blocks at the offload
+        offloaded(model, {"block_bytes": budget, "collective_timeout_s": 30})
+        compiled = torch.compile(model, backend="dlo", fullgraph=True)
         with torch.no_grad():
             call(compiled, inputs)
         out["mismatch"] = None
@@ -140,7 +140,8 @@ def failure_cases(rank: int, world: int, timeout_s: float) -> dict:
         model, inputs = tiny_dit(depth=6)
         options = {"collective_timeout_s": timeout_s, "user_passes": [_inject(how, 1)],
                    "block_bytes": 40_000}
-        compiled = torch.compile(model, backend="dlo", fullgraph=True, options=options)
+        compiled = torch.compile(offloaded(model, options), backend="dlo", fullgraph=True,
+                                 options=options)
         start = time.monotonic()
         try:
             with torch.no_grad():

@@ -15,9 +15,9 @@ from torch.fx.node import has_side_effect
 
 import dlo_fx.apps.dump
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.weights.owners import reset_runtimes
+from dlo_fx.runtime.weights.owners import owner_of, reset_runtimes
 
-from models import call, tiny_wan
+from models import call, offloaded, tiny_wan
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -61,10 +61,13 @@ def dlo_lines(schedule_py: str) -> str:
 
 def dump_model(model, inputs, dump_dir: Path, options: dict, calls: int = 1,
                fullgraph: bool = True):
-    """Compile with dlo writing dumps into ``dump_dir``; run ``calls`` times.
+    """Compile with dlo writing dumps into ``dump_dir`` (offloaded first where it is not
+    dlo's yet); run ``calls`` times.
 
     Returns (compiled model, the folders this compile wrote)."""
     before = len(dlo_fx.apps.dump.dumps())
+    if owner_of(model.parameters()) is None:
+        offloaded(model, options)
     compiled = torch.compile(model, backend="dlo", fullgraph=fullgraph,
                              options={**options, "dump_dir": str(dump_dir)})
     with torch.no_grad():

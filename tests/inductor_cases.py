@@ -47,7 +47,7 @@ import torch
 
 from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
-from models import MODELS, call
+from models import MODELS, call, offloaded
 
 #: Relative resolution per dtype; the absolute tolerance is that times max |reference|.
 RESOLUTION = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3, torch.float32: 1e-5}
@@ -92,7 +92,8 @@ def dlo_inductor(name: str, options: dict, inputs_list, *, fullgraph=True, dynam
                  **kw):
     """(outputs, model) of a dlo-compiled twin with ``compiler="inductor"``."""
     model, _ = MODELS[name](**kw)
-    compiled = torch.compile(model, backend="dlo", fullgraph=fullgraph, dynamic=dynamic,
+    compiled = torch.compile(offloaded(model, options), backend="dlo", fullgraph=fullgraph,
+                             dynamic=dynamic,
                              options={"compiler": "inductor", **options})
     with torch.no_grad():
         return [call(compiled, inputs) for inputs in inputs_list], model

@@ -8,7 +8,19 @@ import torch
 
 import dlo_fx
 from dlo_fx.apps.models import example_inputs, reference_dit
+from dlo_fx.config import COMPILE_OPTIONS
 from dlo_fx.runtime.weights.owners import runtimes_holding
+
+
+def offloaded(model: torch.nn.Module, options=None, **kw) -> torch.nn.Module:
+    """``model`` offloaded (`dlo_fx.offload`, the one way in) with the options in ``options``
+    that shape its runtime (the compile options are ``torch.compile``'s to give), computing
+    where its parameters are unless ``options`` names a device: the tests' inputs are
+    made there."""
+    if options is None or isinstance(options, dict):
+        options = {k: v for k, v in (options or {}).items() if k not in COMPILE_OPTIONS}
+        options.setdefault("device", str(next(model.parameters()).device))
+    return dlo_fx.offload(model, options, **kw)
 
 
 def tiny_dit(depth: int = 3, graph_break: bool = False, seed: int = 0):
@@ -76,20 +88,15 @@ def call(model, inputs):
     return getattr(out, "sample", out)
 
 
-def run_dlo(factory, options=None, *, calls=2, fullgraph=True, offload=False, **kw):
+def run_dlo(factory, options=None, *, calls=2, fullgraph=True, **kw):
     """Reference output of a resident model, and `calls` outputs of a dlo-compiled twin
-    (offloaded first with ``offload``, else stored by its first call), each option given
-    to its verb."""
-    from dlo_fx.config import split_options
-
+    (offloaded first, then compiled: the one way in)."""
     ref_model, inputs = factory(**kw)
     with torch.no_grad():
         ref = call(ref_model, inputs)
     model, _ = factory(**kw)
-    if offload:
-        runtime_options, options = split_options(options)
-        dlo_fx.offload(model, options=runtime_options)
-    compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
+    compiled = torch.compile(offloaded(model, options), backend="dlo", options=options,
+                             fullgraph=fullgraph)
     with torch.no_grad():
         outs = [call(compiled, inputs) for _ in range(calls)]
     return ref, outs, model

@@ -26,7 +26,7 @@ from dlo_fx.runtime.weights.owners import live_runtimes, runtimes_holding
 
 from errors import error_text
 from loader_cases import SHARED, resident_dit, resident_wan, save_dit, save_wan
-from models import tiny_wan
+from models import offloaded, tiny_wan
 
 OPTIONS = {"block_bytes": 300_000}
 
@@ -223,13 +223,14 @@ def module_operations(rank: int, world: int, out_dir: str) -> dict:
 
 
 def _built_and_loaded(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dict:
-    """Dynamo reuses a graph for every model of the class: one built in memory (small
-    parameters resident, read by the graph itself) and one from dlo_fx.load (all
-    stored), in either order, then the loaded one released and called again; with and
-    without a graph break in the blocks (the model's own forward then runs eagerly, and
-    the built model's compile left torch.nn forwards to eager calls). The loaded model's
-    call through the built one's graph read zero-byte storage (a crash), the other way
-    round the graph's resident-copy op found no stored parameter."""
+    """Dynamo reuses a graph for every model of the class: one built in memory and
+    offloaded (small parameters resident, read by the graph itself) and one from
+    dlo_fx.load (all stored), in either order, then the loaded one released and called
+    again (refused naming release: it never stores itself again), then offloaded again
+    and called; with and without a graph break in the blocks (the model's own forward
+    then runs eagerly). The loaded model's call through the built one's graph read
+    zero-byte storage (a crash), the other way round the graph's resident-copy op found
+    no stored parameter."""
     out = {}
     for graph_break in (False, True):
         config = dataclasses.replace(cfg, graph_break_in_blocks=graph_break)
@@ -237,15 +238,20 @@ def _built_and_loaded(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dic
             torch._dynamo.reset()
             got, compiled = [], {}
             for kind in order:
-                model = (resident_dit(dit_path, config) if kind == "built" else
+                model = (offloaded(resident_dit(dit_path, config)) if kind == "built" else
                          dlo_fx.load(ReferenceDiT, dit_path, config=config))
                 compiled[kind] = torch.compile(model, backend="dlo")
                 with torch.no_grad():
                     got += [_outcome(lambda: torch.equal(compiled[kind](*inputs), expected))
                             for _ in range(2)]
-            # The loaded model released, then called again through its compiled model.
-            dlo_fx.release(compiled["loaded"]._orig_mod)
+            # The loaded model released, then called again through its compiled model:
+            # refused naming release; offloaded again, exact through the same handle.
+            loaded = compiled["loaded"]._orig_mod
+            dlo_fx.release(loaded)
             with torch.no_grad():
+                got += [_outcome(lambda: torch.equal(compiled["loaded"](*inputs), expected))
+                        for _ in range(2)]
+                offloaded(loaded)
                 got += [_outcome(lambda: torch.equal(compiled["loaded"](*inputs), expected))
                         for _ in range(2)]
             out[f"built_and_loaded_{graph_break}_{'_'.join(order)}"] = got
@@ -258,7 +264,7 @@ def _built_and_loaded(dit_path: str, cfg, inputs, expected: torch.Tensor) -> dic
     options = {"num_slots": 3}
     got = []
     for kind in ("loaded", "built", "loaded"):
-        model = (resident_dit(dit_path, config) if kind == "built" else
+        model = (offloaded(resident_dit(dit_path, config), options) if kind == "built" else
                  dlo_fx.load(ReferenceDiT, dit_path, config=config, options=options))
         compiled = torch.compile(model, backend="dlo",
                                  options=options if kind == "built" else None)
@@ -301,13 +307,17 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
     broken, twin = (reference_dit(width=64, depth=3, heads=4, seed=0, graph_break_in_blocks=True)
                     .eval().requires_grad_(False) for _ in range(2))
     x = example_inputs(twin.config, batch=2, height=8, width=8, seed=1)
-    compiled = torch.compile(broken, backend="dlo", options={"resident_bytes": 0})
+    compiled = torch.compile(offloaded(broken, {"resident_bytes": 0}), backend="dlo",
+                             options={"resident_bytes": 0})
     with torch.no_grad():
         want = twin(*x)
         out["graph_break_exact"] = [torch.equal(compiled(*x), want) for _ in range(2)]
     out["graph_break_eager_and_state"] = _eager_and_state(broken, twin)
-    dlo_fx.release(broken)  # the next call stores it again, through the same graphs
+    dlo_fx.release(broken)  # final: the next call refuses, naming release
     with torch.no_grad():
+        out["graph_break_released_refused"] = [_outcome(lambda: compiled(*x))
+                                               for _ in range(2)]
+        offloaded(broken, {"resident_bytes": 0})  # the way back: the same graphs stream it
         out["graph_break_released_exact"] = [torch.equal(compiled(*x), want) for _ in range(2)]
     out["graph_break_released_eager_and_state"] = _eager_and_state(broken, twin)
     # A compiled function that takes the model (a denoising step): no module frame is on
@@ -317,6 +327,7 @@ def _reused_graphs(dit_path: str, cfg, inputs, expected: torch.Tensor, ref) -> d
     for seed, key in ((1, "step_first"), (2, "step")):
         model, twin = (reference_dit(width=64, depth=3, heads=4, seed=seed)
                        .eval().requires_grad_(False) for _ in range(2))
+        offloaded(model, {"resident_bytes": 0})
         with torch.no_grad():
             want = twin(*x)
             out[f"{key}_exact"] = [torch.equal(step(model, *x), want) for _ in range(2)]
@@ -344,7 +355,7 @@ def _shared_storages(out_dir: str) -> dict:
         for key, state in (("assign", shared), ("mmap", torch.load(path, mmap=True))):
             model = reference_dit(width=64, depth=3, heads=4, seed=5).eval().requires_grad_(False)
             model.load_state_dict(state, assign=True)
-            compiled = torch.compile(model, backend="dlo", options={"resident_bytes": 0})
+            compiled = torch.compile(offloaded(model, {"resident_bytes": 0}), backend="dlo")
             out[f"shared_{key}_exact"] = [_outcome(lambda: torch.equal(compiled(*x), want))
                                           for _ in range(2)]
             out[f"shared_{key}_stored"] = _stored_count(model)
@@ -355,19 +366,19 @@ def _shared_storages(out_dir: str) -> dict:
 
 
 def _shared_layer() -> dict:
-    """Two models sharing a layer share a runtime. Releasing one closed it and left the
-    other's parameters stored in a closed runtime, their weights gone (its next call
-    raised reading zero-byte storage): release gives back every parameter the runtime stores. Dynamo starts afresh:
-    past its recompile limit for the DiT's frame (the models of the class compiled before
-    in this process, each traced once plain and once stored) it runs the frame eagerly,
-    and the block graphs it then reuses would store ``b``'s own layers in a runtime of
-    their own, which releasing ``a`` does not reach."""
+    """Two models sharing a layer share a runtime: ``a`` offloaded, ``b``'s graph finds
+    ``a``'s runtime through the shared layer and stores its own parameters there.
+    Releasing one closed it and left the other's parameters stored in a closed runtime,
+    their weights gone (its next call raised reading zero-byte storage): release gives back
+    every parameter the runtime stores, and the compiled handles then refuse, naming
+    release, until ``a`` is offloaded again."""
     torch._dynamo.reset()
     a, b, ref_a, ref_b = (reference_dit(width=64, depth=3, heads=4, seed=seed)
                           .eval().requires_grad_(False) for seed in (6, 7, 6, 7))
     b.blocks[0], ref_b.blocks[0] = a.blocks[0], ref_a.blocks[0]
     x = example_inputs(a.config, batch=2, height=8, width=8, seed=1)
     pairs = ((a, ref_a(*x)), (b, ref_b(*x)))
+    offloaded(a)
     compiled = [(torch.compile(m, backend="dlo"), want) for m, want in pairs]
     with torch.no_grad():
         out = {"shared_layer_exact": [torch.equal(c(*x), want) for c, want in compiled]}
@@ -375,6 +386,8 @@ def _shared_layer() -> dict:
         out["shared_layer_eager"] = [_outcome(lambda: torch.equal(m(*x), want))
                                      for m, want in pairs]
         out["shared_layer_stored"] = _stored_count(a) + _stored_count(b)
+        out["shared_layer_refused"] = [_outcome(lambda: c(*x)) for c, _ in compiled]
+        offloaded(a)
         out["shared_layer_again"] = [_outcome(lambda: torch.equal(c(*x), want))
                                      for c, want in compiled]
     out["shared_layer_eager_and_state"] = _eager_and_state(b, ref_b)

@@ -77,20 +77,19 @@ def scheduled_targets():
         SCHEDULED_OBSERVERS.remove(observe)
 
 
-def streamed(factory, options, *, offload=True, calls=2, inputs_of=None):
-    """Outputs of the resident model and of a dlo twin (offloaded first with ``offload``,
-    else stored by its first compiled call), ``torch.equal`` per call, and what dlo holds."""
+def streamed(factory, options, *, compile_options=False, calls=2, inputs_of=None):
+    """Outputs of the resident model and of a dlo twin (offloaded first; with
+    ``compile_options``, ``torch.compile`` given the same options again), ``torch.equal``
+    per call, and what dlo holds."""
     _fresh()
     ref_model, inputs = factory()
     with torch.no_grad():
         ref = call(ref_model, inputs)
     model, _ = factory()
     with scheduled_targets() as graphs:
-        if offload:
-            dlo_fx.offload(model, options)
-            compiled = torch.compile(model, backend="dlo")
-        else:
-            compiled = torch.compile(model, backend="dlo", options=options)
+        dlo_fx.offload(model, options)
+        compiled = torch.compile(model, backend="dlo",
+                                 options=options if compile_options else None)
         with torch.no_grad():
             outs = [call(compiled, inputs) for _ in range(calls)]
     return {"equal": [torch.equal(o, ref) for o in outs], **holdings(model),
@@ -126,7 +125,7 @@ def tp_cases(rank: int, world: int) -> dict:
     rank_local = {"mode": "rank_local", "resident_bytes": 0}
     out = {
         "offload": streamed(lambda: tp_mlp(mesh), rank_local),
-        "compile": streamed(lambda: tp_mlp(mesh), rank_local, offload=False),
+        "compile": streamed(lambda: tp_mlp(mesh), rank_local, compile_options=True),
         "uneven": streamed(lambda: tp_mlp(mesh, hidden=63, plan=UNEVEN_PLAN), rank_local),
     }
     # A gather over the TP ranks themselves would mix two shards: refused at the offload

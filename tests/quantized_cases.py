@@ -26,12 +26,13 @@ def quantized(name: str) -> torch.nn.Module:
 def compare(name: str, options: dict, calls: int = 2) -> dict:
     """Bit-identity of ``calls`` calls, and the host bytes against the bf16 model's."""
     from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
+    from models import offloaded
 
     torch._dynamo.reset()
     reset_runtimes()
     want = run(quantized(name))
-    model = quantized(name)
-    model.compile(backend="dlo", options=options)
+    model = offloaded(quantized(name), options)
+    model.compile(backend="dlo")
     equal = [torch.equal(run(model), want) for _ in range(calls)]
     store = runtimes_holding(list(model.parameters()))[0].store
     kinds = sorted({e.wrapper[0].__name__ for e in store._entries.values() if e.parts})

@@ -17,6 +17,7 @@ import torch
 
 
 def _warm_up() -> None:
+    import dlo_fx
     from dlo_fx.apps.models import example_inputs, reference_dit
     from dlo_fx.runtime.weights.owners import reset_runtimes
 
@@ -24,6 +25,7 @@ def _warm_up() -> None:
     model = reference_dit(width=32, depth=3, heads=2, seed=0).eval().requires_grad_(False)
     inputs = example_inputs(model.config, batch=1, height=4, width=4, seed=0)
     with torch.no_grad():
+        dlo_fx.offload(model, {"device": "cpu"})
         torch.compile(model, backend="dlo", fullgraph=True)(*inputs)
     del model
     _resolve_diffusers_classes()

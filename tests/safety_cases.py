@@ -18,7 +18,7 @@ from dlo_fx.runtime.ranks.clock import ClockMismatch
 from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
 from errors import described
-from models import call, run_dlo, tiny_dit
+from models import call, offloaded, run_dlo, tiny_dit
 from safety_models import FAIL, eager_head_dit, fail_after_half_the_waits, tiny_hidream
 
 
@@ -71,7 +71,7 @@ def _failing(rank: int, mode: str, kinds: tuple[str, ...], graph_break: bool,
     model, _ = tiny_dit(depth=6, graph_break=graph_break)
     options = {"mode": mode, "block_bytes": 40_000, "collective_timeout_s": 30,
                "user_passes": [fail_after_half_the_waits]}
-    compiled = torch.compile(model, backend="dlo", options=options)
+    compiled = torch.compile(offloaded(model, options), backend="dlo", options=options)
     outcomes = {}
     with torch.no_grad():
         for kind in kinds:
@@ -92,7 +92,7 @@ def _gather_only(rank: int) -> dict:
     ref_model, (x,) = eager_head_dit()
     model, _ = eager_head_dit()
     options = {"mode": "allgather", "resident_bytes": 0, "collective_timeout_s": 30}
-    compiled = torch.compile(model, backend="dlo", options=options)
+    compiled = torch.compile(offloaded(model, options), backend="dlo", options=options)
     calls = []
     clock = ForwardClock(lambda *a: calls.append(a[0].shape[0]) or compiled(*a))
     small, big = x[:1], torch.cat([x, x])
@@ -121,7 +121,7 @@ def _interrupted_waits(rank: int, rounds: int = 8) -> dict:
     model, _ = tiny_dit(depth=4)
     options = {"mode": "allgather", "block_bytes": 20_000, "collective_timeout_s": 60}
     with fault_delay(0.01):
-        dlo_fx.offload(model, options)
+        offloaded(model, options)
     compiled = torch.compile(model, backend="dlo", fullgraph=True)
     rng = random.Random(rank)
     calls, after, interrupted = [], [], 0
@@ -163,7 +163,8 @@ def _replaced_on_one_rank(rank: int) -> list:
     ref_model, inputs = tiny_dit()
     model, _ = tiny_dit()
     options = {"mode": "allgather", "collective_timeout_s": 30}
-    compiled = torch.compile(model, backend="dlo", fullgraph=True, options=options)
+    compiled = torch.compile(offloaded(model, options), backend="dlo", fullgraph=True,
+                             options=options)
     name = "blocks.1.fc2_weight"
 
     def outcome(fn=lambda: torch.equal(call(compiled, inputs), ref)):
@@ -201,9 +202,9 @@ def _one_rank_recompiles(rank: int) -> list:
 
     _fresh()
     ref_model = reference_dit(width=64, depth=3, heads=4, seed=0)
-    model = reference_dit(width=64, depth=3, heads=4, seed=0)
-    compiled = torch.compile(model, backend="dlo", options={
+    model = offloaded(reference_dit(width=64, depth=3, heads=4, seed=0), {
         "mode": "allgather", "device_budget": 450_000, "collective_timeout_s": 30})
+    compiled = torch.compile(model, backend="dlo")
     steps = [((8, 8), None), ((8, 16), None), ((8, 16), None), ((8, 8), "grad0"),
              ((16, 16), "fp16_1"), ((8, 8), None)]
     outcomes = []
@@ -220,9 +221,10 @@ def _one_rank_recompiles(rank: int) -> list:
     # (stored blocks: no collective), so both ranks call graphs in step, exactly. (Eager
     # fetch hooks once fetched the block there, and both ranks raised.)
     _fresh()
-    model = reference_dit(width=64, depth=3, heads=4, seed=0, graph_break_in_blocks=True)
-    compiled = torch.compile(model, backend="dlo", options={
-        "mode": "allgather", "collective_timeout_s": 30})
+    model = offloaded(reference_dit(width=64, depth=3, heads=4, seed=0,
+                                    graph_break_in_blocks=True),
+                      {"mode": "allgather", "collective_timeout_s": 30})
+    compiled = torch.compile(model, backend="dlo")
     for i, sizes in enumerate([(8, 8), (8, 16), (8, 8)]):
         inputs = example_inputs(model.config, batch=1, height=sizes[rank], width=sizes[rank],
                                 seed=i)
@@ -261,8 +263,8 @@ def safety_cases(rank: int, world: int) -> dict:
     # 8. different weights of the same shapes on each rank
     _fresh()
     model, inputs = tiny_dit(seed=rank)
-    compiled = torch.compile(model, backend="dlo", options={"mode": "allgather"})
-    try:
+    try:  # the ranks compare the weights at the offload
+        compiled = torch.compile(offloaded(model, {"mode": "allgather"}), backend="dlo")
         with torch.no_grad():
             call(compiled, inputs)
         out["weights"] = None

@@ -67,6 +67,7 @@ def ranks_case(rank: int, world: int, folder: str) -> dict:
     import dlo_fx
     from diffusers import FluxTransformer2DModel
     from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
+    from models import offloaded
 
     root = os.path.join(folder, "flux")
     want = run(ref_model(FluxTransformer2DModel.from_pretrained(root, torch_dtype=BF16)))
@@ -75,8 +76,8 @@ def ranks_case(rank: int, world: int, folder: str) -> dict:
     for mode in ("allgather", "rank_local"):
         torch._dynamo.reset()
         reset_runtimes()
-        model = flux()
-        model.compile(backend="dlo", options={"mode": mode, "storage_dtype": FP8})
+        model = offloaded(flux(), {"mode": mode, "storage_dtype": FP8})
+        model.compile(backend="dlo")
         out[("memory", mode)] = [torch.equal(run(model), want_memory) for _ in range(2)]
         torch._dynamo.reset()
         model = dlo_fx.load(FluxTransformer2DModel, root, dtype=BF16, options={

@@ -19,7 +19,7 @@ from dlo_fx.runtime.weights.stored import is_stored
 
 from errors import error_text
 from loader_cases import resident_dit
-from models import tiny_dit
+from models import offloaded, tiny_dit
 
 LAYER = "blocks.1.qkv"  # a Linear whose weight is stored
 
@@ -101,7 +101,7 @@ def read_case(path: str, config, how: str, name: str):
     if how == "loaded":
         model = dlo_fx.load(ReferenceDiT, path, config=config)
     else:
-        model = resident_dit(path, config)
+        model = offloaded(resident_dit(path, config))
         with torch.no_grad():
             torch.compile(model, backend="dlo", fullgraph=True)(*inputs)
     assert is_stored(model.get_parameter(f"{LAYER}.weight"))

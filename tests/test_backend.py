@@ -14,7 +14,7 @@ from dlo_fx.runtime.host.layout import span_bytes
 from dlo_fx.runtime.weights.owners import runtimes_holding
 from dlo_fx.runtime.weights.stored import is_stored
 
-from models import MODELS, call, run_dlo, tiny_dit
+from models import MODELS, call, offloaded, run_dlo, tiny_dit
 
 
 def largest_layer_bytes(model: torch.nn.Module) -> int:
@@ -95,8 +95,8 @@ def test_diffusers_with_forced_graph_breaks(name, num_slots):
         graphs.append(gm)
         return gm
 
-    compiled = torch.compile(model, backend="dlo",
-                             options={"num_slots": num_slots, "user_passes": [count]})
+    options = {"num_slots": num_slots, "user_passes": [count]}
+    compiled = torch.compile(offloaded(model, options), backend="dlo", options=options)
     with torch.no_grad():
         outs = [call(compiled, inputs) for _ in range(2)]
     assert len(graphs) > 1  # the breaks really split the model
@@ -139,11 +139,13 @@ def test_parameters_end_stored_and_an_eager_call_is_exact_with_a_warning():
 
 def test_grad_mode_with_trainable_parameters_is_refused():
     model, inputs = tiny_dit()
-    model.requires_grad_(True)
+    offloaded(model).requires_grad_(True)
+    blocks = len(runtimes_holding(list(model.parameters()))[0].store.blocks)
     compiled = torch.compile(model, backend="dlo", fullgraph=True)
     with pytest.raises(NotImplementedError, match="inference only"):  # not wrapped by Dynamo
         compiled(*inputs)
-    assert not any(is_stored(p) for p in model.parameters())
+    # nothing changed: the blocks the offload stored, no more
+    assert len(runtimes_holding(list(model.parameters()))[0].store.blocks) == blocks
 
 
 def test_grad_mode_with_inputs_that_require_grad_is_refused():
@@ -152,12 +154,13 @@ def test_grad_mode_with_inputs_that_require_grad_is_refused():
     naming the input; the model is left as it was and runs exactly under no_grad."""
     model, inputs = tiny_dit()
     ref, _ = tiny_dit()
-    compiled = torch.compile(model, backend="dlo")
+    compiled = torch.compile(offloaded(model), backend="dlo")
+    blocks = len(runtimes_holding(list(model.parameters()))[0].store.blocks)
     wants_grad = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
     with pytest.raises(NotImplementedError,
                        match=r"inference only, but input L\['latents'\] requires grad"):
         compiled(*wants_grad)
-    assert not any(is_stored(p) for p in model.parameters())
+    assert len(runtimes_holding(list(model.parameters()))[0].store.blocks) == blocks
     with torch.no_grad():
         assert torch.equal(compiled(*inputs), ref(*inputs))
 
@@ -209,7 +212,7 @@ def _skip_layers_compiled(cls: type = _SkipLayers) -> tuple:
     ref = cls().eval().requires_grad_(False)
     model = cls().eval().requires_grad_(False)
     model.load_state_dict(ref.state_dict())
-    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 20_000})
+    compiled = torch.compile(offloaded(model, {"block_bytes": 20_000}), backend="dlo")
     return model, compiled, ref, torch.randn(2, 64)
 
 

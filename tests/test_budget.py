@@ -23,7 +23,7 @@ from budget_cases import sweep
 from distributed import in_child, spawn
 from errors import BackendCompilerFailed
 from loader_cases import save_dit
-from models import call, tiny_dit
+from models import call, offloaded, tiny_dit
 
 
 def check_sweep(results: dict) -> None:
@@ -138,13 +138,13 @@ def test_budget_below_minimum_raises_before_storing():
     ref_model, inputs = tiny_dit(depth=1)  # refused before any schedule: one layer traces faster
     with torch.no_grad():
         want = call(ref_model, inputs)
-    for offloaded in (False, True):
+    for given_again in (False, True):  # inherited, or given to torch.compile too
         torch._dynamo.reset()
         model, _ = tiny_dit(depth=1)
-        if offloaded:
-            dlo_fx.offload(model, {"device_budget": 1000})
+        dlo_fx.offload(model, {"device": "cpu", "device_budget": 1000})
+        offloaded = True
         compiled = torch.compile(model, backend="dlo", fullgraph=True,
-                                 options=None if offloaded else {"device_budget": 1000})
+                                 options={"device_budget": 1000} if given_again else None)
         with pytest.raises(ValueError) as info, torch.no_grad():
             call(compiled, inputs)
         exc = info.value
@@ -298,8 +298,8 @@ def test_second_resolution_keeps_no_more_resident_than_its_budget_allows(monkeyp
     monkeypatch.setattr(probes, "probe_bandwidths", lambda device, group, nbytes=0: (1.0, 1e9))
     torch._dynamo.reset()
     ref, _ = tiny_dit()
-    model, _ = tiny_dit()
-    compiled = torch.compile(model, backend="dlo", options={"device_budget": 600_000})
+    model = offloaded(tiny_dit()[0], {"device_budget": 600_000})
+    compiled = torch.compile(model, backend="dlo")
     small, large = (example_inputs(model.config, batch=1, height=h, width=h, seed=1)
                     for h in (4, 32))
     from dlo_fx.runtime.weights.owners import runtimes_holding

@@ -29,7 +29,7 @@ from distributed import spawn
 from dump_cases import (SVG, allgather_cases, delay_prefetches, dlo_lines, dump_model,
                         dump_texts, fresh, slow_blocks, small_dit, stall_total, svg_bars,
                         table_blocks, trace_blocks, traced_dump)
-from models import tiny_dit
+from models import offloaded, tiny_dit
 
 TESTS = Path(__file__).resolve().parent
 
@@ -697,7 +697,7 @@ def test_graph_breaks_get_one_folder_each(tmp_path):
 def test_dump_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("DLO_FX_DUMP_DIR", str(tmp_path))
     model, inputs = small_dit()
-    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    compiled = torch.compile(offloaded(model), backend="dlo", fullgraph=True)
     with torch.no_grad():
         compiled(*inputs)
     assert (tmp_path / "graph_0" / "schedule.py").exists()

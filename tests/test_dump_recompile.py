@@ -9,7 +9,7 @@ import torch
 from dlo_fx.apps.dump import writer
 from dlo_fx.apps.models import example_inputs
 from dlo_fx.runtime.weights.owners import reset_runtimes
-from models import tiny_dit
+from models import offloaded, tiny_dit
 
 
 def _spans(path) -> list:
@@ -22,6 +22,7 @@ def test_second_resolution_gets_its_own_trace(tmp_path):
     torch._dynamo.reset()
     reset_runtimes()
     model, first = tiny_dit()
+    offloaded(model)
     second = example_inputs(model.config, batch=2, height=16, width=8, seed=1)
     compiled = torch.compile(model, backend="dlo", dynamic=False,
                              options={"dump_dir": str(tmp_path), "trace": True})

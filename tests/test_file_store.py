@@ -18,6 +18,7 @@ import tempfile
 import pytest
 import torch
 
+import dlo_fx
 import file_store_cases
 from distributed import in_child, spawn
 from dlo_fx.apps import cli
@@ -27,6 +28,7 @@ from dlo_fx.loading.loader import load
 from dlo_fx.model.memory import memory_report
 from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.loading.shards import MANIFEST, ShardDir, tensor_offsets, write_shard_dir
+from dlo_fx.runtime.weights.stored import is_stored
 from file_store_cases import served
 from loader_cases import SHARED, compare, fresh, resident_dit, resident_wan, stored_state
 from models import tiny_dit, tiny_wan
@@ -127,13 +129,11 @@ def test_pre_sharded_dp1_round_trip(ckpts, store):
 
 def test_mmap_needs_a_loaded_model():
     fresh()
-    model, inputs = tiny_dit(depth=1)  # refused before any schedule: one layer traces faster
-    compiled = torch.compile(model, backend="dlo", options={"host_store": "mmap"})
+    model, _ = tiny_dit(depth=1)
     with pytest.raises(ValueError,
                        match="host_store='mmap' serves weights from checkpoint files"):
-        with torch.no_grad():
-            compiled(*inputs)
-    torch._dynamo.reset()
+        dlo_fx.offload(model, {"host_store": "mmap"})
+    assert not any(is_stored(p) for p in model.parameters())
 
 
 # -- dp = 2 -------------------------------------------------------------------------------------

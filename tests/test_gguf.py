@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models import offloaded
+
 
 class _GGUFModel(torch.nn.Module):
     def __init__(self) -> None:
@@ -44,7 +46,7 @@ def _compiled_exactly():
     """A Q8_0 model compiled with dlo, called three times, each `torch.equal` to the
     resident one; returns the model, the input and the expected output."""
     ref, model = _q8_model(), _q8_model()
-    compiled = torch.compile(model, backend="dlo")
+    compiled = torch.compile(offloaded(model), backend="dlo")
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(x)

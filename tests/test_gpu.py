@@ -160,11 +160,41 @@ def test_a_model_already_on_the_device_in_every_spelling():
             assert torch.equal(torch.compile(model, backend="dlo")(*inputs), want), spelling
         dlo_fx.release(model)
         assert {p.device for p in model.parameters()} == {want.device}
-    # Never offloaded: the compile stores it at the first call, as on the CPU
+    # Never offloaded: refused naming the fix, the model left on the device; then the fix
     fresh()
+    with torch.inference_mode(), pytest.raises(ValueError,
+                                               match=r"dlo_fx\.offload\(model, options\) first"):
+        torch.compile(model, backend="dlo", options={"device": kind})(*inputs)
+    assert {p.device for p in model.parameters()} == {want.device}
+    dlo_fx.offload(model, options={"device": kind})
     with torch.inference_mode():
         out = torch.compile(model, backend="dlo", options={"device": kind})(*inputs)
     assert torch.equal(out, want)
+    dlo_fx.release(model)
+
+
+def test_host_inputs_of_a_model_offloaded_to_the_device_are_refused_naming_it():
+    """Dynamo's "Tensor device mismatch" (host inputs, weights on the device) named
+    neither dlo nor its device: the call is refused naming both and the fix, compiled and
+    eager, and runs exactly with the inputs moved (see [Note: inputs on the compute
+    device] in dlo_fx/model/input_device.py)."""
+    from dlo_fx.apps.models import example_inputs, reference_dit
+
+    model = reference_dit(width=64, depth=3, heads=4)
+    inputs = example_inputs(model.config)
+    with torch.inference_mode():
+        want = model.to(ACCELERATOR)(*on(inputs, ACCELERATOR))
+    model.cpu()
+    dlo_fx.offload(model)
+    device = next(model.parameters()).device
+    compiled = torch.compile(model, backend="dlo")
+    for run in (compiled, model):
+        with torch.inference_mode(), pytest.raises(ValueError) as caught:
+            run(*inputs)
+        assert str(caught.value).startswith(f"dlo: ReferenceDiT computes on {device} "), caught
+        assert "is a tensor on cpu" in str(caught.value), caught
+    with torch.inference_mode():
+        assert torch.equal(compiled(*on(inputs, ACCELERATOR)), want)
     dlo_fx.release(model)
 
 

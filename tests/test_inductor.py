@@ -28,6 +28,7 @@ from torch.fx.node import has_side_effect
 import dlo_fx.inductor
 import inductor_cases as C
 from distributed import in_child, spawn
+from models import offloaded
 from dlo_fx.inductor import CompiledPiece
 from dlo_fx.runtime.weights.owners import runtimes_holding
 
@@ -187,8 +188,8 @@ def test_dynamic_true_compiles_once_for_every_resolution(spawned):
     """``dynamic=True``: one symbolic graph serves both resolutions. Dynamo passes the
     LayerNorms' eps as tensors read with ``.item()``, which a piece cannot compile;
     the backend has Dynamo specialize them, as ``backend="inductor"`` does (see [Note:
-    tensorified floats] in dlo_fx/torch_private.py). The model is offloaded before the
-    trace that compiles (see [Note: a model compiled without offload]), so one graph is
+    tensorified floats] in dlo_fx/torch_private.py). The model is offloaded before it is
+    compiled (see [Note: one way in] in dlo_fx/dynamo/backend.py), so one graph is
     compiled, and no graph after it."""
     case = spawned[0]["dynamic_true"]
     for out, ref in zip(case["outs"], case["refs"]):
@@ -228,15 +229,18 @@ def test_dynamic_true_float_argument_and_sizes_read_across_blocks(outer_graphs):
     Every call agrees with the resident model and every graph streams the weights."""
     model = _Shaped().eval().requires_grad_(False)
     reference = _Shaped().eval().requires_grad_(False)
-    compiled = torch.compile(model, backend="dlo", dynamic=True, fullgraph=True,
+    compiled = torch.compile(offloaded(model), backend="dlo", dynamic=True, fullgraph=True,
                              options={"compiler": "inductor"})
     with torch.no_grad():
         for batch, tokens, scale in [(2, 4, 0.5), (3, 6, 1.5), (4, 5, 0.5)]:
             x = torch.randn(batch, tokens, 16)
             C.assert_inductor_close(compiled(x, scale), reference(x, scale))
-    # 0.5 and 1.5; the third call reuses the first graph
-    assert len(outer_graphs) == 2
-    assert all(C.symbolic_inputs(g) for g in outer_graphs)  # sizes stay symbolic
+    # 0.5 and 1.5; the third call reuses the first graph. The root module's forward
+    # pre-hook (the inputs' device check) makes Dynamo compile ``_call_impl``, whose own
+    # graph, before the float restart, reads nothing: no weight, no schedule.
+    streaming = [g for g in outer_graphs if len(list(g.graph.nodes)) > 1]
+    assert len(streaming) == 2 and len(outer_graphs) <= 3, outer_graphs
+    assert all(C.symbolic_inputs(g) for g in streaming)  # sizes stay symbolic
     store = runtimes_holding(list(model.parameters()))[0].store
     assert all(layer.weight in store for layer in model.layers)
 
@@ -259,8 +263,8 @@ class _Autocast(torch.nn.Module):
 def test_autocast_region_cut_by_schedule_nodes_is_reentered_in_each_piece(outer_graphs):
     x = torch.randn(4, 32)
     resident = torch.compile(_Autocast().eval().requires_grad_(False), backend="inductor")
-    compiled = torch.compile(_Autocast().eval().requires_grad_(False), backend="dlo",
-                             options={"compiler": "inductor"})
+    compiled = torch.compile(offloaded(_Autocast().eval().requires_grad_(False)),
+                             backend="dlo", options={"compiler": "inductor"})
     with torch.no_grad():
         ref, out = resident(x), compiled(x)
     # float32 tolerance: the same layers computed without autocast differ by ~5e-3

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dlo_fx.runtime.weights.stored import is_stored
-from models import tiny_flux
+from models import offloaded, tiny_flux
 
 
 def _config():
@@ -21,7 +21,7 @@ def _config():
 
 def test_adapters_added_switched_and_deleted_after_the_first_call_are_exact():
     ref, inputs = tiny_flux(0)
-    model, _ = tiny_flux(0)
+    model = offloaded(tiny_flux(0)[0])
     compiled = torch.compile(model, backend="dlo")
 
     def both(action):

@@ -17,7 +17,7 @@ from torch import nn
 import dlo_fx
 from dlo_fx.apps.models import example_inputs, reference_dit
 from dlo_fx.config import canonical_device, same_device
-from dlo_fx.runtime.weights.owners import owner_of
+from dlo_fx.runtime.weights.owners import owner_of, runtimes_holding
 from dlo_fx.runtime.weights.stored import is_stored
 
 import layout_cases
@@ -132,6 +132,7 @@ def test_one_device_identity():
     inputs = example_inputs(model.config)
     with torch.inference_mode():
         want = model(*inputs)
+        dlo_fx.offload(model, options={"device": "cpu:0"})
         assert torch.equal(torch.compile(model, backend="dlo", options={"device": "cpu:0"})(
             *inputs), want)
     torch._dynamo.reset()
@@ -180,8 +181,8 @@ def test_offload_refuses_before_changing_anything():
     with pytest.raises(ValueError, match=r"ReferenceDiT contains itself: submodule 'keep'"):
         dlo_fx.offload(looped)
     compiled = torch.compile(looped, backend="dlo")
-    with torch.inference_mode(), pytest.raises(Exception, match="contains itself"):
-        compiled(*example_inputs(looped.config))  # offloaded at its first graph: refused
+    with torch.inference_mode(), pytest.raises(ValueError, match="no dlo runtime holds"):
+        compiled(*example_inputs(looped.config))  # never offloaded: refused
     del looped.keep
     assert not any(is_stored(p) for p in looped.parameters())
 
@@ -239,11 +240,13 @@ def test_an_offloaded_model_that_moved_buffers_is_collected():
     assert [ref() for ref in gone] == [None, None, None]
 
 
-def test_a_model_compiled_without_offload_is_offloaded_by_its_first_graph():
-    """See [Note: a model compiled without offload]: the first graph offloads the whole
-    model (every layer, though a graph break in each block makes the first graph read one
-    layer), so the graph Dynamo reuses for the next layers binds stored weights and stores
-    nothing at call time; another model of the class never offloaded gets its own."""
+def test_a_model_compiled_without_offload_is_refused_and_left_usable():
+    """See [Note: one way in] in dynamo/backend.py: the first graph of a model never
+    offloaded is refused at once, as a ValueError past Dynamo naming the fix, before
+    anything changes; the model still runs eagerly, and offloaded (the fix) the same
+    compiled handle streams it: the first graph stores nothing (every layer stored at the
+    offload, though a graph break in each block makes the first graph read one layer), and
+    another model of the class, offloaded, reuses the graphs."""
     def fresh():
         return reference_dit(width=32, depth=3, heads=2,
                              graph_break_in_blocks=True).eval().requires_grad_(False)
@@ -253,14 +256,26 @@ def test_a_model_compiled_without_offload_is_offloaded_by_its_first_graph():
     with torch.inference_mode():
         want = model(*inputs)
     snap = _snapshot(model)
-    compiled = torch.compile(model, backend="dlo", options={"num_slots": 2})
+    compiled = torch.compile(model, backend="dlo")
+    with torch.inference_mode(), pytest.raises(ValueError) as caught:
+        compiled(*inputs)
+    err = caught.value
+    assert not isinstance(err, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(err).startswith("dlo: torch.compile(..., backend='dlo') traced a graph "), err
+    assert "parameters ('" in str(err) and "no dlo runtime holds" in str(err), err
+    assert "Call dlo_fx.offload(model, options) first" in str(err), err
+    assert _same_as(model, snap) and runtimes_holding(list(model.parameters())) == []
+    with torch.inference_mode():
+        assert torch.equal(model(*inputs), want)  # still an ordinary module
+    dlo_fx.offload(model, options={"num_slots": 2})
     with torch.inference_mode():
         assert torch.equal(compiled(*inputs), want)
-        for block in model.blocks:  # every layer stored by the first graph
+        for block in model.blocks:  # every layer stored by the offload
             assert is_stored(block.qkv.weight)
         assert torch.equal(compiled(*inputs), want)
     other = fresh()
     other.load_state_dict(model.state_dict())  # the real weights (model/guard.py)
+    dlo_fx.offload(other, options={"num_slots": 2})
     with torch.inference_mode():
         assert torch.equal(torch.compile(other, backend="dlo")(*inputs), want)
         assert is_stored(other.blocks[2].qkv.weight)
@@ -271,8 +286,8 @@ def test_a_model_compiled_without_offload_is_offloaded_by_its_first_graph():
 
 
 def test_a_graph_over_two_models_never_offloaded_is_refused_before_anything_changes():
-    """One graph streams one model: the models are found on Dynamo's frame, neither is
-    touched."""
+    """One graph streams one model: the models' classes are read from the graph (Dynamo
+    records the call of each), neither is touched."""
     first, second = _model(2), _model(2)
     inputs = example_inputs(first.config)
     snaps = _snapshot(first), _snapshot(second)
@@ -283,8 +298,34 @@ def test_a_graph_over_two_models_never_offloaded_is_refused_before_anything_chan
     with torch.inference_mode(), pytest.raises(ValueError) as caught:
         torch.compile(both, backend="dlo")(*inputs)
     err = caught.value
-    assert "ReferenceDiT and ReferenceDiT" in str(err) and "each model on its own" in str(err)
+    assert "ReferenceDiT and ReferenceDiT" in str(err) and "each model" in str(err)
+    assert "compile it on its own" in str(err)
     assert _same_as(first, snaps[0]) and _same_as(second, snaps[1])
+
+
+def test_inputs_on_another_device_are_refused_naming_the_compute_device():
+    """See [Note: inputs on the compute device] in model/input_device.py: a model offloaded
+    for the meta device (standing in for an accelerator) called with host inputs raised
+    Dynamo's "Tensor device mismatch" (compiled) or torch's own error (eager), with no word
+    of dlo; it names dlo's device and the fix, compiled and eager, before anything runs,
+    and the same handle then runs with the inputs moved. After release the check is gone."""
+    model = _model(2)
+    inputs = example_inputs(model.config)
+    dlo_fx.offload(model, options={"device": "meta"})
+    compiled = torch.compile(model, backend="dlo")
+    for run in (compiled, model):
+        with torch.inference_mode(), pytest.raises(ValueError) as caught:
+            run(*inputs)
+        message = str(caught.value)
+        assert message.startswith("dlo: ReferenceDiT computes on meta"), message
+        assert "argument 0 is a tensor on cpu" in message, message
+        assert "x.to('meta')" in message and "options={'device': 'cpu'}" in message, message
+    with torch.inference_mode():
+        out = compiled(*_on(inputs, "meta"))
+    assert out.device.type == "meta" and out.shape == inputs[0].shape
+    dlo_fx.release(model)
+    with torch.inference_mode():
+        model(*inputs)  # an ordinary module again, on the host
 
 
 class _ViewReadLate(nn.Module):
@@ -309,9 +350,9 @@ def test_a_view_of_a_stored_weight_keeps_its_slot_until_its_last_read(how):
     x = torch.randn(2, 16)
     want = model(x)
     options = {"num_slots": 2, "block_bytes": 1, "resident_bytes": 0}
+    dlo_fx.offload(model, options=options)
     if how == "offload":
-        dlo_fx.offload(model, options=options)
-        options = None
+        options = None  # inherited; else given again to torch.compile
     compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True)
     with torch.no_grad():
         assert torch.equal(compiled(x), want)

@@ -15,6 +15,7 @@ from dlo_fx.apps.models import ReferenceDiT
 from dlo_fx.runtime.weights.owners import live_runtimes, reset_runtimes, runtimes_holding
 from dlo_fx.runtime.weights.stored import is_stored
 from loader_cases import resident_dit, save_dit
+from models import offloaded, tiny_dit, tiny_flux
 from dlo_fx.apps.models import example_inputs
 
 
@@ -147,8 +148,9 @@ def test_release_of_a_pipeline_then_save_and_cast(tmp_path):
     assert (tmp_path / "saved" / "transformer" / "config.json").is_file()
     pipe.to(torch.float64)
     assert {p.dtype for p in pipe.transformer.parameters()} == {torch.float64}
+    assert dlo_fx.release(pipe) is pipe  # final: a second release does nothing
     with pytest.raises(ValueError, match=r"no component of FluxPipeline .* has weights"):
-        dlo_fx.release(pipe)
+        dlo_fx.release(dp.flux())  # nothing of it ever was dlo's
     # released, it takes new options
     pipe.to(torch.float32)
     dlo_fx.compile_pipeline(pipe, options={"num_slots": 3})
@@ -190,10 +192,12 @@ def test_a_pipeline_released_after_a_refused_compile_a_move_and_lora_compiles_an
 
 def test_a_released_module_compiles_again_with_any_options(dit):
     """``model.compile(backend="dlo")``'s options, a refused first call's and a storage
-    dtype's marks do not outlive release: the module runs resident, then compiles with
-    other options, exactly."""
+    dtype's marks do not outlive release: the module runs resident, then is offloaded and
+    compiled with other options, exactly."""
     model = resident_dit(dit["path"], dit["config"])
-    model.compile(backend="dlo", options={"num_slots": 2, "storage_dtype": torch.float8_e4m3fn})
+    options = {"num_slots": 2, "storage_dtype": torch.float8_e4m3fn}
+    dlo_fx.offload(model, options)
+    model.compile(backend="dlo", options=options)
     with torch.no_grad():
         model(*dit["inputs"])
     dlo_fx.release(model)
@@ -203,6 +207,7 @@ def test_a_released_module_compiles_again_with_any_options(dit):
         expected = rounded(*dit["inputs"])
         assert torch.equal(model(*dit["inputs"]), expected)  # resident: nothing stored
     assert not runtimes_holding(list(model.parameters()))
+    dlo_fx.offload(model, {"num_slots": 3})
     model.compile(backend="dlo", options={"num_slots": 3})
     with torch.no_grad():
         assert torch.equal(model(*dit["inputs"]), expected)
@@ -215,10 +220,67 @@ def test_a_released_module_compiles_again_with_any_options(dit):
     first_call_error(torch.compile(loaded, backend="dlo", options={"num_slots": 2}),
                      dit["inputs"])
     dlo_fx.release(loaded)
+    dlo_fx.offload(loaded, {"num_slots": 2})
     with torch.no_grad():
         out = torch.compile(loaded, backend="dlo", options={"num_slots": 2})(*dit["inputs"])
     assert torch.equal(out, dit["expected"])
     assert runtimes_holding(list(loaded.parameters()))[0].config.num_slots == 2
+
+
+def test_release_is_final_and_idempotent():
+    """See [Note: a released module is as on the first day] in dlo_fx/model/guard.py:
+    release twice does nothing the second time (it raised); the torch.compile handle of
+    the released model refuses, naming release and offload, and never stores the model
+    again by itself (it offloaded it again, and the next .to() then said "release first");
+    the module moves and casts as any; offloaded again, the same handle and a new one are
+    exact."""
+    model, inputs = tiny_dit()
+    ref, _ = tiny_dit()
+    with torch.no_grad():
+        want = ref(*inputs)
+        compiled = torch.compile(offloaded(model, {"num_slots": 2}), backend="dlo")
+        assert torch.equal(compiled(*inputs), want)
+        assert dlo_fx.release(model) is model
+        assert dlo_fx.release(model) is model
+        with pytest.raises(ValueError, match=r"dlo_fx\.release gave back: .* Call the model "
+                                             r"itself, or dlo_fx\.offload\(model, options\) again"):
+            compiled(*inputs)
+        assert runtimes_holding(list(model.parameters())) == []
+        assert not any(is_stored(p) for p in model.parameters())
+        assert torch.equal(model(*inputs), want)  # eager, as it now is
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        model.to(torch.float64).to("cpu")  # a module as any
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
+        for name, p in model.named_parameters():  # back to its own dtypes, exactly
+            p.data = p.data.to(dtypes[name])
+        offloaded(model, {"num_slots": 3})  # other options: the runtime is new
+        assert torch.equal(compiled(*inputs), want)
+        assert torch.equal(torch.compile(model, backend="dlo")(*inputs), want)
+        assert runtimes_holding(list(model.parameters()))[0].config.num_slots == 3
+    dlo_fx.release(model)
+    assert dlo_fx.release(model) is model
+
+
+def test_release_after_compile_repeated_blocks_runs_the_model_as_it_now_is():
+    """diffusers' regional compilation (``module.compile`` on each block): release undoes
+    the blocks' compiled calls, so the model runs eagerly on its own weights, exact, and
+    nothing is stored again; a second release does nothing; offloaded again and compiled
+    again, exact."""
+    ref, inputs = tiny_flux()
+    model, _ = tiny_flux()
+    with torch.no_grad():
+        want = ref(**inputs)[0]
+        offloaded(model).compile_repeated_blocks(backend="dlo")
+        assert torch.equal(model(**inputs)[0], want)
+        dlo_fx.release(model)
+        assert all(torch.equal(model(**inputs)[0], want) for _ in range(2))
+        assert runtimes_holding(list(model.parameters())) == []
+        assert dlo_fx.release(model) is model
+        model.to(torch.float64).to(torch.float32)
+        offloaded(model).compile_repeated_blocks(backend="dlo")
+        assert all(torch.equal(model(**inputs)[0], want) for _ in range(2))
+        assert runtimes_holding(list(model.parameters()))
+    dlo_fx.release(model)
 
 
 def test_release_of_anything_else_says_what_it_takes():
@@ -259,9 +321,9 @@ def test_release_gives_back_each_parameters_class_and_attributes(how):
     with torch.no_grad():
         want = model(x)
     options = {"block_bytes": 1, "resident_bytes": 0}
+    dlo_fx.offload(model, options=options)
     if how == "offload":
-        dlo_fx.offload(model, options=options)
-        options = None
+        options = None  # inherited; else given again to torch.compile
     with torch.no_grad():
         assert torch.equal(torch.compile(model, backend="dlo", options=options)(x), want)
     assert is_stored(model[1].weight)
@@ -292,10 +354,10 @@ def _absent_devices() -> list[str]:
 
 
 def test_a_device_this_machine_lacks_is_refused_naming_the_option_at_every_entry(dit):
-    """Through offload, load, compile_pipeline and torch.compile's options: a ValueError
-    naming the option and what the machine has, before anything is stored (torch's raw
-    RuntimeError, "not linked with support for cuda devices", came from inside the
-    runtime's construction)."""
+    """Through offload, load and compile_pipeline: a ValueError naming the option and what
+    the machine has, before anything is stored (torch's raw RuntimeError, "not linked with
+    support for cuda devices", came from inside the runtime's construction). torch.compile
+    of the model never offloaded is refused naming offload, where the device is checked."""
     devices = _absent_devices()
     assert "lazy" in devices
     pipe = dp.flux()
@@ -309,7 +371,8 @@ def test_a_device_this_machine_lacks_is_refused_naming_the_option_at_every_entry
             dlo_fx.load(ReferenceDiT, dit["path"], config=dit["config"], options=options)
         with pytest.raises(ValueError, match=named):
             dlo_fx.compile_pipeline(pipe, options=options)
-        with pytest.raises(ValueError, match=named), torch.no_grad():
+        with pytest.raises(ValueError, match=r"dlo_fx\.offload\(model, options\) first"), \
+                torch.no_grad():
             torch.compile(model, backend="dlo", options=options)(*dit["inputs"])
         torch._dynamo.reset()
         assert not any(is_stored(p) for p in model.parameters())

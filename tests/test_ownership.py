@@ -29,7 +29,7 @@ from dlo_fx.runtime.weights.owners import live_runtimes, runtimes_holding
 from dlo_fx.runtime.weights.stored import is_stored
 from lifetime import collect_all
 from loader_cases import resident_dit, save_dit
-from models import run_dlo, tiny_dit, tiny_flux
+from models import offloaded, run_dlo, tiny_dit, tiny_flux
 
 import ownership_cases
 
@@ -109,10 +109,11 @@ def test_conflict_found_when_dynamo_reuses_a_graph(dit):
     assert runtime is not runtimes_holding(list(first.parameters()))[0]
 
 
-def test_compile_only_model_options_given_once():
+def test_offloaded_model_options_given_once():
     model, inputs = tiny_dit()
     ref_model, _ = tiny_dit()
     expected = run(ref_model, inputs)
+    offloaded(model, {"num_slots": 3})
     assert torch.equal(run(torch.compile(model, backend="dlo", options={"num_slots": 3}),
                            inputs), expected)
     with pytest.raises(ValueError) as info:  # not wrapped by Dynamo
@@ -145,11 +146,11 @@ class _TwoDiTs(torch.nn.Module):
 
 def test_skipped_root_forward_one_runtime_per_model():
     """Graphs of frames below a skipped ``forward`` share the model's one runtime, found
-    from the compiled module on the call stack; the output is exact."""
+    from their parameters; the output is exact."""
     _, inputs = tiny_dit()
     expected = run(_TwoDiTs(seed=3), inputs)
-    model = _TwoDiTs(seed=3)
-    compiled = torch.compile(model, backend="dlo", options={"num_slots": 2, "resident_bytes": 0})
+    model = offloaded(_TwoDiTs(seed=3), {"num_slots": 2, "resident_bytes": 0})
+    compiled = torch.compile(model, backend="dlo")
     assert all(torch.equal(run(compiled, inputs), expected) for _ in range(2))
     runtimes = runtimes_holding(list(model.parameters()))
     assert len(runtimes) == 1
@@ -177,7 +178,7 @@ def test_frames_past_the_recompile_limit_run_eagerly_and_exactly():
     every resolution, before and past the limit, is exact."""
     model, reference = _Wrapper(), _Wrapper()
     model.load_state_dict(reference.state_dict())
-    compiled = torch.compile(model, backend="dlo", dynamic=False)
+    compiled = torch.compile(offloaded(model), backend="dlo", dynamic=False)
     with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning):
         for size in (8, 16, 8, 24):
             inputs = example_inputs(model.dit.config, batch=2, height=size, width=size, seed=1)
@@ -202,7 +203,7 @@ def test_a_model_a_compiled_function_reaches_through_a_global_is_guarded():
     try:
         for seed in (0, 5):
             ref, inputs = tiny_flux(seed)
-            _STEP_MODEL, _ = tiny_flux(seed)
+            _STEP_MODEL = offloaded(tiny_flux(seed)[0])
             model = _STEP_MODEL
             with torch.no_grad():
                 expected = ref(**inputs)[0]
@@ -236,7 +237,7 @@ def test_a_model_a_compiled_function_reaches_through_an_argument_that_is_no_modu
     compiled = torch.compile(lambda pipe, inputs: pipe.transformer(**inputs)[0], backend="dlo")
     for seed in (0, 5):
         ref, inputs = tiny_flux(seed)
-        pipe = _Pipe(tiny_flux(seed)[0])
+        pipe = _Pipe(offloaded(tiny_flux(seed)[0]))
         with torch.no_grad():
             assert torch.equal(compiled(pipe, inputs), ref(**inputs)[0])
             assert torch.equal(_eagerly(pipe.transformer, **inputs)[0], ref(**inputs)[0])
@@ -245,10 +246,10 @@ def test_a_model_a_compiled_function_reaches_through_an_argument_that_is_no_modu
 
 def test_regional_compile_of_the_blocks():
     """diffusers' ``compile_repeated_blocks`` (``nn.Module.compile`` on each block, the
-    model's own ``forward`` eager): every call is exact. Without ``offload`` each compiled
-    block is the model its graph offloads (the model itself was not compiled); offloaded
-    first, one runtime holds the whole model and the eager forward reads its stored
-    weights from the host store."""
+    model's own ``forward`` eager): offloaded first, one runtime holds the whole model,
+    the eager forward reads its stored weights from the host store, and every call is
+    exact. Not offloaded, the first block's graph is refused naming the fix, nothing
+    changes, and the fix then works on the same model."""
     ref, inputs = tiny_flux()
     with torch.no_grad():
         expected = ref(**inputs)[0]
@@ -256,15 +257,21 @@ def test_regional_compile_of_the_blocks():
         torch._dynamo.reset()
         model, _ = tiny_flux()
         if offload_first:
-            dlo_fx.offload(model)
+            offloaded(model)
         with torch.no_grad():
             model.compile_repeated_blocks(backend="dlo")
+            if not offload_first:
+                with pytest.raises(ValueError, match=r"no dlo runtime holds: .* "
+                                   r"dlo_fx\.offload\(model, options\) first"):
+                    model(**inputs)
+                assert runtimes_holding(list(model.parameters())) == []
+                assert not any(is_stored(p) for p in model.parameters())
+                offloaded(model)
             assert all(torch.equal(model(**inputs)[0], expected) for _ in range(3))
         runtimes = runtimes_holding(list(model.parameters()))
-        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-        assert len(runtimes) == (1 if offload_first else len(blocks))
+        assert len(runtimes) == 1
         assert all(any(p in r.store for r in runtimes) for p in model.transformer_blocks.parameters())
-        assert offload_first == any(p in runtimes[0].store for p in model.x_embedder.parameters())
+        assert any(p in runtimes[0].store for p in model.x_embedder.parameters())
         dlo_fx.release(model)
 
 
@@ -295,8 +302,8 @@ def test_models_on_one_device_share_slots_not_blocks():
     b, _ = tiny_dit(depth=2, seed=5)
     ref_a, ref_b = run(tiny_dit(depth=2, seed=0)[0], inputs), run(tiny_dit(depth=2, seed=5)[0],
                                                                    inputs)
-    ca = torch.compile(a, backend="dlo", options={"num_slots": 3})
-    cb = torch.compile(b, backend="dlo", options={"num_slots": 3})
+    ca = torch.compile(offloaded(a, {"num_slots": 3}), backend="dlo")
+    cb = torch.compile(offloaded(b, {"num_slots": 3}), backend="dlo")
     for _ in range(2):
         assert torch.equal(run(ca, inputs), ref_a)
         assert torch.equal(run(cb, inputs), ref_b)
@@ -335,9 +342,7 @@ def test_twenty_rounds_give_memory_back():
         if inputs is None:
             inputs = example_inputs(model.config, batch=1, height=8, width=8, seed=1)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # Offloaded first: every model of the class shares one Dynamo entry (compiled
-        # without offload, each would trace its own, and past Dynamo's recompile limit run
-        # eagerly; see [Note: a model compiled without offload])
+        # Offloaded: every model of the class shares one Dynamo entry
         dlo_fx.offload(model, options={"num_slots": 2})
         compiled = torch.compile(model, backend="dlo")
         run(compiled, inputs)
@@ -366,7 +371,7 @@ def test_replaced_layers_are_forgotten_and_calls_stay_exact():
     refused as ``param.data = ...`` (host_store.py, [Note: a stored parameter that dies])."""
     reference, inputs = tiny_dit()
     model, _ = tiny_dit()
-    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    compiled = torch.compile(offloaded(model), backend="dlo", fullgraph=True)
     assert torch.equal(run(compiled, inputs), run(reference, inputs))
     store = runtimes_holding(list(model.parameters()))[0].store
     sizes = []
@@ -391,8 +396,9 @@ def test_release_frees_the_runtime_and_gives_back_an_ordinary_module(dit):
     collect_all()
     assert live_runtimes() == [] and runtimes_holding(list(model.parameters())) == []
     assert torch.equal(run(model, dit["inputs"]), dit["expected"])  # eager again
+    assert dlo_fx.release(model) is model  # final: a second release does nothing
     with pytest.raises(ValueError, match="no parameter of ReferenceDiT"):
-        dlo_fx.release(model)
+        dlo_fx.release(tiny_dit()[0])  # nothing of it ever was dlo's
 
 
 def test_new_weights_are_used_where_resident_and_refused_where_stored():
@@ -403,7 +409,7 @@ def test_new_weights_are_used_where_resident_and_refused_where_stored():
     ref, inputs = tiny_dit()
     model, _ = tiny_dit()
     # The biases stay resident (below resident_bytes): the graph reads them from the module
-    compiled = torch.compile(model, backend="dlo", options={"resident_bytes": 1024})
+    compiled = torch.compile(offloaded(model, {"resident_bytes": 1024}), backend="dlo")
     stored = "blocks.1.fc2_weight"
     with torch.no_grad():
         assert torch.equal(run(compiled, inputs), run(ref, inputs))
@@ -503,6 +509,12 @@ def test_module_operations_in_a_child_process(spawned):
           lambda: r["fork_parent_before"] and r["fork_parent_after"])
     # A graph Dynamo reuses (another model of the class, a later layer after a graph break
     # in the blocks) guards the modules it meets: eager calls and state_dict are exact.
+    # Released, a compiled handle refuses, naming release and offload (it never stores the
+    # model again by itself); offloaded again, the same graphs stream it exactly.
+    for refused in (*r["graph_break_released_refused"], *r["shared_layer_refused"]):
+        check("released: the handle refuses naming release",
+              lambda: "ValueError: dlo:" in refused and "dlo_fx.release gave back" in refused
+              and "dlo_fx.offload(model, options) again" in refused, lambda: refused)
     for key in ("second", "graph_break", "graph_break_released", "step_first", "step"):
         check(f"{key}: exact", lambda: r[f"{key}_exact"] == [True, True],
               lambda: r[f"{key}_exact"])
@@ -521,7 +533,7 @@ def test_module_operations_in_a_child_process(spawned):
     check("shared dict intact, resident model exact",
           lambda: r["shared_dict_intact"] and r["shared_resident_exact"])
     # Two models sharing a layer share a runtime: releasing one gives both their weights
-    # back, and both compiled models store them again, exactly.
+    # back, and, offloaded again, both compiled models are exact.
     check("shared layer: exact", lambda: r["shared_layer_exact"] == [True, True],
           lambda: r["shared_layer_exact"])
     check("shared layer: eager exact", lambda: r["shared_layer_eager"] == [True, True],
@@ -538,11 +550,13 @@ def test_module_operations_in_a_child_process(spawned):
           lambda: r["shared_layer_eager_and_state"])
     # A model built in memory and one from dlo_fx.load share Dynamo's graphs, in either
     # order, with and without a graph break in the blocks; the loaded one, released, is
-    # stored again by its next compiled call.
+    # refused by its compiled handle naming release, and exact once offloaded again.
     for graph_break in (False, True):
         for order in ("built_loaded", "loaded_built"):
             key = f"built_and_loaded_{graph_break}_{order}"
-            check(key, lambda: r[key] == [True] * 6, lambda: r[key])
+            got = r[key]
+            check(key, lambda: got[:4] == [True] * 4 and got[6:] == [True] * 2
+                  and all("dlo_fx.release gave back" in str(g) for g in got[4:6]), lambda: got)
     check("skipped forwards", lambda: r["skipped_forwards"] == [True] * 6,
           lambda: r["skipped_forwards"])
     # .to() the runtime's own device, any spelling: a no-op.

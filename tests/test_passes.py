@@ -12,14 +12,16 @@ import dlo_fx.dynamo.backend as backend
 from dlo_fx.passes import PIPELINE
 from dlo_fx.planning.stages import PLANNING, PassContext
 from dlo_fx.planning.blocks import layer_key
+from dlo_fx.runtime.weights.owners import owner_of
 from dlo_fx.runtime.weights.stored import is_stored
 
 from errors import BackendCompilerFailed, described
-from models import call, tiny_dit
+from models import call, offloaded, tiny_dit
 
 
 def compile_capture(model, inputs, options=None, fullgraph=True):
-    """Compile with dlo, run once, return (output, [PassContext], [GraphModule])."""
+    """Compile with dlo (offloaded first where it is not dlo's yet), run once, return
+    (output, [PassContext], [GraphModule])."""
     ctxs, gms = [], []
     real = backend.run_passes
 
@@ -29,6 +31,8 @@ def compile_capture(model, inputs, options=None, fullgraph=True):
         gms.append(out)
         return out
 
+    if owner_of(model.parameters()) is None:
+        offloaded(model, options)
     backend.run_passes = spy
     try:
         compiled = torch.compile(model, backend="dlo", options=options, fullgraph=fullgraph)
@@ -164,14 +168,16 @@ def test_failing_pass_names_itself_and_what_ran_before():
         raise RuntimeError("boom")
 
     model, inputs = tiny_dit(depth=1)
+    store = owner_of(offloaded(model).parameters()).store
+    stored = [(n, len(store.blocks)) for n, p in model.named_parameters() if is_stored(p)]
     with pytest.raises(BackendCompilerFailed) as info:
         compile_capture(model, inputs, {"user_passes": (broken,)})
     kind, notes = described(info.value)  # the pass's own error, its notes after its message
     assert kind == "RuntimeError" and "boom" in notes
     ran = ", ".join(p.__name__ for p in (*PLANNING, *PIPELINE))  # planning, then the schedule
     assert f"in dlo pass 'broken' (passes that ran before it: {ran})" in notes, notes
-    # a failed compile leaves the model materialised
-    assert not any(is_stored(p) for p in model.parameters())
+    # a failed compile leaves the model as it was: the same parameters stored, no new block
+    assert [(n, len(store.blocks)) for n, p in model.named_parameters() if is_stored(p)] == stored
 
 
 def test_user_pass_sees_schedule_meta():

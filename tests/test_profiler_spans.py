@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dlo_fx.runtime.weights.owners import reset_runtimes
-from models import tiny_dit
+from models import offloaded, tiny_dit
 
 
 def test_copies_and_waits_are_spans_in_a_profiler_trace():
@@ -18,7 +18,7 @@ def test_copies_and_waits_are_spans_in_a_profiler_trace():
     reset_runtimes()
     model, inputs = tiny_dit(depth=3)
     resident = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="dlo", options={"block_bytes": 40_000})
+    compiled = torch.compile(offloaded(model, {"block_bytes": 40_000}), backend="dlo")
     with torch.no_grad():
         expected = resident(*inputs)
         assert torch.equal(compiled(*inputs), expected)  # compiled, weights stored

@@ -10,6 +10,7 @@ import torch
 
 import quantized_cases
 from distributed import spawn
+from models import offloaded
 from storage_cases import flux, inputs, run
 
 
@@ -19,7 +20,7 @@ def test_torchao_weights_stream_exactly_with_their_quantized_bytes(name):
     assert all(got["equal"]), got
     assert got["kinds"] == [{"int8": "Int8Tensor", "float8": "Float8Tensor"}[name]]
     torch._dynamo.reset()
-    plain = flux()
+    plain = offloaded(flux())
     plain.compile(backend="dlo")
     run(plain)
     from dlo_fx.runtime.weights.owners import runtimes_holding
@@ -29,7 +30,7 @@ def test_torchao_weights_stream_exactly_with_their_quantized_bytes(name):
 
 
 def test_a_quantized_weight_read_outside_the_graph_is_a_dlo_error_or_exact():
-    model = quantized_cases.quantized("int8")
+    model = offloaded(quantized_cases.quantized("int8"))
     model.compile(backend="dlo")
     run(model)
     weight = model.transformer_blocks[0].attn.to_q.weight
@@ -88,7 +89,7 @@ def test_two_ranks_both_modes_stream_torchao_weights_exactly(spawned):
 
 
 def test_quantized_weights_with_compiler_inductor_are_refused_naming_the_parameter():
-    model = quantized_cases.quantized("int8")
+    model = offloaded(quantized_cases.quantized("int8"))
     model.compile(backend="dlo", options={"compiler": "inductor"})
     with pytest.raises(ValueError, match=r"dlo: parameter '[\w.]+' is a Int8Tensor .*"
                        "compiler': 'eager'"):

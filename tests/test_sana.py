@@ -13,6 +13,8 @@ def test_sana_as_built_is_exact_with_parameters_that_require_grad() -> None:
     import torch
     from diffusers import SanaTransformer2DModel
 
+    from models import offloaded
+
     config = dict(patch_size=1, in_channels=4, out_channels=4, num_layers=1,
                   attention_head_dim=4, num_attention_heads=2, num_cross_attention_heads=2,
                   cross_attention_head_dim=4, cross_attention_dim=8, caption_channels=8,
@@ -25,6 +27,7 @@ def test_sana_as_built_is_exact_with_parameters_that_require_grad() -> None:
     for _ in range(2):
         torch.manual_seed(0)
         models.append(SanaTransformer2DModel(**config))
+    offloaded(models[1]).requires_grad_(True)  # offload turns grads off; as built, on
     with torch.no_grad():
         ref = models[0](**inputs).sample
         compiled = torch.compile(models[1], backend="dlo")

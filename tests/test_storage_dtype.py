@@ -19,6 +19,7 @@ from dlo_fx.model.storage_dtype import layerwise_layers
 
 import storage_cases
 from distributed import written_then_spawned
+from models import offloaded
 from storage_cases import BF16, FP8, flux, ref_model, run
 
 
@@ -29,8 +30,8 @@ def _store(model):
 def test_compiled_from_memory_streams_fp8_bytes_exactly():
     want = run(ref_model(flux()))
     assert not torch.equal(want, run(flux()))  # fp8 storage changes the output
-    model = flux()
-    model.compile(backend="dlo", options={"storage_dtype": FP8})
+    model = offloaded(flux(), {"storage_dtype": FP8})
+    model.compile(backend="dlo")
     assert all(torch.equal(run(model), want) for _ in range(3))
     weight = model.transformer_blocks[0].attn.to_q.weight
     assert is_stored(weight) and weight.dtype == BF16 and model.dtype == BF16
@@ -43,7 +44,7 @@ def test_compiled_from_memory_streams_fp8_bytes_exactly():
     # diffusers' skip patterns: everything under a module named like "norm" keeps bf16
     assert stored["transformer_blocks.0.norm1.linear.weight"].dtype == BF16
     fp8_bytes = sum(b.nbytes for b in store.blocks)
-    plain = flux()
+    plain = offloaded(flux())
     plain.compile(backend="dlo")
     run(plain)
     bf16_bytes = sum(b.nbytes for b in _store(plain).blocks)
@@ -59,8 +60,9 @@ def test_the_graph_casts_right_after_the_slot_view(tmp_path):
         graphs.append(gm)
         return gm
 
-    model = flux()
-    model.compile(backend="dlo", options={"storage_dtype": FP8, "user_passes": [keep]})
+    options = {"storage_dtype": FP8, "user_passes": [keep]}
+    model = offloaded(flux(), options)
+    model.compile(backend="dlo", options=options)
     run(model)
     casts = [n for n in graphs[0].graph.nodes if n.meta.get("dlo", {}).get("kind") == "cast"]
     assert casts and all(n.target == "to" and n.args[1] == BF16 for n in casts)
@@ -95,7 +97,7 @@ def test_layerwise_casting_taken_over_before_compile_is_exact():
     want = run(ref_model(flux()))
     model = ref_model(flux())
     assert dlo_fx.take_over_layerwise_casting(model) > 0
-    model.compile(backend="dlo")
+    offloaded(model).compile(backend="dlo")
     assert all(torch.equal(run(model), want) for _ in range(2))
     assert {e.dtype for e in _store(model)._entries.values()} == {FP8, BF16}
     # a model without the hooks: nothing to take over, and the user is told
@@ -149,9 +151,8 @@ def test_bad_storage_dtypes_are_refused_naming_the_option():
         with pytest.raises(ValueError, match="storage_dtype"):
             dlo_fx.DLOConfig.from_options({"storage_dtype": bad})
     model = flux()
-    model.compile(backend="dlo", options={"storage_dtype": torch.float4_e2m1fn_x2})
     with pytest.raises(ValueError, match="cannot cast between them") as info:
-        run(model)
+        offloaded(model, {"storage_dtype": torch.float4_e2m1fn_x2})
     assert "float4_e2m1fn_x2" in str(info.value)
 
 
@@ -208,20 +209,27 @@ def test_a_model_frame_run_eagerly_is_refused_or_taken_over_exactly():
     apply_layerwise_casting(ref, FP8, BF16)
     with torch.no_grad():
         want = ref(x)
-    # The option alone: the first layer ran eagerly before dlo saw the model, in bf16; the
-    # first call was silently different from the layerwise-cast model. Now refused.
+    # The option alone: compiled before dlo saw the model, the first layer ran eagerly in
+    # bf16 and the first call was silently different from the layerwise-cast model. Now the
+    # compile of a model never offloaded is refused, nothing changed; offloaded with the
+    # option (the weights rounded before any layer runs), exact from the first call.
     model = _break_in_loop()
     before = model.inp.weight.detach().clone()
     model.compile(backend="dlo", options={"storage_dtype": FP8})
-    with torch.no_grad(), pytest.raises(ValueError, match="not the start of its forward"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"dlo_fx\.offload\(model, options\)"):
         model(x)
     assert torch.equal(model.inp.weight, before)  # nothing was changed
+    torch._dynamo.reset()
+    model = offloaded(_break_in_loop(), {"storage_dtype": FP8})
+    model.compile(backend="dlo")
+    with torch.no_grad():
+        assert all(torch.equal(model(x), want) for _ in range(3))
     # Prepared before compiling: exact from the first call
     torch._dynamo.reset()
     model = _break_in_loop()
     apply_layerwise_casting(model, FP8, BF16)
     dlo_fx.take_over_layerwise_casting(model)
-    model.compile(backend="dlo")
+    offloaded(model).compile(backend="dlo")
     with torch.no_grad():
         assert all(torch.equal(model(x), want) for _ in range(3))
 
@@ -281,17 +289,12 @@ def test_offload_takes_layerwise_casting_over_and_take_over_refuses_a_stored_mod
                        r"this call"):
         dlo_fx.take_over_layerwise_casting(model)
     assert torch.equal(call(compiled), want)
-    # compiled before any offload: the backend stored it with the hooks on
+    # compiled before any offload: refused naming offload, the model as it was (its hooks on)
     torch._dynamo.reset()
     model = hooked()
-    with pytest.raises(ValueError, match=r"layerwise casting enabled.* Call "
-                       r"dlo_fx\.release\(model\) first \(the weights come back\), then "
-                       r"dlo_fx\.offload\(model\) \(it takes the casting over\), then compile"):
+    with pytest.raises(ValueError, match=r"dlo_fx\.offload\(model, options\) first"):
         call(torch.compile(model, backend="dlo"))
-    with pytest.raises(ValueError, match=r"Call dlo_fx\.release\(model\) first, then "
-                                         r"dlo_fx\.offload\(model\)"):
-        dlo_fx.take_over_layerwise_casting(model)
-    dlo_fx.release(model)
+    assert torch.equal(call(model), want) and not runtimes_holding(list(model.parameters()))
     torch._dynamo.reset()
     dlo_fx.offload(model, {"device": "cpu"})
     compiled = torch.compile(model, backend="dlo")

@@ -50,12 +50,13 @@ def test_a_torchao_quantized_reference_dit_streams_exactly():
     import torch
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    from models import call, tiny_dit
+    from models import call, offloaded, tiny_dit
 
     ref, inputs = tiny_dit()
     model, _ = tiny_dit()
     for m in (ref, model):
         quantize_(m.float(), Int8WeightOnlyConfig())
+    offloaded(model)
     inputs = [t.float() if t.is_floating_point() else t for t in inputs]
     with torch.no_grad():
         want = call(ref, inputs)
@@ -65,7 +66,7 @@ def test_a_torchao_quantized_reference_dit_streams_exactly():
 
 def test_magcache_before_the_first_call_reads_the_blocks_from_the_host_store():
     """diffusers' MagCache enabled before the first call runs the blocks from its own hook,
-    which Dynamo does not trace. The model is offloaded whole (by its first graph), so
+    which Dynamo does not trace. The model is offloaded whole (before it is compiled), so
     those blocks read their stored weights from the host store at each eager read: exact,
     nothing left resident, and one warning per model says the reads are eager."""
     import warnings
@@ -74,7 +75,7 @@ def test_magcache_before_the_first_call_reads_the_blocks_from_the_host_store():
     from diffusers.hooks.mag_cache import MagCacheConfig
 
     from dlo_fx.runtime.weights.stored import is_stored
-    from models import tiny_flux
+    from models import offloaded, tiny_flux
 
     def config():
         return MagCacheConfig(num_inference_steps=4, mag_ratios=[1.0] * 4, threshold=0.0)
@@ -83,7 +84,7 @@ def test_magcache_before_the_first_call_reads_the_blocks_from_the_host_store():
     model, _ = tiny_flux(0)
     ref.enable_cache(config())
     model.enable_cache(config())
-    compiled = torch.compile(model, backend="dlo")
+    compiled = torch.compile(offloaded(model), backend="dlo")
     with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert all(torch.equal(compiled(**inputs)[0], ref(**inputs)[0]) for _ in range(3))
@@ -99,9 +100,10 @@ def test_a_stored_model_compiled_again_by_another_backend():
     which raises saying so (torch's raw setStorage error before)."""
     import torch
 
-    from models import call, tiny_dit
+    from models import call, offloaded, tiny_dit
 
     model, inputs = tiny_dit()
+    offloaded(model)
     ref, _ = tiny_dit()
     # backend="eager" reads the stored weights outside a scheduled graph: slow, and said
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="read outside a scheduled graph"):

@@ -17,13 +17,13 @@ import torch
 from dlo_fx.runtime.weights.owners import runtimes_holding
 from dlo_fx.runtime.weights.stored import StoredWeight, become_stored, is_stored
 
-from models import call, tiny_dit
+from models import call, offloaded, tiny_dit
 
 
 def _stored_model():
     ref, inputs = tiny_dit()
     model, _ = tiny_dit()
-    compiled = torch.compile(model, backend="dlo", fullgraph=True)
+    compiled = torch.compile(offloaded(model), backend="dlo", fullgraph=True)
     assert torch.equal(call(compiled, inputs), call(ref, inputs))
     runtime = runtimes_holding(list(model.parameters()))[0]
     names = [n for n, p in model.named_parameters() if p in runtime.store and p.numel()]

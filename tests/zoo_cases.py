@@ -14,10 +14,12 @@ import time
 
 import torch
 
+
 from dlo_fx.runtime.weights.stored import is_stored
 from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
 
 from errors import error_text
+from models import offloaded
 from zoo_models import build, by_name, outputs
 
 MODES = ("rank_local", "allgather")
@@ -35,7 +37,8 @@ def run_case(name: str, options: dict, calls: int = 2) -> dict:
         with torch.no_grad():
             ref = outputs(ref_model(**inputs))
         model, inputs = build(entry)
-        compiled = torch.compile(model, backend="dlo", options=options)
+        offloaded(model, options)
+        compiled = torch.compile(model, backend="dlo")  # inherits the options
         worst = 0.0
         exact = True
         for _ in range(calls):

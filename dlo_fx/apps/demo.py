@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..loading.offload import offload
 from ..model.memory import memory_report
 from .models import example_inputs, reference_dit
 
@@ -41,6 +42,7 @@ def run_demo(*, width: int = 1024, depth: int = 12, heads: int = 16, size: int =
     print(f"reference DiT: width {width}, {depth} layers, {weights / 2**20:.0f} MiB of weights")
     streamed = copy.deepcopy(resident)
     inputs = example_inputs(resident.config, batch=1, height=size, width=size, seed=0)
+    offload(streamed, {"device": "cpu"})  # where the inputs are
     compiled = torch.compile(streamed, backend="dlo", fullgraph=True)
     eager = torch.compile(resident, backend="eager", fullgraph=True)
     with torch.inference_mode():

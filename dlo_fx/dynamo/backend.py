@@ -12,6 +12,7 @@ runtime was made with its own (`DLOConfig`) by `dlo_fx.offload` or `dlo_fx.load`
 from __future__ import annotations
 
 import logging
+import re
 import time
 import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -22,11 +23,10 @@ from torch import fx
 from .errors import CompileOptionsError, surfaced
 from ..config import (CompileOptions, DLOConfig, conflict_error, runtime_conflicts, same_device,
                       split_options)
-from ..loading.offload import compute_device, offload_module
 from ..passes import run_passes, schedule_of
 from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
+from ..planning.stages.identify_params import fqn_from_source
 from .auto_budget import AutoResidency, copy_graph, fixed_residency
-from .first_trace import traced_model, undo_failed
 from .probes import probe_for_budget, resolve_budget
 from .tensor_parallel import unwrap_dtensor_params
 from ..runtime.ranks.agreement import compile_facts
@@ -34,7 +34,7 @@ from ..runtime.host.layout import is_composite
 from ..runtime.ranks.forward_log import note_compile
 from ..runtime.graph.graph_call import compile_clock, note_graph, run_graph
 from ..runtime.graph.ops import GraphSchedule
-from ..runtime.weights.owners import claim, owner_of
+from ..runtime.weights.owners import claim, owner_of, was_released
 from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
 from ..runtime.store_view import store_view
 from ..runtime.weights.weight_reads import read_unstored
@@ -77,38 +77,79 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
     made_with, compile_options = given_options(options)
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
     runtime = owner_of(params)
-    if runtime is not None and not runtime.closed:
+    if params and (runtime is None or runtime.closed):  # see [Note: one way in]
+        raise not_offloaded(gm, example_inputs, params)
+    if runtime is not None:
         runtime.check_process()  # a forked child: before any pass probes or gathers
         conflicts = runtime_conflicts(made_with, runtime.config)
         if conflicts:  # before anything changes: see [Note: options belong to a verb]
             raise CompileOptionsError(str(conflict_error(conflicts, COMPILE_VERB)))
         config = runtime.config
-    else:  # no runtime: the graph streams nothing, or its model was never offloaded
-        config, runtime = DLOConfig(), None
+    else:  # a graph without parameters gets no runtime: it streams nothing
+        config = DLOConfig()
     if compile_options.compiler == "inductor":  # may trace the frame again; nothing is made yet
         torch_private.restart_with_floats_specialized(gm)
     note_compile()  # a forward that compiles is not replayed gather-only (forward_log.py)
-    if runtime is None and params:  # see [Note: a model compiled without offload]
-        config = DLOConfig.from_options(made_with)  # of the runtime this compile makes
-        check_inference_only(gm, example_inputs, lambda p: p.numel() * p.element_size()
-                             > max(config.resident_bytes, 0))
-        model, at_start = traced_model(params)
-        made = offload_module(model, config, compute_device(config, params), at_start=at_start)
-        made.offloaded_by_trace = weakref.ref(model)  # until a graph of it compiles
-        torch_private.trace_again("dlo offloaded the model: its weights are StoredWeights now")
-    # A graph without parameters gets no runtime: it streams nothing.
     example_inputs, local_args = unwrap_dtensor_params(gm, example_inputs)
     params = [v for v in example_inputs if isinstance(v, torch.nn.Parameter)]
-    try:
-        run = local_args(schedule_for(gm, example_inputs, runtime, config,
-                                      compile_options, tuple(made_with.items()), params))
-    except BaseException:
-        if runtime is not None and runtime.offloaded_by_trace is not None:
-            undo_failed(runtime)  # see [Note: a model compiled without offload]
-        raise
-    if runtime is not None:
-        runtime.offloaded_by_trace = None
-    return run
+    return local_args(schedule_for(gm, example_inputs, runtime, config,
+                                   compile_options, tuple(made_with.items()), params))
+
+
+# [Note: one way in]
+# A model becomes dlo's before anything traces it: `dlo_fx.offload` (a model in memory),
+# `dlo_fx.load` (a checkpoint) or `compile_pipeline` (each streamed component), as FSDP2's
+# ``fully_shard`` and diffusers' group offloading wrap before ``torch.compile`` (see [Note:
+# a streamed model exists before Dynamo traces it] in loading/offload.py). The backend is
+# a function of the graph it is given: it finds the runtime from the graph's parameters
+# and makes none. A graph with parameters no live runtime owns (a model never offloaded,
+# or one `dlo_fx.release` gave back) is refused at once, before anything changes, naming
+# what the graph tells of the model (its parameters' names, the class of the outermost
+# module Dynamo records calling, where it is one of the graph's roots: a graph reads
+# parameters, not modules, and the backend does not look for the model elsewhere) and the
+# one-line fix. A released model's handle is refused naming `release`: it never stores the
+# weights again by itself.
+def not_offloaded(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                  params: Sequence[torch.Tensor]) -> ValueError:
+    """The refusal of a graph whose ``params`` no dlo runtime owns: see [Note: one way in]."""
+    sources = [n.meta["grapharg"].source.name for n, _ in param_placeholders(gm, example_inputs)
+               if n.meta.get("grapharg") is not None]
+    names = [fqn_from_source(s) for s in sources]
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more"
+                                                     if len(names) > 3 else "")
+    models = model_classes(gm, sources)
+    what = (f"a graph of {' and '.join(models)} reading {len(params)} parameters" if models
+            else f"a graph reading {len(params)} parameters") + (f" ({shown})" if shown else "")
+    if was_released(params):
+        return ValueError(
+            f"dlo: torch.compile(..., backend='dlo') traced {what} that dlo_fx.release gave "
+            "back: a released model is an ordinary module, and its compiled handle never "
+            "stores it again by itself; nothing was changed. Call the model itself, or "
+            "dlo_fx.offload(model, options) again before calling this handle")
+    each = ("; a graph streams one model: offload each model and compile it on its own"
+            if len(models) > 1 else "")
+    return ValueError(
+        f"dlo: torch.compile(..., backend='dlo') traced {what} that no dlo runtime holds: "
+        "dlo streams a model made dlo's before it is compiled; nothing was changed. Call "
+        "dlo_fx.offload(model, options) first (or build it with dlo_fx.load, or a pipeline "
+        f"with dlo_fx.compile_pipeline), then torch.compile(model, backend='dlo'){each}")
+
+
+_ROOT = re.compile(r"[LG]\['[^']*'\]")  # ``L['model']`` of ``L['model']._modules[...]``
+
+
+def model_classes(gm: fx.GraphModule, sources: Sequence[str]) -> list[str]:
+    """The class names of the modules whose parameters ``sources`` name, one per module,
+    where Dynamo recorded a call of it in the graph's ``nn_module_stack`` (a compiled
+    function that takes or closes over the model); none for a compiled module's own frame
+    (``self`` is not recorded)."""
+    roots = {m.group(0) for m in map(_ROOT.match, sources) if m is not None}
+    found: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            if path in roots and isinstance(cls, type):
+                found.setdefault(path, cls.__name__)
+    return list(found.values())
 
 
 def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Optional[Runtime],

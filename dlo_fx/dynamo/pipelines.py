@@ -37,7 +37,7 @@ from ..model.cfg_parallel import cfg_parallel, cfg_refusal, group_ranks
 from ..model.guard import guard_pipeline, restore, shadow, shadowing, unguard_pipeline
 from ..model.guard import release as release_module
 from ..model.storage_dtype import take_over_hooks
-from ..runtime.weights.owners import owner_of, runtimes_holding
+from ..runtime.weights.owners import owner_of, runtimes_holding, was_released
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,8 @@ def release(target: Any) -> Any:
     released, and every component, stored or only compiled, is restored (see [Note: a
     released module is as on the first day] in model/guard.py), so the pipeline can be
     saved, moved or cast as usual, and compiling it again (`compile_pipeline`) takes any
-    options. Raises ValueError when nothing in ``target`` is dlo's (no weights stored, no
+    options. Final and idempotent: releasing a released pipeline again does nothing.
+    Raises ValueError when nothing in ``target`` ever was dlo's (no weights stored, no
     compile to undo), and TypeError for anything but a module or a pipeline."""
     if isinstance(target, nn.Module):
         return release_module(target)
@@ -310,7 +311,8 @@ def release(target: Any) -> Any:
         log.info("dlo_fx.release: %s.%s released", type(target).__name__, name)
     undone = (sum(restore(m) for m in modules.values()) + unguard_pipeline(target)
                + _forget_first_run(target))
-    if not stored and not undone:
+    if not stored and not undone and not any(was_released(m.parameters())
+                                             for m in modules.values()):
         raise ValueError(f"dlo_fx.release: no component of {type(target).__name__} "
                          f"({', '.join(modules) or 'it has no torch modules'}) has weights "
                          "in a dlo host store or a dlo compile to undo (was it compiled "

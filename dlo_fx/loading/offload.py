@@ -9,7 +9,8 @@ a model whose parameters are host tensors, called with device inputs, fails insi
 fake-tensor propagation (two devices in one matmul) before any backend is called, and one
 called with host inputs computes on the host. FSDP2's ``fully_shard``, diffusers'
 ``enable_group_offload`` and accelerate's ``cpu_offload`` also prepare the model before
-``torch.compile``, and `dlo_fx.load` does for a checkpoint. `offload` does it for a model
+``torch.compile``, and `dlo_fx.load` does for a checkpoint; the backend refuses a model
+neither made dlo's ([Note: one way in] in dynamo/backend.py). `offload` does it for a model
 in memory (on the host or on the device), in the loader's order: plan the blocks from the
 module alone (`loading.plan.split_params`, the rules the loader and the passes share),
 store them through `Runtime.store_blocks` (one agreement between the ranks, here),
@@ -50,11 +51,9 @@ log = logging.getLogger(__name__)
 __all__ = ["check_hooks", "check_model", "compute_device", "offload", "offload_module"]
 
 
-def compute_device(config: DLOConfig, params: Sequence[torch.Tensor] = ()) -> torch.device:
-    """Where a model offloaded with ``config`` computes: ``config.device``, else where
-    ``params`` are (a model compiled without offload computes on the device of its
-    parameters: see [Note: a model compiled without offload] in dynamo/first_trace.py), else
-    the accelerator, else the CPU (`config.canonical_device` spelling). ValueError naming the
+def compute_device(config: DLOConfig) -> torch.device:
+    """Where a model offloaded with ``config`` computes: ``config.device``, else the
+    accelerator, else the CPU (`config.canonical_device` spelling). ValueError naming the
     option where this machine has no such device, before anything is made there."""
     if config.device is not None:
         missing = platform.missing_device(torch.device(config.device))
@@ -66,7 +65,7 @@ def compute_device(config: DLOConfig, params: Sequence[torch.Tensor] = ()) -> to
                 + (f", on {there.type!r} (its devices: {there.type}:0, ...)" if there else "")
                 + ", or leave device unset (the accelerator, else the CPU)")
         return canonical_device(config.device)
-    return canonical_device(params[0].device if params else platform.default_device())
+    return canonical_device(platform.default_device())
 
 
 def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None] = None, *,
@@ -102,18 +101,15 @@ def offload(model: nn.Module, options: Union[Mapping[str, Any], DLOConfig, None]
     device = compute_device(config)
     check_model(model, device)
     take_over_hooks(model)  # see [Note: storing weights in another dtype]
-    offload_module(model, config, device, resident=resident, inference=True)
+    offload_module(model, config, device, resident=resident)
     return model
 
 
 def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
-                   resident: Sequence[str] = (), inference: bool = False,
-                   at_start: bool = True) -> Runtime:
+                   resident: Sequence[str] = ()) -> Runtime:
     """`offload` without its checks: store ``model``'s blocks for a runtime of ``config``
-    computing on ``device`` and return that runtime; with ``inference``, put the model in
-    eval mode without grads first (`offload` does; the backend, offloading a model compiled
-    without `offload` (dynamo/first_trace.py), keeps the modes Dynamo traced). ``at_start``
-    false: some of the model ran before (see `mark_model`)."""
+    computing on ``device``, the model in eval mode without grads, and return that
+    runtime."""
     start = time.perf_counter()
     home = _home_device(model)
     runtime = Runtime(config, device)
@@ -123,7 +119,7 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
         check_streamable_params(model, device, config.storage_dtype)
         # See [Note: storing weights in another dtype]: marked, checked and rounded at
         # once, before the blocks are sized in their storage dtype
-        mark_model([model], config.storage_dtype, device, at_start)
+        mark_model([model], config.storage_dtype, device)
         params, _ = model_targets(model, None)
         split = split_params(params, config, resident, "dlo_fx.offload")
         moves = Moves(model, device, {id(t.tensor) for b in split["blocks"] for t in b})
@@ -134,8 +130,7 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
                   "dlo_fx.offload")
     assert split is not None and moves is not None  # agree_on_plan raised every error
     settle_mode(runtime, split["blocks"])
-    if inference:
-        model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
     blocks = [NewBlock([t.tensor for t in b], [t.fqn for t in b]) for b in split["blocks"]]
     indices = runtime.store_blocks(
         blocks, [resident_fact(split["resident"]),

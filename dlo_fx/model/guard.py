@@ -52,10 +52,12 @@ from torch import nn
 
 from .. import torch_private
 from ..config import same_device
-from ..runtime.weights.owners import Owner, claim, owned_by, owner_of, runtimes_holding
+from ..runtime.weights.owners import (Owner, claim, owned_by, owner_of, runtimes_holding,
+                                      was_released)
 from ..runtime.weights.stored import (become_real, is_stored, mark_released, real_parameter,
                               release_advice)
 from ..runtime.weights.tensor_parallel import rebuilt, stored_tensor
+from .input_device import check_input_devices
 from .state import guarded_modules, peek, state_of
 from .storage_dtype import forget_storage_marks
 
@@ -96,8 +98,8 @@ def _check_conversion(module: nn.Module, fn: Callable) -> None:
                 raise ValueError(
                     f"dlo: {type(module).__name__} has diffusers' layerwise casting enabled, "
                     f"which casts each layer's weights around its call (here {fqn!r} to "
-                    f"{probe.dtype}); dlo cannot do that to weights in its host store (a "
-                    "model compiled with backend='dlo' before dlo_fx.offload). dlo stores "
+                    f"{probe.dtype}); dlo cannot do that to weights in its host store (hooks "
+                    "applied after dlo stored them). dlo stores "
                     "and casts them itself, once it takes the casting over. "
                     + release_advice(then="(the weights come back), then dlo_fx.offload(model) "
                                           "(it takes the casting over), then compile it")
@@ -332,6 +334,10 @@ def attach(runtime: Owner, modules: Sequence[nn.Module]) -> None:
     for module in modules:
         if any(stored_tensor(p) in runtime.store for p in module.parameters()):
             guard_module(module)
+            state = state_of(module)
+            if state.input_check is None:  # see [Note: inputs on the compute device]
+                state.input_check = module.register_forward_pre_hook(
+                    check_input_devices(runtime.device), with_kwargs=True)
 
 
 def guard_module(module: nn.Module) -> None:
@@ -356,6 +362,9 @@ def guard_module(module: nn.Module) -> None:
 def unguard_module(module: nn.Module) -> None:
     for sub in module.modules():
         state = peek(sub)
+        if state is not None and state.input_check is not None:
+            state.input_check.remove()
+            state.input_check = None
         handles = state.guards if state is not None else None
         if handles is None:
             continue
@@ -392,20 +401,21 @@ def release(model: nn.Module) -> nn.Module:
     a larger tensor (a storage offset, a strided slice, q and k cut from one fused tensor)
     is no view any more, so ``.to()``, ``torch.save`` and ``save_pretrained`` treat it as
     any parameter. Afterwards the module runs eagerly, can be saved, moved or cast like any
-    module; compiling it with ``backend="dlo"`` again, with any options, stores it again. Models
+    module; see [Note: a released module is as on the first day]. Models
     that share parameters (a layer assigned to both) share one runtime, so releasing one
     releases them all: every parameter the runtime stores gets its weights back. Every
     rank of an allgather shard group must call it (the blocks are gathered). Returns
-    ``model``. Raises ValueError when nothing of ``model`` is dlo's: no parameter stored
-    by dlo, no ``backend="dlo"`` compile to undo.
+    ``model``. Final and idempotent: releasing a released model again does nothing. Raises
+    ValueError when nothing of ``model`` ever was dlo's: no parameter stored by dlo, no
+    ``backend="dlo"`` compile to undo.
     """
     modules = give_back(model)
     if modules is None:
-        if restore(model):
+        if restore(model) or was_released(model.parameters()):
             return model
         raise ValueError(f"dlo_fx.release: no parameter of {type(model).__name__} is in a dlo "
-                         "host store (was it loaded with dlo_fx.load or compiled with "
-                         "backend='dlo' and called?)")
+                         "host store (was it offloaded with dlo_fx.offload, loaded with "
+                         "dlo_fx.load or compiled with dlo_fx.compile_pipeline?)")
     for module in modules:
         restore(module)
     return model
@@ -414,8 +424,7 @@ def release(model: nn.Module) -> nn.Module:
 def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
     """The weights of `release`, without undoing what a compile left on the modules: put
     the stored weights back, close the runtimes, unguard the modules, and return them;
-    None where no parameter of ``model`` is stored. The backend calls it to undo the
-    offload of a model compiled without `offload` whose first graph failed to compile."""
+    None where no parameter of ``model`` is stored."""
     params = list(dict.fromkeys(stored_tensor(p) for p in model.parameters()))
     runtimes = runtimes_holding(params)
     if not runtimes:
@@ -452,17 +461,22 @@ def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
 
 # -- what a compile left on a module ------------------------------------------------------------
 # [Note: a released module is as on the first day]
-# After `release`, nothing on the module makes it compile or run with dlo's options
-# again: a model compiled again takes any options. Besides the weights, a compile leaves:
-# ``module.compile(backend="dlo", options=...)``'s compiled ``_compiled_call_impl`` holding
-# those options (kept, a call after release would store the weights again);
-# `compile_pipeline`'s compiled methods as instance attributes (a VAE's
-# ``encode``/``decode``) and its guard on the pipeline's LoRA fusing; and ``storage_dtype``'s
-# marks on the parameters. `restore` removes them. Not undone: ``eval()`` and
-# ``requires_grad_(False)`` (`compile_pipeline` sets them, and the module's earlier modes
-# are not kept), a ``torch.compile`` wrapper the caller holds (its next call stores the
-# weights again, with its own options), and the values of weights stored in a
-# lower-precision dtype (they are the values that dtype holds).
+# `release` is final and idempotent (as diffusers' ``remove_all_hooks`` and accelerate's
+# ``remove_hook_from_module``): the module is an ordinary module again, releasing it twice
+# does nothing the second time, and nothing dlo left on it stores its weights again by
+# itself; only `dlo_fx.offload` (or `compile_pipeline`) makes it dlo's again, with any
+# options. Besides the weights, a compile leaves: ``module.compile(backend="dlo")``'s
+# compiled ``_compiled_call_impl`` (diffusers' ``compile_repeated_blocks`` sets one on
+# each block); `compile_pipeline`'s compiled methods as instance attributes (a VAE's
+# ``encode``/``decode``) and its guard on the pipeline's LoRA fusing; and
+# ``storage_dtype``'s marks on the parameters. `restore` removes them, so those handles run
+# the module as it now is, eagerly. A ``torch.compile`` wrapper the caller holds cannot be
+# reached from the module: its next call traces the released model again and the backend
+# refuses it, naming `release` and `offload` (see [Note: one way in] in
+# dynamo/backend.py); offloaded again, the model runs through it as before. Not undone:
+# ``eval()`` and ``requires_grad_(False)`` (`offload` sets them, and the module's earlier
+# modes are not kept), and the values of weights stored in a lower-precision dtype (they
+# are the values that dtype holds).
 DLO_BACKENDS = ("dlo", "dlo_backend")
 """The names a ``torch.compile`` wrapper gives dlo's backend: the registered one, or the
 function's name when the function itself was passed as ``backend=``."""

@@ -1,8 +1,8 @@
 """`ModuleState`: what dlo knows about one module, in one object reachable from it.
 
 One object per module (FSDP2 keeps its per-module state the same way), not one weak map
-per fact: the guards `guard_module` installed on it (guard.py) and the CFG split
-`cfg_parallel` installed (cfg_parallel.py). Held in one weak map, so a module
+per fact: the guards `guard_module` installed on it and its inputs' device check (guard.py)
+and the CFG split `cfg_parallel` installed (cfg_parallel.py). Held in one weak map, so a module
 dlo touched is collected as any other, and forgotten with its state.
 """
 
@@ -25,6 +25,9 @@ class ModuleState:
     """The hook handles `guard_module` installed on it; None while it is not guarded."""
     state_hooked: bool = False
     """Its ``state_dict`` post-hook (`guard._real_weights`) is among ``guards``."""
+    input_check: Any = None
+    """The handle of its inputs' device check (`input_device.check_input_devices`), on the
+    root module a model was attached as; None elsewhere."""
     cfg_parallel: Any = None
     """The `CFGParallel` `cfg_parallel` installed on it (its hooks), or None."""
 

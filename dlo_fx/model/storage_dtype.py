@@ -217,26 +217,13 @@ def check_castable(stored: torch.dtype, compute: torch.dtype, device: torch.devi
 
 
 def mark_model(roots: Sequence[nn.Module], dtype: Optional[torch.dtype],
-               device: torch.device, at_start: bool = True) -> None:
-    """Apply ``options["storage_dtype"]`` to the models being compiled: mark their
+               device: torch.device) -> None:
+    """Apply ``options["storage_dtype"]`` to the models being offloaded: mark their
     layerwise-cast layers' parameters (`mark_storage`), check that ``device`` casts each
     marked dtype pair, then give every marked parameter not stored yet its storage dtype's
     values (`round_to_storage`): a layer that never reaches a graph (a frame Dynamo skips
     after a graph break runs eagerly) computes with them too, as the layerwise-cast model
-    does, and storing them later is exact. Refused, before anything is marked or changed,
-    when values would change after layers already ran (``at_start`` false)."""
-    if dtype is not None and not at_start and any(
-            dtype != p.dtype for root in roots for p in _unmarked(root)):
-        raise ValueError(
-            f"dlo: storage_dtype={dtype}: the first graph Dynamo compiled for "
-            f"{type(roots[0]).__name__} is not the start of its forward (a graph break made "
-            "Dynamo run the model's own frame eagerly), so layers ran before dlo saw the model, "
-            "with weights not in their storage dtype yet, and this call would differ from the "
-            "layerwise-cast model; nothing was changed. Prepare the model before compiling: "
-            "model.enable_layerwise_casting(storage_dtype=..., compute_dtype=...) then "
-            "dlo_fx.take_over_layerwise_casting(model), or dlo_fx.compile_pipeline(pipe, "
-            "options={'storage_dtype': ...}), or load it with dlo_fx.load(..., "
-            "options={'storage_dtype': ...})")
+    does, and storing them later is exact."""
     marked: dict[tuple[torch.dtype, torch.dtype], str] = {}
     unrounded = []
     for root in roots:

@@ -53,7 +53,6 @@ import itertools
 import logging
 import threading
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -147,9 +146,6 @@ class Runtime:
         # Where `dlo_fx.offload` found the model's parameters, and how to put back what it
         # moved to the compute device: `dlo_fx.release` returns the weights there.
         self.home: Optional[torch.device] = None
-        # The model the backend offloaded at its first graph (dynamo/first_trace.py),
-        # weakly, until a graph of it compiles: a failed compile gives its weights back
-        self.offloaded_by_trace: Optional[weakref.ReferenceType] = None
         # Why each host block the loader or `offload` planned ends where it does (the
         # blocks.md dump's "ends because"), by host block index
         self.block_ends: dict[int, str] = {}

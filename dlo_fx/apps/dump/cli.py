@@ -143,7 +143,7 @@ def run_dump(args: argparse.Namespace) -> int:
         model.eval().requires_grad_(False)
         before = len(dumps())
         if owner_of(model.parameters()) is None:  # a model dlo_fx.load made has its runtime
-            offload(model, options)
+            offload(model, {**options, "device": str(next(model.parameters()).device)})
         compiled = torch.compile(model, backend="dlo", fullgraph=args.fullgraph,
                                  options={"dump_dir": args.out, "trace": args.trace})
         with torch.inference_mode():

@@ -25,7 +25,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["Owner", "claim", "live_runtimes", "owned_by", "owner_of", "register", "reset_runtimes",
-           "runtimes_holding", "unclaim"]
+           "runtimes_holding", "unclaim", "was_released"]
 
 
 class Owner(Protocol):
@@ -33,6 +33,7 @@ class Owner(Protocol):
 
     closed: bool
     store: Any  # its `HostStore`
+    device: torch.device  # the compute device
 
     def close(self) -> None: ...
 
@@ -40,6 +41,7 @@ class Owner(Protocol):
 
 
 _OWNERS = WeakIdKeyDictionary()  # parameter -> its runtime
+_RELEASED = WeakIdKeyDictionary()  # parameter -> True: its runtime was closed (released)
 _LIVE: "weakref.WeakSet[Owner]" = weakref.WeakSet()
 _LOCK = threading.Lock()
 
@@ -60,7 +62,7 @@ def owner_of(params: Iterable[torch.Tensor]) -> Optional[Owner]:
 
 def claim(params: Iterable[torch.Tensor], runtime: Owner) -> None:
     """Make ``runtime`` the owner of ``params`` (those it stores, or will: a model's
-    parameters are claimed as a whole when its first graph is compiled)."""
+    parameters are claimed as a whole when it is offloaded or loaded)."""
     with _LOCK:
         for p in params:
             if _OWNERS.get(p) is None:
@@ -68,9 +70,18 @@ def claim(params: Iterable[torch.Tensor], runtime: Owner) -> None:
 
 
 def unclaim(runtime: Owner) -> None:
+    """Forget ``runtime``'s parameters (it is closing): each is remembered as released
+    (`was_released`) until a runtime claims it again."""
     with _LOCK:
         for p in [p for p, rt in _OWNERS.items() if rt is runtime]:
             del _OWNERS[p]
+            _RELEASED[p] = True
+
+
+def was_released(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``params`` belonged to a runtime now closed (`dlo_fx.release`) and
+    no runtime holds it since."""
+    return any(_OWNERS.get(p) is None and _RELEASED.get(p, False) for p in params)
 
 
 def owned_by(runtimes: Sequence[Owner]) -> list[torch.Tensor]:
