@@ -209,3 +209,9 @@ def dit_model():
 
 def dit_inputs(model):
     return example_inputs(model.config, batch=1, height=4, width=4)
+
+
+def offloaded_dit():
+    """``dump_cases:offloaded_dit``: a model the factory made dlo's itself, with 3 slots."""
+    model = offloaded(reference_dit(width=32, depth=2, heads=2, seed=0), {"num_slots": 3})
+    return model, dit_inputs(model)

@@ -764,6 +764,31 @@ def test_cli_model_with_inputs_function_and_errors(tmp_path, capsys):
     assert "compute_gbps" in capsys.readouterr().err
 
 
+def test_cli_model_made_dlos_keeps_its_options_and_a_differing_flag_is_refused(tmp_path, capsys):
+    """A factory returning a model it offloaded itself is dumped with its runtime's options:
+    a runtime flag that says otherwise is refused naming both values, never ignored."""
+    base = ("--model", "dump_cases:offloaded_dit", "--app-dir", str(TESTS), "--calls", "1",
+            "--no-trace")
+    assert cli(*base, "--out", str(tmp_path / "a"), "--slots", "2") == 2
+    err = capsys.readouterr().err
+    assert "--slots 2 (its runtime has 3)" in err and "dlo's already" in err
+    assert cli(*base, "--out", str(tmp_path / "b"), "--slots", "3") == 0
+    assert "- slots: 3 x" in (tmp_path / "b" / "graph_0" / "blocks.md").read_text()
+    assert cli(*base, "--out", str(tmp_path / "c")) == 0  # no flag: the model's own
+    assert "- slots: 3 x" in (tmp_path / "c" / "graph_0" / "blocks.md").read_text()
+
+
+def test_cli_prints_the_plans_prediction_for_a_hardware(tmp_path, capsys):
+    assert cli("--layers", "2", "--width", "32", "--heads", "2", "--size", "4", "--calls", "1",
+               "--no-trace", "--out", str(tmp_path), "--hardware", "h200") == 0
+    printed = capsys.readouterr().out
+    assert "predicted on h200 (dlo_fx.plan, not measured)" in printed
+    assert "1 graph(s) scheduled" in printed
+    assert cli("--layers", "1", "--width", "32", "--heads", "2", "--size", "4", "--no-trace",
+               "--out", str(tmp_path / "x"), "--hardware", "no-such-gpu") == 2
+    assert "no-such-gpu" in capsys.readouterr().err
+
+
 def test_timeline_reads_outside_a_browser_at_any_size():
     """Seconds from 1,000 ms (not ``9.58e+03 ms``), hex colours (viewers outside browsers
     draw ``hsl()`` black), the resident blocks as ranges and the subtitle wrapped to the

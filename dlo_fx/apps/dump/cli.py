@@ -45,14 +45,20 @@ def add_dump_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     model.add_argument("--heads", type=int, default=4, help="reference DiT heads (default: 4)")
     model.add_argument("--size", type=int, default=16,
                        help="reference DiT latent height and width (default: 16)")
-    dlo = parser.add_argument_group("dlo options")
+    dlo = parser.add_argument_group(
+        "dlo options (a model the factory made dlo's keeps its own: a flag given here must "
+        "equal its value)")
     dlo.add_argument("--out", default="dlo-dump", help="dump folder (default: dlo-dump)")
-    dlo.add_argument("--slots", type=int, default=2, help="num_slots (default: 2)")
+    dlo.add_argument("--slots", type=int, default=None, help="num_slots (default: 2)")
     dlo.add_argument("--block-bytes", type=int, default=None,
                      help="block budget in bytes (default: the largest natural layer)")
-    dlo.add_argument("--resident-bytes", type=int, default=0,
+    dlo.add_argument("--resident-bytes", type=int, default=None,
                      help="keep parameters smaller than this resident (default: 0)")
-    dlo.add_argument("--mode", choices=("auto", "allgather", "rank_local"), default="auto")
+    dlo.add_argument("--mode", choices=("auto", "allgather", "rank_local"), default=None,
+                     help="(default: auto)")
+    dlo.add_argument("--hardware", default=None, metavar="NAME",
+                     help="also print dlo_fx.plan's prediction of a step on this hardware "
+                          "preset (h200, b200, ...; see dlo-fx plan --help)")
     dlo.add_argument("--calls", type=int, default=2, help="calls to run and trace (default: 2)")
     dlo.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
                      help="record spans for trace.json and the stall summary (default: on)")
@@ -134,16 +140,20 @@ def run_dump(args: argparse.Namespace) -> int:
         assume = Assumptions(h2d_gbps=args.h2d_gbps, gather_gbps=args.gather_gbps,
                              compute_gbps=args.compute_gbps)
         model, inputs, what = build_model(args)
-        options = {"num_slots": args.slots, "resident_bytes": args.resident_bytes,
-                   "mode": args.mode}
-        if args.block_bytes is not None:
-            options["block_bytes"] = args.block_bytes
         if args.calls < 1:
             raise ValueError(f"--calls {args.calls} must be at least 1")
+        given = {option: value for option, value in runtime_flags(args).items()
+                 if value is not None}
         model.eval().requires_grad_(False)
         before = len(dumps())
-        if owner_of(model.parameters()) is None:  # a model dlo_fx.load made has its runtime
+        runtime = owner_of(model.parameters())
+        if runtime is None:
+            options = {**RUNTIME_DEFAULTS, **given}
+            predicted = prediction(model, inputs, args.hardware, options)
             offload(model, {**options, "device": str(next(model.parameters()).device)})
+        else:  # made dlo's by the factory (dlo_fx.load, dlo_fx.offload): its options stand
+            check_inherited(given, runtime.config)
+            predicted = prediction(None, inputs, args.hardware, None)
         compiled = torch.compile(model, backend="dlo", fullgraph=args.fullgraph,
                                  options={"dump_dir": args.out, "trace": args.trace})
         with torch.inference_mode():
@@ -165,7 +175,52 @@ def run_dump(args: argparse.Namespace) -> int:
     if args.trace:
         print()
         print(stall_summary(model))
+    if predicted:
+        print()
+        print(predicted)
     return 0
+
+
+RUNTIME_DEFAULTS = {"num_slots": 2, "resident_bytes": 0, "mode": "auto"}
+"""The runtime options ``dlo-fx dump`` offloads a model with where no flag sets them."""
+
+
+def runtime_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The runtime options of the command line, None where the flag was not given."""
+    return {"num_slots": args.slots, "block_bytes": args.block_bytes,
+            "resident_bytes": args.resident_bytes, "mode": args.mode}
+
+
+_FLAGS = {"num_slots": "--slots", "block_bytes": "--block-bytes",
+          "resident_bytes": "--resident-bytes", "mode": "--mode"}
+
+
+def check_inherited(given: dict[str, Any], config: Any) -> None:
+    """A model the factory made dlo's is dumped with the options its runtime was made with:
+    a flag given on the command line that says otherwise is refused, never ignored."""
+    differ = [f"{_FLAGS[k]} {v} (its runtime has {getattr(config, k)!r})"
+              for k, v in given.items() if v != getattr(config, k)]
+    if differ:
+        raise ValueError(
+            "the model --model returned is dlo's already (dlo_fx.load or dlo_fx.offload made "
+            "it), and its runtime options stand: " + "; ".join(differ) + ". Drop those "
+            "flags, or return the model before it is offloaded and let dlo-fx dump offload it")
+
+
+def prediction(model: Any, inputs: Any, hardware: Optional[str],
+               options: Optional[dict]) -> Optional[str]:
+    """`dlo_fx.plan`'s table of ``model`` at ``inputs``' shapes on ``hardware`` (None: no
+    --hardware), planned before the model is offloaded (from its config, on the meta
+    device); a model the factory made dlo's already is said to be unplanned."""
+    if hardware is None:
+        return None
+    if model is None:
+        return (f"predicted on {hardware}: not planned (the model was dlo's before dlo-fx dump "
+                "saw it; plan it with dlo_fx.plan or dlo-fx plan --model before it is loaded)")
+    from ..plan import plan
+
+    return f"predicted on {hardware} (dlo_fx.plan, not measured):\n" + str(
+        plan(model, inputs, hardware=hardware, options=options))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
