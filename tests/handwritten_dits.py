@@ -199,7 +199,9 @@ def run(layout: str, options: dict, *, ckpt: str = "", calls: int = 2, **kw) -> 
         runtime_options, options = split_options(options)
         model = dlo_fx.load(lambda: construct(layout, **kw), ckpt, options=runtime_options)
     else:
-        model = build(layout, **kw)
+        from models import offloaded
+
+        model = offloaded(build(layout, **kw), options)
     compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True)
     with torch.no_grad():
         equal = all(torch.equal(call(compiled, x), expected) for _ in range(calls))

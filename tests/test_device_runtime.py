@@ -48,7 +48,7 @@ def test_fault_delay_always_goes_through_the_worker():
 
 def test_fault_delay_is_refused_where_streams_order_the_slots():
     streams = DeviceExecutor.__new__(DeviceExecutor)  # a device's executor, no stream made
-    with pytest.raises(NotImplementedError, match="fault_delay_s is a CPU-runtime option"):
+    with pytest.raises(NotImplementedError, match="fault_delay is a CPU-runtime test hook"):
         FaultDelay(0.001, streams)
     assert FaultDelay(0.0, streams).next() is None  # no delay asked: nothing to refuse
 
