@@ -144,6 +144,9 @@ def test_release_of_a_pipeline_then_save_and_cast(tmp_path):
     # released, it runs resident: no runtime is made again
     assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
     assert dlo_fx.state(pipe.transformer).released
+    with pytest.raises(TypeError, match=r"not a FluxPipeline; for a pipeline, ask of each "
+                                        r"component, e.g. dlo_fx.state\(pipe\.\w+\)"):
+        dlo_fx.state(pipe)
     pipe.save_pretrained(tmp_path / "saved")
     assert (tmp_path / "saved" / "transformer" / "config.json").is_file()
     pipe.to(torch.float64)

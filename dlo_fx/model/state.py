@@ -100,8 +100,12 @@ def state(module: nn.Module) -> Optional[DLOState]:
     streams; also any of its submodules), or None where dlo holds nothing of it and never
     did. See [Note: one state, one call]."""
     if not isinstance(module, nn.Module):
+        components = getattr(module, "components", None)
+        hint = (f"; for a pipeline, ask of each component, e.g. dlo_fx.state(pipe."
+                f"{next(iter(components))})" if isinstance(components, dict) and components
+                else "")
         raise TypeError(f"dlo_fx.state takes a torch module (nn.Module), not a "
-                        f"{type(module).__name__}")
+                        f"{type(module).__name__}{hint}")
     params = list(dict.fromkeys(stored_tensor(p) for p in module.parameters()))
     live = [rt for rt in runtimes_holding(params) if not rt.closed]
     if not live:
