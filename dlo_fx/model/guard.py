@@ -324,9 +324,9 @@ def _shadows(sub: nn.Module) -> dict[str, Callable]:
 def attach(runtime: Owner, modules: Sequence[nn.Module]) -> None:
     """Attach ``modules`` to the runtime that stored their blocks (`Runtime.store_blocks`):
     claim every parameter of theirs, the resident ones too (the model's later graphs find
-    the runtime through any of them), and guard those holding stored parameters. The one
-    way a model is attached, by `dlo_fx.load` and by every compile (its frame's modules and
-    the models compiled around them). Idempotent."""
+    the runtime through any of them), and guard those holding stored parameters. Called by
+    the one attach sequence alone ([Note: one attach sequence] in loading/attach.py), the
+    last of its steps. Idempotent."""
     claim((t for m in modules for p in m.parameters() for t in (p, stored_tensor(p))), runtime)
     for module in modules:
         if any(stored_tensor(p) in runtime.store for p in module.parameters()):
