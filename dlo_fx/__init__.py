@@ -19,12 +19,14 @@ from .loading.loader import load
 from .loading.offload import offload
 from .model.cfg_parallel import cfg_parallel
 from .model.memory import memory_report
+from .model.state import DLOState, state
 from .dynamo.pipelines import compile_pipeline, release
 from .model.storage_dtype import take_over_layerwise_casting
 
-__all__ = ["DLOConfig", "DeviceMemoryError", "Engine", "Request", "Result", "cfg_parallel",
+__all__ = ["DLOConfig", "DLOState", "DeviceMemoryError", "Engine", "Request", "Result", "cfg_parallel",
            "compile_pipeline", "load",
-           "memory_report", "offload", "plan", "release", "take_over_layerwise_casting"]
+           "memory_report", "offload", "plan", "release", "state",
+           "take_over_layerwise_casting"]
 __version__ = "0.1.0"
 
 _ENGINE = ("Engine", "Request", "Result")

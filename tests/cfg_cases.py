@@ -111,7 +111,6 @@ def readme_case(folder: str) -> bool:
 def cfg_cases(rank: int, world: int, folder: str, requests: list) -> dict:
     import dlo_fx
     from dlo_fx.model.memory import memory_report
-    from dlo_fx.runtime.weights.owners import owner_of
 
     out: dict = {"engine": engine_references(folder, requests), "readme": readme_case(folder)}
     kw = dict(height=16, width=16)
@@ -144,14 +143,14 @@ def cfg_cases(rank: int, world: int, folder: str, requests: list) -> dict:
     three, unnamed = ThreeCallWan(**dp.wan().components), UnnamedTrueCFG(**dp.flux().components)
     out["three"] = _refused(lambda: dlo_fx.compile_pipeline(three, cfg_group=[0, 1]))
     out["unnamed"] = _refused(lambda: dlo_fx.compile_pipeline(unnamed, cfg_group=[0, 1]))
-    out["two-call-unchanged"] = (owner_of(three.transformer.parameters()) is None
-                                 and owner_of(unnamed.transformer.parameters()) is None
+    out["two-call-unchanged"] = (dlo_fx.state(three.transformer) is None
+                                 and dlo_fx.state(unnamed.transformer) is None
                                  and not three.transformer._forward_pre_hooks)
     sd3 = dp.sd3()
     for key, group in (("one-rank", [rank]), ("not-mine", [2, 3]), ("three-ranks", [0, 1, 2]),
                        ("a-word", "world")):
         out[key] = _refused(lambda: dlo_fx.compile_pipeline(sd3, cfg_group=group))
-    out["group-unchanged"] = (owner_of(sd3.transformer.parameters()) is None
+    out["group-unchanged"] = (dlo_fx.state(sd3.transformer) is None
                               and not sd3.transformer._forward_pre_hooks)
     out["not-a-module"] = _refused(lambda: dlo_fx.cfg_parallel(sd3, [0, 1]))
 

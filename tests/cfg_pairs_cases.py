@@ -80,7 +80,6 @@ def transformer_case(rank: int) -> dict:
     """A Wan transformer called as a pipeline calls it, by hand: what the pending prediction
     allows, what it refuses, and the refusals before anything is computed."""
     import dlo_fx
-    from dlo_fx.runtime.weights.owners import owner_of
 
     out: dict = {}
     plain, model = dp.wan().transformer, dp.wan().transformer
@@ -143,8 +142,8 @@ def transformer_case(rank: int) -> dict:
     pipe = dp.wan()
     pipe.transformer.enable_cache(_pab())
     out["cache-pipeline"] = _refused(lambda: dlo_fx.compile_pipeline(pipe, cfg_group=[0, 1]))
-    out["cache-pipeline-unchanged"] = (owner_of(pipe.transformer.parameters()) is None
-                                       and owner_of(pipe.text_encoder.parameters()) is None)
+    out["cache-pipeline-unchanged"] = (dlo_fx.state(pipe.transformer) is None
+                                       and dlo_fx.state(pipe.text_encoder) is None)
     model.enable_cache(_pab())
     out["cache-later"] = _refused(lambda: pair(cond, uncond, return_dict=False))
     model.disable_cache()

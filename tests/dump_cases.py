@@ -15,7 +15,7 @@ from torch.fx.node import has_side_effect
 
 import dlo_fx.apps.dump
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.weights.owners import owner_of, reset_runtimes
+from dlo_fx.runtime.weights.owners import reset_runtimes
 
 from models import call, offloaded, tiny_wan
 
@@ -66,7 +66,7 @@ def dump_model(model, inputs, dump_dir: Path, options: dict, calls: int = 1,
 
     Returns (compiled model, the folders this compile wrote)."""
     before = len(dlo_fx.apps.dump.dumps())
-    if owner_of(model.parameters()) is None:
+    if dlo_fx.state(model) is None:
         offloaded(model, options)
     compiled = torch.compile(model, backend="dlo", fullgraph=fullgraph,
                              options={**options, "dump_dir": str(dump_dir)})

@@ -140,12 +140,12 @@ def test_parameters_end_stored_and_an_eager_call_is_exact_with_a_warning():
 def test_grad_mode_with_trainable_parameters_is_refused():
     model, inputs = tiny_dit()
     offloaded(model).requires_grad_(True)
-    blocks = len(runtimes_holding(list(model.parameters()))[0].store.blocks)
+    blocks = dlo_fx.state(model).blocks
     compiled = torch.compile(model, backend="dlo", fullgraph=True)
     with pytest.raises(NotImplementedError, match="inference only"):  # not wrapped by Dynamo
         compiled(*inputs)
     # nothing changed: the blocks the offload stored, no more
-    assert len(runtimes_holding(list(model.parameters()))[0].store.blocks) == blocks
+    assert dlo_fx.state(model).blocks == blocks
 
 
 def test_grad_mode_with_inputs_that_require_grad_is_refused():
@@ -155,12 +155,12 @@ def test_grad_mode_with_inputs_that_require_grad_is_refused():
     model, inputs = tiny_dit()
     ref, _ = tiny_dit()
     compiled = torch.compile(offloaded(model), backend="dlo")
-    blocks = len(runtimes_holding(list(model.parameters()))[0].store.blocks)
+    blocks = dlo_fx.state(model).blocks
     wants_grad = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
     with pytest.raises(NotImplementedError,
                        match=r"inference only, but input L\['latents'\] requires grad"):
         compiled(*wants_grad)
-    assert len(runtimes_holding(list(model.parameters()))[0].store.blocks) == blocks
+    assert dlo_fx.state(model).blocks == blocks
     with torch.no_grad():
         assert torch.equal(compiled(*inputs), ref(*inputs))
 

@@ -107,7 +107,7 @@ def test_a_compile_option_given_to_offload_is_refused_naming_torch_compile(optio
     with pytest.raises(ValueError, match=rf"dlo option '{key}'=.* belongs to each compile, "
                                          r"not to dlo_fx.offload: give it to torch.compile"):
         dlo_fx.offload(model, option)
-    assert owner_of(model.parameters()) is None  # nothing stored
+    assert dlo_fx.state(model) is None  # nothing stored
 
 
 def test_runtime_and_compile_options_each_reach_their_verb():

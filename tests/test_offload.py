@@ -67,6 +67,70 @@ def test_offload_then_compile_is_exact_twice_and_release_gives_it_back():
     assert _same_as(model, snap)
 
 
+def test_state_says_what_dlo_holds_of_a_module():
+    """``dlo_fx.state``: None for a module dlo never held; the runtime's facts (options,
+    device, mode, blocks) for an offloaded one and each of its submodules; released after
+    `release`. A frozen copy: changing it changes nothing."""
+    model = _model()
+    assert dlo_fx.state(model) is None
+    dlo_fx.offload(model, options={"num_slots": 3, "device": "cpu"})
+    state = dlo_fx.state(model)
+    assert not state.released and state.config.num_slots == 3 and state.guarded
+    assert same_device(state.device, "cpu") and state.mode == "rank_local"
+    assert state.blocks == len(runtimes_holding(list(model.parameters()))[0].store.blocks) > 0
+    assert state.stored == sum(is_stored(p) for p in model.parameters()) > 0
+    block = dlo_fx.state(model.blocks[0])
+    assert block.config is state.config and 0 < block.stored < state.stored
+    with pytest.raises(AttributeError):
+        state.mode = "allgather"  # frozen
+    dlo_fx.release(model)
+    assert dlo_fx.state(model) == dlo_fx.DLOState(released=True)
+    with pytest.raises(TypeError, match="dlo_fx.state takes a torch module"):
+        dlo_fx.state(model.state_dict())
+
+
+def test_release_gives_back_what_the_guards_shadowed():
+    """The guards' instance attributes over a module's methods (``_apply``) replace, while
+    the module is dlo's, what the instance held under that name; release puts that back
+    (it was dropped: the module lost its own attribute)."""
+    model = _model()
+    block = model.blocks[0]
+    own = block._apply  # a bound method held by the instance, as a wrapper would
+    vars(block)["_apply"] = own
+    dlo_fx.offload(model)
+    assert vars(block)["_apply"] is not own  # guarded
+    dlo_fx.release(model)
+    assert vars(block)["_apply"] is own and "_apply" not in vars(model.blocks[1])
+
+
+def test_offload_and_load_attach_alike(tmp_path):
+    """One attach sequence ([Note: one attach sequence]): a model offloaded and the same
+    model loaded from its checkpoint hold the same facts: the same state, why each host
+    block ends, and the parameters named in ``resident=`` kept resident by name."""
+    from safetensors.torch import save_file
+    from dlo_fx.apps.models import ReferenceDiT
+    from dlo_fx.runtime.runtime import NAMED_RESIDENT
+
+    model = _model()
+    path = str(tmp_path / "dit.safetensors")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    options = {"device": "cpu", "block_bytes": 40_000}
+    loaded = dlo_fx.load(ReferenceDiT, path, config=model.config, options=options,
+                         resident=["final_adaLN"])
+    dlo_fx.offload(model, options, resident=["final_adaLN"])
+    facts = []
+    for m in (model, loaded):
+        runtime = runtimes_holding(list(m.parameters()))[0]
+        named = sorted(n for n, p in m.named_parameters()
+                       if runtime.kept_resident.get(p) == NAMED_RESIDENT)
+        facts.append((dlo_fx.state(m), runtime.block_ends, named, runtime.home,
+                      len(runtime.undo_moves), m.training,
+                      any(p.requires_grad for p in m.parameters())))
+    assert facts[0][2] and facts[0][2] == facts[1][2]
+    assert facts[0][:2] == facts[1][:2] and facts[0][5:] == facts[1][5:] == (False, False)
+    assert facts[0][3:5] == (torch.device("cpu"), 1) and facts[1][3:5] == (None, 0)
+
+
 def test_a_compile_sets_trace_for_itself_on_an_offloaded_model():
     """``trace`` is an option each compile sets for itself (`PER_COMPILE_OPTIONS`): a model
     offloaded without it and compiled with it records the schedule's spans."""
@@ -264,7 +328,7 @@ def test_a_model_compiled_without_offload_is_refused_and_left_usable():
     assert str(err).startswith("dlo: torch.compile(..., backend='dlo') traced a graph "), err
     assert "parameters ('" in str(err) and "no dlo runtime holds" in str(err), err
     assert "Call dlo_fx.offload(model, options) first" in str(err), err
-    assert _same_as(model, snap) and runtimes_holding(list(model.parameters())) == []
+    assert _same_as(model, snap) and dlo_fx.state(model) is None
     with torch.inference_mode():
         assert torch.equal(model(*inputs), want)  # still an ordinary module
     dlo_fx.offload(model, options={"num_slots": 2})
@@ -439,7 +503,7 @@ def test_offload_checks_every_member_it_moves_before_anything_changes():
                                              r"no values to move to cpu\); nothing was changed"):
             dlo_fx.offload(model, options={"block_bytes": 1, "resident_bytes": 0,
                                            "storage_dtype": storage})
-        assert _same_state(model, state) and not runtimes_holding(list(model.parameters()))
+        assert _same_state(model, state) and dlo_fx.state(model) is None
     with torch.no_grad():
         assert torch.equal(model(x), want)
     norm = nn.BatchNorm1d(8, affine=False).eval()

@@ -137,13 +137,16 @@ def test_release_of_a_pipeline_then_save_and_cast(tmp_path):
     for name in ("transformer", "text_encoder", "text_encoder_2"):
         module = getattr(pipe, name)
         assert not any(is_stored(p) for p in module.parameters()), name
-        assert runtimes_holding(list(module.parameters())) == [], name
+        assert dlo_fx.state(module).released, name
         mine, theirs = module.state_dict(), getattr(reference, name).state_dict()
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k])
                                                     for k in mine), name
     # released, it runs resident: no runtime is made again
     assert torch.equal(dp.images(pipe, "flux", cfg=False), expected)
-    assert not runtimes_holding(list(pipe.transformer.parameters()))
+    assert dlo_fx.state(pipe.transformer).released
+    with pytest.raises(TypeError, match=r"not a FluxPipeline; for a pipeline, ask of each "
+                                        r"component, e.g. dlo_fx.state\(pipe\.\w+\)"):
+        dlo_fx.state(pipe)
     pipe.save_pretrained(tmp_path / "saved")
     assert (tmp_path / "saved" / "transformer" / "config.json").is_file()
     pipe.to(torch.float64)
@@ -160,9 +163,9 @@ def test_release_of_a_pipeline_then_save_and_cast(tmp_path):
 
 def _slots(pipe) -> dict:
     """num_slots of the runtime of each streamed component."""
-    return {name: runtimes_holding(list(getattr(pipe, name).parameters()))[0].config.num_slots
-            for name in ("transformer", "text_encoder", "text_encoder_2")
-            if runtimes_holding(list(getattr(pipe, name).parameters()))}
+    states = {name: dlo_fx.state(getattr(pipe, name))
+              for name in ("transformer", "text_encoder", "text_encoder_2")}
+    return {name: s.config.num_slots for name, s in states.items() if s and not s.released}
 
 
 def test_a_pipeline_released_after_a_refused_compile_a_move_and_lora_compiles_anew():
@@ -206,7 +209,7 @@ def test_a_released_module_compiles_again_with_any_options(dit):
     with torch.no_grad():
         expected = rounded(*dit["inputs"])
         assert torch.equal(model(*dit["inputs"]), expected)  # resident: nothing stored
-    assert not runtimes_holding(list(model.parameters()))
+    assert dlo_fx.state(model).released
     dlo_fx.offload(model, {"num_slots": 3})
     model.compile(backend="dlo", options={"num_slots": 3})
     with torch.no_grad():
@@ -224,7 +227,7 @@ def test_a_released_module_compiles_again_with_any_options(dit):
     with torch.no_grad():
         out = torch.compile(loaded, backend="dlo", options={"num_slots": 2})(*dit["inputs"])
     assert torch.equal(out, dit["expected"])
-    assert runtimes_holding(list(loaded.parameters()))[0].config.num_slots == 2
+    assert dlo_fx.state(loaded).config.num_slots == 2
 
 
 def test_release_is_final_and_idempotent():
@@ -245,7 +248,7 @@ def test_release_is_final_and_idempotent():
         with pytest.raises(ValueError, match=r"dlo_fx\.release gave back: .* Call the model "
                                              r"itself, or dlo_fx\.offload\(model, options\) again"):
             compiled(*inputs)
-        assert runtimes_holding(list(model.parameters())) == []
+        assert dlo_fx.state(model).released
         assert not any(is_stored(p) for p in model.parameters())
         assert torch.equal(model(*inputs), want)  # eager, as it now is
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
@@ -256,7 +259,7 @@ def test_release_is_final_and_idempotent():
         offloaded(model, {"num_slots": 3})  # other options: the runtime is new
         assert torch.equal(compiled(*inputs), want)
         assert torch.equal(torch.compile(model, backend="dlo")(*inputs), want)
-        assert runtimes_holding(list(model.parameters()))[0].config.num_slots == 3
+        assert dlo_fx.state(model).config.num_slots == 3
     dlo_fx.release(model)
     assert dlo_fx.release(model) is model
 
@@ -274,12 +277,12 @@ def test_release_after_compile_repeated_blocks_runs_the_model_as_it_now_is():
         assert torch.equal(model(**inputs)[0], want)
         dlo_fx.release(model)
         assert all(torch.equal(model(**inputs)[0], want) for _ in range(2))
-        assert runtimes_holding(list(model.parameters())) == []
+        assert dlo_fx.state(model).released
         assert dlo_fx.release(model) is model
         model.to(torch.float64).to(torch.float32)
         offloaded(model).compile_repeated_blocks(backend="dlo")
         assert all(torch.equal(model(**inputs)[0], want) for _ in range(2))
-        assert runtimes_holding(list(model.parameters()))
+        assert not dlo_fx.state(model).released
     dlo_fx.release(model)
 
 
@@ -376,8 +379,8 @@ def test_a_device_this_machine_lacks_is_refused_naming_the_option_at_every_entry
             torch.compile(model, backend="dlo", options=options)(*dit["inputs"])
         torch._dynamo.reset()
         assert not any(is_stored(p) for p in model.parameters())
-        assert not any(runtimes_holding(list(m.parameters())) for m in pipe.components.values()
-                       if isinstance(m, torch.nn.Module))
+        assert all(dlo_fx.state(m) is None for m in pipe.components.values()
+                   if isinstance(m, torch.nn.Module))
     # the same pipeline compiles exactly where the machine has the device
     reference = dp.flux()
     dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
@@ -431,8 +434,8 @@ def test_another_offloading_installed_before_dlo_is_refused_and_its_advice_works
     with pytest.raises(ValueError, match=r"FluxPipeline has accelerate's offload hooks .* "
                        r"nothing was changed\. Remove them first: pipe\.remove_all_hooks\(\)"):
         dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
-    assert not any(runtimes_holding(list(m.parameters())) for m in pipe.components.values()
-                   if isinstance(m, torch.nn.Module))
+    assert all(dlo_fx.state(m) is None for m in pipe.components.values()
+               if isinstance(m, torch.nn.Module))
     pipe.remove_all_hooks()
     dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
     assert torch.equal(dp.images(pipe, "flux", cfg=False), want)
@@ -443,7 +446,7 @@ def test_another_offloading_installed_before_dlo_is_refused_and_its_advice_works
     with pytest.raises(ValueError, match=r"has diffusers' group offloading .* Build or load "
                                          r"the model again without enable_group_offload"):
         dlo_fx.compile_pipeline(pipe, options={"device": "cpu"})
-    assert not runtimes_holding(list(pipe.transformer.parameters()))
+    assert dlo_fx.state(pipe.transformer) is None
 
     reference, inputs = tiny_dit(depth=1)
     with torch.no_grad():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import dlo_fx
 import dlo_fx.dynamo.backend as backend
 from dlo_fx.passes import PIPELINE
 from dlo_fx.planning.stages import PLANNING, PassContext
@@ -31,7 +32,7 @@ def compile_capture(model, inputs, options=None, fullgraph=True):
         gms.append(out)
         return out
 
-    if owner_of(model.parameters()) is None:
+    if dlo_fx.state(model) is None:
         offloaded(model, options)
     backend.run_passes = spy
     try:

@@ -61,12 +61,11 @@ from .discover import resolve_checkpoint
 from ..config import DLOConfig
 from .offload import compute_device
 from .gguf import is_gguf, quantize_module
-from .plan import (KeyMap, LoadPlan, Target, agree_on_plan, load_facts, map_keys, plan_load,
-                   settle_mode)
-from ..model.guard import attach
+from .attach import Planned, attach_model
+from .plan import KeyMap, LoadPlan, Target, load_facts, map_keys, plan_load
 from ..runtime.host.fingerprint import extent_sources, file_fingerprint
 from ..runtime.host.layout import STORAGE_MARK
-from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
+from ..runtime.runtime import NewBlock, Runtime
 from ..runtime.weights.stored import carried_attributes, parameter_of, stored_parameter
 from .build import construct, materialised, meta_parameters
 from .shards import ShardDir, checkpoint_extents
@@ -132,16 +131,13 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
     Raises ValueError (`dlo_fx.loading.checkpoint.CheckpointError` for the checkpoint's own
     problems) before anything is registered, naming the file, key or parameter at fault.
     """
-    start = time.perf_counter()
     cfg = DLOConfig.from_options(options, verb="dlo_fx.load")
     device = compute_device(cfg)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dlo_fx.load: dtype={dtype!r} is not a floating-point torch.dtype")
-    runtime = Runtime(cfg, device)
-    error: Optional[BaseException] = None
-    plan: Optional[LoadPlan] = None
-    shards: Optional[ShardDir] = None
-    try:
+
+    def plan_of(runtime: Runtime) -> Planned:
+        nonlocal dtype
         source = os.path.join(checkpoint, subfolder) if subfolder else checkpoint
         shards = ShardDir.open(source)
         ckpt = (shards.checkpoint(os.fspath(source)) if shards is not None
@@ -156,19 +152,11 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
         if shards is not None:
             shards.check(plan, cfg, dp=runtime.group.dp, mode=runtime.mode,
                          rank=runtime.group.rank, dtype=dtype, resident=resident, key_map=key_map)
-    except BaseException as exc:
-        error = exc
-    agree_on_plan(runtime, plan.rows() if plan is not None else None, error, "dlo_fx.load")
-    if plan is None:  # agree_on_plan re-raises every planning error
-        raise RuntimeError("dlo_fx.load: internal error: no load plan and no error")
-    settle_mode(runtime, plan.blocks)
-    _commit(plan, runtime, shards)  # into runtime.store, which the mode decides
-    module.eval()
-    attach(runtime, [module])  # the resident parameters too: compiling finds the runtime
-    log.info("dlo_fx.load: %s from %s: %d blocks (%d bytes of host shards on this rank), "
-             "%d resident parameters, in %.2f s", type(module).__name__, ckpt.source,
-             len(plan.blocks), plan.host_bytes, len(plan.resident), time.perf_counter() - start)
-    return module
+        return Planned(module, plan.rows(), plan.blocks, plan.ends,
+                       lambda: _commit(plan, runtime, shards), len(plan.resident),
+                       source=f" from {ckpt.source}")
+
+    return attach_model(cfg, device, "dlo_fx.load", plan_of)[1].model
 
 
 # -- reading and registering ------------------------------------------------------------
@@ -198,7 +186,10 @@ def _install(target: Target, value: torch.Tensor) -> None:
             mod._buffers[name] = value
 
 
-def _commit(plan: LoadPlan, runtime: Runtime, shards: Optional[ShardDir] = None) -> None:
+def _commit(plan: LoadPlan, runtime: Runtime, shards: Optional[ShardDir] = None
+            ) -> tuple[list[int], list[torch.Tensor]]:
+    """Read the resident tensors, store the blocks and put every value in place; returns the
+    host blocks' indices and the parameters kept resident by name."""
     store, device = runtime.store, runtime.device
     total = sum(t.info.nbytes for t in plan.params + plan.buffers if t.info is not None)
     count = sum(t.info is not None for t in plan.params + plan.buffers)
@@ -245,15 +236,12 @@ def _commit(plan: LoadPlan, runtime: Runtime, shards: Optional[ShardDir] = None)
         indices = runtime.store_blocks(blocks(), load_facts(plan, shards),
                                        f"loading {plan.ckpt.source}", ahead=ahead,
                                        error_of=load_error)
-        plan.host_bytes += sum(store.blocks[i].shard.numel() for i in indices)
-        runtime.block_ends.update(zip(indices, plan.ends))
     finally:
         progress.close()
     named = {id(t) for t in plan.named}
     for target, value in values:
         _install(target, value)
-        if id(target) in named:  # no graph streams (and so stores) them either
-            runtime.kept_resident[value] = NAMED_RESIDENT
+    return indices, [value for target, value in values if id(target) in named]
 
 
 def _block_source(block: Sequence[Target], b: int, shards: Optional[ShardDir], rank: int

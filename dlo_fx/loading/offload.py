@@ -27,7 +27,6 @@ without the accelerator plans for it; the host store still holds the real bytes,
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -35,16 +34,15 @@ import torch
 from torch import nn
 
 from ..config import DLOConfig, canonical_device
-from ..model.guard import attach
 from ..model.storage_dtype import mark_model, take_over_hooks
 from ..runtime.device import platform
 from ..runtime.weights.owners import owner_of
-from ..runtime.runtime import NAMED_RESIDENT, NewBlock, Runtime
+from ..runtime.runtime import NewBlock, Runtime
 from ..runtime.host.layout import storage_dtype_of
 from ..runtime.store_view import unstreamable
 from ..runtime.weights.tensor_parallel import refusal as tp_refusal, shard_fact, stored_tensor
-from .plan import (agree_on_plan, block_rows, model_targets, resident_fact, settle_mode,
-                   split_params)
+from .attach import Planned, attach_model
+from .plan import block_rows, model_targets, resident_fact, split_params
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +108,9 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
     """`offload` without its checks: store ``model``'s blocks for a runtime of ``config``
     computing on ``device``, the model in eval mode without grads, and return that
     runtime."""
-    start = time.perf_counter()
     home = _home_device(model)
-    runtime = Runtime(config, device)
-    split: Optional[dict[str, Any]] = None
-    moves: Optional[Moves] = None
-    try:
+
+    def plan(runtime: Runtime) -> Planned:
         check_streamable_params(model, device, config.storage_dtype)
         # See [Note: storing weights in another dtype]: marked, checked and rounded at
         # once, before the blocks are sized in their storage dtype
@@ -123,30 +118,21 @@ def offload_module(model: nn.Module, config: DLOConfig, device: torch.device, *,
         params, _ = model_targets(model, None)
         split = split_params(params, config, resident, "dlo_fx.offload")
         moves = Moves(model, device, {id(t.tensor) for b in split["blocks"] for t in b})
-        error: Optional[BaseException] = None
-    except BaseException as exc:  # every rank raises with it, none waits for it
-        error = exc
-    agree_on_plan(runtime, block_rows(split["blocks"]) if split is not None else None, error,
-                  "dlo_fx.offload")
-    assert split is not None and moves is not None  # agree_on_plan raised every error
-    settle_mode(runtime, split["blocks"])
-    model.eval().requires_grad_(False)
-    blocks = [NewBlock([t.tensor for t in b], [t.fqn for t in b]) for b in split["blocks"]]
-    indices = runtime.store_blocks(
-        blocks, [resident_fact(split["resident"]),
-                 shard_fact([_held(model, b.params) for b in blocks], [b.fqns[0] for b in blocks])],
-        f"offloading {type(model).__name__}")
-    runtime.block_ends.update(zip(indices, split["ends"]))
-    runtime.home = home
-    runtime.undo_moves.append(moves.apply())
-    for target in split["named"]:  # no graph streams (and so stores) them either
-        runtime.kept_resident[target.tensor] = NAMED_RESIDENT
-    attach(runtime, [model])
-    log.info("dlo_fx.offload: %s: %d blocks (%d bytes of host shards on this rank), %d "
-             "resident parameters, on %s, in %.2f s", type(model).__name__, len(blocks),
-             sum(b.shard.numel() for b in runtime.store.blocks), len(split["resident"]),
-             device, time.perf_counter() - start)
-    return runtime
+
+        def store() -> tuple[list[int], list[torch.Tensor]]:
+            blocks = [NewBlock([t.tensor for t in b], [t.fqn for t in b])
+                      for b in split["blocks"]]
+            indices = runtime.store_blocks(
+                blocks, [resident_fact(split["resident"]),
+                         shard_fact([_held(model, b.params) for b in blocks],
+                                    [b.fqns[0] for b in blocks])],
+                f"offloading {type(model).__name__}")
+            return indices, [target.tensor for target in split["named"]]
+
+        return Planned(model, block_rows(split["blocks"]), split["blocks"], split["ends"],
+                       store, len(split["resident"]), home=home, moves=moves.apply)
+
+    return attach_model(config, device, "dlo_fx.offload", plan)[0]
 
 
 def check_streamable_params(model: nn.Module, device: torch.device,

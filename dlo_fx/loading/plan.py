@@ -81,7 +81,6 @@ class LoadPlan:
     named: list[Target] = field(default_factory=list)  # named in ``resident=``: every graph too
     ends: list[str] = field(default_factory=list)  # why each block ends where it does
     budget: int = 0
-    host_bytes: int = 0
 
     def rows(self) -> list[tuple]:
         """One (parameter count, bytes, first FQN) row per block, compared across ranks."""

@@ -58,7 +58,7 @@ from ..runtime.weights.stored import (become_real, is_stored, mark_released, rea
                               release_advice)
 from ..runtime.weights.tensor_parallel import rebuilt, stored_tensor
 from .input_device import check_input_devices
-from .state import guarded_modules, peek, state_of
+from .state import ABSENT, guarded_modules, peek, state_of
 from .storage_dtype import forget_storage_marks
 
 __all__ = ["attach", "give_back", "guard_module", "guard_pipeline", "release", "restore",
@@ -303,9 +303,6 @@ def _offload_refusal(pipe: Any, name: str) -> ValueError:
 
 
 # -- installing and removing ----------------------------------------------------------------
-_SHADOWED = ("_apply", "load_lora_adapter", "enable_parallelism", *_REWRITING)
-
-
 def _shadows(sub: nn.Module) -> dict[str, Callable]:
     """The instance attributes that shadow ``sub``'s class methods while it is guarded
     (an instance attribute wins over the class's method for this module only)."""
@@ -327,9 +324,9 @@ def _shadows(sub: nn.Module) -> dict[str, Callable]:
 def attach(runtime: Owner, modules: Sequence[nn.Module]) -> None:
     """Attach ``modules`` to the runtime that stored their blocks (`Runtime.store_blocks`):
     claim every parameter of theirs, the resident ones too (the model's later graphs find
-    the runtime through any of them), and guard those holding stored parameters. The one
-    way a model is attached, by `dlo_fx.load` and by every compile (its frame's modules and
-    the models compiled around them). Idempotent."""
+    the runtime through any of them), and guard those holding stored parameters. Called by
+    the one attach sequence alone ([Note: one attach sequence] in loading/attach.py), the
+    last of its steps. Idempotent."""
     claim((t for m in modules for p in m.parameters() for t in (p, stored_tensor(p))), runtime)
     for module in modules:
         if any(stored_tensor(p) in runtime.store for p in module.parameters()):
@@ -351,7 +348,9 @@ def guard_module(module: nn.Module) -> None:
                 continue
             state = state_of(sub)
             state.guards = [sub.register_load_state_dict_pre_hook(_refuse_load)]
-            sub.__dict__.update(_shadows(sub))
+            shadows = _shadows(sub)
+            state.shadowed = {name: vars(sub).get(name, ABSENT) for name in shadows}
+            vars(sub).update(shadows)
         # Its own parameters may be stored after it was guarded (a layer's second graph,
         # after a graph break inside it): state_dict must read those from the store too.
         if direct and not state.state_hooked:
@@ -368,11 +367,15 @@ def unguard_module(module: nn.Module) -> None:
         handles = state.guards if state is not None else None
         if handles is None:
             continue
-        state.guards, state.state_hooked = None, False
+        shadowed = state.shadowed or {}
+        state.guards, state.shadowed, state.state_hooked = None, None, False
         for handle in handles:
             handle.remove()
-        for name in _SHADOWED:
-            sub.__dict__.pop(name, None)
+        for name, before in shadowed.items():  # what the instance held, as it was
+            if before is ABSENT:
+                vars(sub).pop(name, None)
+            else:
+                vars(sub)[name] = before
 
 
 def _give_back(p: torch.Tensor, value: torch.Tensor, holders: list[nn.Module]) -> None:
