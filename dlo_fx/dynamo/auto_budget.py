@@ -64,12 +64,8 @@ from torch import fx
 
 from ..planning.budget import BudgetPlan
 from ..planning.device_memory import DeviceMemory, replan
-from ..runtime.device import platform
-from ..runtime.graph.graph_call import NO_WISH, agree_budget, gather_only
-from ..runtime.ranks import forward_log
-from ..runtime.ranks.clock import word
-from ..runtime.weights.owners import owner_of
-from ..runtime.weights.stored import caller_level
+from ..runtime import (NO_WISH, agree_budget, caller_level, forward_log, gather_only, owner_of,
+                       platform, word)
 from .errors import DeviceMemoryError
 
 log = logging.getLogger(__name__)

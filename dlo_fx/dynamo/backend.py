@@ -30,17 +30,10 @@ from ..planning.stages.identify_params import fqn_from_source
 from .auto_budget import AutoResidency, copy_graph, fixed_residency
 from .probes import probe_for_budget, resolve_budget
 from .tensor_parallel import unwrap_dtensor_params
-from ..runtime.ranks.agreement import compile_facts
-from ..runtime.host.layout import is_composite
-from ..runtime.ranks.forward_log import note_compile
-from ..runtime.graph.graph_call import compile_clock, note_graph, run_graph
-from ..runtime.graph.ops import GraphSchedule
-from ..runtime.weights.owners import claim, owner_of, was_released
-from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
-from ..runtime.store_view import store_view
-from ..runtime.weights.weight_reads import read_unstored
+from ..runtime import (READ_DIRECTLY, GraphSchedule, NewBlock, Runtime, claim, compile_clock,
+                       compile_facts, is_composite, is_stored, note_compile, note_graph, owner_of,
+                       read_unstored, run_graph, store_view, was_released)
 from .. import torch_private
-from ..runtime.weights.stored import is_stored
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,7 @@ from typing import Optional
 from ..config import DLOConfig
 from ..planning.settle import Budget, settle_budget
 from ..planning.stages.resident_set import RATE_DTYPES
-from ..runtime import probes
-from ..runtime.graph.graph_call import compile_clock
-from ..runtime.runtime import Runtime
-from ..runtime.store_view import store_view
+from ..runtime import Runtime, compile_clock, probes, store_view
 
 
 def resolve_budget(config: DLOConfig, runtime: Optional[Runtime]) -> Budget:

@@ -22,7 +22,8 @@ convention (tests may reach them). A name another package needs is added to the 
 below.
 """
 
-from .device import platform
+from .device import platform  # a namespace: the platform layer, looked up at each call
+from .device.platform import device_memory_bytes, exchange_device, max_memory_allocated
 from .device.procfs import (anon_memory, cgroup_memory, process_memory, tree_pss,
                             tree_rollup)
 from .device.trace import Span, Tracer
@@ -35,8 +36,10 @@ from .host.fingerprint import extent_sources, file_fingerprint
 from .host.host_slabs import pinned_figures
 from .host.layout import (STORAGE_MARK, Entry, ShardSpec, is_composite, lay_out,
                           plan_offsets, span_bytes, storage_dtype_of, storage_span)
-from .probes import host_ram_bytes, machine_figures, probe_bandwidths, probe_matmul_flops
+from . import probes  # a namespace: the probes are looked up at each call
+from .probes import host_ram_bytes, machine_figures
 from .ranks import forward_log
+from .ranks.forward_log import logging_to, note_compile
 from .ranks.agreement import Fact, compile_facts, differing, plan_fact
 from .ranks.clock import word
 from .ranks.collectives import exchange_group, exchange_json, plan_digest
@@ -45,7 +48,8 @@ from .store_view import check_streamable, store_view, unstreamable
 from .weights.owners import (Owner, claim, owned_by, owner_of, reset_runtimes,
                              runtimes_holding, was_released)
 from .weights.stored import (become_real, caller_level, carried_attributes, is_stored,
-                             mark_released, parameter_of, real_parameter, stored_parameter)
+                             mark_released, parameter_of, real_parameter, release_advice,
+                             stored_parameter)
 from .weights.tensor_parallel import (DTensorLayout, rebuilt, refusal, shard_fact,
                                       stored_tensor)
 from .weights.weight_reads import read_unstored

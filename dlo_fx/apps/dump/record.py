@@ -19,8 +19,7 @@ from torch import fx
 
 from ...planning.stages import GraphBlock, GraphPlan
 from ...planning.budget import BudgetPlan
-from ...runtime.runtime import Runtime
-from ...runtime.device.trace import Tracer
+from ...runtime import Runtime, Tracer
 
 #: Kinds of schedule node that move or order a block (``node.meta["dlo"]["kind"]``).
 BLOCK_KINDS = ("prefetch", "allgather", "wait", "swap_slot")

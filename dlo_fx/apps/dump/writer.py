@@ -23,9 +23,7 @@ import torch
 from torch import fx
 
 from ...planning.stages import GraphPlan
-from ...runtime.weights.owners import runtimes_holding
-from ...runtime.runtime import Runtime
-from ...runtime.device.trace import Span
+from ...runtime import Runtime, Span, runtimes_holding
 from .blocks_md import blocks_markdown
 from .chrome_trace import trace_events, write_trace_file
 from .measure import (graph_blocks_of, measure_blocks, measured_bandwidth, spans_of,

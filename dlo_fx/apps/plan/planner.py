@@ -42,7 +42,7 @@ from ...planning.flops import graph_flops
 from ...planning.modes import choose_mode
 from ...planning.residency import Candidate, decide_residency
 from ...planning.stages.resident_set import block_compute_seconds, block_spans
-from ...runtime.host.layout import ShardSpec, lay_out, storage_dtype_of
+from ...runtime import ShardSpec, lay_out, storage_dtype_of
 from .forward import trace_forward
 from .hardware import Hardware, hardware_of
 
