@@ -31,7 +31,7 @@ import _timing as T  # noqa: E402
 
 import dlo_fx  # noqa: E402
 from dlo_fx.apps.models import example_inputs, reference_dit  # noqa: E402
-from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding  # noqa: E402
+from dlo_fx.runtime import reset_runtimes, runtimes_holding  # noqa: E402
 
 FRACTIONS = (0, 25, 50, 75, 100)
 

@@ -45,7 +45,7 @@ import dlo_fx  # noqa: E402
 import dlo_fx.dynamo.backend  # noqa: E402
 import dlo_fx.passes  # noqa: E402
 from dlo_fx.apps.models import example_inputs, reference_dit  # noqa: E402
-from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding  # noqa: E402
+from dlo_fx.runtime import reset_runtimes, runtimes_holding  # noqa: E402
 
 # -- what each mode measures ----------------------------------------------------------------
 FULL = {

@@ -79,7 +79,7 @@ class AnonPeak:
     """Peak RssAnon seen by a 2 ms sampling thread."""
 
     def __init__(self) -> None:
-        from dlo_fx.runtime.device.procfs import anon_memory
+        from dlo_fx.runtime import anon_memory
 
         self._read = lambda: anon_memory()["rss_anon"] or 0
         self.peak = self._read()
@@ -109,7 +109,7 @@ def _warm_dynamo() -> None:
 
     import dlo_fx
     from dlo_fx.apps.models import example_inputs, reference_dit
-    from dlo_fx.runtime.weights.owners import reset_runtimes
+    from dlo_fx.runtime import reset_runtimes
 
     with torch.inference_mode():
         tiny = dlo_fx.offload(reference_dit(width=64, depth=2, heads=4), {"device": "cpu"})
@@ -138,8 +138,8 @@ def memory_child(args) -> None:
     forwards, above the value before the load."""
     import torch
 
-    from dlo_fx.runtime.device.procfs import anon_memory
-    from dlo_fx.runtime.weights.owners import runtimes_holding
+    from dlo_fx.runtime import anon_memory
+    from dlo_fx.runtime import runtimes_holding
 
     torch.set_num_threads(1)
     _warm_dynamo()
@@ -177,7 +177,7 @@ def latency(args) -> dict:
     page cache, then with the served files dropped from the page cache before each call."""
     import torch
 
-    from dlo_fx.runtime.weights.owners import runtimes_holding
+    from dlo_fx.runtime import runtimes_holding
     from _timing import interleaved
 
     torch.set_num_threads(1)  # a core left for the copy and read-ahead threads

@@ -41,7 +41,7 @@ import _timing as T  # noqa: E402
 import dlo_fx  # noqa: E402
 from dlo_fx.inductor import STATS  # noqa: E402
 from dlo_fx.apps.models import example_inputs, reference_dit  # noqa: E402
-from dlo_fx.runtime.weights.owners import reset_runtimes  # noqa: E402
+from dlo_fx.runtime import reset_runtimes  # noqa: E402
 
 FULL = dict(width=1024, depth=6, heads=16, hw=64, reps=15, warmup=2)
 QUICK = dict(width=1024, depth=2, heads=16, hw=32, reps=5, warmup=1)

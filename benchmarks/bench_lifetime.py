@@ -22,7 +22,7 @@ import torch
 
 import dlo_fx
 from dlo_fx.apps.models import example_inputs, reference_dit
-from dlo_fx.runtime.weights.owners import runtimes_holding
+from dlo_fx.runtime import runtimes_holding
 
 
 def rss_bytes() -> int:
@@ -55,7 +55,7 @@ def bind_cost(repeats: int) -> tuple[float, float]:
             compiled(*inputs)
     params = list(model.parameters())
     runtime = runtimes_holding(params)[0]
-    from dlo_fx.runtime.graph.ops import GraphSchedule
+    from dlo_fx.runtime import GraphSchedule
 
     sched = GraphSchedule(runtime, [0], [[]])
     binds, calls = [], []

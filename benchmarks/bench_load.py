@@ -181,7 +181,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "idle":
         dist.barrier()
         time.sleep(0.5)
-        from dlo_fx.runtime.device.procfs import process_memory
+        from dlo_fx.runtime import process_memory
 
         result["pss"] = process_memory()["pss"]
         dist.barrier()  # every rank measured while all were alive
@@ -201,9 +201,9 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
     import dlo_fx
     from dlo_fx.loading.loader import load
     from dlo_fx.apps.models import example_inputs
-    from dlo_fx.runtime.weights.owners import runtimes_holding
+    from dlo_fx.runtime import runtimes_holding
 
-    from dlo_fx.runtime.device.procfs import process_memory
+    from dlo_fx.runtime import process_memory
 
     config = dit_config(p)
     cls = model_class(p)
@@ -262,7 +262,7 @@ def _load_and_run(variant: str, ckpt: str, p: dict) -> dict:
 def run_variant(variant: str, ckpt: str, p: dict, ranks: int, hz: float,
                 timeout: float, thp: bool = True) -> dict:
     """Start ``ranks`` fresh workers and sample the sum of their process trees' PSS."""
-    from dlo_fx.runtime.device.procfs import tree_rollup
+    from dlo_fx.runtime import tree_rollup
 
     env = dict(os.environ)
     if thp:

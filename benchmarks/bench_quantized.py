@@ -170,7 +170,7 @@ def _peak_rss_of(cmd: list[str]) -> tuple[float, int]:
 def _forward_case(folder: str) -> None:
     """Run in a child: load the fp8 folder, two calls, print the figures as JSON."""
     import dlo_fx
-    from dlo_fx.runtime.device import procfs as _procfs
+    from dlo_fx.runtime import anon_memory
     from diffusers import FluxTransformer2DModel
 
     warnings.simplefilter("ignore")
@@ -194,7 +194,7 @@ def _forward_case(folder: str) -> None:
     r = dlo_fx.memory_report(model)
     print(json.dumps({"load_s": load_s, "calls_s": calls,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "anon_bytes": _procfs.anon_memory()["rss_anon"],
+                      "anon_bytes": anon_memory()["rss_anon"],
                       "slot_bytes": r.slot_bytes,
                       "streamed_bytes_per_call": r.streamed_bytes_per_call}))
 

@@ -277,7 +277,7 @@ def run_variant(a) -> dict:
     sampler = _AnonPeak()
     sampler.start()
     import dlo_fx
-    from dlo_fx.runtime.weights.owners import runtimes_holding
+    from dlo_fx.runtime import runtimes_holding
 
     torch.set_num_threads(a.threads)
     if a.world > 1:

@@ -35,8 +35,7 @@ from safetensors.torch import save_file
 import dlo_fx
 from dlo_fx.loading.discover import resolve_checkpoint
 from dlo_fx.apps.models import ReferenceDiT, reference_dit
-from dlo_fx.runtime.host.fingerprint import file_fingerprint
-from dlo_fx.runtime.weights.owners import reset_runtimes, runtimes_holding
+from dlo_fx.runtime import file_fingerprint, reset_runtimes, runtimes_holding
 
 
 def main(argv=None) -> int:

@@ -75,7 +75,7 @@ import torch  # noqa: E402
 import _timing as T  # noqa: E402
 
 import dlo_fx  # noqa: E402
-from dlo_fx.runtime.device import platform  # noqa: E402
+from dlo_fx.runtime import platform  # noqa: E402
 
 GiB = 1 << 30
 
@@ -194,7 +194,7 @@ def free_memory(device: torch.device) -> None:
     """Let go of what dropped variants held: compiled frames, runtimes, cached blocks."""
     torch._dynamo.reset()
     with contextlib.suppress(ImportError):
-        from dlo_fx.runtime.weights.owners import reset_runtimes
+        from dlo_fx.runtime import reset_runtimes
         reset_runtimes()
     gc.collect()
     mod = _devmod(device)

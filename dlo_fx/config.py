@@ -265,8 +265,9 @@ class CompileOptions:
     Default: ``False``."""
 
     debug_passes: bool = False
-    """Log the graph before and after every planning stage and pass at DEBUG level on the
-    ``dlo_fx.passes`` logger (``DLO_FX_DEBUG_PASSES=1`` sets it too). Default: ``False``."""
+    """Log the graph as planned, what the planning stages decided, and the graph before and
+    after every pass at DEBUG level on the ``dlo_fx.passes`` logger
+    (``DLO_FX_DEBUG_PASSES=1`` sets it too). Default: ``False``."""
 
     user_passes: tuple[Callable, ...] = field(default=())
     """Extra FX passes ``(gm, plan) -> gm`` run after scheduling; they see

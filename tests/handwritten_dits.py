@@ -195,13 +195,12 @@ def run(layout: str, options: dict, *, ckpt: str = "", calls: int = 2, **kw) -> 
         expected = call(ref, x)
     from dlo_fx.config import split_options
 
-    if ckpt:  # each option to its verb: the runtime's to load, the compile's to the compile
-        runtime_options, options = split_options(options)
+    # each option to its verb: the runtime's to load or offload, the compile's to the compile
+    runtime_options, options = split_options(options)
+    if ckpt:
         model = dlo_fx.load(lambda: construct(layout, **kw), ckpt, options=runtime_options)
     else:
-        from models import offloaded
-
-        model = offloaded(build(layout, **kw), options)
+        model = dlo_fx.offload(build(layout, **kw), runtime_options)
     compiled = torch.compile(model, backend="dlo", options=options, fullgraph=True)
     with torch.no_grad():
         equal = all(torch.equal(call(compiled, x), expected) for _ in range(calls))

@@ -83,7 +83,7 @@ def test_auto_without_a_declared_capacity_streams_every_block_on_cpu_and_meta():
 def test_settle_budget_and_mode_read_a_frozen_store_view_only():
     """`planning.settle` decides from a `StoreView` and figures it is given: no runtime."""
     from dlo_fx.planning.settle import settle_budget, settle_mode
-    from dlo_fx.runtime.view import StoreView
+    from dlo_fx.planning.view import StoreView
 
     def view(**kw):
         return StoreView(**{"device": torch.device("cuda"), "mode": None, "dp": 1,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import logging
 
 import pytest
@@ -11,7 +13,7 @@ from torch import nn
 import dlo_fx
 import dlo_fx.dynamo.backend as backend
 from dlo_fx.passes import PIPELINE
-from dlo_fx.planning.stages import PLANNING, PassContext
+from dlo_fx.planning.stages import PLANNING, GraphPlan
 from dlo_fx.planning.blocks import layer_key
 from dlo_fx.runtime.weights.owners import owner_of
 from dlo_fx.runtime.weights.stored import is_stored
@@ -22,7 +24,7 @@ from models import call, offloaded, tiny_dit
 
 def compile_capture(model, inputs, options=None, fullgraph=True):
     """Compile with dlo (offloaded first where it is not dlo's yet), run once, return
-    (output, [PassContext], [GraphModule])."""
+    (output, [GraphPlan], [GraphModule])."""
     ctxs, gms = [], []
     real = backend.run_passes
 
@@ -156,12 +158,13 @@ def test_schedule_nodes_survive_dead_code_elimination_and_carry_meta():
 
 
 def test_debug_switch_logs_graph_around_every_pass(caplog):
+    """The graph once as planned (planning changes none) and around every pass."""
     with caplog.at_level(logging.DEBUG, logger="dlo_fx.passes"):
         compile_capture(*tiny_dit(depth=1), {"debug_passes": True})
     text = caplog.text
-    for name in ("identify_params", "use_intervals", "resident_set", "partition_blocks",
-                 "insert_schedule"):
-        assert f"graph before pass {name}" in text and f"graph after pass {name}" in text
+    assert "graph planned:" in text and " streamed in " in text  # the graph, what was decided
+    assert "graph before pass insert_schedule" in text and "graph after pass insert_schedule" in text
+    assert "graph before pass identify_params" not in text
 
 
 def test_failing_pass_names_itself_and_what_ran_before():
@@ -175,16 +178,59 @@ def test_failing_pass_names_itself_and_what_ran_before():
         compile_capture(model, inputs, {"user_passes": (broken,)})
     kind, notes = described(info.value)  # the pass's own error, its notes after its message
     assert kind == "RuntimeError" and "boom" in notes
-    ran = ", ".join(p.__name__ for p in (*PLANNING, *PIPELINE))  # planning, then the schedule
+    ran = ", ".join((*PLANNING, *(p.__name__ for p in PIPELINE)))  # planning, then the schedule
     assert f"in dlo pass 'broken' (passes that ran before it: {ran})" in notes, notes
     # a failed compile leaves the model as it was: the same parameters stored, no new block
     assert [(n, len(store.blocks)) for n, p in model.named_parameters() if is_stored(p)] == stored
 
 
+def test_planning_is_functions_returning_frozen_values():
+    """Each planning stage returns a frozen value and changes no graph; `plan_graph` composes
+    them into one frozen plan, the same when planned again from the same inputs."""
+    real, calls = backend.plan_graph, []
+
+    def spy(gm, *args):
+        before = str(gm.graph)
+        plan = real(gm, *args)
+        calls.append((before, str(gm.graph), plan, real(gm, *args)))
+        return plan
+
+    backend.plan_graph = spy
+    try:
+        compile_capture(*tiny_dit(depth=2))
+    finally:
+        backend.plan_graph = real
+    (before, after, plan, again), = calls
+    assert after == before  # planning changed no node
+    for value in (plan, plan.params[0], plan.blocks[0]):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, "ran", ())
+    assert [(p.fqn, p.first, p.last, p.reason) for p in again.params] == \
+        [(p.fqn, p.first, p.last, p.reason) for p in plan.params]
+    assert [[p.fqn for p in b.params] for b in again.blocks] == \
+        [[p.fqn for p in b.params] for b in plan.blocks]
+    assert plan.ran == PLANNING
+
+
+def test_failing_planning_stage_names_itself_and_what_ran_before(monkeypatch):
+    stages = importlib.import_module("dlo_fx.planning.stages")
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(stages, "resident_set", broken)
+    with pytest.raises(BackendCompilerFailed) as info:
+        compile_capture(*tiny_dit(depth=1))
+    kind, notes = described(info.value)
+    assert kind == "RuntimeError" and "boom" in notes
+    assert ("in dlo planning stage 'resident_set' (stages that ran before it: "
+            "identify_params, use_intervals)") in notes, notes
+
+
 def test_user_pass_sees_schedule_meta():
     seen = []
 
-    def count(gm, ctx: PassContext):
+    def count(gm, plan: GraphPlan):
         seen.extend(n.meta["dlo"]["kind"] for n in gm.graph.nodes if "dlo" in n.meta)
         return gm
 

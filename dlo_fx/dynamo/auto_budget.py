@@ -8,7 +8,7 @@ Each call then (see [Note: the auto device budget] in dlo_fx/planning/device_mem
    block streams), and the resident blocks for it (`planning.device_memory.replan`, the
    budget planner on the first plan's figures);
 2. runs the graph variant of that resident set: scheduled once from the kept copy, with
-   the blocks forced resident (`PassContext.forced_plan`), cached per resident set, so a
+   the blocks forced resident (`Budget.forced`, planning/settle.py), cached per resident set, so a
    shape seen before reuses its variant. Blocks that stop being resident drop their
    device copies before the call; new resident blocks are copied once, at their first
    read (`WeightReads.resident_tensor`);
@@ -64,12 +64,8 @@ from torch import fx
 
 from ..planning.budget import BudgetPlan
 from ..planning.device_memory import DeviceMemory, replan
-from ..runtime.device import platform
-from ..runtime.graph.graph_call import NO_WISH, agree_budget, gather_only
-from ..runtime.ranks import forward_log
-from ..runtime.ranks.clock import word
-from ..runtime.weights.owners import owner_of
-from ..runtime.weights.stored import _caller_level
+from ..runtime import (NO_WISH, agree_budget, caller_level, forward_log, gather_only, owner_of,
+                       platform, word)
 from .errors import DeviceMemoryError
 
 log = logging.getLogger(__name__)
@@ -301,7 +297,7 @@ class AutoResidency:
             f"({moved_bytes:,} B). dlo moved them back to streaming and keeps this graph's "
             f"weights within {floor:,} B from now on, so that work fits when run again "
             "(device_budget='auto'; device_budget=None streams every block from the start)",
-            RuntimeWarning, stacklevel=_caller_level())
+            RuntimeWarning, stacklevel=caller_level())
 
     # -- out of memory --------------------------------------------------------------------
     def _out_of_memory(self, exc: BaseException, plan: BudgetPlan, runtime: Any, key: tuple,

@@ -24,22 +24,16 @@ from .errors import CompileOptionsError, surfaced
 from ..config import (CompileOptions, DLOConfig, conflict_error, runtime_conflicts, same_device,
                       split_options)
 from ..passes import run_passes, schedule_of
-from ..planning.stages import GraphPlan, PassContext, param_placeholders, plan_graph
+from ..planning.settle import Budget
+from ..planning.stages import GraphPlan, param_placeholders, plan_graph
 from ..planning.stages.identify_params import fqn_from_source
 from .auto_budget import AutoResidency, copy_graph, fixed_residency
 from .probes import probe_for_budget, resolve_budget
 from .tensor_parallel import unwrap_dtensor_params
-from ..runtime.ranks.agreement import compile_facts
-from ..runtime.host.layout import is_composite
-from ..runtime.ranks.forward_log import note_compile
-from ..runtime.graph.graph_call import compile_clock, note_graph, run_graph
-from ..runtime.graph.ops import GraphSchedule
-from ..runtime.weights.owners import claim, owner_of, was_released
-from ..runtime.runtime import READ_DIRECTLY, NewBlock, Runtime
-from ..runtime.store_view import store_view
-from ..runtime.weights.weight_reads import read_unstored
+from ..runtime import (READ_DIRECTLY, GraphSchedule, NewBlock, Runtime, claim, compile_clock,
+                       compile_facts, is_composite, is_stored, note_compile, note_graph, owner_of,
+                       read_unstored, run_graph, store_view, was_released)
 from .. import torch_private
-from ..runtime.weights.stored import is_stored
 
 log = logging.getLogger(__name__)
 
@@ -161,17 +155,15 @@ def schedule_for(gm: fx.GraphModule, example_inputs: Sequence[Any], runtime: Opt
     mode choice are collectives, run here and not in a pass (dynamo/probes.py).
     ``made_with``: the runtime options the compile was given (`runtime_conflicts` checks
     them again for every runtime a call binds)."""
-    budget = resolve_budget(config, runtime)
+    budget = resolve_budget(config, runtime)  # device_budget None under "auto": per call
     auto_capacity = budget.auto_capacity
     if params and (budget.device_budget is not None or auto_capacity is not None):
         probe_for_budget(runtime)
-    ctx = PassContext(config=config, example_inputs=example_inputs,
-                      view=store_view(runtime, graph_params(gm, example_inputs)))
-    ctx.device_budget = budget.device_budget  # None under "auto": planned per call
-    ctx.auto_capacity = auto_capacity
     pristine = copy_graph(gm) if auto_capacity is not None and params else None
-    plan = with_schedule(plan_graph(gm, ctx, compile_options.debug_passes), runtime,
-                         compile_options.trace, made_with)  # the mode: settled at offload
+    plan = with_schedule(plan_graph(gm, example_inputs, config,
+                                    store_view(runtime, graph_params(gm, example_inputs)),
+                                    budget, compile_options.debug_passes),
+                         runtime, compile_options.trace, made_with)  # the mode: settled at offload
     gm, run = schedule_and_commit(gm, plan, runtime, example_inputs, compile_options,
                                   lambda: claim(params, runtime))
     if pristine is not None and plan.budget_plan is not None and schedule_of(gm) is not None:
@@ -266,11 +258,10 @@ def auto_residency(pristine: fx.GraphModule, plan: GraphPlan, runtime: Runtime,
         if runtime is None or any(v is None for v in example_inputs):
             raise RuntimeError("dlo: the model this graph was compiled for is gone")
         gm = copy_graph(pristine)
-        ctx = PassContext(config=config, example_inputs=example_inputs,
-                          view=store_view(runtime, graph_params(gm, example_inputs)))
-        ctx.forced_plan = forced
-        plan = with_schedule(plan_graph(gm, ctx, compile_options.debug_passes), runtime,
-                             compile_options.trace, made_with)
+        plan = with_schedule(plan_graph(gm, example_inputs, config,
+                                        store_view(runtime, graph_params(gm, example_inputs)),
+                                        Budget(forced=forced), compile_options.debug_passes),
+                             runtime, compile_options.trace, made_with)
         # every block is stored already: the commit runs no collective
         gm, call = schedule_and_commit(gm, plan, runtime, example_inputs, compile_options)
         return call, schedule_of(gm)

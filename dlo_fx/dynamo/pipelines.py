@@ -37,7 +37,7 @@ from ..model.cfg_parallel import cfg_parallel, cfg_refusal, group_ranks
 from ..model.guard import guard_pipeline, restore, shadow, shadowing, unguard_pipeline
 from ..model.guard import release as release_module
 from ..model.storage_dtype import take_over_hooks
-from ..runtime.weights.owners import owner_of, runtimes_holding, was_released
+from ..runtime import owner_of, runtimes_holding, was_released
 
 log = logging.getLogger(__name__)
 

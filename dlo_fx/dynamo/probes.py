@@ -12,17 +12,15 @@ runtime through its frozen `StoreView` (`runtime.store_view`), made after the pr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 from ..config import DLOConfig
 from ..planning.settle import Budget, settle_budget
 from ..planning.stages.resident_set import RATE_DTYPES
-from ..runtime import probes
-from ..runtime.graph.graph_call import compile_clock
-from ..runtime.store_view import store_view
+from ..runtime import Runtime, compile_clock, probes, store_view
 
 
-def resolve_budget(config: DLOConfig, runtime: Any) -> Budget:
+def resolve_budget(config: DLOConfig, runtime: Optional[Runtime]) -> Budget:
     """The device budget this compile plans with (`dlo_fx.planning.settle.settle_budget`),
     the device's free memory measured where ``"auto"`` needs it."""
     if runtime is None:
@@ -31,7 +29,7 @@ def resolve_budget(config: DLOConfig, runtime: Any) -> Budget:
     return settle_budget(config, store_view(runtime, free_memory=measure))
 
 
-def probe_runtime(runtime: Any) -> None:
+def probe_runtime(runtime: Runtime) -> None:
     """Measure the runtime's bandwidths and the matmul rate of every float dtype, once: at
     the first compile that plans a device budget, which every rank reaches together. The
     caller holds ``runtime.lock`` and drained it (the probes agree over the group on this
@@ -50,7 +48,7 @@ def probe_runtime(runtime: Any) -> None:
     runtime.probed_bandwidths = bandwidths
 
 
-def probe_for_budget(runtime: Any) -> None:
+def probe_for_budget(runtime: Runtime) -> None:
     """The device budget's probes, before planning a graph with a budget (bytes, or the
     auto budget's capacity), where there is a runtime to measure on: once per runtime, with
     nothing of its own in flight (the probes' exchanges run on this thread, so none of the

@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from ..planning.stages.identify_params import fqn_from_source
-from ..runtime.weights.tensor_parallel import DTensorLayout, refusal
+from ..runtime import DTensorLayout, refusal
 from ..torch_private import dtensor_local
 
 

@@ -47,7 +47,7 @@ import torch
 from torch import fx
 
 from .. import torch_private
-from ..runtime.graph.ops import SCHEDULE_OPS
+from ..runtime import SCHEDULE_OPS
 
 #: Grad-mode switches stay in the outer graph (they set the mode the pieces run in).
 _GRAD_MODE = torch_private.GRAD_MODE_TARGETS

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import DLOConfig
 from ..model.guard import attach
-from ..runtime.runtime import NAMED_RESIDENT, Runtime
+from ..runtime import NAMED_RESIDENT, Runtime
 from .plan import agree_on_plan, settle_mode
 
 log = logging.getLogger(__name__)

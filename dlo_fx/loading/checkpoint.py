@@ -372,7 +372,7 @@ def from_files(paths: Sequence[Path], source: str, folder: Optional[Path]) -> Ch
 def read_tensor(info: TensorInfo) -> torch.Tensor:
     """The tensor ``info`` names, read with ``os.pread`` into memory of its own (never a
     mapping: a file truncated meanwhile is a `FileChangedError` naming it, not a SIGBUS)."""
-    from ..runtime.host.file_store import Extent, read_extents
+    from ..runtime import Extent, read_extents
 
     offset = info.offset if info.offset is not None else _data_offset(info)
     with torch.inference_mode(False):
@@ -387,7 +387,7 @@ def load_error(exc: BaseException) -> BaseException:
     """``exc`` as `dlo_fx.load` raises it: a file that could not be read as its header
     promised (`FileChangedError`: removed, truncated or rewritten since it was checked) is
     the checkpoint's problem, a `CheckpointError` naming the file."""
-    from ..runtime.host.file_reads import FileChangedError
+    from ..runtime import FileChangedError
 
     if isinstance(exc, FileChangedError):
         return CheckpointError(str(exc).removeprefix("dlo: "))

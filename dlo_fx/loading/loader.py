@@ -63,10 +63,8 @@ from .offload import compute_device
 from .gguf import is_gguf, quantize_module
 from .attach import Planned, attach_model
 from .plan import KeyMap, LoadPlan, Target, load_facts, map_keys, plan_load
-from ..runtime.host.fingerprint import extent_sources, file_fingerprint
-from ..runtime.host.layout import STORAGE_MARK
-from ..runtime.runtime import NewBlock, Runtime
-from ..runtime.weights.stored import carried_attributes, parameter_of, stored_parameter
+from ..runtime import (carried_attributes, extent_sources, file_fingerprint, NewBlock,
+                       parameter_of, Runtime, STORAGE_MARK, stored_parameter)
 from .build import construct, materialised, meta_parameters
 from .shards import ShardDir, checkpoint_extents
 from ..model.storage_dtype import check_castable_pairs

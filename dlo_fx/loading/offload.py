@@ -35,12 +35,8 @@ from torch import nn
 
 from ..config import DLOConfig, canonical_device
 from ..model.storage_dtype import mark_model, take_over_hooks
-from ..runtime.device import platform
-from ..runtime.weights.owners import owner_of
-from ..runtime.runtime import NewBlock, Runtime
-from ..runtime.host.layout import storage_dtype_of
-from ..runtime.store_view import unstreamable
-from ..runtime.weights.tensor_parallel import refusal as tp_refusal, shard_fact, stored_tensor
+from ..runtime import (NewBlock, owner_of, platform, refusal as tp_refusal, Runtime,
+                       shard_fact, storage_dtype_of, stored_tensor, unstreamable)
 from .attach import Planned, attach_model
 from .plan import block_rows, model_targets, resident_fact, split_params
 

@@ -21,9 +21,7 @@ from ..config import DLOConfig, did_you_mean
 from .gguf import shape_text
 from ..planning.blocks import Unit, partition
 from ..planning.residency import Candidate, decide_residency
-from ..runtime.ranks.agreement import Fact
-from ..runtime.host.layout import STORAGE_MARK, storage_span
-from ..runtime.weights.tensor_parallel import stored_tensor
+from ..runtime import STORAGE_MARK, Fact, storage_span, stored_tensor
 from ..model.storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
@@ -99,8 +97,8 @@ def settle_mode(runtime: Any, blocks: Sequence[Sequence[Target]]) -> None:
     if not blocks:
         return
     from ..planning.settle import settle_mode as choose_open_mode
-    from ..runtime.probes import machine_figures
-    from ..runtime.store_view import store_view
+    from ..runtime import machine_figures
+    from ..runtime import store_view
 
     group, device = runtime.group, runtime.device
     choice = choose_open_mode(store_view(runtime), [sum(t.nbytes for t in b) for b in blocks],
@@ -372,7 +370,7 @@ def agree_on_plan(runtime: Any, rows: Optional[list], error: Optional[BaseExcept
         if error is not None:
             raise error
         return
-    from ..runtime.ranks.collectives import exchange_json, plan_digest
+    from ..runtime import exchange_json, plan_digest
 
     mine = (f"{type(error).__name__}: {error}" if error is not None else None,
             plan_digest(rows) if rows is not None else None)
@@ -385,7 +383,7 @@ def agree_on_plan(runtime: Any, rows: Optional[list], error: Optional[BaseExcept
         raise ValueError(f"{caller} failed on global rank {rank} of the "
                          f"{group.describe()} ({message}); no rank stored anything")
     if len({d for _, d in every}) > 1:  # every rank sees it: the rows, to name the block
-        from ..runtime.ranks.agreement import differing, plan_fact
+        from ..runtime import differing, plan_fact
 
         plans = exchange_json([list(r) for r in rows], group, "the differing load plans")
         fact = plan_fact(plans[group.rank], "Give every rank the same model and the same "

@@ -61,9 +61,8 @@ from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, header_json, r
                          read_tensor)
 from ..config import DLOConfig
 from .plan import LoadPlan, Target
-from ..runtime.host.file_store import CHECK_SAMPLES, CHECK_WINDOW, Convert, Extent, read_extents
-from ..runtime.host.fingerprint import extent_sources, file_fingerprint
-from ..runtime.host.layout import Entry, ShardSpec, plan_offsets
+from ..runtime import (CHECK_SAMPLES, CHECK_WINDOW, Convert, Entry, Extent, ShardSpec,
+                       extent_sources, file_fingerprint, plan_offsets, read_extents)
 
 __all__ = ["MANIFEST", "ShardDir", "checkpoint_extents", "write_shard_dir"]
 

@@ -176,7 +176,7 @@ def cfg_parallel(module: nn.Module, group: Any, *, timeout_s: Optional[float] = 
     if why is not None:
         raise ValueError(f"dlo_fx.cfg_parallel: {why}; nothing was changed")
     ranks = group_ranks(group)
-    from ..runtime.ranks.collectives import exchange_group
+    from ..runtime import exchange_group
 
     installed = CFGParallel(exchange_group(ranks, float(timeout)))
     _remove(module)
@@ -391,7 +391,7 @@ class CFGParallel:
     def _exchange(self, words: list, what: str) -> list:
         import torch.distributed as dist
 
-        from ..runtime.device.platform import exchange_device
+        from ..runtime import exchange_device
 
         group = self.group
         self._check(what)

@@ -52,11 +52,9 @@ from torch import nn
 
 from .. import torch_private
 from ..config import same_device
-from ..runtime.weights.owners import (Owner, claim, owned_by, owner_of, runtimes_holding,
-                                      was_released)
-from ..runtime.weights.stored import (become_real, is_stored, mark_released, real_parameter,
-                              release_advice)
-from ..runtime.weights.tensor_parallel import rebuilt, stored_tensor
+from ..runtime import (become_real, claim, is_stored, mark_released, owned_by, Owner,
+                       owner_of, real_parameter, rebuilt, release_advice, runtimes_holding,
+                       stored_tensor, was_released)
 from .input_device import check_input_devices
 from .state import ABSENT, guarded_modules, peek, state_of
 from .storage_dtype import forget_storage_marks

@@ -7,12 +7,8 @@ from typing import Optional
 
 import torch
 
-from ..runtime.device.procfs import cgroup_memory, process_memory
-from ..runtime.weights.stored import is_stored
-from ..runtime.host.host_slabs import pinned_figures
-from ..runtime.host.layout import span_bytes
-from ..runtime.device.platform import device_memory_bytes, max_memory_allocated
-from ..runtime.weights.owners import runtimes_holding
+from ..runtime import (cgroup_memory, device_memory_bytes, is_stored, max_memory_allocated,
+                       pinned_figures, process_memory, runtimes_holding, span_bytes)
 
 
 @dataclass(frozen=True)

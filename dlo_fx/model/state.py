@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from ..config import DLOConfig
-from ..runtime.weights.owners import runtimes_holding, was_released
-from ..runtime.weights.tensor_parallel import stored_tensor
+from ..runtime import runtimes_holding, stored_tensor, was_released
 
 __all__ = ["ABSENT", "DLOState", "ModuleState", "guarded_modules", "peek", "state", "state_of"]
 

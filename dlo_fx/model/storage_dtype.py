@@ -37,10 +37,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ..runtime.host.layout import STORAGE_MARK as _MARK
-from ..runtime.host.layout import is_composite, storage_dtype_of
-from ..runtime.weights.owners import runtimes_holding
-from ..runtime.weights.stored import is_stored
+from ..runtime import (STORAGE_MARK as _MARK, is_composite, is_stored, runtimes_holding,
+                       storage_dtype_of)
 from ..torch_private import swap_in_place
 
 __all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage_dtype_of",

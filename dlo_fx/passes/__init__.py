@@ -13,12 +13,15 @@ pass on the ``dlo_fx.passes`` logger.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from torch import fx
 
-from ..planning.stages import GraphPlan, run_steps
+from ..planning.stages import GraphPlan, step
 from .insert_schedule import insert_schedule, schedule_of
+
+log = logging.getLogger("dlo_fx.passes")  # one logger for the stages and the passes
 
 Pass = Callable[[fx.GraphModule, GraphPlan], fx.GraphModule]
 
@@ -29,7 +32,16 @@ def run_passes(gm: fx.GraphModule, plan: GraphPlan, extra: tuple[Pass, ...] = ()
                debug: bool = False) -> fx.GraphModule:
     """Write ``plan`` into ``gm`` (`insert_schedule`), then run ``extra`` passes (user passes
     see ``node.meta["dlo"]`` and the plan); ``debug`` logs the graph around each."""
-    gm = run_steps((*PIPELINE, *extra), gm, plan, debug, list(plan.ran))
+    ran = list(plan.ran)  # the planning stages, then each pass
+    for p in (*PIPELINE, *extra):
+        name = getattr(p, "__name__", repr(p))
+        if debug:
+            log.debug("graph before pass %s:\n%s", name, gm.graph)
+        with step(name, ran, "pass", "passes"):
+            gm = p(gm, plan)
+            gm.graph.lint()
+        if debug:
+            log.debug("graph after pass %s:\n%s", name, gm.graph)
     gm.recompile()
     return gm
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..config import DLOConfig
-from ..runtime.view import StoreView
+from .view import StoreView
+from .budget import BudgetPlan
 from .modes import choose_mode
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class Budget:
     auto_capacity: Optional[int] = None
     """The device's capacity for the auto budget planned from measured memory at each call
     (`dlo_fx.dynamo.auto_budget`); the compile then plans every block streamed."""
+    forced: Optional[BudgetPlan] = None
+    """The auto budget's re-plan of a graph planned before: these blocks resident
+    (`dlo_fx.dynamo.auto_budget`, a variant per resident set)."""
 
 
 def settle_budget(config: DLOConfig, view: Optional[StoreView]) -> Budget:

@@ -60,6 +60,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import DLOConfig
+from ..planning.budget import BudgetPlan
+from ..planning.device_memory import DeviceMemory
 from .device import platform
 from .ranks.agreement import (Fact, agree, agree_on_settings, layout_digest, runtime_facts,
                               weights_fact)
@@ -76,7 +78,7 @@ from .weights.owners import claim, register, unclaim
 from .weights.stored import become_stored, check_restorable, is_stored
 from .slot_machine import SlotMachine
 from .device.trace import Tracer
-from .view import KEPT_RESIDENT, NAMED_RESIDENT, READ_DIRECTLY  # noqa: F401 (re-exported)
+from ..planning.view import KEPT_RESIDENT, NAMED_RESIDENT, READ_DIRECTLY  # noqa: F401 (re-exported)
 from .weights.weight_reads import WeightReads
 
 log = logging.getLogger(__name__)
@@ -124,14 +126,14 @@ class Runtime:
                                    None,
                                    fault_delay, self.token, self.life, self.reads)
         register(self)
-        self.budget_plans: dict[tuple[str, ...], object] = {}  # per graph: dlo_fx.planning.budget
+        self.budget_plans: dict[tuple[str, ...], BudgetPlan] = {}  # per graph's parameters
         self.probed_bandwidths: Optional[tuple[float, float]] = None  # (H2D, gather) GB/s
         self.probed_flops: dict[torch.dtype, float] = {}  # matmul FLOP/s per dtype
         # device_budget="auto" (dlo_fx.dynamo.auto_budget), per graph's parameters (the key
         # of budget_plans): the memory record (capacity, peaks per shape, OOM floor) and the
         # blocks resident now (their positions; their bytes are on the device's
         # SharedSlots, beside other models')
-        self.device_memory: dict[tuple[str, ...], object] = {}
+        self.device_memory: dict[tuple[str, ...], DeviceMemory] = {}
         self.auto_resident: dict[tuple[str, ...], frozenset] = {}  # bytes: shared.auto_resident
         # Where the device has no allocator statistics (the CPU, the meta device): the
         # activation peak of a call, from the shapes of its tensor inputs, for tests and

@@ -1,4 +1,4 @@
-"""`store_view`: the frozen `StoreView` of a runtime that planning takes (see runtime/view.py).
+"""`store_view`: the frozen `StoreView` of a runtime that planning takes (see planning/view.py).
 
 Built by the backend for each plan (and by the loader for its mode choice) from the
 parameters it plans: where each is stored, its bytes as stored, why the runtime keeps it
@@ -8,7 +8,7 @@ resident, and whether dlo can lay out its bytes at all (`unstreamable`).
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
@@ -16,10 +16,13 @@ from ..torch_private import dtensor_local, is_traceable_wrapper_subclass
 from .device import platform
 from .host.layout import leaf_tensors, param_bytes, span_bytes, storage_dtype_of
 from .weights.stored import is_stored
-from .view import ParamFacts, StoreView
+from ..planning.view import ParamFacts, StoreView
+
+if TYPE_CHECKING:  # runtime.py sits beside this module, and imports nothing of it
+    from .runtime import Runtime
 
 
-def store_view(runtime: Any, params: Iterable[torch.Tensor] = (), *,
+def store_view(runtime: Optional[Runtime], params: Iterable[torch.Tensor] = (), *,
                free_memory: bool = False) -> StoreView:
     """The `StoreView` of ``runtime`` (a `Runtime`, or None: a graph no model owns, planned
     on the CPU) for ``params``. ``free_memory``: measure the device's free memory too (the
@@ -47,7 +50,7 @@ def _free(device: torch.device) -> Optional[int]:
     return figures[0] if figures is not None else None
 
 
-def param_facts(runtime: Any, param: torch.Tensor) -> ParamFacts:
+def param_facts(runtime: Optional[Runtime], param: torch.Tensor) -> ParamFacts:
     """``param`` as ``runtime`` holds it (stored or not)."""
     why = unstreamable(param)
     kept = runtime.kept_resident.get(param) if runtime is not None else None

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Callable, Iterable, Optional
 
-from ...runtime.device.trace import Span
+from ...runtime import Span
 
 def _tracks(spans: list[Span]) -> list[tuple[str, list[Span]]]:
     """Split spans into tracks whose spans never overlap, named after their lane."""

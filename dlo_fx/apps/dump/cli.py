@@ -134,7 +134,7 @@ def run_dump(args: argparse.Namespace) -> int:
     """Compile, run and dump as ``args`` says; print what was written."""
     from . import dumps, flush, stall_summary
     from ...loading.offload import offload
-    from ...runtime.weights.owners import owner_of
+    from ...runtime import owner_of
 
     try:
         assume = Assumptions(h2d_gbps=args.h2d_gbps, gather_gbps=args.gather_gbps,

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from ...runtime.device.trace import Span
+from ...runtime import Span
 from .record import GraphDump
 
 

@@ -17,10 +17,9 @@ from typing import Optional
 
 from torch import fx
 
-from ...planning.stages import GraphBlock, PassContext
+from ...planning.stages import GraphBlock, GraphPlan
 from ...planning.budget import BudgetPlan
-from ...runtime.runtime import Runtime
-from ...runtime.device.trace import Tracer
+from ...runtime import Runtime, Tracer
 
 #: Kinds of schedule node that move or order a block (``node.meta["dlo"]["kind"]``).
 BLOCK_KINDS = ("prefetch", "allgather", "wait", "swap_slot")
@@ -110,7 +109,7 @@ def _host_block_of(runtime: Optional[Runtime], block: GraphBlock) -> int:
     return entry.block if entry is not None else -1
 
 
-def snapshot(gm: fx.GraphModule, ctx: PassContext, runtime: Optional[Runtime], index: int,
+def snapshot(gm: fx.GraphModule, ctx: GraphPlan, runtime: Optional[Runtime], index: int,
              folder: Path) -> GraphDump:
     """Record what the dump of ``gm`` needs, after the backend committed its blocks."""
     store = runtime.store if runtime is not None else None

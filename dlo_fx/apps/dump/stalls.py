@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from ...runtime.device.trace import Span
+from ...runtime import Span
 
 #: `StallSummary.culprits` returns the fewest blocks that caused this share of the total.
 CULPRIT_SHARE = 0.8

@@ -22,10 +22,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import fx
 
-from ...planning.stages import PassContext
-from ...runtime.weights.owners import runtimes_holding
-from ...runtime.runtime import Runtime
-from ...runtime.device.trace import Span
+from ...planning.stages import GraphPlan
+from ...runtime import Runtime, Span, runtimes_holding
 from .blocks_md import blocks_markdown
 from .chrome_trace import trace_events, write_trace_file
 from .measure import (graph_blocks_of, measure_blocks, measured_bandwidth, spans_of,
@@ -58,7 +56,7 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_dump(gm: fx.GraphModule, ctx: PassContext, runtime: Optional[Runtime],
+def write_dump(gm: fx.GraphModule, ctx: GraphPlan, runtime: Optional[Runtime],
                dump_dir: Union[str, os.PathLike]) -> Path:
     """Write the dump folder of a scheduled graph and return it. Called by the backend.
 
@@ -93,7 +91,7 @@ def write_dump(gm: fx.GraphModule, ctx: PassContext, runtime: Optional[Runtime],
     return folder
 
 
-def _variant_of(ctx: PassContext, runtime: Optional[Runtime]) -> Optional[GraphDump]:
+def _variant_of(ctx: GraphPlan, runtime: Optional[Runtime]) -> Optional[GraphDump]:
     """The dump of the graph an auto-budget variant re-plans: the latest one of the same
     runtime with the same blocks that is no variant itself (None: write it as a graph)."""
     fqns = getattr(ctx.budget_plan, "fqns", None)
@@ -105,7 +103,7 @@ def _variant_of(ctx: PassContext, runtime: Optional[Runtime]) -> Optional[GraphD
     return None
 
 
-def _variant_folder(base: GraphDump, ctx: PassContext) -> Path:
+def _variant_folder(base: GraphDump, ctx: GraphPlan) -> Path:
     """``graph_<n>/budget_<k>_of_<m>_resident``: a variant of graph n, inside its folder
     (a ``graph_<n>`` folder of its own would read as a graph break)."""
     plan = ctx.budget_plan

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...runtime.ranks.forward_log import logging_to
+from ...runtime import logging_to
 
 
 class _Forward:

@@ -208,7 +208,7 @@ DEVICE_BYTES_PER_PIXEL = 6
 def memory_limits(device: str = "cpu") -> Limits:
     """`Limits` bounding a request's pixels by what the host and ``device`` hold (see
     [Note: sizes that cannot fit])."""
-    from ...runtime.probes import host_ram_bytes
+    from ...runtime import host_ram_bytes
 
     pixels = min(host_ram_bytes() // HOST_BYTES_PER_PIXEL,
                  _device_bytes(device) // DEVICE_BYTES_PER_PIXEL)
@@ -217,8 +217,8 @@ def memory_limits(device: str = "cpu") -> Limits:
 
 def _device_bytes(device: str) -> int:
     """The memory of ``device``: the host's RAM for the CPU (or where it cannot be read)."""
-    from ...runtime.device.platform import device_memory_bytes
-    from ...runtime.probes import host_ram_bytes
+    from ...runtime import device_memory_bytes
+    from ...runtime import host_ram_bytes
 
     return device_memory_bytes(torch.device(device)) or host_ram_bytes()
 

@@ -410,7 +410,7 @@ def sp_share_fits(topology: Topology, weight_bytes: Optional[int],
     bytes are unknown."""
     if weight_bytes is None:
         return True
-    from ...runtime.probes import host_ram_bytes
+    from ...runtime import host_ram_bytes
 
     ranks = ranks_per_node or topology.world_size
     return ranks * -(-int(weight_bytes) // topology.replica_size) <= host_ram_bytes()

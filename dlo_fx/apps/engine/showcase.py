@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ...runtime.device.procfs import tree_pss
+from ...runtime import tree_pss
 from ..demo import CPU_COPIES
 from .cli import write_outputs
 from .engine import Engine

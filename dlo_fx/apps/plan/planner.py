@@ -42,7 +42,7 @@ from ...planning.flops import graph_flops
 from ...planning.modes import choose_mode
 from ...planning.residency import Candidate, decide_residency
 from ...planning.stages.resident_set import block_compute_seconds, block_spans
-from ...runtime.host.layout import ShardSpec, lay_out, storage_dtype_of
+from ...runtime import ShardSpec, lay_out, storage_dtype_of
 from .forward import trace_forward
 from .hardware import Hardware, hardware_of
 
@@ -188,7 +188,7 @@ def plan(model: nn.Module, inputs: Inputs, *, hardware: Union[str, Hardware, Map
     share = dp if allgather else 1
 
     # the compile's residency decision on the parameters the forward reads, in use order,
-    # their blocks following the host blocks (`PassContext.form_blocks`)
+    # their blocks following the host blocks (`planning.stages.plan.form_blocks`)
     read = sorted((t for t in params if use(t, min, forward.first_use) is not None),
                   key=lambda t: (use(t, min, forward.first_use), use(t, max, forward.last_use)))
     host_of = {id(t): i for i, b in enumerate(host) for t in b}

@@ -5,8 +5,8 @@ value came from (``L['self']._modules['blocks']._modules['0']._parameters['weigh
 the example input *is* the ``nn.Parameter``. A parameter already in the host store keeps
 the FQN it was stored under.
 
-Before/after: no graph change; fills ``ctx.params`` (one `ParamInfo` per parameter
-placeholder: node, parameter, FQN, bytes of its storage span)::
+``identify_params(gm, example_inputs, view) -> tuple[ParamInfo, ...]``: one `ParamInfo` per
+parameter placeholder (node, parameter, FQN, bytes of its storage span), in graph order::
 
     l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_   # placeholder
     -> ParamInfo(fqn="blocks.0.qkv.weight", nbytes=24576)
@@ -15,12 +15,13 @@ placeholder: node, parameter, FQN, bytes of its storage span)::
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import fx
 
-from .context import ParamInfo, PassContext
+from ..view import StoreView
+from .plan import ParamInfo
 
 _KEY = re.compile(r"\.?(?:_modules|_parameters|_buffers)\['([^']*)'\]|\.([A-Za-z_]\w*)|\['?([^'\]]*)'?\]")
 
@@ -57,22 +58,27 @@ def param_placeholders(gm: fx.GraphModule, example_inputs: Sequence[Any]
             yield node, value
 
 
-def identify_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for node, value in param_placeholders(gm, ctx.example_inputs):
-        grapharg = node.meta.get("grapharg")
-        facts = ctx.view.facts(value) if ctx.view is not None else None
-        if facts is None:
-            raise RuntimeError(f"dlo: internal error: parameter placeholder {node.name!r} is "
-                               "not in the plan's StoreView (the backend builds it from "
-                               "every parameter among the example inputs)")
-        if facts.fqn is not None:
-            fqn = facts.fqn
-        elif grapharg is not None:
-            fqn = fqn_from_source(grapharg.source.name)
-        else:
-            fqn = node.name
-        if facts.unstreamable is not None:  # see `dlo_fx.runtime.store_view.unstreamable`
-            raise ValueError(f"dlo: parameter {fqn!r} {facts.unstreamable}")
-        ctx.params.append(ParamInfo(node=node, param=value, fqn=fqn, nbytes=facts.nbytes,
-                                    stored_as=facts.stored_as))
-    return gm
+def identify_params(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                    view: Optional[StoreView]) -> tuple[ParamInfo, ...]:
+    return tuple(_param_info(node, value, view)
+                 for node, value in param_placeholders(gm, example_inputs))
+
+
+def _param_info(node: fx.Node, value: torch.nn.Parameter,
+                view: Optional[StoreView]) -> ParamInfo:
+    grapharg = node.meta.get("grapharg")
+    facts = view.facts(value) if view is not None else None
+    if facts is None:
+        raise RuntimeError(f"dlo: internal error: parameter placeholder {node.name!r} is "
+                           "not in the plan's StoreView (the backend builds it from "
+                           "every parameter among the example inputs)")
+    if facts.fqn is not None:
+        fqn = facts.fqn
+    elif grapharg is not None:
+        fqn = fqn_from_source(grapharg.source.name)
+    else:
+        fqn = node.name
+    if facts.unstreamable is not None:  # see `dlo_fx.runtime.store_view.unstreamable`
+        raise ValueError(f"dlo: parameter {fqn!r} {facts.unstreamable}")
+    return ParamInfo(node=node, param=value, fqn=fqn, nbytes=facts.nbytes,
+                     stored_as=facts.stored_as)

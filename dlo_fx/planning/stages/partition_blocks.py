@@ -11,17 +11,18 @@ Parameters already in the host store (loaded, or seen by an earlier graph) keep 
 block: a graph block is then the set of this graph's parameters in that host block. Every
 block records why it ends where it does (``blocks.md`` shows it).
 
-Before/after: no graph change; fills ``ctx.blocks`` from ``ctx.streamed``, ``ctx.budget``
-and ``ctx.layers`` (set by `resident_set`).
+``partition_blocks(view, residency) -> tuple[GraphBlock, ...]``: the blocks of
+``residency.streamed`` within its block budget and layers (set by `resident_set`).
 """
 
 from __future__ import annotations
 
-from torch import fx
+from typing import Optional
 
-from .context import PassContext
+from ..view import StoreView
+from .plan import GraphBlock, form_blocks
+from .resident_set import Residency
 
 
-def partition_blocks(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    ctx.blocks = ctx.form_blocks(ctx.streamed, ctx.budget, ctx.layers)
-    return gm
+def partition_blocks(view: Optional[StoreView], residency: Residency) -> tuple[GraphBlock, ...]:
+    return form_blocks(view, residency.streamed, residency.budget, residency.layers)

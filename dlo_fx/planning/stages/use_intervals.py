@@ -6,24 +6,25 @@ Dynamo recorded (``node.meta["example_value"]``): a node aliases a parameter whe
 its outputs shares the parameter's (fake) storage. Hand-built graphs without example
 values fall back to a list of view operations.
 
-Before/after: no graph change; fills ``ctx.order`` (node -> index), each parameter's
-``first`` and ``last`` (-1 when the graph never reads it) and ``ctx.escaping`` (parameters
-a view of which reaches the output)::
+``use_intervals(gm, params) -> Uses``: the parameters with their ``first`` and ``last``
+(node indices; -1 when the graph never reads it) and ``escaping`` (the placeholders a view
+of which reaches the output)::
 
     wt = t(w); h = matmul(x, wt); ...; out = matmul(h, wt)   # w.first = t, w.last = out
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 import torch
 from torch import fx
 
 from ... import torch_private
 from ...torch_private import tree_leaves
-from ...runtime.view import FAKE_STAND_IN
-from .context import ParamInfo, PassContext
+from ..view import FAKE_STAND_IN
+from .plan import ParamInfo
 
 _VIEW_NAMES = {
     "t", "transpose", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze",
@@ -57,34 +58,47 @@ def _target_name(node: fx.Node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", "")
 
 
-def use_intervals(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+@dataclass(frozen=True)
+class Uses:
+    """What `use_intervals` found: ``params`` with their use intervals, and ``escaping``."""
+
+    params: tuple[ParamInfo, ...]
+    escaping: frozenset  # placeholders whose views reach the output
+
+
+def use_intervals(gm: fx.GraphModule, params: Sequence[ParamInfo]) -> Uses:
     nodes = list(gm.graph.nodes)
-    ctx.order = {n: i for i, n in enumerate(nodes)}
-    by_storage: dict[int, list[ParamInfo]] = {}
-    alias_of: dict[fx.Node, list[ParamInfo]] = {}
-    for info in ctx.params:
-        alias_of[info.node] = [info]
+    order = {n: i for i, n in enumerate(nodes)}
+    first: dict[int, int] = {}  # by position in ``params``
+    last: dict[int, int] = {}
+    by_storage: dict[int, list[int]] = {}
+    alias_of: dict[fx.Node, list[int]] = {}
+    for k, info in enumerate(params):
+        alias_of[info.node] = [k]
         ev = info.node.meta.get("example_value")
         for ref in _storages(ev):
-            by_storage.setdefault(ref, []).append(info)
+            by_storage.setdefault(ref, []).append(k)
     for node in nodes:
         if node.op in ("placeholder", "output"):
             continue
-        owners: list[ParamInfo] = []
+        owners: list[int] = []
         for arg in node.all_input_nodes:
-            for info in alias_of.get(arg, ()):
-                info.first = ctx.order[node] if info.first < 0 else info.first
-                info.last = ctx.order[node]
-                owners.append(info)
+            for k in alias_of.get(arg, ()):
+                first.setdefault(k, order[node])
+                last[k] = order[node]
+                owners.append(k)
         if not owners:
             continue
         ev = node.meta.get("example_value")
         if ev is not None:
-            aliased = [i for ref in _storages(ev) for i in by_storage.get(ref, ())]
+            aliased = [k for ref in _storages(ev) for k in by_storage.get(ref, ())]
         else:
             aliased = owners if _target_name(node) in _VIEW_NAMES else []
         if aliased:
             alias_of[node] = list(dict.fromkeys(aliased))
     output = nodes[-1]
-    ctx.escaping = {i.node for arg in output.all_input_nodes for i in alias_of.get(arg, ())}
-    return gm
+    escaping = frozenset(params[k].node for arg in output.all_input_nodes
+                         for k in alias_of.get(arg, ()))
+    return Uses(params=tuple(replace(p, first=first.get(k, -1), last=last.get(k, -1))
+                             for k, p in enumerate(params)),
+                escaping=escaping)

@@ -60,7 +60,7 @@ import torch
 from ... import torch_private
 from ...torch_private import is_traceable_wrapper_subclass, tree_flatten, tree_map
 from ..host.layout import own_wrapper, storage_span
-from ..view import FAKE_STAND_IN
+from ...planning.view import FAKE_STAND_IN
 from .owners import owner_of
 from .tensor_parallel import check_not_distributing
 
@@ -445,10 +445,10 @@ def _warn_once(runtime: Any, fqn: str) -> None:
         "code: a module Dynamo runs eagerly, print(p), p.sum(), ...), so their block is copied "
         "from the host store for each such read: correct, but slow. A graph break inside or "
         "around this module is the usual cause; this warning is given once per model",
-        RuntimeWarning, stacklevel=_caller_level())
+        RuntimeWarning, stacklevel=caller_level())
 
 
-def _caller_level() -> int:
+def caller_level() -> int:
     """The stack level of the first frame outside torch and dlo_fx (for warnings)."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith(("torch", "dlo_fx")):

@@ -2,17 +2,20 @@
 
 Planning (`dlo_fx.planning`, its graph stages included) never holds a `Runtime`: the
 backend and the loader build a `StoreView` of the parameters they plan
-(`dlo_fx.runtime.store_view.store_view`) and hand it over. This module holds the type
-and the reasons a runtime keeps a parameter resident, and imports nothing of the
-runtime, so `dlo_fx.planning` may import it and nothing else of `dlo_fx.runtime`.
+(`dlo_fx.runtime.store_view`) and hand it over. This module holds the type, the reasons a
+runtime keeps a parameter resident and the attribute a fake stored weight's stand-in
+lives in: what planning reads of the runtime, declared where planning is. Planning imports
+nothing of `dlo_fx.runtime`; the runtime imports this module to build the view.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
+
+from .budget import BudgetPlan
 
 #: Why a runtime keeps a parameter resident in every later graph (`ParamFacts.kept`; the
 #: first is the reason `dlo_fx.planning.residency` reports).
@@ -54,7 +57,7 @@ class StoreView:
     auto_resident_bytes: int = 0  # blocks the auto budget keeps resident on the device
     bandwidths: Optional[tuple[float, float]] = None  # probed (H2D, AllGather) GB/s
     flops: Mapping[torch.dtype, float] = field(default_factory=dict)  # probed matmul FLOP/s
-    budget_plans: Mapping[tuple[str, ...], Any] = field(default_factory=dict)  # earlier graphs'
+    budget_plans: Mapping[tuple[str, ...], BudgetPlan] = field(default_factory=dict)  # earlier graphs'
     free_bytes: Optional[int] = None  # free device memory (measured where asked), or None
     block_ends: Mapping[int, str] = field(default_factory=dict)  # why each host block ends
 
