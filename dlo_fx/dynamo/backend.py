@@ -288,8 +288,8 @@ COMPILE_VERB = "torch.compile(backend='dlo')"
 
 def given_options(options: Any) -> tuple[dict[str, Any], CompileOptions]:
     """The options a compile call was given, validated: the runtime options among them (a
-    dict, for a model compiled without offload: see [Note: a model compiled without
-    offload]) and its `CompileOptions`."""
+    dict, checked against the runtime's own: see [Note: options belong to a verb] in
+    config.py) and its `CompileOptions`."""
     if isinstance(options, CompileOptions):
         return {}, options
     try:
