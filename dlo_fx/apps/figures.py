@@ -355,3 +355,10 @@ PUBLISHED_DEVICE_PEAKS_GIB: Mapping[tuple[int, int], tuple[float, float]] = {
 }
 """MiniMax-H3 study, paired five-wave comparison: measured per-GPU peak in GiB,
 (dp, sp) -> (rank_local, allgather)."""
+
+
+def positive(owner: str, name: str, value: object, expected: str) -> None:
+    """Refuse ``owner``'s figure ``name`` unless it is a number > 0 (a bool is not one):
+    ``ValueError`` naming both and what was ``expected``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{owner}{name}={value!r} is not allowed: expected {expected}")

@@ -51,10 +51,7 @@ class Assumptions:
 
     def __post_init__(self) -> None:
         for name in ("h2d_gbps", "gather_gbps", "compute_gbps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"Assumptions.{name}={value!r} is not allowed: expected a "
-                                 "bandwidth in GB/s > 0")
+            figures.positive("Assumptions.", name, getattr(self, name), "a bandwidth in GB/s > 0")
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,8 @@ class Hardware:
 
     def __post_init__(self) -> None:
         for name in ("h2d_gbps", "gather_gbps", "memory_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"dlo_fx.plan: hardware {self.name!r}: {name}={value!r} is not "
-                                 "allowed: expected a number > 0")
+            figures.positive(f"dlo_fx.plan: hardware {self.name!r}: ", name, getattr(self, name),
+                             "a number > 0")
         if not isinstance(self.flops_per_s, Mapping) or not self.flops_per_s:
             raise ValueError(f"dlo_fx.plan: hardware {self.name!r}: flops_per_s must map dtype "
                              "names to FLOP/s, e.g. {'bfloat16': 400e12, 'float32': 30e12}")
