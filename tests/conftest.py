@@ -68,7 +68,11 @@ def _keep_pytest_off_torch_trace_log():
 # 1.7 cores busy) overlap the in-process tests (one core busy: Dynamo tracing), where running
 # them in turn left a core idle for half the suite. A job touches no state of the pytest
 # process: no model built here (torch's global RNG), no Dynamo or runtime state, no
-# environment. Several tests may share one job.
+# environment. Several tests may share one job. The reverse holds too: an in-process test
+# sets no ``DLO_FX_*`` variable, since the ranks and engine workers the jobs start meanwhile
+# copy this process's environment (a test's DLO_FX_DUMP_DIR once made a job's ranks dump);
+# such a test sets it in a child, ``spawn(1, in_child, fn, ...)`` (`pytest_runtest_call`
+# fails one that does).
 _SESSION = contextlib.ExitStack()
 _FUTURES: dict = {}
 _SECONDS: dict = {}  # first test of a job -> the job's wall time, for the session summary
@@ -150,6 +154,22 @@ def spawned(request):
     `pytest_pyfunc_call` swaps in its value as the test starts, so a job that raised
     fails its tests (with the job's exception) instead of erroring their set-up."""
     return _FUTURES[_job(request.node)]
+
+
+def _ours() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith("DLO_FX_")}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = _ours()
+    yield
+    changed = sorted(set(before.items()) ^ set(_ours().items()))
+    if changed:  # monkeypatch restores it at teardown, after the jobs may have read it
+        pytest.fail(f"{item.nodeid} changed {sorted({k for k, _ in changed})} in the pytest "
+                    "process, whose environment the spawned jobs' processes copy: set it in "
+                    "a child (spawn(1, in_child, fn, ...)); see tests/conftest.py",
+                    pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -31,8 +31,10 @@ def compare(name: str, options: dict, calls: int = 2) -> dict:
     torch._dynamo.reset()
     reset_runtimes()
     want = run(quantized(name))
+    from dlo_fx.config import COMPILE_OPTIONS
+
     model = offloaded(quantized(name), options)
-    model.compile(backend="dlo")
+    model.compile(backend="dlo", options={k: v for k, v in options.items() if k in COMPILE_OPTIONS})
     equal = [torch.equal(run(model), want) for _ in range(calls)]
     store = runtimes_holding(list(model.parameters()))[0].store
     kinds = sorted({e.wrapper[0].__name__ for e in store._entries.values() if e.parts})

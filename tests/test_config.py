@@ -6,6 +6,7 @@ from dlo_fx import DLOConfig
 from dlo_fx.config import CompileOptions, split_options
 from dlo_fx.runtime.device.executor import fault_delay
 from dlo_fx.runtime.weights.owners import owner_of
+from distributed import in_child, spawn
 from models import tiny_dit
 
 
@@ -77,11 +78,20 @@ def test_unknown_option_through_torch_compile():
             compiled(*inputs)
 
 
-def test_environment_fills_unset_options(monkeypatch, tmp_path):
-    monkeypatch.setenv("DLO_FX_DUMP_DIR", str(tmp_path))
-    monkeypatch.setenv("DLO_FX_DEBUG_PASSES", "1")
+def _options_from_environment(dump_dir: str) -> tuple:
+    import os
+
+    os.environ.update(DLO_FX_DUMP_DIR=dump_dir, DLO_FX_DEBUG_PASSES="1")
     config = CompileOptions.from_options({})
-    assert config.dump_dir == str(tmp_path) and config.debug_passes
+    given = CompileOptions.from_options({"dump_dir": None, "debug_passes": False})
+    return config.dump_dir, config.debug_passes, given.dump_dir, given.debug_passes
+
+
+def test_environment_fills_unset_options(tmp_path):
+    """In a child process: this process's environment is read by the spawned jobs that
+    start meanwhile (tests/conftest.py), whose compiles would take these options too."""
+    (got,) = spawn(1, in_child, _options_from_environment, str(tmp_path)).values()
+    assert got == (str(tmp_path), True, None, False)
 
 
 @pytest.mark.parametrize("max_s", [-1, 1e300, float("nan"), True])

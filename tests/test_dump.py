@@ -25,7 +25,7 @@ from expecttest import TestCase
 import dlo_fx.apps.dump
 from dlo_fx.apps.dump.cli import add_dump_arguments, run_dump
 
-from distributed import spawn
+from distributed import in_child, spawn
 from dump_cases import (SVG, allgather_cases, delay_prefetches, dlo_lines, dump_model,
                         dump_texts, fresh, slow_blocks, small_dit, stall_total, svg_bars,
                         table_blocks, trace_blocks, traced_dump)
@@ -694,12 +694,20 @@ def test_graph_breaks_get_one_folder_each(tmp_path):
     assert streaming >= 1
 
 
-def test_dump_dir_from_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("DLO_FX_DUMP_DIR", str(tmp_path))
+def _dump_from_environment(folder: str) -> None:
+    import os
+
+    os.environ["DLO_FX_DUMP_DIR"] = folder
     model, inputs = small_dit()
     compiled = torch.compile(offloaded(model), backend="dlo", fullgraph=True)
     with torch.no_grad():
         compiled(*inputs)
+
+
+def test_dump_dir_from_environment(tmp_path):
+    """In a child process: this process's environment is read by the spawned jobs that
+    start meanwhile (tests/conftest.py), which would dump too."""
+    spawn(1, in_child, _dump_from_environment, str(tmp_path))
     assert (tmp_path / "graph_0" / "schedule.py").exists()
 
 

@@ -28,6 +28,7 @@ from dlo_fx.apps.engine.request import plan_waves
 from dlo_fx.apps.engine.serve import TorchrunWorkers
 from dlo_fx.apps.engine.store_channel import (SECRET_ENV, SECRET_FILE_ENV, StoreFront, StoreWorker,
                                          secret_from_environment)
+from distributed import in_child, spawn
 
 
 class Pump:
@@ -309,22 +310,41 @@ def test_torchrun_engine_answers_overwritten_messages_with_errors():
         "authentication" in second.error, second.error
 
 
-def test_torchrun_secret_comes_from_the_environment(tmp_path, monkeypatch):
-    monkeypatch.delenv(SECRET_ENV, raising=False)
-    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
-    with pytest.raises(ValueError, match=SECRET_ENV):
-        secret_from_environment()
-    monkeypatch.setenv(SECRET_ENV, "ab" * 32)
-    assert secret_from_environment() == bytes.fromhex("ab" * 32)
-    monkeypatch.delenv(SECRET_ENV)
-    path = tmp_path / "secret"
-    path.write_bytes(b"s" * 32)
-    path.chmod(0o644)
-    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
-    with pytest.raises(ValueError, match="chmod 600"):
-        secret_from_environment()
-    path.chmod(0o600)
-    assert secret_from_environment() == b"s" * 32
+def _secrets_from_environment(folder: str) -> list:
+    """What `secret_from_environment` says for each environment (in a child process)."""
+    os.environ.pop(SECRET_ENV, None)
+    os.environ.pop(SECRET_FILE_ENV, None)
+    said = []
+
+    def said_now():
+        try:
+            said.append(secret_from_environment())
+        except ValueError as exc:
+            said.append(str(exc))
+
+    said_now()
+    os.environ[SECRET_ENV] = "ab" * 32
+    said_now()
+    del os.environ[SECRET_ENV]
+    path = os.path.join(folder, "secret")
+    with open(path, "wb") as f:
+        f.write(b"s" * 32)
+    os.chmod(path, 0o644)
+    os.environ[SECRET_FILE_ENV] = path
+    said_now()
+    os.chmod(path, 0o600)
+    said_now()
+    return said
+
+
+def test_torchrun_secret_comes_from_the_environment(tmp_path):
+    """In a child process: this process's environment is read by the engines the spawned
+    jobs start meanwhile (tests/conftest.py)."""
+    (said,) = spawn(1, in_child, _secrets_from_environment, str(tmp_path)).values()
+    assert SECRET_ENV in said[0]
+    assert said[1] == bytes.fromhex("ab" * 32)
+    assert "chmod 600" in said[2]
+    assert said[3] == b"s" * 32
 
 
 def test_requests_are_refused_up_front_naming_the_field():

@@ -76,10 +76,9 @@ def test_plan_counts_the_flops_and_chooses_the_resident_blocks_the_compile_does(
         patch.setattr(probes, "probe_bandwidths", lambda device, group, nbytes=0: (1.0, 1.0))
         patch.setattr(probes, "probe_matmul_flops", lambda device, dtype, group: 1e10)
         patch.setattr(resident_set, "probed_flops", lambda view, dtype: 1e10)
-        patch.setenv("DLO_FX_DUMP_DIR", str(tmp_path))
         streamed = dlo_fx.offload(model, {**options, "device": "meta",
                                           "device_memory": memory})
-        compiled = torch.compile(streamed, backend="dlo")
+        compiled = torch.compile(streamed, backend="dlo", options={"dump_dir": str(tmp_path)})
         for _ in range(2):  # the first call streams every block, the second is planned
             compiled(**_meta_inputs(inputs))
     finally:

@@ -15,8 +15,8 @@ from storage_cases import flux, inputs, run
 
 
 @pytest.mark.parametrize("name", ["int8", "float8"])
-def test_torchao_weights_stream_exactly_with_their_quantized_bytes(name):
-    got = quantized_cases.compare(name, {}, calls=3)
+def test_torchao_weights_stream_exactly_with_their_quantized_bytes(name, tmp_path):
+    got = quantized_cases.compare(name, {"dump_dir": str(tmp_path)}, calls=3)
     assert all(got["equal"]), got
     assert got["kinds"] == [{"int8": "Int8Tensor", "float8": "Float8Tensor"}[name]]
     torch._dynamo.reset()
@@ -27,6 +27,7 @@ def test_torchao_weights_stream_exactly_with_their_quantized_bytes(name):
 
     bf16 = sum(b.nbytes for b in runtimes_holding(list(plain.parameters()))[0].store.blocks)
     assert got["block_bytes"] < 0.75 * bf16  # the quantized linears, beside bf16 norms
+    assert "# dlo: slot_view" in (tmp_path / "graph_0" / "schedule.py").read_text()  # dumped
 
 
 def test_a_quantized_weight_read_outside_the_graph_is_a_dlo_error_or_exact():

@@ -60,14 +60,19 @@ def test_the_graph_casts_right_after_the_slot_view(tmp_path):
         graphs.append(gm)
         return gm
 
-    options = {"storage_dtype": FP8, "user_passes": [keep]}
+    options = {"storage_dtype": FP8, "user_passes": [keep], "dump_dir": str(tmp_path)}
     model = offloaded(flux(), options)
     model.compile(backend="dlo", options=options)
-    run(model)
+    want = run(ref_model(flux()))
+    assert torch.equal(run(model), want)
     casts = [n for n in graphs[0].graph.nodes if n.meta.get("dlo", {}).get("kind") == "cast"]
     assert casts and all(n.target == "to" and n.args[1] == BF16 for n in casts)
     assert all(n.args[0].meta["dlo"]["kind"] == "slot_view" for n in casts)
     assert all(n.args[0].meta["dlo"]["stored_as"] == str(FP8) for n in casts)
+    # the dump reads the cast too (it raised KeyError 'slot' in the dump writer)
+    code = (tmp_path / "graph_0" / "schedule.py").read_text()
+    assert code.count("# dlo: cast ") == len(casts)
+    assert f"stored as {FP8}" in code and f"{FP8} -> {BF16}" in code
 
 
 def test_dlo_selects_the_layers_diffusers_casts():

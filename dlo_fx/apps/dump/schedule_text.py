@@ -25,7 +25,10 @@ def describe(meta: dict) -> str:
     """The comment a schedule node carries: kind, block, slot, bytes (and FQNs for wait)."""
     kind = meta["kind"]
     if kind in ("slot_view", "resident"):
-        return f"{kind} {meta['fqn']} ({meta['bytes']} B)"
+        stored = f", stored as {meta['stored_as']}" if meta.get("stored_as") else ""
+        return f"{kind} {meta['fqn']} ({meta['bytes']} B{stored})"
+    if kind == "cast":  # a stored dtype's cast, right after its slot view
+        return f"cast {meta['fqn']} {meta['from']} -> {meta['to']}"
     text = f"{kind} block={meta['block']} slot={meta['slot']} bytes={meta['bytes']}"
     if meta.get("wrap"):
         text += " wrap-around"
@@ -44,6 +47,8 @@ def format_schedule(gm: fx.GraphModule) -> str:
         if meta is not None:
             if meta["kind"] == "slot_view":
                 lines.append(f"{node.name} = slot_view({meta['fqn']})")
+            elif meta["kind"] == "cast":
+                lines.append(f"{node.name} = {_arg(node.args[0])}.to({meta['to']})")
             else:
                 lines.append(f"{node.name}  # {describe(meta)}")
         elif node.op == "output":
