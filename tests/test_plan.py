@@ -273,7 +273,7 @@ def test_cli_plans_wan_with_frames(tmp_path, capsys):
         assert "dp=2, mode allgather" in text
         flops.append(int(text.split("FLOPs per step")[1].split("(")[1].split(")")[0]
                          .replace(",", "")))
-    assert f"hidden_states=(1, 4, 4, 8, 8) bfloat16" in text
+    assert "hidden_states=(1, 4, 4, 8, 8) bfloat16" in text
     assert flops[1] > 2 * flops[0] > 0
 
 
