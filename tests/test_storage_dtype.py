@@ -98,6 +98,18 @@ def test_dlo_selects_the_layers_diffusers_casts():
         assert {n for n, _ in layerwise_layers(build())} == hooked(build())
 
 
+def test_a_storage_dtype_option_is_forgotten_at_release():
+    """``options["storage_dtype"]`` is the runtime's choice: release forgets it (the values
+    stay those fp8 holds), and an offload without it stores every weight in its own dtype."""
+    model = offloaded(flux(), {"storage_dtype": FP8})
+    cast = dlo_fx.state(model).storage_dtypes
+    assert cast and set(cast.values()) == {FP8}
+    dlo_fx.release(model)
+    assert dlo_fx.state(model).released and not dlo_fx.state(model).storage_dtypes
+    assert dict(dlo_fx.state(offloaded(model)).storage_dtypes) == {}
+    assert {e.dtype for e in _store(model)._entries.values()} == {BF16}
+
+
 def test_layerwise_casting_taken_over_before_compile_is_exact():
     want = run(ref_model(flux()))
     model = ref_model(flux())
@@ -105,6 +117,13 @@ def test_layerwise_casting_taken_over_before_compile_is_exact():
     offloaded(model).compile(backend="dlo")
     assert all(torch.equal(run(model), want) for _ in range(2))
     assert {e.dtype for e in _store(model)._entries.values()} == {FP8, BF16}
+    # dlo_fx.state names each parameter stored as fp8: the layers diffusers cast
+    cast = dlo_fx.state(model).storage_dtypes
+    assert set(cast.values()) == {FP8} and "transformer_blocks.0.ff.net.2.weight" in cast
+    assert not any("norm" in name for name in cast)
+    # release keeps the model's own choice (the hooks were its), offload takes it again
+    dlo_fx.release(model)
+    assert dlo_fx.state(offloaded(model)).storage_dtypes == cast
     # a model without the hooks: nothing to take over, and the user is told
     with pytest.warns(UserWarning, match="found no layerwise-casting hooks under this "
                       "FluxTransformer2DModel, so nothing changes"):

@@ -64,7 +64,8 @@ from .gguf import is_gguf, quantize_module
 from .attach import Planned, attach_model
 from .plan import KeyMap, LoadPlan, Target, load_facts, map_keys, plan_load
 from ..runtime import (carried_attributes, extent_sources, file_fingerprint, NewBlock,
-                       parameter_of, Runtime, STORAGE_MARK, stored_parameter)
+                       parameter_of, Runtime, StorageChoice, choose_storage,
+                       stored_parameter)
 from .build import construct, materialised, meta_parameters
 from .shards import ShardDir, checkpoint_extents
 from ..model.storage_dtype import check_castable_pairs
@@ -161,10 +162,9 @@ def load(model: Union[type, Callable[[], nn.Module]], checkpoint: Union[str, os.
 def _stored_like(target: Target, device: torch.device) -> nn.Parameter:
     t = target.tensor
     p = stored_parameter(t.shape, t.stride(), target.dtype, device, cls=type(t))
-    vars(p).update({k: v for k, v in carried_attributes(t).items()  # a GGUFParameter's
-                    if k != STORAGE_MARK})  # quant_type, but never a storage dtype twice
+    vars(p).update(carried_attributes(t))  # a GGUFParameter's quant_type
     if target.stored_as is not None:  # see [Note: a storage dtype] in runtime/host/layout.py
-        setattr(p, STORAGE_MARK, target.stored_as)
+        choose_storage(p, StorageChoice(target.stored_as))
     return p
 
 
@@ -172,8 +172,7 @@ def _resident_like(target: Target, value: torch.Tensor) -> nn.Parameter:
     """A resident parameter of ``value``, of the meta parameter's class (diffusers'
     ``GGUFParameter``, whose ``as_tensor`` its layer calls) and attributes."""
     return parameter_of(type(target.tensor), value, False,
-                        {k: v for k, v in carried_attributes(target.tensor).items()
-                         if k != STORAGE_MARK})
+                        carried_attributes(target.tensor))
 
 
 def _install(target: Target, value: torch.Tensor) -> None:

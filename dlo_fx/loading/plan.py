@@ -21,7 +21,7 @@ from ..config import DLOConfig, did_you_mean
 from .gguf import shape_text
 from ..planning.blocks import Unit, partition
 from ..planning.residency import Candidate, decide_residency
-from ..runtime import STORAGE_MARK, Fact, storage_span, stored_tensor
+from ..runtime import Fact, storage_choice, storage_span, stored_tensor
 from ..model.storage_dtype import mark_storage
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,9 @@ class Target:
     def stored_as(self) -> Optional[torch.dtype]:
         """The dtype a parameter is stored in when it differs from its own (``storage_dtype``:
         see [Note: storing weights in another dtype] in storage_dtype.py), else None."""
-        mark = getattr(self.tensor, STORAGE_MARK, None)
-        return mark if self.kind == "param" and mark is not None and mark != self.dtype else None
+        choice = storage_choice(self.tensor)
+        return (choice.dtype if self.kind == "param" and choice is not None
+                and choice.dtype != self.dtype else None)
 
     @property
     def stored_dtype(self) -> torch.dtype:

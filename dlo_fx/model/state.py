@@ -11,22 +11,24 @@ Whether a module is dlo's, and with what, is asked in one way: ``dlo_fx.state(mo
 frozen `DLOState` (None for a module dlo holds nothing of and never held). Its facts are
 read where the one attach sequence wrote them ([Note: one attach sequence] in
 loading/attach.py): the runtime that owns the module's parameters (owners.py: its options,
-compute device, mode, host blocks), the module's `ModuleState` (its guards), and whether
-its parameters were given back (`release`). A copy, never a handle: changing it changes
+compute device, mode, host blocks), the module's `ModuleState` (its guards), each
+parameter's `StorageChoice` (host/layout.py: the dtype it is stored in), and whether its
+parameters were given back (`release`). A copy, never a handle: changing it changes
 nothing, and it holds no runtime alive.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
 from ..config import DLOConfig
-from ..runtime import runtimes_holding, stored_tensor, was_released
+from ..runtime import runtimes_holding, storage_dtype_of, stored_tensor, was_released
 
 __all__ = ["ABSENT", "DLOState", "ModuleState", "guarded_modules", "peek", "state", "state_of"]
 
@@ -92,6 +94,9 @@ class DLOState:
     """How many of its own parameters have their weights in the host store."""
     guarded: bool = False
     """It (or a submodule) refuses what would change its stored weights (guard.py)."""
+    storage_dtypes: Mapping[str, torch.dtype] = field(default_factory=lambda: MappingProxyType({}))
+    """Its parameters stored in another dtype than their own (``storage_dtype``, or
+    diffusers' layerwise casting taken over), by name: that dtype."""
 
 
 def state(module: nn.Module) -> Optional[DLOState]:
@@ -110,7 +115,9 @@ def state(module: nn.Module) -> Optional[DLOState]:
     if not live:
         return DLOState(released=True) if was_released(params) else None
     runtime = live[0]
-    return DLOState(released=False, config=runtime.config, device=runtime.device,
+    other = {name: dtype for name, p in module.named_parameters()
+             if (dtype := storage_dtype_of(p)) is not None}
+    return DLOState(storage_dtypes=MappingProxyType(other), released=False, config=runtime.config, device=runtime.device,
                     mode=runtime.mode, blocks=len(runtime.store.blocks),
                     stored=sum(p in runtime.store for p in params),
                     guarded=any(s is not None and s.guards is not None

@@ -12,7 +12,8 @@ patterns, the model's ``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_m
 and peft's adapter layers; the casts are the same (``fp8 -> compute dtype`` before the
 layer runs).
 
-The choice is a mark on each parameter (`mark_storage`, read by `storage_dtype_of`), made
+The choice is a record per parameter (`mark_storage` makes a `StorageChoice`, read by
+`storage_dtype_of`), made
 on the whole model before its first graph is scheduled, so a graph Dynamo reuses for the
 next layer stores that layer's weights the same way. A stored parameter keeps its own dtype
 (a bf16 `StoredWeight` whose bytes are fp8): that is what Dynamo traces with, what
@@ -30,6 +31,7 @@ storage dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from typing import Iterator, Mapping, Optional, Sequence
@@ -37,8 +39,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ..runtime import (STORAGE_MARK as _MARK, is_composite, is_stored, runtimes_holding,
-                       storage_dtype_of)
+from ..runtime import (StorageChoice, choose_storage, is_composite, is_stored,
+                       runtimes_holding, storage_choice, storage_dtype_of)
 from ..torch_private import swap_in_place
 
 __all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage_dtype_of",
@@ -47,9 +49,6 @@ __all__ = ["DEFAULT_SKIP_PATTERNS", "layerwise_layers", "mark_storage", "storage
 DEFAULT_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
 """diffusers' default ``skip_modules_pattern`` of layerwise casting: module names
 (``re.search``) whose weights keep their dtype."""
-
-_ROUNDED = "_dlo_rounded_to_storage"  # a marked parameter holding its storage dtype's values
-_FROM_HOOK = "_dlo_storage_from_hook"  # marked in place of diffusers' layerwise casting
 
 CAST_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                nn.ConvTranspose3d, nn.Linear)
@@ -101,7 +100,7 @@ def _unmarked(root: nn.Module) -> Iterator[torch.Tensor]:
     quantized weight keeps its own bytes)."""
     for _, layer in layerwise_layers(root):
         for p in layer.parameters(recurse=False):
-            if (p.dtype.is_floating_point and getattr(p, _MARK, None) is None
+            if (p.dtype.is_floating_point and storage_choice(p) is None
                     and not is_composite(p)):
                 yield p
 
@@ -112,7 +111,7 @@ def mark_storage(root: nn.Module, dtype: torch.dtype) -> int:
     (a layer diffusers' hook was taken over from keeps the hook's dtype)."""
     count = 0
     for p in list(_unmarked(root)):
-        setattr(p, _MARK, dtype)
+        choose_storage(p, StorageChoice(dtype))
         count += 1
     return count
 
@@ -163,10 +162,9 @@ def take_over_hooks(root: nn.Module) -> int:
             with torch.no_grad():
                 value = nn.Parameter(p.detach().to(hook.compute_dtype), p.requires_grad)
             vars(value).update(vars(p))
-            setattr(value, _MARK, hook.storage_dtype)
-            setattr(value, _ROUNDED, True)  # the fp8 values, in the compute dtype
-            setattr(value, _FROM_HOOK, True)  # the model's own choice: release keeps it
             swap_in_place(p, value)  # the same object, in the compute dtype
+            # the fp8 values in the compute dtype; the model's own choice: release keeps it
+            choose_storage(p, StorageChoice(hook.storage_dtype, rounded=True, from_hook=True))
         count += 1
     return count
 
@@ -185,9 +183,9 @@ def forget_storage_marks(root: nn.Module) -> int:
     the model's weights now."""
     count = 0
     for p in root.parameters():
-        if getattr(p, _MARK, None) is not None and not getattr(p, _FROM_HOOK, False):
-            vars(p).pop(_MARK, None)
-            vars(p).pop(_ROUNDED, None)
+        choice = storage_choice(p)
+        if choice is not None and not choice.from_hook:
+            choose_storage(p, None)
             count += 1
     return count
 
@@ -232,7 +230,7 @@ def mark_model(roots: Sequence[nn.Module], dtype: Optional[torch.dtype],
             if stored is None or is_stored(p):
                 continue
             marked.setdefault((stored, p.dtype), f"parameter {name!r}")
-            if not getattr(p, _ROUNDED, False) and not is_composite(p):
+            if not storage_choice(p).rounded and not is_composite(p):
                 unrounded.append(p)
     check_castable_pairs(marked, device)
     for p in unrounded:
@@ -243,10 +241,10 @@ def round_to_storage(param: torch.Tensor) -> None:
     """Give a marked parameter that stays resident (never stored) the values its storage
     dtype holds, in place: the layer computes with ``fp8 -> compute dtype`` values, as the
     layerwise-cast model does, whether or not dlo streams it. Idempotent."""
-    stored = storage_dtype_of(param)
-    if stored is None or is_composite(param) or getattr(param, _ROUNDED, False):
+    stored, choice = storage_dtype_of(param), storage_choice(param)
+    if stored is None or is_composite(param) or choice.rounded:
         return
     with torch.no_grad():
         param.copy_(param.to(stored).to(param.dtype))
-    setattr(param, _ROUNDED, True)
+    choose_storage(param, dataclasses.replace(choice, rounded=True))
 

@@ -34,8 +34,9 @@ from .host.file_reads import FileChangedError
 from .host.file_store import CHECK_SAMPLES, CHECK_WINDOW, Convert, Extent, read_extents
 from .host.fingerprint import extent_sources, file_fingerprint
 from .host.host_slabs import pinned_figures
-from .host.layout import (STORAGE_MARK, Entry, ShardSpec, is_composite, lay_out,
-                          plan_offsets, span_bytes, storage_dtype_of, storage_span)
+from .host.layout import (Entry, ShardSpec, StorageChoice, choose_storage, is_composite,
+                          lay_out, plan_offsets, span_bytes, storage_choice,
+                          storage_dtype_of, storage_span)
 from . import probes  # a namespace: the probes are looked up at each call
 from .probes import host_ram_bytes, machine_figures
 from .ranks import forward_log

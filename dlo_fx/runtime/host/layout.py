@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...torch_private import is_traceable_wrapper_subclass
 
@@ -58,15 +59,43 @@ def span_bytes(t: torch.Tensor) -> int:
     return storage_span(t) * t.element_size()
 
 
-STORAGE_MARK = "_dlo_storage_dtype"
-"""The attribute of a parameter naming the dtype it is to be stored in
-(`dlo_fx.model.storage_dtype.mark_storage`)."""
+@dataclass(frozen=True)
+class StorageChoice:
+    """How one parameter is to be stored when not in its own dtype (``storage_dtype``, or
+    diffusers' layerwise casting taken over: see [Note: storing weights in another dtype]
+    in model/storage_dtype.py)."""
+
+    dtype: torch.dtype
+    """The dtype its bytes are stored in."""
+    rounded: bool = False
+    """It holds the values ``dtype`` holds, in its own dtype (`round_to_storage`)."""
+    from_hook: bool = False
+    """Taken over from diffusers' layerwise casting: the model's own choice, which
+    `dlo_fx.release` keeps (an ``options["storage_dtype"]`` choice is forgotten)."""
+
+
+_CHOICES = WeakIdKeyDictionary()  # parameter -> its StorageChoice (by identity, weakly)
+
+
+def storage_choice(param: torch.Tensor) -> Optional[StorageChoice]:
+    """``param``'s storage choice, or None (stored in its own dtype)."""
+    return _CHOICES.get(param)
+
+
+def choose_storage(param: torch.Tensor, choice: Optional[StorageChoice]) -> None:
+    """Record (None: forget) how ``param`` is to be stored. A record, not an attribute:
+    a copy of the parameter (``_apply``, a loader's new parameter) is stored in its own
+    dtype unless chosen again."""
+    if choice is None:
+        _CHOICES.pop(param, None)
+    else:
+        _CHOICES[param] = choice
 
 
 def storage_dtype_of(param: torch.Tensor) -> Optional[torch.dtype]:
     """The dtype ``param`` is to be stored in when it differs from its own, else None."""
-    dtype = getattr(param, STORAGE_MARK, None)
-    return dtype if dtype is not None and dtype != param.dtype else None
+    choice = _CHOICES.get(param)
+    return choice.dtype if choice is not None and choice.dtype != param.dtype else None
 
 
 def stored_span_bytes(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> int:

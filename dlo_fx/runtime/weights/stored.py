@@ -751,7 +751,7 @@ def become_stored(p: torch.Tensor, device: Optional[torch.device] = None) -> Non
 
 def carried_attributes(p: torch.Tensor) -> dict[str, Any]:
     """The instance attributes of parameter ``p`` that a stored parameter in its place
-    keeps (a ``GGUFParameter``'s ``quant_type``, a storage-dtype mark). A tensor subclass's
+    keeps (a ``GGUFParameter``'s ``quant_type``). A tensor subclass's
     own fields (torchao's qdata, scale, block_size) are its data, kept in the store: only
     the attributes others set on the parameter stay."""
     own = set(p.__tensor_flatten__()[0]) if is_traceable_wrapper_subclass(p) else set()
