@@ -123,8 +123,9 @@ def test_offload_and_load_attach_alike(tmp_path):
         runtime = runtimes_holding(list(m.parameters()))[0]
         named = sorted(n for n, p in m.named_parameters()
                        if runtime.kept_resident.get(p) == NAMED_RESIDENT)
-        facts.append((dlo_fx.state(m), runtime.block_ends, named, runtime.home,
-                      len(runtime.undo_moves), m.training,
+        facts.append((dlo_fx.state(m), runtime.attachment.block_ends, named,
+                      runtime.attachment.home, int(runtime.attachment.undo_moves is not None),
+                      m.training,
                       any(p.requires_grad for p in m.parameters())))
     assert facts[0][2] and facts[0][2] == facts[1][2]
     assert facts[0][:2] == facts[1][:2] and facts[0][5:] == facts[1][5:] == (False, False)

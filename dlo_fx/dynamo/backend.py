@@ -431,7 +431,7 @@ def commit(ctx: GraphPlan, runtime: Runtime) -> None:
                              what)
     for p in ctx.resident:  # this graph reads them from the module: never stored later
         if p.first >= 0 and p.param not in runtime.store:
-            runtime.kept_resident.setdefault(p.param, READ_DIRECTLY)
+            runtime.keep_resident(p.param, READ_DIRECTLY)
     plan = ctx.budget_plan
     if plan is not None:
         runtime.budget_plans[tuple(p.fqn for p in ctx.params)] = plan

@@ -8,9 +8,9 @@ every rank of the shard group agrees on the plan, or all raise its error togethe
 (`agree_on_plan`), before anything is stored; the mode is settled from the planned blocks
 (`settle_mode`); the model is put in eval mode without grads; the verb's ``store`` stores
 the blocks through `Runtime.store_blocks` and puts the converted parameters in place;
-the runtime records why each host block ends, where the model's other members were and
-how to move them back (`offload` only: `release` undoes it), and the parameters kept
-resident by name; last, `attach` claims every parameter and guards the modules. Nothing
+the runtime records, once, one frozen `Attachment` (why each host block ends, where the
+model's parameters were and how to move its other members back: `offload` only, `release`
+undoes it) and the parameters kept resident by name (`Runtime.attached`); last, `attach` claims every parameter and guards the modules. Nothing
 else writes these facts: a new verb plans and stores, and hands the rest to this
 sequence.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from ..config import DLOConfig
 from ..model.guard import attach
-from ..runtime import NAMED_RESIDENT, Runtime
+from ..runtime import Attachment, Runtime
 from .plan import agree_on_plan, settle_mode
 
 log = logging.getLogger(__name__)
@@ -79,12 +80,10 @@ def attach_model(config: DLOConfig, device: torch.device, verb: str,
     settle_mode(runtime, planned.blocks)  # into runtime.store, which the mode decides
     planned.model.eval().requires_grad_(False)
     indices, named = planned.store()
-    runtime.block_ends.update(zip(indices, planned.ends))
-    runtime.home = planned.home
-    if planned.moves is not None:
-        runtime.undo_moves.append(planned.moves())
-    for tensor in named:  # no graph streams (and so stores) them either
-        runtime.kept_resident[tensor] = NAMED_RESIDENT
+    runtime.attached(Attachment(home=planned.home,
+                                block_ends=MappingProxyType(dict(zip(indices, planned.ends))),
+                                undo_moves=planned.moves() if planned.moves is not None else None),
+                     named)
     attach(runtime, [planned.model])  # the resident parameters too: compiling finds it
     log.info("%s: %s%s: %d blocks (%d bytes of host shards on this rank), %d resident "
              "parameters, on %s, in %.2f s", verb, type(planned.model).__name__,

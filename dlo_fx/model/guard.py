@@ -447,13 +447,14 @@ def give_back(model: nn.Module) -> Optional[list[nn.Module]]:
             runtime = owner_of((p,))
             # A parameter of a graph not called yet is still real (host_store.py)
             if runtime is not None and p in runtime.store and is_stored(p):
-                values.append((p, runtime.reads.host_tensor(p).to(runtime.home or p.device)))
+                values.append((p, runtime.reads.host_tensor(p).to(runtime.attachment.home
+                                                                   or p.device)))
         holders = [m for root in modules for m in root.modules()]
         for p, value in values:
             _give_back(p, value, holders)
         for runtime in runtimes:
-            for undo in runtime.undo_moves:  # what dlo_fx.offload moved to the device
-                undo()
+            if runtime.attachment.undo_moves is not None:  # what offload moved to the device
+                runtime.attachment.undo_moves()
             runtime.close()
     for module in modules:
         unguard_module(module)

@@ -53,8 +53,9 @@ import itertools
 import logging
 import threading
 import warnings
-from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -98,6 +99,20 @@ class NewBlock:
     fqns: Sequence[str]
     extents: Optional[Callable[[list[Entry], ShardSpec], Sequence]] = None
     fingerprint: Optional[Callable[[list[Entry], Optional[Sequence]], int]] = None
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What the one attach sequence (loading/attach.py) recorded on the runtime it made,
+    once: the facts `dlo_fx.release` and the dumps read back."""
+
+    home: Optional[torch.device] = None
+    """Where `dlo_fx.offload` found the model's parameters: `release` returns them there."""
+    block_ends: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Why each host block the loader or `offload` planned ends where it does (the
+    blocks.md dump's "ends because"), by host block index."""
+    undo_moves: Optional[Callable[[], None]] = None
+    """Puts back what `dlo_fx.offload` moved to the compute device (`release` calls it)."""
 
 
 class Runtime:
@@ -145,17 +160,26 @@ class Runtime:
         # resident=)`` (code Dynamo runs eagerly reads it, as does a model whose blocks alone
         # are compiled). Keyed by identity, weakly: the model owns its parameters.
         self.kept_resident: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-        # Where `dlo_fx.offload` found the model's parameters, and how to put back what it
-        # moved to the compute device: `dlo_fx.release` returns the weights there.
-        self.home: Optional[torch.device] = None
-        # Why each host block the loader or `offload` planned ends where it does (the
-        # blocks.md dump's "ends because"), by host block index
-        self.block_ends: dict[int, str] = {}
-        self.undo_moves: list[Callable[[], None]] = []
+        # What the one attach sequence recorded (`attached`): set once
+        self.attachment = Attachment()
         # Why device_budget="auto" streams every block for now, or None: a pipeline's first
         # run, measured whole before any block goes resident (dynamo/pipelines.py)
         self.hold_resident: Optional[str] = None
         install_interrupt_handler()
+
+    def attached(self, attachment: Attachment, named_resident: Iterable[torch.Tensor]) -> None:
+        """Record what the attach sequence made of this runtime (once), and keep the
+        parameters named ``resident=`` resident in every graph."""
+        if self.attachment != Attachment():
+            raise RuntimeError("dlo: internal error: a runtime attached twice")
+        self.attachment = attachment
+        for tensor in named_resident:  # no graph streams (and so stores) them either
+            self.keep_resident(tensor, NAMED_RESIDENT)
+
+    def keep_resident(self, param: torch.Tensor, why: str) -> None:
+        """Keep ``param`` resident in every later graph, for the first reason given
+        (`KEPT_RESIDENT`)."""
+        self.kept_resident.setdefault(param, why)
 
     @property
     def gathers(self) -> bool:

@@ -41,7 +41,7 @@ def store_view(runtime: Optional[Runtime], params: Iterable[torch.Tensor] = (), 
         bandwidths=runtime.probed_bandwidths,
         flops=MappingProxyType(dict(runtime.probed_flops)),
         budget_plans=MappingProxyType(dict(runtime.budget_plans)),
-        block_ends=MappingProxyType(dict(runtime.block_ends)),
+        block_ends=runtime.attachment.block_ends,
         free_bytes=_free(runtime.device) if free_memory else None)
 
 
