@@ -44,7 +44,8 @@ import _timing as T  # noqa: E402
 import dlo_fx  # noqa: E402
 import dlo_fx.dynamo.backend  # noqa: E402
 import dlo_fx.passes  # noqa: E402
-from dlo_fx.apps.models import example_inputs, reference_dit  # noqa: E402
+from dlo_fx.apps.models import (DiTConfig, ReferenceDiT, example_inputs,  # noqa: E402
+                                 reference_dit)
 from dlo_fx.runtime import reset_runtimes, runtimes_holding  # noqa: E402
 
 # -- what each mode measures ----------------------------------------------------------------
@@ -148,6 +149,51 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
+def copier(rt) -> Callable[[], None]:
+    """Every streamed byte once, host shard -> a slot-sized buffer, slots in turn: the
+    copies of one call without the schedule."""
+    blocks = list(rt.store.blocks)
+    dsts = [torch.empty(rt.slots.slot_bytes, dtype=torch.uint8, device=rt.device)
+            for _ in range(rt.slots.num_slots)]
+
+    def copy_all() -> None:
+        for i, b in enumerate(blocks):
+            dsts[i % len(dsts)][: b.shard.numel()].copy_(b.shard)
+    return copy_all
+
+
+def predicted(p: dict, resident_s: float, copy_gbps: float) -> dict:
+    """What `dlo_fx.plan` predicts for this figure's model and shapes on this machine, given
+    the figure's own copy rate and a matmul rate fitted to its resident time (so what is
+    predicted is what streaming adds), with copies beside compute only where the intra-op
+    threads leave a core free ([Note: a copy lane of its own] in planning/budget.py). The
+    model and inputs are built on the meta device: nothing is computed."""
+    from dlo_fx.apps.plan import Hardware, cpu_copies_overlap
+
+    with torch.device("meta"):  # built from its config, as `dlo-fx plan` builds a model
+        model = ReferenceDiT(DiTConfig(width=p["width"], depth=p["depth"], heads=p["heads"]))
+    inputs = tuple(t.to("meta") for t in example_inputs(model.config, batch=1, height=p["hw"],
+                                                         width=p["hw"], seed=0))
+    overlap = cpu_copies_overlap()
+
+    def planned(rate: float):
+        hw = Hardware("this CPU", h2d_gbps=copy_gbps, gather_gbps=copy_gbps,
+                      flops_per_s={"bfloat16": rate, "float32": rate},
+                      memory_bytes=64 * 2**30, copies_overlap=overlap)
+        return dlo_fx.plan(model, inputs, hardware=hw, options={"device_budget": None})
+
+    flops = sum(planned(1e12).flops)
+    plan = planned(flops / resident_s)
+    return {"predicted_s": plan.predicted_step_s, "fitted_flops_per_s": flops / resident_s,
+            "copies_overlap": overlap, "bound": plan.bound}
+
+
+def prediction_text(measured_s: float, pred: dict) -> str:
+    return (f"; plan predicts {ms(pred['predicted_s'])} (measured / predicted "
+            f"{measured_s / pred['predicted_s']:.3f}, copies "
+            f"{'beside' if pred['copies_overlap'] else 'in turn with'} compute)")
+
+
 # -- figure 1: compute-bound ------------------------------------------------------------------
 def fig_compute(p: dict) -> list[Figure]:
     fresh()
@@ -157,17 +203,23 @@ def fig_compute(p: dict) -> list[Figure]:
         s = T.interleaved({"resident": caller(eager_c, inputs), "dlo": caller(dlo_c, inputs)},
                           reps=p["reps"], warmup=p["warmup"])
     ratio = s.median("dlo") / s.median("resident")
-    del resident, streamed, eager_c, dlo_c
+    rt = dlo_runtime(streamed)
+    copy_all = copier(rt)
+    streamed_bytes = sum(b.shard.numel() for b in rt.store.blocks)
+    copy = T.interleaved({"copy": copy_all}, reps=5, warmup=1)
+    pred = predicted(p, s.median("resident"), streamed_bytes / copy.median("copy") / 1e9)
+    del resident, streamed, eager_c, dlo_c, rt, copy_all
     fresh()
     return [Figure(
         key="1", name="compute-bound: DLO / resident latency",
         target="<= 1.05", measured=f"{ratio:.3f} ({ms(s.median('dlo'))} / "
-                                   f"{ms(s.median('resident'))})",
+                                   f"{ms(s.median('resident'))})"
+                                   + prediction_text(s.median("dlo"), pred),
         value=ratio, n=s.reps, passed=ratio <= 1.05,
         setup=f"{model_desc(p)}, {report.num_blocks} blocks, num_slots={report.num_slots}",
         details={"samples": s.summary(), "paired_ratio": s.paired_ratio("dlo", "resident"),
                  "num_blocks": report.num_blocks, "max_abs_diff_vs_resident": max_diff,
-                 "cpu_load": load.as_dict()})]
+                 "plan": pred, "cpu_load": load.as_dict()})]
 
 
 # -- figure 2: transfer-bound -----------------------------------------------------------------
@@ -190,14 +242,7 @@ def _transfer_run(p: dict, *, key: str) -> list[Figure]:
     report = dlo_fx.memory_report(streamed)
     rt = dlo_runtime(streamed)
     blocks = list(rt.store.blocks)
-    dsts = [torch.empty(rt.slots.slot_bytes, dtype=torch.uint8, device=rt.device)
-            for _ in range(rt.slots.num_slots)]
-
-    def copy_all() -> None:
-        # Every streamed byte once, host shard -> a slot-sized buffer, slots in turn.
-        for i, b in enumerate(blocks):
-            dsts[i % len(dsts)][: b.shard.numel()].copy_(b.shard)
-
+    copy_all = copier(rt)
     copies0 = rt.machine.copies
     with T.CpuLoad() as load:
         s = T.interleaved({"resident": caller(eager_c, inputs), "dlo": caller(dlo_c, inputs),
@@ -208,7 +253,8 @@ def _transfer_run(p: dict, *, key: str) -> list[Figure]:
     ratio = s.median("dlo") / bound
     streamed_bytes = sum(b.shard.numel() for b in blocks)
     copy_gbs = streamed_bytes / s.median("copy") / 1e9
-    del resident, streamed, eager_c, dlo_c, rt, blocks, dsts
+    pred = predicted(p, s.median("resident"), copy_gbs)
+    del resident, streamed, eager_c, dlo_c, rt, blocks, copy_all
     fresh()
     threads = torch.get_num_threads()
     name = "transfer-bound: DLO / max(resident, copy)"
@@ -217,7 +263,7 @@ def _transfer_run(p: dict, *, key: str) -> list[Figure]:
     return [Figure(
         key=key, name=name, target="<= 1.25",
         measured=f"{ratio:.3f} ({ms(s.median('dlo'))} / max({ms(s.median('resident'))}, "
-                 f"copy {ms(s.median('copy'))}))",
+                 f"copy {ms(s.median('copy'))}))" + prediction_text(s.median("dlo"), pred),
         value=ratio, n=s.reps, passed=ratio <= 1.25,
         setup=(f"{model_desc(p)}, {report.num_blocks} blocks, "
                f"{streamed_bytes / 2**20:.0f} MiB streamed per call ({copy_gbs:.1f} GB/s copy), "
@@ -226,7 +272,7 @@ def _transfer_run(p: dict, *, key: str) -> list[Figure]:
                  "streamed_bytes": streamed_bytes,
                  "copy_GBps": copy_gbs, "copies_per_call": copies_per_call,
                  "num_blocks": report.num_blocks, "max_abs_diff_vs_resident": max_diff,
-                 "cpu_load": load.as_dict()})]
+                 "plan": pred, "cpu_load": load.as_dict()})]
 
 
 # -- figure 3: per-block runtime overhead -----------------------------------------------------

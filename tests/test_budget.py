@@ -105,6 +105,9 @@ def test_compute_decides_which_block_stays_resident():
     # The first call copies from t=0 (no wrap-around copies yet): block 0 resident, block
     # 3's copy waits for block 1's slot, which block 0's compute keeps busy until 4 s.
     assert predict_call_s(copy, busy, {0}, 2, steady=False) == 5.0
+    # no copy lane of its own: the compute and every streamed copy in turn
+    assert predict_call_s(copy, busy, {0}, 2, overlap=False) == 4.0 + 5.0
+    assert predict_call_s(copy, busy, {0, 1}, 2, overlap=False) == 4.0  # all in their slots
 
     def plan(compute):
         return plan_resident_blocks(bytes_, copy, compute, num_slots=2, capacity=10,

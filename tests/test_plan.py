@@ -170,6 +170,31 @@ def test_hardware_presets_and_declared_hardware():
         dlo_fx.plan(meta, kwargs, hardware={"h2d_gbps": 1.0, "gather_gbps": 1.0})
 
 
+def test_copies_without_a_lane_of_their_own_add_to_the_step():
+    """A CPU computing on every core copies in turn with its matmuls ([Note: a copy lane of
+    its own]): the step is the compute plus every streamed block's copy, where a device's
+    copy engine hides them behind compute."""
+    from dlo_fx.apps.plan import cpu_copies_overlap
+
+    model, inputs = tiny_flux()
+    meta, kwargs = _meta_copy(model), _meta_inputs(inputs)
+    fields = dict(h2d_gbps=0.01, gather_gbps=1.0, flops_per_s={"float32": 1e9},
+                  memory_bytes=GIB)
+    options = {"block_bytes": 20_000, "device_budget": None}
+    beside = dlo_fx.plan(meta, kwargs, hardware=Hardware("engine", **fields), options=options)
+    serial = dlo_fx.plan(meta, kwargs, hardware=Hardware("cpu", **fields, copies_overlap=False),
+                         options=options)
+    assert serial.num_blocks > serial.num_slots and not serial.resident_blocks
+    assert serial.predicted_step_s == pytest.approx(sum(serial.compute_s) + sum(serial.h2d_s))
+    assert max(sum(beside.compute_s), sum(beside.h2d_s)) <= beside.predicted_step_s
+    assert beside.predicted_step_s < serial.predicted_step_s
+    assert "copies run in turn with compute" in str(serial)
+    assert "copies run in turn" not in str(beside)
+    with pytest.raises(ValueError, match="copies_overlap='no' is not allowed"):
+        Hardware("bad", copies_overlap="no", **fields)
+    assert not cpu_copies_overlap(threads=2, cores=2) and cpu_copies_overlap(threads=1, cores=2)
+
+
 def test_auto_budget_plans_residency_for_the_targets_memory():
     model, inputs = tiny_flux()
     meta, kwargs = _meta_copy(model), _meta_inputs(inputs)

@@ -32,6 +32,16 @@ copy stalls compute saves its stall. When every choice saves the same (the copie
 dominate, or compute hides them all), the tie goes to the block farthest (in blocks) from
 the ones already chosen and from the ends of the stack, so resident blocks are spread
 through the stack and each one's compute runs while the next streamed block copies.
+
+[Note: a copy lane of its own]
+The simulator overlaps a block's copy with the compute of the blocks before it: a device's
+copy engine and DMA run beside its kernels. A CPU computing on every core has no such lane:
+its copy thread's memcpy takes its time from the matmuls, and a call costs its compute plus
+every streamed block's copy (the 2-core figure 2 of docs/benchmarks.md: measured resident +
+copy, 1.53x the overlapped prediction). `dlo_fx.plan` takes it as the hardware's
+``copies_overlap`` (False for a CPU whose intra-op threads take every core:
+`cpu_copies_overlap`); the compile's own planner keeps the overlapped model (its devices
+are accelerators; the CPU is its test device).
 """
 
 from __future__ import annotations
@@ -71,6 +81,8 @@ class BudgetPlan:
     # where the rates come from: "measured" (the backend's probes), or a hardware target's
     # figures (`dlo_fx.plan`, which measures nothing)
     figures: str = "measured"
+    # whether a copy runs beside compute (see [Note: a copy lane of its own])
+    copies_overlap: bool = True
 
     @property
     def streamed_copy_s(self) -> float:
@@ -119,14 +131,18 @@ def copy_seconds(nbytes: int, *, dp: int, allgather: bool, h2d_gbps: float,
 
 def predict_call_s(copy_s: Sequence[float], compute_s: Sequence[float],
                    resident: Sequence[int] | set[int], num_slots: int, *,
-                   steady: bool = True) -> float:
+                   steady: bool = True, overlap: bool = True) -> float:
     """Predicted seconds of one call: a steady call of a loop, or with ``steady=False``
     the first call, whose copies all start with it (see [Note: resident blocks spread
-    through the stack]); simulated by `dlo_fx.planning.simulate`."""
+    through the stack]); simulated by `dlo_fx.planning.simulate`. With ``overlap=False``
+    the copies have no lane beside compute (see [Note: a copy lane of its own]): every
+    streamed block's copy adds to the call."""
     resident = set(resident)
     streamed = [i for i in range(len(copy_s)) if i not in resident]
     if steady and len(streamed) <= num_slots:
         return sum(compute_s)  # every streamed block stays in its slot: no copy
+    if not overlap:
+        return sum(compute_s) + sum(copy_s[i] for i in streamed)
     program = block_program(compute_s, streamed, num_slots)
     no_gather = [0.0] * len(copy_s)  # one copy lane: see [Note: the schedule simulator]
     first = simulate_call(program, copy_s, no_gather)
@@ -147,7 +163,8 @@ def plan_resident_blocks(block_bytes: Sequence[int], copy_s: Sequence[float],
     faster."""
     n = len(block_bytes)
     plan.block_bytes = list(block_bytes)
-    plan.streamed_s = predict_call_s(copy_s, compute_s, (), num_slots)
+    overlap = plan.copies_overlap
+    plan.streamed_s = predict_call_s(copy_s, compute_s, (), num_slots, overlap=overlap)
     chosen: list[int] = []
     steps: list[tuple[float, str]] = []  # predicted time and reason after each choice
     left = capacity
@@ -158,7 +175,7 @@ def plan_resident_blocks(block_bytes: Sequence[int], copy_s: Sequence[float],
             break
         scored = []
         for i in fits:
-            t = predict_call_s(copy_s, compute_s, {*chosen, i}, num_slots)
+            t = predict_call_s(copy_s, compute_s, {*chosen, i}, num_slots, overlap=overlap)
             gap = min([i + 1, n - i, *(abs(i - c) for c in chosen)])
             scored.append((round(t, 12), -gap, i, t))
         _, _, i, t = min(scored)

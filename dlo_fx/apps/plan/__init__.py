@@ -5,7 +5,7 @@ decisions on the target's numbers]); the meta forward it counts FLOPs and activa
 (`forward`); the presets (`hardware`); the table and the dump (`report`); the ``dlo-fx
 plan --model`` command (`cli`)."""
 
-from .hardware import HARDWARE, Hardware, hardware_of
+from .hardware import HARDWARE, Hardware, cpu_copies_overlap, hardware_of
 from .planner import Plan, plan
 
-__all__ = ["HARDWARE", "Hardware", "Plan", "hardware_of", "plan"]
+__all__ = ["HARDWARE", "Hardware", "Plan", "cpu_copies_overlap", "hardware_of", "plan"]

@@ -12,6 +12,7 @@ plan comes from the machine that plans.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
@@ -20,7 +21,7 @@ import torch
 from .. import figures
 from ...config import did_you_mean
 
-__all__ = ["HARDWARE", "Hardware", "hardware_of"]
+__all__ = ["HARDWARE", "Hardware", "cpu_copies_overlap", "hardware_of"]
 
 GB = 1e9
 
@@ -40,11 +41,19 @@ class Hardware:
     """Device memory a run may use (what ``device_memory`` would declare), bytes."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Where each figure comes from, by field name (``flops_per_s.bfloat16`` for a rate)."""
+    copies_overlap: bool = True
+    """Whether a block's copy runs beside compute: a device's copy engine does; a CPU does
+    only where its compute leaves a core to the copy thread (`cpu_copies_overlap`). See
+    [Note: a copy lane of its own] in planning/budget.py."""
 
     def __post_init__(self) -> None:
         for name in ("h2d_gbps", "gather_gbps", "memory_bytes"):
             figures.positive(f"dlo_fx.plan: hardware {self.name!r}: ", name, getattr(self, name),
                              "a number > 0")
+        if not isinstance(self.copies_overlap, bool):
+            raise ValueError(f"dlo_fx.plan: hardware {self.name!r}: copies_overlap="
+                             f"{self.copies_overlap!r} is not allowed: expected True (copies "
+                             "run beside compute) or False")
         if not isinstance(self.flops_per_s, Mapping) or not self.flops_per_s:
             raise ValueError(f"dlo_fx.plan: hardware {self.name!r}: flops_per_s must map dtype "
                              "names to FLOP/s, e.g. {'bfloat16': 400e12, 'float32': 30e12}")
@@ -71,6 +80,15 @@ class Hardware:
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "given")
+
+
+def cpu_copies_overlap(threads: Optional[int] = None, cores: Optional[int] = None) -> bool:
+    """Whether a CPU computing with ``threads`` intra-op threads (default: torch's) leaves a
+    core of its ``cores`` (default: those this process may run on) to the copy thread."""
+    threads = torch.get_num_threads() if threads is None else threads
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return threads < (cores or 1)
 
 
 def _rate(tflops: str, *, calibrated: Optional[str] = None) -> tuple[float, str]:

@@ -222,6 +222,7 @@ def plan(model: nn.Module, inputs: Inputs, *, hardware: Union[str, Hardware, Map
             labels=[f"{cands[b[0]].name} .. {cands[b[-1]].name}" for b in blocks],
             fqns=[[cands[i].name for i in b] for b in blocks], copy_s=copy_s,
             compute_s=compute_s, flops=flops, figures=figures,
+            copies_overlap=hw.copies_overlap,
             flops_per_s={str(d).removeprefix("torch."): hw.flops(d) for d in dtypes})
         # every block streamed, as the compile plans first (the auto budget re-plans it)
         base = plan_resident_blocks(sizes, copy_s, compute_s, num_slots=config.num_slots,

@@ -81,6 +81,9 @@ def plan_table(plan) -> str:
               f"  matmul {rates}"]
     lines += [f"    {d}: [{_source(plan, 'flops_per_s.' + d)}]" for d in hw.flops_per_s]
     lines.append(f"  memory {format_bytes(hw.memory_bytes)}  [{_source(plan, 'memory_bytes')}]")
+    if not hw.copies_overlap:
+        lines.append("  copies run in turn with compute (no core or copy engine of their "
+                     "own): each streamed block's copy adds to the step")
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
 
