@@ -104,6 +104,7 @@ def test_a_storage_dtype_option_is_forgotten_at_release():
     model = offloaded(flux(), {"storage_dtype": FP8})
     cast = dlo_fx.state(model).storage_dtypes
     assert cast and set(cast.values()) == {FP8}
+    assert f"storage_dtypes=<{len(cast)} parameters as float8_e4m3fn>" in repr(dlo_fx.state(model))
     dlo_fx.release(model)
     assert dlo_fx.state(model).released and not dlo_fx.state(model).storage_dtypes
     assert dict(dlo_fx.state(offloaded(model)).storage_dtypes) == {}

@@ -20,7 +20,7 @@ nothing, and it holds no runtime alive.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Optional
 
@@ -97,6 +97,17 @@ class DLOState:
     storage_dtypes: Mapping[str, torch.dtype] = field(default_factory=lambda: MappingProxyType({}))
     """Its parameters stored in another dtype than their own (``storage_dtype``, or
     diffusers' layerwise casting taken over), by name: that dtype."""
+
+    def __repr__(self) -> str:  # the storage dtypes counted, not listed (a model has hundreds)
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if f.name != "storage_dtypes"]
+        counts: dict[str, int] = {}
+        for dtype in self.storage_dtypes.values():
+            name = str(dtype).removeprefix("torch.")
+            counts[name] = counts.get(name, 0) + 1
+        shown.append("storage_dtypes=<" + (", ".join(f"{n} parameters as {d}"
+                                                     for d, n in counts.items()) or "none") + ">")
+        return f"DLOState({', '.join(shown)})"
 
 
 def state(module: nn.Module) -> Optional[DLOState]:
