@@ -49,6 +49,7 @@ model (see [Note: when a parameter becomes a StoredWeight] in `runtime/runtime.p
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 import warnings
@@ -128,6 +129,14 @@ class StoredWeight(torch.Tensor):
         # layer of a model must not recompile per layer.
         # The dtype alone, which Dynamo guards on anyway.
         return ["_dlo_token"], self.dtype
+
+    def _stable_hash_for_caching(self) -> str:
+        """The AOT autograd cache's key of this input: its metadata, strides included (the
+        default hashes the shape and the flatten context, not the strides), never its
+        bytes, which the host store holds and a graph reads through its slots."""
+        meta = (type(self).__qualname__, tuple(self.shape), tuple(self.stride()),
+                self.storage_offset(), str(self.dtype), str(self.device), self.requires_grad)
+        return hashlib.blake2b(repr(meta).encode(), digest_size=16).hexdigest()
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
