@@ -203,7 +203,9 @@ def test_a_rank_hanging_inside_a_graph_fails_its_wave_within_the_collective_time
     assert not failed.ok and "failed closed" in failed.error, failed.error
     assert "worker rank 0" in failed.error and f"{HANG_TIMEOUT_S * 1000:.0f}ms" in \
         failed.error, failed.error
-    assert HANG_TIMEOUT_S <= failed.seconds < HANG_TIMEOUT_S + 20, failed.seconds
+    # bounded by collective_timeout_s, far below the 300 s the group's own timeout would
+    # take (the margin is for a loaded 2-core machine: the rank's report and teardown)
+    assert HANG_TIMEOUT_S <= failed.seconds < HANG_TIMEOUT_S + 60, failed.seconds
     assert engine.generations == 2
     assert after.ok, after.error
     assert torch.equal(after.output["images"], reference["parallel"][1])
