@@ -224,6 +224,49 @@ def meta_case(rank: int) -> dict:
     return {"meta": shapes, "meta-batched": (batched.device.type, tuple(batched.shape))}
 
 
+#: How the pipelines of these classes call them: the conditional call, then the
+#: unconditional one with the negative prompt's text, on the same latents and timestep
+#: (QwenImagePipeline's ``true_cfg_scale``, HunyuanVideoPipeline's ``true_cfg_scale``).
+PAIRED_CLASSES = ("QwenImage", "HunyuanVideo")
+
+
+def more_classes_case(rank: int) -> dict:
+    """Qwen-Image's and HunyuanVideo's transformers (tiny zoo configs), offloaded with 1/2
+    of every block per rank and compiled, called in cache_context("cond") then ("uncond")
+    as their pipelines call them: each prediction equal to the same class resident."""
+    import dlo_fx
+    from dlo_fx.model.cfg_parallel import cfg_pair_counts
+    from models import offloaded
+    from zoo_models import build, by_name, outputs
+
+    out: dict = {}
+    for name in PAIRED_CLASSES:
+        torch._dynamo.reset()
+        plain, cond = build(by_name(name))
+        model, _ = build(by_name(name))
+        _, negative = build(by_name(name), seed=5)
+        uncond = {**cond, "encoder_hidden_states": negative["encoder_hidden_states"]}
+        if "pooled_projections" in cond:
+            uncond["pooled_projections"] = negative["pooled_projections"]
+        with torch.no_grad():
+            want = [outputs(plain(**cond))[0], outputs(plain(**uncond))[0]]
+        offloaded(model, {"mode": "allgather", "shard_group": [0, 1]})
+        model.compile(backend="dlo")
+        dlo_fx.cfg_parallel(model, [0, 1], timeout_s=60)
+        got = []
+        with torch.no_grad():
+            for _ in range(3):  # the first pair whole, then deferred
+                with model.cache_context("cond"):
+                    a = model(**cond)
+                with model.cache_context("uncond"):
+                    b = model(**uncond)
+                got += [torch.equal(outputs(a)[0], want[0]), torch.equal(outputs(b)[0], want[1])]
+        out[f"{name}-pairs"] = got
+        out[f"{name}-counts"] = cfg_pair_counts(model)
+        dlo_fx.release(model)
+    return out
+
+
 def cfg_pairs_cases(rank: int, world: int) -> dict:
     return {**pipelines_case(rank), **transformer_case(rank), **order_case(rank),
-            **meta_case(rank)}
+            **meta_case(rank), **more_classes_case(rank)}

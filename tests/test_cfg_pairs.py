@@ -1,6 +1,7 @@
 """Two-call CFG parallel ([Note: two-call CFG parallel] in dlo_fx/model/cfg_pairs.py) on two
 gloo ranks, one spawn running every sub-case (tests/cfg_pairs_cases.py): Wan, Flux's
-true_cfg_scale and Wan 2.2, resident and streamed with 1/2 of every block per rank, each
+true_cfg_scale and Wan 2.2 (and the transformers of Qwen-Image and HunyuanVideo, called
+as their pipelines call them), resident and streamed with 1/2 of every block per rank, each
 equal to the same pipeline without CFG parallel; the pending prediction; the refusals; a
 rank failing mid-pair; the meta device."""
 
@@ -31,6 +32,9 @@ def test_two_call_cfg_parallel_equals_the_pipeline_without_it(spawned):
             assert "guidance off" in message and "'cond'" in message
             assert r[f"{kind}-off-whole"] and r[f"{kind}-after-off"], (kind, rank)
         assert r["wan22"] == [True, True]
+        for name in cfg_pairs_cases.PAIRED_CLASSES:  # the other classes that pair by context
+            assert r[f"{name}-pairs"] == [True] * 6, (name, rank, r[f"{name}-pairs"])
+            assert r[f"{name}-counts"] == {"deferred": 2, "whole": 1}, (name, r)
         assert r["released"][0] and r["released"][1] > r["flux-dlo-counts"]["deferred"]
 
 
