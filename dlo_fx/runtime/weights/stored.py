@@ -445,6 +445,7 @@ def _unsupported_read(func: Any, stored: list, exc: BaseException) -> BaseExcept
 def _warn_once(runtime: Any, fqn: str) -> None:
     """Warn once per runtime, naming the first module whose weights were read eagerly."""
     module = fqn.rsplit(".", 1)[0] if "." in fqn else "<root>"
+    keep = fqn if module == "<root>" else module  # what offload's resident= takes
     with _WARN_LOCK:
         if runtime in _WARNED:
             return
@@ -453,7 +454,10 @@ def _warn_once(runtime: Any, fqn: str) -> None:
         f"dlo: the weights of module {module!r} are read outside a scheduled graph (eager "
         "code: a module Dynamo runs eagerly, print(p), p.sum(), ...), so their block is copied "
         "from the host store for each such read: correct, but slow. A graph break inside or "
-        "around this module is the usual cause; this warning is given once per model",
+        "around this module is the usual cause (a break inside a loop over the blocks leaves "
+        "the whole forward around them eager). Where such modules run every call, keep them "
+        f"on the device: dlo_fx.offload(model, options, resident=[{keep!r}, ...]) "
+        "(dlo_fx.load takes resident= too); this warning is given once per model",
         RuntimeWarning, stacklevel=caller_level())
 
 
