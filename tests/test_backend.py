@@ -71,6 +71,31 @@ def test_bit_identical_with_graph_break(num_slots, budget):
         assert model.blocks[i].qkv.weight in runtime.store
 
 
+def test_a_frame_left_eager_by_a_graph_break_is_told_how_to_keep_its_modules():
+    """A graph break inside the loop over the blocks leaves the forward around the loop
+    eager: its modules' weights are fetched every call (exact, warned once, naming the
+    ``resident=`` that keeps them on the device); named there, nothing is read eagerly."""
+    import warnings
+
+    ref, inputs = tiny_dit(graph_break=True)
+    with torch.no_grad():
+        want = ref(*inputs)
+    outer = ["patch_embed", "proj_out", "text_proj", "time_embed", "final_adaLN"]
+    for resident in ([], outer):
+        torch._dynamo.reset()
+        model, _ = tiny_dit(graph_break=True)
+        dlo_fx.offload(model, {"device": "cpu"}, resident=resident)
+        compiled = torch.compile(model, backend="dlo")
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert all(torch.equal(compiled(*inputs), want) for _ in range(2))
+        said = [str(w.message) for w in caught if "outside a scheduled graph" in str(w.message)]
+        if resident:
+            assert said == []
+        else:
+            assert len(said) == 1 and "resident=['patch_embed', ...]" in said[0], said
+
+
 def _break_before_every_block(model: torch.nn.Module) -> None:
     """A forward pre-hook on every transformer block that forces a graph break."""
     def brk(module, args):
