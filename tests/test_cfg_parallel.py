@@ -128,9 +128,6 @@ def test_the_cfg_pair_follows_the_topology(tmp_path):
     assert Topology(2, 1, 2).choose_gather(sp_share_fits=False) == "world"
     with pytest.raises(ValueError, match="cfg_size=3 is not allowed: expected 1 or 2"):
         Topology(1, 1, 3)
-    with pytest.raises(ValueError, match="reference DiT pipeline .* calls its model once "
-                       "per guidance branch, without diffusers' cache_context names"):
-        Engine("dlo_fx.apps.engine.reference_pipeline:build", 1, cfg_size=2)
     flux = tmp_path / "flux"
     spawn(1, in_child, _save, str(flux), "flux")
     Engine(DIFFUSERS, 1, cfg_size=2, pipeline_kwargs={"path": str(flux)})  # two calls: served
@@ -156,3 +153,45 @@ def test_the_engine_at_cfg_2_equals_the_resident_cfg_parallel_pipeline(spawned, 
     host = results[0].info["transformer"]["host_shard_bytes"]
     whole, = {spawned[r]["host"][1] for r in (0, 1)}
     assert whole / 2 <= host < 0.55 * whole, (host, whole)
+
+
+# -- the reference pipeline at cfg 2 ----------------------------------------------------------
+REFERENCE_DIT = dict(width=64, depth=3, heads=4)
+REFERENCE_REQUESTS = [
+    Request(prompt="a red fox", seed=1, height=32, width=32, num_inference_steps=3,
+            guidance_scale=3.0, negative_prompt="blurry"),
+    Request(prompt="two hills", seed=2, height=32, width=32, num_inference_steps=2,
+            num_outputs_per_prompt=2, guidance_scale=4.0, cfg_normalize=True),
+    Request(prompt="a bird", seed=3, height=32, width=32, num_inference_steps=2,
+            num_outputs_per_prompt=2),  # guidance off: every call whole on both ranks
+]
+"""At dp 2 the first two share a wave (one per replica), guided with different steps and
+batches; the third runs alone, unguided."""
+
+
+def _reference_alone() -> list:
+    from dlo_fx.apps.engine.reference_pipeline import resident
+
+    pipe = resident(**REFERENCE_DIT)
+    return [pipe(r) for r in REFERENCE_REQUESTS]
+
+
+@pytest.mark.spawned.with_args(lambda: spawn(1, in_child, _reference_alone)[0])
+@pytest.mark.parametrize("dp_size,gather", [(1, "auto"), (2, "world")])
+def test_the_reference_pipeline_at_cfg_2_equals_it_without_cfg_parallel(spawned, dp_size,
+                                                                        gather):
+    """The reference DiT pipeline's guided steps as one call of both branches split over
+    the pair ([Note: the reference pipeline's guidance on two ranks]): every output equal
+    to the pipeline without CFG parallel, resident, in one process; at dp 2 with every
+    block gathered over all 4 ranks, the replicas' waves mixing guided requests of other
+    steps and batches (the forward clock pads the shorter one)."""
+    with Engine("dlo_fx.apps.engine.reference_pipeline:build", dp_size, cfg_size=2,
+                gather=gather, wave_timeout_s=300, pipeline_kwargs=REFERENCE_DIT) as engine:
+        assert engine.spec.gather == ("cfg" if gather == "auto" else gather)
+        results = engine.generate(REFERENCE_REQUESTS)
+    for result, want in zip(results, spawned):
+        assert result.ok, result.error
+        assert torch.equal(result.output, want), result.request
+        first = 2 * result.dp_rank
+        assert result.info["cfg_parallel"] == [first, first + 1], result.info
+    assert sorted({r.dp_rank for r in results}) == list(range(dp_size))

@@ -386,16 +386,6 @@ def _context_parallel_degree(model: Any) -> int:
     return 1 if config is None else int(config.ring_degree) * int(config.ulysses_degree)
 
 
-def _cfg_group() -> Optional[tuple[int, ...]]:
-    """Inside an engine worker of ``cfg_size == 2``: this rank's CFG pair; else None."""
-    from .topology import worker_context
-
-    context = worker_context()
-    if context is None or context.topology.cfg_size == 1:
-        return None
-    return context.cfg_group
-
-
 def _split_sequence(models: Mapping[str, torch.nn.Module]) -> None:
     """Inside an engine worker of ``sp_size > 1``: split every denoiser's sequence over
     the replica's ranks (see context_parallel.py); nothing elsewhere."""
@@ -482,6 +472,7 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
     from ...dynamo.pipelines import compile_pipeline
     from ...loading.loader import load
     from ...loading.offload import compute_device
+    from .topology import worker_cfg_group
 
     options = dict(options or {})
     runtime_options = split_options(options, "the engine's diffusers pipeline")[0]
@@ -513,7 +504,8 @@ def build(options: Optional[Mapping[str, Any]] = None, *, path: Union[str, os.Pa
                                  desc="denoising steps")
     # Offloads the text encoders from host memory and moves the rest (the VAE) to the
     # compute device: the pipeline executes there
-    compile_pipeline(pipe, options=options, components=streamed, cfg_group=_cfg_group())
+    compile_pipeline(pipe, options=options, components=streamed,
+                     cfg_group=worker_cfg_group())
     device = compute_device(DLOConfig.from_options(runtime_options))
     return DiffusersPipeline(pipe, streamed, str(device))
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from ...config import split_options
-from .factories import DIFFUSERS, REFERENCE
+from .factories import DIFFUSERS
 from .limits import Limits
 from .request import Request, check_wave, plan_waves
 from .result import Result
@@ -69,8 +69,10 @@ class Engine:
             pipeline that calls its denoiser once with the batch [uncond; cond] (SD3,
             PixArt, Sana, LTX, ...: split) and for one that calls it once per branch (Wan,
             Flux's ``true_cfg_scale``: the two calls paired), and refuses one with a third
-            call per step (LTX-2), naming it, before any worker starts; a user factory
-            reads ``worker_context().cfg_group``. Default 1.
+            call per step (LTX-2), naming it, before any worker starts; the reference
+            DiT pipeline calls its model once per guided step with both branches (see
+            [Note: the reference pipeline's guidance on two ranks]); a user factory reads
+            ``worker_context().cfg_group``. Default 1.
         gather: the ranks each rank's weights are gathered over: ``"sp"`` (its SP group),
             ``"cfg"`` (its CFG pair), ``"replica"`` (both), ``"dp"`` (one rank per
             replica), ``"world"``, ``"none"`` (rank-local), or ``"auto"``, chosen from the
@@ -347,11 +349,6 @@ def _preflight(pipeline: str, topology: Topology, kwargs: Mapping[str, Any]) -> 
     guidance branches ``cfg_size`` cannot put on two ranks: ``ValueError`` naming it) and the bytes of
     its denoisers; ``None`` for any other factory."""
 
-    if pipeline == REFERENCE and topology.cfg_size > 1:
-        raise ValueError(f"cfg_size={topology.cfg_size}: the reference DiT pipeline ({REFERENCE}) "
-                         "calls its model once per guidance branch, without diffusers' "
-                         "cache_context names that pair the two calls of a step; serve it "
-                         "with cfg_size=1 (--cfg 1) and more replicas (--dp)")
     if pipeline != DIFFUSERS or "path" not in kwargs:
         return None
     from .diffusers_pipeline import check_cfg_parallel, check_context_parallel, denoiser_bytes

@@ -9,6 +9,20 @@ the engine calls in every worker (``"dlo_fx.apps.engine.reference_pipeline:build
 The pipeline keeps a forward clock (see [Note: the forward clock of a wave] in clock.py), so
 requests of any size, step count and guidance share a wave, and declares its `Limits`.
 
+[Note: the reference pipeline's guidance on two ranks]
+In an engine worker of ``cfg_size == 2`` the model is made CFG-parallel over the rank's
+pair (`dlo_fx.cfg_parallel`, a batched call split): a guided step is one call of the batch
+``[cond; uncond]`` (latents and timestep twice, the prompt's text then the negative
+prompt's), rank 0 computing the conditional half and rank 1 the unconditional one, each a
+call of the request's own batch, which is what the pipeline without CFG parallel calls
+twice. An unguided step, and the warm-up, are one call computed whole on both ranks
+(`computed_whole`: an even batch is never split into rows computed apart). The text of
+every call is contiguous (a prompt's embedding repeated over the batch, not a stride-0
+view): a half cut from the batch of both branches is then the very tensor the pipeline
+without CFG parallel passes (with a stride-0 text, a batch of two outputs computed other
+bits than its contiguous copy), and every call, split or whole, runs the graph the
+warm-up compiled. A guided request takes one forward per step on the clock, not two.
+
 Fault hooks, for fault-injection tests only and off unless the factory is called with
 ``fault_hooks=True`` (``Engine(..., pipeline_kwargs={"fault_hooks": True})``): then
 ``extra_args`` may hold ``{"fault": "raise" | "exit" | "hang", "fault_rank": R,
@@ -35,6 +49,7 @@ from .clock import ForwardClock
 from .limits import Limits
 from .progress import steps as denoising_steps
 from .request import Request
+from .topology import worker_cfg_group
 
 VAE_SCALE = 8
 """Pixels per latent cell along each side, as with common image autoencoders."""
@@ -58,9 +73,12 @@ class ReferencePipeline:
 
     def __init__(self, model: Callable[..., torch.Tensor], config: DiTConfig,
                  module: torch.nn.Module, dump_dir: Optional[str] = None,
-                 fault_hooks: bool = False) -> None:
+                 fault_hooks: bool = False, cfg: Optional[torch.nn.Module] = None) -> None:
         self.clock = ForwardClock(model)
         """What computes the velocity (the compiled DiT, or the module itself), counted."""
+        self.cfg = cfg
+        """``model`` where `dlo_fx.cfg_parallel` splits its guidance over two ranks, else
+        None (see [Note: the reference pipeline's guidance on two ranks])."""
         self.config = config
         self.module = module
         self.dump_dir = dump_dir
@@ -74,11 +92,13 @@ class ReferencePipeline:
     def __call__(self, request: Request) -> torch.Tensor:
         with torch.inference_mode():
             return sample(self.clock, self.config, request,
-                          fault_hook=_fault_hook if self.fault_hooks else None)
+                          fault_hook=_fault_hook if self.fault_hooks else None, cfg=self.cfg)
 
     def forwards(self, request: Request) -> int:
-        """Model forwards of ``request``: one per step, two with guidance."""
-        return request.num_inference_steps * (2 if request.guidance_scale > 1.0 else 1)
+        """Model forwards of ``request``: one per step, two with guidance (one where the
+        guidance is split over two ranks: one call of both branches)."""
+        twice = request.guidance_scale > 1.0 and self.cfg is None
+        return request.num_inference_steps * (2 if twice else 1)
 
     def graph_key(self, request: Request) -> str:
         """The compiled graph ``request`` runs: its latent batch and size."""
@@ -88,18 +108,21 @@ class ReferencePipeline:
         """One forward at ``request``'s shapes on zeros (compiles its graph)."""
         count = request.num_outputs_per_prompt
         cell = request.height // VAE_SCALE, request.width // VAE_SCALE
-        with torch.inference_mode():
+        with torch.inference_mode(), _whole(self.cfg):
             text = torch.zeros(1, self.config.text_len, self.config.text_dim,
                                dtype=self.config.dtype)  # expanded as `sample` does
             self.clock(torch.zeros(count, self.config.in_channels, *cell),
-                       torch.zeros(count), text.expand(count, -1, -1))
+                       torch.zeros(count), _text(text.expand(count, -1, -1)))
 
     def describe(self) -> dict:
         """Memory figures of this rank's model (see `dlo_fx.memory_report`)."""
         from ...model.memory import memory_report
 
+        from ...model.cfg_parallel import cfg_ranks
+
         report = asdict(memory_report(self.module))
         report["dump_dir"] = self.dump_dir
+        report["cfg_parallel"] = list(cfg_ranks(self.cfg) or ()) if self.cfg is not None else []
         return report
 
 
@@ -136,25 +159,52 @@ def initial_noise(request: Request, config: DiTConfig) -> torch.Tensor:
     return torch.randn(latent_shape(request, config), generator=generator)
 
 
+def _whole(cfg: Optional[torch.nn.Module]) -> Any:
+    """Where ``cfg`` splits guidance: its calls computed whole on both ranks."""
+    import contextlib
+
+    from ...model.cfg_parallel import computed_whole
+
+    return contextlib.nullcontext() if cfg is None else computed_whole(cfg)
+
+
+def _text(text: torch.Tensor) -> torch.Tensor:
+    """The text conditioning of a batch, as the model is called with it: its rows made
+    contiguous, so that a batch of rows cut from a larger one (the CFG split) is the same
+    tensor, computed by the same kernels, as the batch itself (see [Note: the reference
+    pipeline's guidance on two ranks])."""
+    return text.contiguous()
+
+
 def sample(model: Callable[..., torch.Tensor], config: DiTConfig, request: Request,
-           fault_hook: Optional[Callable[[Request, int], None]] = None) -> torch.Tensor:
+           fault_hook: Optional[Callable[[Request, int], None]] = None,
+           cfg: Optional[torch.nn.Module] = None) -> torch.Tensor:
     """Integrate the flow from noise (sigma 1) to data (sigma 0) in
     ``num_inference_steps`` Euler steps. With ``guidance_scale > 1`` each step also runs
     the negative prompt and mixes the two velocities (classifier-free guidance),
-    rescaled to the conditional velocity's norm when ``cfg_normalize``."""
+    rescaled to the conditional velocity's norm when ``cfg_normalize``. ``cfg``: the
+    CFG-parallel model (see [Note: the reference pipeline's guidance on two ranks])."""
     x = initial_noise(request, config)
     count = x.shape[0]
-    text = prompt_embedding(request.prompt, config).expand(count, -1, -1)
+    text = _text(prompt_embedding(request.prompt, config).expand(count, -1, -1))
     guided = request.guidance_scale > 1.0
     if guided:
-        negative = prompt_embedding(request.negative_prompt, config).expand(count, -1, -1)
+        negative = _text(prompt_embedding(request.negative_prompt, config)
+                         .expand(count, -1, -1))
     steps = request.num_inference_steps
     sigmas = torch.linspace(1.0, 0.0, steps + 1)
     for step in denoising_steps(steps):
         timestep = torch.full((count,), float(sigmas[step]) * 1000.0)
-        velocity = model(x, timestep, text).float()
+        if guided and cfg is not None:  # both branches in one call, one per rank
+            both = model(torch.cat([x, x]), torch.cat([timestep, timestep]),
+                         torch.cat([text, negative]))
+            velocity, uncond = (half.float() for half in both.chunk(2))
+        else:
+            with _whole(cfg):
+                velocity = model(x, timestep, text).float()
+                if guided:
+                    uncond = model(x, timestep, negative).float()
         if guided:
-            uncond = model(x, timestep, negative).float()
             mixed = uncond + request.guidance_scale * (velocity - uncond)
             if request.cfg_normalize:
                 norm = velocity.flatten(1).norm(dim=1) / mixed.flatten(1).norm(dim=1)
@@ -213,8 +263,16 @@ def build(options: Optional[Mapping[str, Any]] = None, *,
                         runtime_options)
     compiled = torch.compile(model, backend="dlo", options=compile_options, fullgraph=True,
                              dynamic=False)
+    pair = worker_cfg_group()
+    if pair is not None:  # see [Note: the reference pipeline's guidance on two ranks]
+        from ...config import DLOConfig
+        from ...model.cfg_parallel import cfg_parallel
+
+        timeout = DLOConfig.from_options(runtime_options).collective_timeout_s
+        cfg_parallel(compiled, pair, timeout_s=timeout)
     return ReferencePipeline(compiled, model.config, model,
-                             dump_dir=compile_options.get("dump_dir"), fault_hooks=fault_hooks)
+                             dump_dir=compile_options.get("dump_dir"), fault_hooks=fault_hooks,
+                             cfg=compiled if pair is not None else None)
 
 
 def resident(*, checkpoint: Optional[Union[str, os.PathLike]] = None, width: int = 256,

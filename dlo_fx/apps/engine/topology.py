@@ -230,6 +230,14 @@ def worker_context() -> Optional[WorkerContext]:
     return _CONTEXT
 
 
+def worker_cfg_group() -> Optional[tuple[int, ...]]:
+    """Inside an engine worker of ``cfg_size == 2``: this rank's CFG pair; else None."""
+    context = worker_context()
+    if context is None or context.topology.cfg_size == 1:
+        return None
+    return context.cfg_group
+
+
 def set_worker_context(context: Optional[WorkerContext]) -> None:
     global _CONTEXT
     _CONTEXT = context
