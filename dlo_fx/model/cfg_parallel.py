@@ -389,26 +389,24 @@ class CFGParallel:
         return _map("output", out, gather)
 
     def _exchange(self, words: list, what: str) -> list:
-        import torch.distributed as dist
-
-        from ..runtime import exchange_device
+        from ..runtime import all_gather_single, exchange_device
 
         group = self.group
         self._check(what)
         mine = torch.tensor(words, dtype=torch.int64, device=exchange_device(group.pg))
         every = torch.empty(group.dp * len(words), dtype=torch.int64, device=mine.device)
-        self._run(lambda: dist.all_gather_into_tensor(every, mine, group=group.pg), what)
+        self._run(lambda: all_gather_single(every, mine, group=group.pg), what)
         return every.view(group.dp, len(words)).tolist()
 
     def _gather(self, half: torch.Tensor, name: str) -> torch.Tensor:
-        import torch.distributed as dist
+        from ..runtime import all_gather_single
 
         half = half.contiguous()
         whole = half.new_empty((half.shape[0] * self.group.dp, *half.shape[1:]))
         self._check(f"the halves of {name}")
         if half.device.type == "meta":  # shapes only: nothing to exchange
             return whole
-        self._run(lambda: dist.all_gather_into_tensor(whole, half, group=self.group.pg),
+        self._run(lambda: all_gather_single(whole, half, group=self.group.pg),
                   f"the halves of {name}")
         return whole
 

@@ -43,7 +43,7 @@ from .ranks import forward_log
 from .ranks.forward_log import logging_to, note_compile
 from .ranks.agreement import Fact, compile_facts, differing, plan_fact
 from .ranks.clock import word
-from .ranks.collectives import exchange_group, exchange_json, plan_digest
+from .ranks.collectives import all_gather_single, exchange_group, exchange_json, plan_digest
 from .runtime import NAMED_RESIDENT, READ_DIRECTLY, Attachment, NewBlock, Runtime
 from .store_view import check_streamable, store_view, unstreamable
 from .weights.owners import (Owner, claim, owned_by, owner_of, reset_runtimes,

@@ -46,7 +46,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .collectives import ShardGroup, _all_gather_single
+from .collectives import ShardGroup, all_gather_single
 from ..interrupts import deferred
 from ..device.platform import exchange_device
 
@@ -69,7 +69,7 @@ def exchange(group: ShardGroup, device: torch.device, words: Sequence[int],
     mine = torch.tensor(list(words), dtype=torch.int64, device=device)
     every = torch.empty(group.dp * len(words), dtype=torch.int64, device=device)
     try:
-        _all_gather_single(every, mine, group=group.pg)
+        all_gather_single(every, mine, group=group.pg)
     except Exception as exc:
         raise RuntimeError(f"dlo: exchanging the collective clock before {what} over the "
                            f"{group.describe()} failed on global rank "

@@ -191,8 +191,9 @@ _GROUPS: dict[tuple, tuple[Any, Any, ShardGroup]] = {}  # key -> (spec, world, g
 _LOCK = threading.Lock()
 
 
-# torch >= 2.13 names the in-place-capable single-tensor gather `all_gather_single`.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch >= 2.13 names the in-place-capable single-tensor gather `all_gather_single` (and warns
+# at `all_gather_into_tensor`); every gather of one tensor into ranks x its size goes here.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def gather_in_place(flat: torch.Tensor, shard_bytes: int, group: ShardGroup, what: str) -> None:
@@ -217,7 +218,7 @@ def gather_in_place(flat: torch.Tensor, shard_bytes: int, group: ShardGroup, wha
                 dist.broadcast(out[i * shard_bytes : (i + 1) * shard_bytes], src=source,
                                group=group.pg)
         else:
-            _all_gather_single(out, mine, group=group.pg)
+            all_gather_single(out, mine, group=group.pg)
     except Exception as exc:  # a rank died, raised, or timed out
         raise RuntimeError(f"dlo: AllGather of {what} over the {group.describe()} failed on "
                            f"global rank {group.ranks[group.rank]}: {exc}") from exc
