@@ -460,3 +460,45 @@ def test_another_offloading_installed_before_dlo_is_refused_and_its_advice_works
     dlo_fx.offload(model, {"device": "cpu"})
     with torch.no_grad():
         assert torch.equal(call(torch.compile(model, backend="dlo"), inputs), expected)
+    # accelerate's offloading installed after dlo's: its new parameter of a stored weight's
+    # class is refused naming dlo and release (a raw TypeError of StoredWeight.__new__'s
+    # arguments before); no parameter went to meta, every call still exact
+    with pytest.warns(RuntimeWarning, match="read outside a scheduled graph"), \
+            pytest.raises(TypeError, match=r"dlo: StoredWeight\(a Tensor of shape .*accelerate's "
+                          r"set_module_tensor_to_device .*dlo_fx\.release\(model\) first"):
+        cpu_offload(model, execution_device=torch.device("cpu"))
+    assert not any(p.is_meta for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(call(model, inputs), expected)
+
+
+def test_pickling_an_offloaded_model_is_refused_and_works_after_release(tmp_path):
+    """``torch.save(model)``/pickle of a model dlo stores: a ValueError naming release and
+    state_dict (a TypeError about a weakref, or a local hook, before), as copy.deepcopy is
+    refused naming the parameter; nothing changed, every call exact; released, it pickles
+    as the ordinary module it is."""
+    import copy
+    import pickle
+
+    ref, inputs = tiny_dit(depth=2)
+    model, _ = tiny_dit(depth=2)
+    with torch.no_grad():
+        want = ref(*inputs)
+    compiled = torch.compile(offloaded(model), backend="dlo")
+    path = tmp_path / "model.pt"
+    refusal = (r"dlo: cannot pickle this {} \(torch.save\(model\).*nothing was written\. "
+               r"Call dlo_fx\.release\(model\) first .* model\.state_dict\(\)")
+    with pytest.raises(ValueError, match=refusal.format("ReferenceDiT")):
+        torch.save(model, path)
+    with pytest.raises(ValueError, match=refusal.format("DiTBlock")):
+        pickle.dumps(model.blocks[0])  # a guarded submodule too
+    with pytest.raises(ValueError, match=r"dlo: cannot deepcopy parameter '.*dlo_fx\.release"):
+        copy.deepcopy(model)
+    with torch.no_grad():
+        assert all(torch.equal(compiled(*inputs), want) for _ in range(2))
+    dlo_fx.release(model)
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert dlo_fx.state(loaded) is None
+    with torch.no_grad():
+        assert torch.equal(loaded(*inputs), want)

@@ -201,6 +201,30 @@ def _refuse_rewrite(module_ref: "weakref.ReferenceType[nn.Module]", name: str,
     raise _refusal(type(module_ref()).__name__, name)
 
 
+def _refuse_pickle(module_ref: "weakref.ReferenceType[nn.Module]", protocol: Any = None) -> None:
+    """``__reduce_ex__`` of a guarded module: pickling it (``torch.save(model)``, pickle,
+    a process handed the model) would copy a module whose guards are bound to this one and
+    whose weights this runtime's host store holds; refused as ``copy.deepcopy`` is."""
+    raise ValueError(
+        f"dlo: cannot pickle this {type(module_ref()).__name__} (torch.save(model), pickle, "
+        "multiprocessing): the weights of its parameters are in a dlo host store, which a "
+        "copy would not own; nothing was written. " + release_advice(
+            then="to put them back", after="save the weights alone: model.state_dict() "
+                                           "(safetensors' save_file, save_pretrained)"))
+
+
+def _refuse_deepcopy(module_ref: "weakref.ReferenceType[nn.Module]", memo: Any = None) -> None:
+    """``__deepcopy__`` of a guarded module: the refusal of its first stored parameter's
+    copy (`StoredWeight.__deepcopy__`, naming it), before anything is copied (without it,
+    ``copy.deepcopy`` would reach the module's `_refuse_pickle` first)."""
+    module = module_ref()
+    for p in module.parameters():
+        if is_stored(p):
+            p.__deepcopy__(memo)  # raises, naming the parameter
+    raise ValueError(f"dlo: cannot deepcopy this {type(module).__name__}: dlo guards it. " +
+                     release_advice(then="to copy an ordinary module"))
+
+
 def _guarded_lora_load(module_ref: "weakref.ReferenceType[nn.Module]", original: Callable,
                        *args: Any, **kwargs: Any) -> Any:
     """diffusers' ``load_lora_adapter``: a new adapter is stored by the next call like any
@@ -306,7 +330,9 @@ def _shadows(sub: nn.Module) -> dict[str, Callable]:
     (an instance attribute wins over the class's method for this module only)."""
     ref = weakref.ref(sub)
     cls = type(sub)
-    shadows = {"_apply": functools.partial(_guarded_apply, ref, cls._apply)}
+    shadows = {"_apply": functools.partial(_guarded_apply, ref, cls._apply),
+               "__reduce_ex__": functools.partial(_refuse_pickle, ref),
+               "__deepcopy__": functools.partial(_refuse_deepcopy, ref)}
     shadows.update({name: functools.partial(_refuse_rewrite, ref, name) for name in _REWRITING
                     if callable(getattr(cls, name, None))
                     and (name not in _PEFT_ONLY or cls.__module__.startswith("peft."))})

@@ -19,6 +19,7 @@ torch lets a CPU scalar into any device's op. `release` removes the hook with th
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -31,12 +32,13 @@ def check_input_devices(device: torch.device) -> Callable[[nn.Module, tuple, dic
     """A forward pre-hook (``with_kwargs=True``) refusing tensor arguments of one or more
     dimensions that are not on ``device`` (canonical: `config.canonical_device`). See
     [Note: inputs on the compute device]."""
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        for name, value in (*enumerate(args), *kwargs.items()):
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
-                raise ValueError(_refusal(module, name, value.device, device))
+    return functools.partial(_check, device)  # not a closure: a model pickles with it
 
-    return hook
+
+def _check(device: torch.device, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    for name, value in (*enumerate(args), *kwargs.items()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
+            raise ValueError(_refusal(module, name, value.device, device))
 
 
 def _refusal(module: nn.Module, name: Any, got: torch.device, device: torch.device) -> str:

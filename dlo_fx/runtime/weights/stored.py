@@ -90,6 +90,22 @@ def release_advice(instead: str = "", then: str = "", load: bool = False, after:
     return text[0].upper() + text[1:]
 
 
+def rewrapped(value: Any) -> TypeError:
+    """The refusal of ``type(p)(tensor, requires_grad=...)`` for a stored parameter ``p``:
+    how a library makes a new parameter of a parameter's own class to put in its place
+    (accelerate's ``set_module_tensor_to_device``, which ``cpu_offload`` and
+    ``dispatch_model`` call after dlo stored the model)."""
+    what = (f"a {type(value).__name__} of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor) else repr(value))
+    return TypeError(
+        f"dlo: StoredWeight({what}, ...): code outside dlo is making a new parameter of a "
+        "stored weight's class to put in its place, as accelerate's set_module_tensor_to_device "
+        "(cpu_offload, dispatch_model) does; a stored weight's bytes are in dlo's host store, "
+        "and another offloading cannot take them over. " +
+        release_advice(then="and give the model to the other offloading, or keep dlo's "
+                            "(it streams the weights itself)"))
+
+
 @own_wrapper
 class StoredWeight(torch.Tensor):
     """A parameter (or a view of one) whose weights are in a dlo host store: see
@@ -103,9 +119,11 @@ class StoredWeight(torch.Tensor):
     __dlpack_c_exchange_api__ = None
 
     @staticmethod
-    def __new__(cls, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device,
-                requires_grad: bool = False, storage_offset: int = 0,
-                token: Optional[torch.Tensor] = None) -> "StoredWeight":
+    def __new__(cls, shape: Any, stride: Any = None, dtype: Optional[torch.dtype] = None,
+                device: Optional[torch.device] = None, requires_grad: bool = False,
+                storage_offset: int = 0, token: Optional[torch.Tensor] = None) -> "StoredWeight":
+        if isinstance(shape, torch.Tensor) or stride is None or dtype is None or device is None:
+            raise rewrapped(shape)
         t = torch.Tensor._make_wrapper_subclass(
             cls, tuple(shape), strides=tuple(stride), storage_offset=storage_offset,
             dtype=dtype, device=device, requires_grad=requires_grad, storage_size=0)
