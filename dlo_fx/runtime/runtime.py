@@ -168,10 +168,9 @@ class Runtime:
         install_interrupt_handler()
 
     def attached(self, attachment: Attachment, named_resident: Iterable[torch.Tensor]) -> None:
-        """Record what the attach sequence made of this runtime (once), and keep the
-        parameters named ``resident=`` resident in every graph."""
-        if self.attachment != Attachment():
-            raise RuntimeError("dlo: internal error: a runtime attached twice")
+        """Record what the attach sequence made of this runtime, and keep the parameters
+        named ``resident=`` resident in every graph (the sequence makes its own runtime,
+        so this runs once per runtime)."""
         self.attachment = attachment
         for tensor in named_resident:  # no graph streams (and so stores) them either
             self.keep_resident(tensor, NAMED_RESIDENT)

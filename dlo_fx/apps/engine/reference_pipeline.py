@@ -33,6 +33,7 @@ of a wave while its peers run theirs. Without the switch ``extra_args`` are igno
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -110,19 +111,18 @@ class ReferencePipeline:
         cell = request.height // VAE_SCALE, request.width // VAE_SCALE
         with torch.inference_mode(), _whole(self.cfg):
             text = torch.zeros(1, self.config.text_len, self.config.text_dim,
-                               dtype=self.config.dtype)  # expanded as `sample` does
+                               dtype=self.config.dtype)  # as `sample` makes it
             self.clock(torch.zeros(count, self.config.in_channels, *cell),
-                       torch.zeros(count), _text(text.expand(count, -1, -1)))
+                       torch.zeros(count), text.expand(count, -1, -1).contiguous())
 
     def describe(self) -> dict:
         """Memory figures of this rank's model (see `dlo_fx.memory_report`)."""
-        from ...model.memory import memory_report
-
         from ...model.cfg_parallel import cfg_ranks
+        from ...model.memory import memory_report
 
         report = asdict(memory_report(self.module))
         report["dump_dir"] = self.dump_dir
-        report["cfg_parallel"] = list(cfg_ranks(self.cfg) or ()) if self.cfg is not None else []
+        report["cfg_parallel"] = [] if self.cfg is None else list(cfg_ranks(self.cfg) or ())
         return report
 
 
@@ -161,19 +161,9 @@ def initial_noise(request: Request, config: DiTConfig) -> torch.Tensor:
 
 def _whole(cfg: Optional[torch.nn.Module]) -> Any:
     """Where ``cfg`` splits guidance: its calls computed whole on both ranks."""
-    import contextlib
-
     from ...model.cfg_parallel import computed_whole
 
     return contextlib.nullcontext() if cfg is None else computed_whole(cfg)
-
-
-def _text(text: torch.Tensor) -> torch.Tensor:
-    """The text conditioning of a batch, as the model is called with it: its rows made
-    contiguous, so that a batch of rows cut from a larger one (the CFG split) is the same
-    tensor, computed by the same kernels, as the batch itself (see [Note: the reference
-    pipeline's guidance on two ranks])."""
-    return text.contiguous()
 
 
 def sample(model: Callable[..., torch.Tensor], config: DiTConfig, request: Request,
@@ -186,11 +176,12 @@ def sample(model: Callable[..., torch.Tensor], config: DiTConfig, request: Reque
     CFG-parallel model (see [Note: the reference pipeline's guidance on two ranks])."""
     x = initial_noise(request, config)
     count = x.shape[0]
-    text = _text(prompt_embedding(request.prompt, config).expand(count, -1, -1))
+    # contiguous rows: see [Note: the reference pipeline's guidance on two ranks]
+    text = prompt_embedding(request.prompt, config).expand(count, -1, -1).contiguous()
     guided = request.guidance_scale > 1.0
     if guided:
-        negative = _text(prompt_embedding(request.negative_prompt, config)
-                         .expand(count, -1, -1))
+        negative = (prompt_embedding(request.negative_prompt, config)
+                    .expand(count, -1, -1).contiguous())
     steps = request.num_inference_steps
     sigmas = torch.linspace(1.0, 0.0, steps + 1)
     for step in denoising_steps(steps):
